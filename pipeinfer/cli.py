@@ -1,0 +1,226 @@
+"""Command line: `pipeinfer generate | models | launch | plot`.
+
+Run ranks with `mpiexec -n N pipeinfer generate ...` (or `python -m mpi4py -m pipeinfer ...`). Any error
+on any rank prints one line and ends the whole job with a non-zero status (MPI_Abort), never a hang.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from . import __version__
+from .drafter import Cutoffs
+from .head import MODES, GenConfig
+from .verify import SamplingParams
+
+
+def _mpi_size() -> int:
+    # launched by mpiexec? (MPICH/Hydra: PMI_SIZE, Open MPI: OMPI_COMM_WORLD_SIZE)
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 1
+
+
+def read_prompt_file(path: str) -> tuple[str, bool | None]:
+    """Prompt text and its '# chat: true|false' header (None when absent)."""
+    text = Path(path).read_text()
+    chat = None
+    first, _, rest = text.partition("\n")
+    if first.strip().lower().startswith("# chat:"):
+        chat = first.split(":", 1)[1].strip().lower() in ("true", "yes", "1")
+        text = rest
+    return text, chat
+
+
+def apply_chat(tok, text: str) -> str:
+    import llama_cpp
+    tmpl = tok.chat_template()
+    if tmpl is None:
+        return text
+    msgs = (llama_cpp.llama_chat_message * 1)(llama_cpp.llama_chat_message(b"user", text.encode()))
+    n = llama_cpp.llama_chat_apply_template(tmpl.encode(), msgs, 1, True, None, 0)
+    buf = (llama_cpp.ctypes.c_char * (n + 1))()
+    llama_cpp.llama_chat_apply_template(tmpl.encode(), msgs, 1, True, buf, n + 1)
+    return bytes(buf[:n]).decode()
+
+
+@click.group()
+@click.version_option(__version__)
+def main() -> None:
+    """pipeinfer: PipeInfer (asynchronous pipelined speculation) for GGUF models on CPU clusters over MPI."""
+
+
+@main.command()
+@click.option("-m", "--model", default=None, help="target GGUF path or registry name [default: qwen2.5-coder-1.5b]")
+@click.option("-p", "--prompt", default=None, help="prompt text")
+@click.option("-f", "--file", "prompt_file", default=None, help="prompt file (first line may be '# chat: true|false')")
+@click.option("--prompt-name", default=None, help="a prompt from prompts/ by name (code, story, encyclopedia)")
+@click.option("--chat/--no-chat", default=None, help="apply the model's chat template [default: from the prompt file]")
+@click.option("-n", "--n-predict", default=128, show_default=True, type=click.IntRange(1), help="tokens to generate")
+@click.option("--mode", type=click.Choice(MODES), default="pipeinfer", show_default=True)
+@click.option("--layer-split", default=None, help="fraction of layers per rank, rank 0 first, e.g. 0.2,0.4,0.4 [default: even]")
+@click.option("-t", "--threads", default=None, help="threads per rank for single-token decodes: one value or a,b,c")
+@click.option("-tb", "--threads-batch", default=None, help="threads per rank for batch decodes [default: --threads]")
+@click.option("-c", "--ctx-size", default=4096, show_default=True, type=click.IntRange(16), help="KV cache size per stage")
+@click.option("-b", "--batch-size", default=512, show_default=True, type=click.IntRange(1), help="largest batch per decode")
+@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0), help="temperature; 0 is greedy")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0))
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--draft", default=None, help="draft GGUF (same vocabulary as the target)")
+@click.option("--drafter", type=click.Choice(["model", "ngram"]), default=None, help="[default: model if --draft else ngram]")
+@click.option("--draft-max", default=4, show_default=True, type=click.IntRange(1, 64), help="max tokens per speculative micro-batch")
+@click.option("-pa", "--p-accept", default=0.5, show_default=True, type=click.FloatRange(0, 1), help="draft confidence cutoff")
+@click.option("-ps", "--p-split", default=0.1, show_default=True, type=click.FloatRange(0, 1), help="confidence to open a tree branch")
+@click.option("-pr", "--p-recovery", default=0.0, show_default=True, type=click.FloatRange(0), help="cutoff rise per micro-batch since the last acceptance")
+@click.option("-pd", "--p-decay", default=0.0, show_default=True, type=click.FloatRange(0), help="cutoff fall per failed draft while idle")
+@click.option("-np", "--max-branches", default=1, show_default=True, type=click.IntRange(1, 16), help="max tree branches per run")
+@click.option("--max-in-flight", default=8, show_default=True, type=click.IntRange(1, 255), help="max speculative runs in flight")
+@click.option("--cancel/--no-cancel", default=True, help="early inference cancellation")
+@click.option("--continuous/--no-continuous", default=True, help="more than one speculative run in flight")
+@click.option("--ignore-eos", is_flag=True, help="keep generating past end-of-generation tokens")
+@click.option("--poll-us", default=500, show_default=True, type=click.IntRange(0), help="sleep between message probes while waiting")
+@click.option("--results", default=None, help="append one CSV row of results to this file")
+@click.option("-q", "--quiet", is_flag=True, help="no statistics on stderr")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, tokens, stats) instead of streaming")
+def generate(**kw) -> None:
+    """Generate text with the target model split across the MPI ranks."""
+    _run_guarded(_generate, kw)
+
+
+def _generate(kw) -> None:
+    from mpi4py import MPI
+    from .models import DEFAULT_TARGET, resolve_model
+    from .runner import RunOptions, UserError, run
+    rank = MPI.COMM_WORLD.Get_rank()
+    model = str(resolve_model(kw["model"] or DEFAULT_TARGET))
+    draft = str(resolve_model(kw["draft"])) if kw["draft"] else None
+    drafter = kw["drafter"] or ("model" if draft else "ngram")
+    gen = GenConfig(
+        mode=kw["mode"], n_predict=kw["n_predict"],
+        sampling=SamplingParams(kw["temp"], kw["top_k"], kw["top_p"], kw["seed"]),
+        cut=Cutoffs(kw["p_accept"], kw["p_split"], kw["draft_max"], kw["max_branches"]),
+        p_recovery=kw["p_recovery"], p_decay=kw["p_decay"], cancel=kw["cancel"], continuous=kw["continuous"],
+        n_batch=kw["batch_size"], stop_at_eos=not kw["ignore_eos"])
+    prompt_tokens, prompt_name, text = None, kw["prompt_name"] or "", None
+    sources = [x for x in ("prompt", "prompt_file", "prompt_name") if kw[x]]
+    if len(sources) != 1:
+        raise UserError("give exactly one of -p/--prompt, -f/--file, --prompt-name")
+    chat = kw["chat"]
+    if kw["prompt"] is not None:
+        text = kw["prompt"]
+    else:
+        path = kw["prompt_file"] or _prompt_path(kw["prompt_name"])
+        if not Path(path).is_file():
+            raise UserError(f"prompt file not found: {path}")
+        text, file_chat = read_prompt_file(path)
+        chat = file_chat if chat is None else chat
+        prompt_name = prompt_name or Path(path).stem
+    stream = None
+    if rank == 0:
+        from .stagefile import read_info
+        from .tokenizer import StreamDecoder, Tokenizer
+        read_info(model)  # a clear error for a non-GGUF before llama.cpp sees it
+        tok = Tokenizer(model)
+        if chat:
+            text = apply_chat(tok, text)
+        prompt_tokens = tok.encode(text)
+        need = len(prompt_tokens) + kw["n_predict"] + kw["draft_max"] + 1
+        if need > kw["ctx_size"]:
+            raise UserError(f"prompt of {len(prompt_tokens)} tokens + {kw['n_predict']} to generate does not fit "
+                            f"the context of {kw['ctx_size']} tokens (-c/--ctx-size)")
+        if not kw["as_json"]:
+            dec = StreamDecoder(tok)
+
+            def stream(tokens):
+                sys.stdout.write(dec.feed(tokens))
+                sys.stdout.flush()
+    opts = RunOptions(model=model, prompt_tokens=prompt_tokens, gen=gen, layer_split=kw["layer_split"],
+                      threads=kw["threads"], threads_batch=kw["threads_batch"], n_ctx=kw["ctx_size"], draft=draft,
+                      drafter=drafter, max_in_flight=kw["max_in_flight"], poll_s=kw["poll_us"] / 1e6, on_tokens=stream)
+    res = run(opts)
+    if rank != 0:
+        return
+    if kw["as_json"]:
+        print(json.dumps({"text": tok.decode(res.tokens), "tokens": res.tokens,
+                          "ranges": [[r.start, r.end] for r in res.ranges], "stats": res.stats.to_dict(),
+                          "peak_rss_mb": res.peak_rss_mb}))
+    else:
+        sys.stdout.write(dec.flush() + "\n")
+        sys.stdout.flush()
+    if not kw["quiet"]:
+        ranges = ", ".join(f"rank {i}: layers {r}" for i, r in enumerate(res.ranges))
+        print(f"\n[pipeinfer] mode {gen.mode}, {len(res.ranges)} rank(s): {ranges}", file=sys.stderr)
+        print(res.stats.report(), file=sys.stderr)
+    if kw["results"]:
+        _append_csv(kw, res, model, draft or drafter, prompt_name)
+
+
+def _prompt_path(name: str) -> str:
+    here = Path(__file__).resolve().parent.parent / "prompts"
+    return str(here / f"{name}.txt")
+
+
+def _append_csv(kw, res, model, draft, prompt_name) -> None:
+    from .results import append_result
+    s = res.stats
+    append_result(kw["results"], {
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "mode": kw["mode"], "target_model": Path(model).name,
+        "draft_model": Path(draft).name if kw["mode"] != "iterative" else "", "ranks": len(res.ranges),
+        "layer_split": ",".join(str(r.n_layers) for r in res.ranges), "threads": kw["threads"] or "",
+        "prompt_name": prompt_name, "n_prompt_tokens": s.n_prompt, "n_generated": s.n_generated,
+        "pp_tokens_per_s": round(s.pp_tokens_per_s, 3), "gen_tokens_per_s": round(s.gen_tokens_per_s, 3),
+        "ttft_s": round(s.ttft_s, 4), "itl_mean_s": round(s.itl_s, 4),
+        "acceptance_rate": round(s.acceptance_rate, 4), "n_runs": s.n_runs, "n_cancelled": s.n_cancelled,
+        "peak_rss_max_mb": round(max(res.peak_rss_mb), 1), "peak_rss_sum_mb": round(sum(res.peak_rss_mb), 1),
+        "version": __version__,
+    })
+
+
+def _run_guarded(fn, kw) -> None:
+    """User errors: one line, exit 1 on every rank (MPI_Abort under mpiexec, so no rank hangs)."""
+    from .models import ModelError
+    from .runner import UserError
+    from .stagefile import StageFileError
+    try:
+        fn(kw)
+        return
+    except (UserError, StageFileError, ModelError, click.ClickException) as e:
+        msg = e.format_message() if isinstance(e, click.ClickException) else str(e)
+        code = 1
+    except KeyboardInterrupt:
+        msg, code = "interrupted", 130
+    except Exception:  # a bug, not a user error: show where, and take every rank down with us
+        import traceback
+        traceback.print_exc()
+        msg, code = "internal error (traceback above)", 2
+    _die(msg, code)
+
+
+def _die(msg: str, code: int) -> None:
+    size = _mpi_size()
+    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    where = f" (rank {rank})" if rank else ""
+    print(f"pipeinfer: error{where}: {msg}", file=sys.stderr, flush=True)
+    if size > 1:
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(code)
+    sys.exit(code)
+
+
+def _register() -> None:
+    from .launch import launch_cmd
+    from .models import models_group
+    from .plot import plot_cmd
+    main.add_command(models_group)
+    main.add_command(launch_cmd)
+    main.add_command(plot_cmd)
+
+
+_register()

@@ -1,0 +1,169 @@
+"""Drafters: propose a token tree continuing a context, with confidence cutoffs.
+
+Tree rule (the paper's, and the original's): starting after the context, each active branch takes
+its top candidate while the candidate's probability is >= p_accept (+ adjustment); a further
+candidate with probability >= p_split (+ adjustment) opens a new branch, up to max_branches; at most
+n_max tokens in the tree. Branch 0 is the main chain; continuous speculation builds on it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from .protocol import Batch, cp, kv_ops, rm
+from .stage import StageEngine
+
+
+@dataclass
+class DraftNode:
+    token: int
+    parent: int                  # index in the tree, -1: continues the context
+    depth: int                   # 0 for the first drafted position
+    branches: set[int] = field(default_factory=set)  # branch indices (0 = main) that contain this node
+    prob: float = 1.0            # the drafter's confidence
+
+
+@dataclass(frozen=True)
+class Cutoffs:
+    p_accept: float = 0.5
+    p_split: float = 0.1
+    n_max: int = 4
+    max_branches: int = 1
+
+
+class Drafter(Protocol):
+    def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
+        """A tree of proposals for positions len(context).., parents before children; [] if unconfident."""
+        ...
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    p = np.exp(x - x.max())
+    return p / p.sum()
+
+
+def main_chain(tree: list[DraftNode]) -> list[int]:
+    """Indices of branch 0's nodes, in order of depth."""
+    return [i for i, n in enumerate(tree) if 0 in n.branches]
+
+
+class ModelDrafter:
+    """A draft GGUF with the target's vocabulary, run whole on the head with its own KV sequences.
+
+    Draft sequence 0 holds the context the drafter last saw plus its last main chain (prefix-matched on
+    the next call, so continuing the previous speculation costs nothing extra); sequences 1.. are tree
+    branches, cleared after each call.
+    """
+
+    def __init__(self, path, *, n_ctx: int, max_branches: int, n_threads: int, n_threads_batch: int):
+        self.engine = StageEngine(path, n_ctx=n_ctx, n_batch=max(64, max_branches), n_seq_max=max(1, max_branches),
+                                  n_threads=n_threads, n_threads_batch=n_threads_batch,
+                                  embd_input=False, capture_hidden=False)
+        self.n_vocab = self.engine.n_vocab
+        self._kv: list[int] = []        # tokens in draft seq 0
+        self._logits: np.ndarray | None = None  # logits after self._kv[-1]
+        self.n_decodes = 0
+
+    def _sync(self, context: list[int]) -> np.ndarray:
+        """Make draft seq 0 hold exactly `context` and return the logits after its last token."""
+        c = 0
+        for a, b in zip(self._kv, context):
+            if a != b:
+                break
+            c += 1
+        if c == len(context) == len(self._kv) and self._logits is not None:
+            return self._logits
+        c = min(c, len(context) - 1)  # the last context token is re-decoded to get its logits
+        self.engine.apply_kv_ops(kv_ops(rm(0, c, -1)))
+        todo = context[c:]
+        for start in range(0, len(todo), self.engine.n_batch):
+            chunk = todo[start:start + self.engine.n_batch]
+            out = np.zeros(len(chunk), dtype=np.int32)
+            out[-1] = 1
+            batch = Batch(np.array(chunk, dtype=np.int32), np.arange(c + start, c + start + len(chunk), dtype=np.int32),
+                          [[0]] * len(chunk), out, kv_ops())
+            logits = self.engine.decode(batch)
+            self.n_decodes += 1
+        self._kv = list(context)
+        self._logits = logits[-1]
+        return self._logits
+
+    def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
+        logits0 = self._sync(context)
+        pos0 = len(context)
+        tree: list[DraftNode] = []
+        # active branches: branch index -> (draft seq id, last node index, logits after it)
+        active: dict[int, tuple[int, int, np.ndarray]] = {0: (0, -1, logits0)}
+        n_branches = 1
+        main_logits = logits0  # logits after the main chain's last token
+        for depth in range(cut.n_max):
+            step: list[tuple[int, int]] = []  # (branch, node index) taken at this depth
+            for b, (seq, last, logits) in list(active.items()):
+                p = softmax(logits)
+                top = np.argsort(-p)[:8]
+                if p[top[0]] < cut.p_accept:
+                    del active[b]
+                    continue
+                for f in range(1, len(top)):
+                    if n_branches >= cut.max_branches or p[top[f]] < cut.p_split:
+                        break
+                    nb = n_branches
+                    n_branches += 1
+                    self.engine.apply_kv_ops(kv_ops(rm(nb), cp(seq, nb)))
+                    i = last
+                    while i >= 0:  # the new branch shares b's nodes so far
+                        tree[i].branches.add(nb)
+                        i = tree[i].parent
+                    tree.append(DraftNode(int(top[f]), last, depth, {nb}, float(p[top[f]])))
+                    active[nb] = (nb, len(tree) - 1, None)
+                    step.append((nb, len(tree) - 1))
+                tree.append(DraftNode(int(top[0]), last, depth, {b}, float(p[top[0]])))
+                active[b] = (seq, len(tree) - 1, None)
+                step.append((b, len(tree) - 1))
+            if not step:
+                break
+            # decode this depth's tokens, one per branch, each in its branch's draft sequence
+            toks = np.array([tree[i].token for _, i in step], dtype=np.int32)
+            batch = Batch(toks, np.full(len(step), pos0 + depth, dtype=np.int32),
+                          [[active[b][0]] for b, _ in step], np.ones(len(step), dtype=np.int32), kv_ops())
+            logits = self.engine.decode(batch)
+            self.n_decodes += 1
+            for k, (b, i) in enumerate(step):
+                active[b] = (active[b][0], i, logits[k])
+                if b == 0:
+                    main_logits = logits[k]
+            if len(tree) >= cut.n_max:
+                break
+        # keep the main chain in seq 0 for the next call; drop the other branches
+        self.engine.apply_kv_ops(kv_ops(*[rm(s) for s in range(1, n_branches)]))
+        chain = main_chain(tree)
+        self._kv = list(context) + [tree[i].token for i in chain]
+        self._logits = main_logits
+        return tree
+
+
+class NgramDrafter:
+    """Prompt-lookup decoding: continue the longest recent n-gram match found earlier in the context."""
+
+    def __init__(self, n_min: int = 1, n_max: int = 4):
+        self.n_min, self.n_max = n_min, n_max
+
+    def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
+        ctx = np.asarray(context)
+        for n in range(min(self.n_max, len(ctx) - 1), self.n_min - 1, -1):
+            tail = ctx[-n:]
+            windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)
+            hits = np.flatnonzero((windows == tail).all(axis=1))
+            if len(hits) == 0:
+                continue
+            start = int(hits[-1]) + n  # most recent earlier occurrence
+            cont = ctx[start:start + cut.n_max].tolist()
+            # confidence grows with the match length; the same cutoffs as a model drafter apply
+            prob = n / (n + 1.0)
+            if not cont or prob < cut.p_accept:
+                return []
+            return [DraftNode(int(t), k - 1, k, {0}, prob) for k, t in enumerate(cont)]
+        return []

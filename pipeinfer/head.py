@@ -1,0 +1,293 @@
+"""The head's scheduler: iterative, synchronous speculative, and PipeInfer generation.
+
+PipeInfer (paper, section IV), as the loop below runs it:
+
+    launch the prompt (non-speculative)
+    until done:
+        while no result is waiting and a partition is free:            # asynchronous speculation
+            draft a micro-batch on top of the current speculation      # continuous speculation
+            if the draft is confident: launch it as a speculative run   #   cutoff += p_recovery
+            else: cutoff -= p_decay, or wait if decay is off
+        take the oldest result; verify it against the accepted tokens   # lossless (verify.py)
+        commit its accepted cells to sequence 0, free its partition     # KV multibuffering (kvplan.py)
+        cancel in-flight runs that can no longer add a token            # early inference cancellation
+        if nothing in flight will predict the next token: launch the last token non-speculatively
+
+`speculative` mode is the synchronous baseline: draft a tree after [last token], run it, wait, verify.
+`iterative` mode runs one token at a time through the pipeline.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .drafter import Cutoffs, Drafter, DraftNode, main_chain
+from .kvplan import CANONICAL, PartitionPool, commit_ops, prefix_ops
+from .metrics import Stats
+from .pipeline import Pipeline
+from .protocol import NO_RUN, Batch, kv_ops
+from .verify import Node, SamplingParams, TreeRun, consistent, is_useful, verify
+
+MODES = ("iterative", "speculative", "pipeinfer")
+
+
+@dataclass(frozen=True)
+class GenConfig:
+    mode: str = "iterative"
+    n_predict: int = 128
+    sampling: SamplingParams = SamplingParams()
+    cut: Cutoffs = Cutoffs()
+    p_recovery: float = 0.0   # cutoff rises by this per micro-batch launched since the last acceptance
+    p_decay: float = 0.0      # cutoff falls by this per failed draft while no result is waiting
+    cancel: bool = True       # --no-cancel: never send cancellation signals
+    continuous: bool = True   # --no-continuous: at most one speculative run in flight
+    n_batch: int = 512        # largest batch a stage decodes (prompt chunks)
+    n_ctx: int = 4096
+    stop_at_eos: bool = True
+
+
+@dataclass
+class Flight:
+    run: TreeRun
+    speculative: bool
+    partition: int | None = None
+    seqs: list[int] = field(default_factory=list)  # sequence ids the run's cells carry (partition seqs used)
+    parent_id: int = NO_RUN
+    cancelled: bool = False
+
+
+@dataclass
+class ChainEntry:
+    pos: int
+    token: int
+    owner: int  # run whose main sequence holds the cell (and every speculative cell before it)
+
+
+class Head:
+    def __init__(self, pipe: Pipeline, cfg: GenConfig, pool: PartitionPool | None = None,
+                 drafter: Drafter | None = None, eos: set[int] = frozenset(),
+                 on_tokens: Callable[[list[int]], None] | None = None):
+        if cfg.mode not in MODES:
+            raise ValueError(f"unknown mode {cfg.mode!r}")
+        if cfg.mode != "iterative" and (drafter is None or pool is None):
+            raise ValueError(f"mode {cfg.mode} needs a drafter and a partition pool")
+        self.pipe, self.cfg, self.pool, self.drafter = pipe, cfg, pool, drafter
+        self.eos = set(eos)
+        self.on_tokens = on_tokens
+        self.accepted: list[int] = []
+        self.n_kv0 = 0                      # positions in sequence 0 once every issued transaction is applied
+        self.flights: dict[int, Flight] = {}  # in launch order
+        self.chain: list[ChainEntry] = []   # speculation beyond sequence 0 that new micro-batches build on
+        self.adjust = 0.0                   # reactive cutoff adjustment
+        self.stats = Stats()
+        self.done = False
+        self._next_run = 0
+        self._n_prompt = 0
+
+    # ================================================================ the algorithm
+    def generate(self, prompt: list[int]) -> list[int]:
+        if not prompt:
+            raise ValueError("empty prompt")
+        self.stats.t_start_s = time.perf_counter()
+        self.stats.n_prompt = self._n_prompt = len(prompt)
+        self._launch_prompt(prompt)
+        while not self.done:
+            if self.cfg.mode == "pipeinfer":
+                self._speculate()
+            self._handle(self.pipe.next_result())
+            if not self.done:
+                self._cover_last_token()
+        self._drain()
+        return self.accepted[self._n_prompt:self._n_prompt + self.stats.n_generated]
+
+    def _speculate(self) -> None:
+        """Keep the pipeline full while no result is waiting (continuous, asynchronous speculation)."""
+        cut = self.cfg.cut
+        while not self.pipe.result_ready() and self.pool.n_free > 0:
+            if not self.cfg.continuous and any(f.speculative and not f.cancelled for f in self.flights.values()):
+                return
+            p_accept = max(0.0, cut.p_accept + self.adjust)
+            if p_accept >= 1.0:
+                return
+            context = self._spec_context()
+            if len(context) >= min(self._n_prompt + self.cfg.n_predict, self.cfg.n_ctx - cut.n_max):
+                return  # far enough ahead
+            tree = self.drafter.draft(context, Cutoffs(p_accept, max(0.0, cut.p_split + self.adjust),
+                                                       cut.n_max, cut.max_branches))
+            self.stats.n_draft_calls += 1
+            if tree:
+                self._launch_spec(tree, context)
+                self.adjust += self.cfg.p_recovery
+            elif self.cfg.p_decay > 0 and p_accept > 0:
+                self.adjust -= self.cfg.p_decay
+            else:
+                return
+
+    def _handle(self, res) -> None:
+        """Verify the oldest run, commit what it proved, cancel what it made useless."""
+        fl = self.flights.pop(res.run_id)
+        verdict = None
+        if not (fl.cancelled or res.cancelled):
+            verdict = verify(fl.run, res.logits, self.accepted, self.cfg.sampling)
+        if fl.speculative:
+            branch_seq, end = None, self.n_kv0
+            if verdict is not None and verdict.deepest >= 0:
+                node = fl.run.nodes[verdict.deepest]
+                branch_seq = next(s for s in node.seq_ids if s != CANONICAL) if node.pos >= self.n_kv0 else None
+                end = max(end, node.pos + 1)
+            self.pipe.kv(commit_ops(branch_seq, self.n_kv0, end, fl.seqs))
+            self.n_kv0 = end
+            self.pool.give_back(fl.partition)
+        if verdict is not None and verdict.new_tokens:
+            self.stats.n_draft_accepted += verdict.n_draft_accepted
+            n = len(verdict.new_tokens)
+            self.stats.accept_hist[n] = self.stats.accept_hist.get(n, 0) + 1
+            self.adjust = 0.0  # recovery and decay both reset on acceptance
+            self._emit(verdict.new_tokens)
+        self._prune_chain()
+        self._cancel_useless()
+
+    def _cover_last_token(self) -> None:
+        """Make sure some run in flight predicts the token after the last accepted one."""
+        m = len(self.accepted)
+        for fl in self.flights.values():
+            if not fl.cancelled and any(n.pos == m - 1 and n.row >= 0 and consistent(fl.run, i, self.accepted)
+                                        for i, n in enumerate(fl.run.nodes)):
+                return
+        if self.cfg.mode == "speculative":
+            tree = self.drafter.draft(self.accepted, self.cfg.cut)
+            self.stats.n_draft_calls += 1
+            if tree:
+                self._launch_spec(tree, self.accepted, lead=True)
+                return
+        self._launch_nonspec()
+
+    # ================================================================ launching runs
+    def _new_run_id(self) -> int:
+        self._next_run += 1
+        return self._next_run
+
+    def _launch_prompt(self, prompt: list[int]) -> None:
+        self.accepted = list(prompt)
+        for start in range(0, len(prompt), self.cfg.n_batch):
+            chunk = prompt[start:start + self.cfg.n_batch]
+            last = start + len(chunk) == len(prompt)
+            nodes = [Node(t, start + k, k - 1, [CANONICAL], 0 if (last and k == len(chunk) - 1) else -1)
+                     for k, t in enumerate(chunk)]
+            self._launch(Flight(TreeRun(self._new_run_id(), nodes), speculative=False), kv_ops())
+        self.n_kv0 = len(prompt)
+
+    def _launch_nonspec(self) -> None:
+        m = len(self.accepted)
+        if self.n_kv0 != m - 1:
+            raise RuntimeError(f"internal: sequence 0 ends at {self.n_kv0}, expected {m - 1}")
+        self.chain.clear()
+        run = TreeRun(self._new_run_id(), [Node(self.accepted[-1], m - 1, -1, [CANONICAL], 0)])
+        self._launch(Flight(run, speculative=False), kv_ops())
+        self.n_kv0 = m
+
+    def _launch_spec(self, tree: list[DraftNode], context: list[int], lead: bool = False) -> None:
+        """A speculative run for a draft tree over positions len(context)..; with `lead`, [last token] + tree."""
+        k = self.pool.take()
+        n_branches = 1 + max(b for n in tree for b in n.branches)
+        seqs = self.pool.seqs(k)[:n_branches]
+        first_pos = len(context)
+        nodes, prefix, parent_id, parent_seq = [], {}, NO_RUN, None
+        if lead:  # synchronous mode: the last accepted token joins sequence 0 and every branch
+            nodes.append(Node(context[-1], first_pos - 1, -1, [CANONICAL] + seqs, 0))
+            n_kv0 = first_pos - 1
+        else:     # PipeInfer: build on sequence 0 plus the speculation chain's cells
+            n_kv0 = self.n_kv0
+            prefix = {e.pos: e.token for e in self.chain}
+            if self.chain:
+                parent_id = self.chain[-1].owner
+                parent_seq = self.flights[parent_id].seqs[0]
+        off = len(nodes)
+        for i, d in enumerate(tree):
+            parent = d.parent + off if d.parent >= 0 else (0 if lead else -1)
+            nodes.append(Node(d.token, first_pos + d.depth, parent, [seqs[b] for b in sorted(d.branches)],
+                              off + i, drafted=True))
+        run = TreeRun(self._new_run_id(), nodes, prefix)
+        self._launch(Flight(run, True, k, seqs, parent_id), prefix_ops(seqs, n_kv0, parent_seq, first_pos - lead))
+        self.stats.n_spec_runs += 1
+        self.stats.n_drafted += len(tree)
+        if lead:
+            self.n_kv0 = first_pos
+        else:
+            self.chain += [ChainEntry(nodes[off + i].pos, tree[i].token, run.run_id) for i in main_chain(tree)]
+
+    def _launch(self, fl: Flight, pre_ops: np.ndarray) -> None:
+        run = fl.run
+        batch = Batch(np.array([n.token for n in run.nodes], dtype=np.int32),
+                      np.array([n.pos for n in run.nodes], dtype=np.int32),
+                      [n.seq_ids for n in run.nodes],
+                      np.array([n.row >= 0 for n in run.nodes], dtype=np.int32), pre_ops)
+        self.flights[run.run_id] = fl
+        self.pipe.launch(run.run_id, batch, fl.speculative, fl.parent_id)
+        self.stats.n_runs += 1
+
+    # ================================================================ bookkeeping
+    def _emit(self, tokens: list[int]) -> None:
+        room = self.cfg.n_predict - self.stats.n_generated
+        out = tokens[:room]
+        if self.cfg.stop_at_eos:
+            for i, t in enumerate(out):
+                if t in self.eos:
+                    out = out[:i]
+                    self.done = True
+                    break
+        now = time.perf_counter()
+        if out:
+            if self.stats.n_generated == 0:
+                self.stats.t_first_s = now
+            self.stats.t_last_s = now
+            self.stats.n_generated += len(out)
+            if self.on_tokens:
+                self.on_tokens(out)
+        if self.stats.n_generated >= self.cfg.n_predict:
+            self.done = True
+
+    def _spec_context(self) -> list[int]:
+        """Accepted tokens up to sequence 0's end, then the speculation chain."""
+        return self.accepted[:self.n_kv0] + [e.token for e in self.chain]
+
+    def _prune_chain(self) -> None:
+        m, keep = len(self.accepted), []
+        for e in self.chain:
+            if e.pos < self.n_kv0:
+                continue
+            fl = self.flights.get(e.owner)
+            if fl is None or fl.cancelled or (e.pos < m and self.accepted[e.pos] != e.token):
+                break
+            keep.append(e)
+        if keep and keep[0].pos != self.n_kv0:
+            keep = []  # a chain must continue sequence 0 without a gap
+        self.chain = keep
+
+    def _cancel_useless(self) -> None:
+        dead: list[int] = []
+        for rid, fl in self.flights.items():  # launch order: a parent is decided before its children
+            if fl.speculative and not fl.cancelled and (fl.parent_id in dead or
+                                                        (fl.parent_id in self.flights and self.flights[fl.parent_id].cancelled)
+                                                        or not is_useful(fl.run, self.accepted)):
+                dead.append(rid)
+        for rid in dead:
+            self.flights[rid].cancelled = True
+        if dead:
+            self.stats.n_cancelled += len(dead)
+            if self.cfg.cancel:
+                self.pipe.cancel(dead)
+            self._prune_chain()
+
+    def _drain(self) -> None:
+        """Cancel what is left, collect every result, free every partition."""
+        left = [rid for rid, fl in self.flights.items() if fl.speculative and not fl.cancelled]
+        for rid in left:
+            self.flights[rid].cancelled = True
+        if left and self.cfg.cancel:
+            self.pipe.cancel(left)
+        while self.flights:
+            self._handle(self.pipe.next_result())

@@ -1,0 +1,77 @@
+"""KV sequence planning: partitions of sequence ids for in-flight runs, and the KV ops runs need.
+
+Sequence 0 is canonical: exactly the accepted tokens at positions 0..n_kv0-1 on every stage.
+Each in-flight speculative run owns a partition: `max_branches` consecutive sequence ids, one per
+tree branch, taken from a FIFO free list (multibuffering). Before decoding, a stage makes the run's
+sequences see the canonical prefix (seq_cp 0 -> s) and the cells of the run it builds on (seq_cp
+parent -> s over the parent's speculative positions). On acceptance the accepted cells join sequence
+0 with one seq_cp over the accepted positions (O(accepted tokens), never a copy to every sequence),
+then the partition is cleared with seq_rm and returned to the free list. The clear travels in order
+with everything else, so a later run given the same partition cannot see old cells on any stage.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from .protocol import cp, kv_ops, rm
+
+CANONICAL = 0
+
+
+class PartitionPool:
+    """FIFO free list of sequence-id ranges [1 + k*size, 1 + (k+1)*size)."""
+
+    def __init__(self, n_partitions: int, size: int, n_seq_max: int):
+        if n_partitions < 1 or size < 1 or 1 + n_partitions * size > n_seq_max:
+            raise ValueError(f"{n_partitions} partitions of {size} sequences do not fit in {n_seq_max} sequence ids")
+        self.size = size
+        self._free = deque(range(n_partitions))
+
+    def take(self) -> int | None:
+        """A partition index, or None when every partition is in flight."""
+        return self._free.popleft() if self._free else None
+
+    def give_back(self, k: int) -> None:
+        assert k not in self._free, f"partition {k} freed twice"
+        self._free.append(k)
+
+    def seqs(self, k: int) -> list[int]:
+        return list(range(1 + k * self.size, 1 + (k + 1) * self.size))
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+
+def plan_partitions(max_branches: int, max_in_flight: int, n_seq_max: int = 256) -> tuple[int, int]:
+    """(n_partitions, n_seq_max for the context) for the given tree width and in-flight runs."""
+    n_part = max(1, min(max_in_flight, (n_seq_max - 1) // max_branches))
+    if n_part * max_branches + 1 > n_seq_max:
+        raise ValueError(f"--max-branches {max_branches} leaves no room within {n_seq_max} sequences")
+    return n_part, 1 + n_part * max_branches
+
+
+def prefix_ops(seqs: list[int], n_kv0: int, parent_seq: int | None, first_pos: int) -> np.ndarray:
+    """Ops a stage applies before decoding a run whose first node sits at first_pos in `seqs`.
+
+    The canonical prefix [0, n_kv0) comes from sequence 0; speculative cells [n_kv0, first_pos) come
+    from the parent run's main branch, which the stage decoded earlier (runs are handled in order).
+    """
+    ops = []
+    for s in seqs:
+        ops.append(rm(s))  # defensive: partitions are cleared when freed, so this removes nothing
+        ops.append(cp(CANONICAL, s, 0, n_kv0))
+        if parent_seq is not None and first_pos > n_kv0:
+            ops.append(cp(parent_seq, s, n_kv0, first_pos))
+    return kv_ops(*ops)
+
+
+def commit_ops(branch_seq: int | None, n_kv0: int, end: int, seqs: list[int]) -> np.ndarray:
+    """Accept cells [n_kv0, end) of `branch_seq` into sequence 0, then clear the run's partition."""
+    ops = []
+    if branch_seq is not None and end > n_kv0:
+        ops.append(cp(branch_seq, CANONICAL, n_kv0, end))
+    ops.extend(rm(s) for s in seqs)
+    return kv_ops(*ops)

@@ -1,0 +1,363 @@
+"""Launch a pipeinfer job over MPI from a hostfile.
+
+Hostfile format
+---------------
+One host per line, in a form that both MPICH (Hydra) and Open MPI accept::
+
+    HOST                 # one slot
+    HOST:SLOTS           # MPICH spelling
+    HOST slots=SLOTS     # Open MPI spelling (max_slots=M is accepted and ignored)
+
+Per-host pipeinfer settings go in a trailing comment so the file stays a valid
+hostfile for either MPI::
+
+    node1:2 # pipeinfer: threads=8 threads_batch=16 weight=2.0
+
+Keys: ``threads`` and ``threads_batch`` (positive integers, per rank on that
+host) and ``weight`` (positive number, the relative share of layers each rank
+on that host gets). Blank lines, whole-line comments and trailing comments
+that do not start with ``pipeinfer:`` are ignored. Any other line is a
+``ValueError`` naming the line number.
+
+Ranks are placed host by host: the first host's slots get ranks 0..s0-1, the
+next host's the following ranks, and so on (MPICH's default for ``host:N``,
+Open MPI's ``--map-by slot``). ``np`` may not exceed the total slots.
+
+Command lines
+-------------
+MPICH::
+
+    mpiexec -f HOSTFILE -n NP [-genvlist A,B] PYTHON -m mpi4py -m pipeinfer ARGS
+
+Open MPI (``mpiexec`` and ``mpirun`` are the same program there)::
+
+    mpirun --hostfile HOSTFILE --np NP --bind-to none --map-by slot [-x A -x B] \
+        PYTHON -m mpi4py -m pipeinfer ARGS
+
+HOSTFILE is a translation of the user's hostfile into that MPI's own spelling
+(``write_hostfile``). Per-host settings become pipeinfer options, one value
+per rank, appended to ARGS unless ARGS already has them: ``--threads a,b,..``,
+``--threads-batch a,b,..`` and ``--layer-split w0,w1,..`` (weights normalised
+to sum to 1; hosts without a weight count 1.0).
+"""
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import click
+
+__all__ = [
+    "Host", "parse_hostfile", "parse_hostfile_text", "detect_mpi", "mpi_from_version",
+    "write_hostfile", "format_hostfile", "rank_hosts", "settings_args", "build_command",
+    "launch_cmd", "DEFAULT_ENV_FORWARD",
+]
+
+MPI_KINDS = ("mpich", "openmpi")
+
+#: Environment variables forwarded to every rank (only those that are set; glob patterns allowed).
+DEFAULT_ENV_FORWARD: tuple[str, ...] = (
+    "PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV", "OMP_NUM_THREADS", "PIPEINFER_*", "GGML_*", "LLAMA_*",
+)
+
+
+@dataclass(frozen=True)
+class Host:
+    """One hostfile line: host name, MPI slots and optional per-rank settings."""
+
+    name: str
+    slots: int = 1
+    threads: int | None = None
+    threads_batch: int | None = None
+    weight: float | None = None
+
+
+_COLON = re.compile(r"^([A-Za-z0-9_.\-]+)(?::(\d+))?$")
+_SLOTS_KV = re.compile(r"^(slots|max_slots|max-slots)=(\d+)$")
+
+
+def _positive_int(value: str, key: str, where: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{where}: {key}={value!r} is not an integer") from None
+    if n <= 0:
+        raise ValueError(f"{where}: {key} must be positive, got {n}")
+    return n
+
+
+def _parse_settings(text: str, where: str) -> dict:
+    settings: dict = {}
+    for item in text.split():
+        key, eq, value = item.partition("=")
+        if not eq or not value:
+            raise ValueError(f"{where}: expected key=value in pipeinfer comment, got {item!r}")
+        if key in ("threads", "threads_batch"):
+            settings[key] = _positive_int(value, key, where)
+        elif key == "weight":
+            try:
+                w = float(value)
+            except ValueError:
+                raise ValueError(f"{where}: weight={value!r} is not a number") from None
+            if not w > 0 or w == float("inf"):
+                raise ValueError(f"{where}: weight must be a positive finite number, got {value}")
+            settings[key] = w
+        else:
+            raise ValueError(f"{where}: unknown pipeinfer setting {key!r} "
+                             "(known: threads, threads_batch, weight)")
+    return settings
+
+
+def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
+    """Parse hostfile text (format in the module docstring) into ``Host`` objects."""
+    hosts: list[Host] = []
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        where = f"{source}:{lineno}"
+        body, hash_, comment = raw.partition("#")
+        body = body.strip()
+        if not body:
+            continue  # blank line or whole-line comment
+        settings: dict = {}
+        comment = comment.strip()
+        if hash_ and comment.startswith("pipeinfer:"):
+            settings = _parse_settings(comment[len("pipeinfer:"):], where)
+        tokens = body.split()
+        m = _COLON.match(tokens[0])
+        if not m:
+            raise ValueError(f"{where}: bad host entry {tokens[0]!r}")
+        name, slots = m.group(1), (int(m.group(2)) if m.group(2) else None)
+        for tok in tokens[1:]:
+            kv = _SLOTS_KV.match(tok)
+            if not kv:
+                raise ValueError(f"{where}: unexpected {tok!r} (expected slots=N)")
+            if kv.group(1) != "slots":
+                continue  # max_slots: accepted, irrelevant here
+            if slots is not None:
+                raise ValueError(f"{where}: slots given twice")
+            slots = int(kv.group(2))
+        if slots is None:
+            slots = 1
+        if slots <= 0:
+            raise ValueError(f"{where}: slots must be positive, got {slots}")
+        hosts.append(Host(name, slots, **settings))
+    if not hosts:
+        raise ValueError(f"{source}: no hosts")
+    return hosts
+
+
+def parse_hostfile(path: str | os.PathLike) -> list[Host]:
+    """Read and parse a hostfile (see ``parse_hostfile_text``)."""
+    return parse_hostfile_text(Path(path).read_text(), source=str(path))
+
+
+def mpi_from_version(text: str) -> str:
+    """Return "mpich" or "openmpi" from ``mpiexec --version`` output; ValueError otherwise."""
+    if re.search(r"open\s*mpi|openrte|open-rte|\bprrte\b", text, re.I):
+        return "openmpi"
+    if re.search(r"hydra", text, re.I):
+        return "mpich"  # MPICH, MVAPICH and Intel MPI all use Hydra
+    raise ValueError(f"cannot tell which MPI this is from: {text.strip()[:200]!r}")
+
+
+def detect_mpi(mpiexec: str = "mpiexec") -> str:
+    """Run ``MPIEXEC --version`` and return "mpich" or "openmpi"."""
+    try:
+        proc = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"cannot run {mpiexec} --version: {exc}") from exc
+    try:
+        return mpi_from_version(proc.stdout + "\n" + proc.stderr)
+    except ValueError as exc:
+        raise RuntimeError(f"{mpiexec}: {exc}") from None
+
+
+def format_hostfile(hosts: Sequence[Host], mpi: str) -> str:
+    """Hostfile text in MPI's own spelling (no pipeinfer comments)."""
+    if mpi == "mpich":
+        lines = [f"{h.name}:{h.slots}" for h in hosts]
+    elif mpi == "openmpi":
+        lines = [f"{h.name} slots={h.slots}" for h in hosts]
+    else:
+        raise ValueError(f"unknown MPI {mpi!r} (expected one of {MPI_KINDS})")
+    return "\n".join(lines) + "\n"
+
+
+def write_hostfile(hosts: Sequence[Host], mpi: str, path: str | os.PathLike) -> Path:
+    """Write ``format_hostfile(hosts, mpi)`` to ``path`` and return it."""
+    path = Path(path)
+    path.write_text(format_hostfile(hosts, mpi))
+    return path
+
+
+def rank_hosts(hosts: Sequence[Host], np: int) -> list[Host]:
+    """The host of each rank 0..np-1, filling each host's slots in order."""
+    total = sum(h.slots for h in hosts)
+    if np < 1:
+        raise ValueError(f"np must be >= 1, got {np}")
+    if np > total:
+        raise ValueError(f"np={np} exceeds the {total} slots in the hostfile")
+    ranks = [h for h in hosts for _ in range(h.slots)]
+    return ranks[:np]
+
+
+def _has_option(args: Sequence[str], option: str) -> bool:
+    for a in args:
+        if a == "--":
+            return False
+        if a == option or a.startswith(option + "="):
+            return True
+    return False
+
+
+def _fmt_weight(w: float) -> str:
+    return f"{w:.6f}".rstrip("0").rstrip(".") or "0"
+
+
+def settings_args(hosts: Sequence[Host], np: int, user_args: Sequence[str] = ()) -> list[str]:
+    """pipeinfer options from per-host settings that ``user_args`` does not already set."""
+    per_rank = rank_hosts(hosts, np)
+    out: list[str] = []
+    if any(h.threads for h in per_rank) and not _has_option(user_args, "--threads"):
+        missing = sorted({h.name for h in per_rank if h.threads is None})
+        if missing:
+            raise ValueError(f"threads= is set on some hosts but not on {', '.join(missing)}")
+        out += ["--threads", ",".join(str(h.threads) for h in per_rank)]
+    if any(h.threads_batch for h in per_rank) and not _has_option(user_args, "--threads-batch"):
+        tb = [h.threads_batch or h.threads for h in per_rank]
+        missing = sorted({h.name for h, v in zip(per_rank, tb) if v is None})
+        if missing:
+            raise ValueError(f"threads_batch= (or threads=) missing on {', '.join(missing)}")
+        out += ["--threads-batch", ",".join(str(v) for v in tb)]
+    if any(h.weight is not None for h in per_rank) and not _has_option(user_args, "--layer-split"):
+        ws = [1.0 if h.weight is None else h.weight for h in per_rank]
+        total = sum(ws)
+        out += ["--layer-split", ",".join(_fmt_weight(w / total) for w in ws)]
+    return out
+
+
+def _forwarded(env_forward: Iterable[str], environ: Mapping[str, str]) -> list[str]:
+    names: list[str] = []
+    for pat in env_forward:
+        matches = sorted(fnmatch.filter(environ, pat)) if any(c in pat for c in "*?[") else (
+            [pat] if pat in environ else [])
+        names += [n for n in matches if n not in names]
+    return names
+
+
+def build_command(
+    hosts: Sequence[Host],
+    np: int,
+    mpi: str,
+    pipeinfer_args: Sequence[str],
+    *,
+    mpiexec: str = "mpiexec",
+    python: str = sys.executable,
+    env_forward: Iterable[str] = DEFAULT_ENV_FORWARD,
+    extra: Sequence[str] = (),
+    hostfile: str | os.PathLike | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> list[str]:
+    """argv that runs ``python -m mpi4py -m pipeinfer ARGS`` on ``np`` ranks.
+
+    Writes the translated hostfile to ``hostfile`` (a new temporary file when
+    None; the caller removes it). ``env_forward`` names (or glob patterns) of
+    variables to pass on, kept only when set in ``environ`` (default
+    ``os.environ``). ``extra`` goes right after the MPI's own options.
+    """
+    if mpi not in MPI_KINDS:
+        raise ValueError(f"unknown MPI {mpi!r} (expected one of {MPI_KINDS})")
+    args = list(pipeinfer_args)
+    added = settings_args(hosts, np, args)
+    if added:  # options must come before a literal "--" in the user's args
+        cut = args.index("--") if "--" in args else len(args)
+        args[cut:cut] = added
+    if hostfile is None:
+        fd, hostfile = tempfile.mkstemp(prefix="pipeinfer-hosts-", suffix=".txt")
+        os.close(fd)
+    hostfile = str(write_hostfile(hosts, mpi, hostfile))
+    names = _forwarded(env_forward, os.environ if environ is None else environ)
+    if mpi == "mpich":
+        cmd = [mpiexec, "-f", hostfile, "-n", str(np)]
+        if names:
+            cmd += ["-genvlist", ",".join(names)]
+    else:
+        cmd = [mpiexec, "--hostfile", hostfile, "--np", str(np), "--bind-to", "none",
+               "--map-by", "slot"]
+        for n in names:
+            cmd += ["-x", n]
+    return cmd + list(extra) + [python, "-m", "mpi4py", "-m", "pipeinfer"] + args
+
+
+def _default_mpiexec() -> str:
+    """The mpiexec next to this Python (the mpich wheel installs one), else from PATH."""
+    here = shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+    return here or "mpiexec"
+
+
+@click.command("launch", context_settings={"ignore_unknown_options": True,
+                                           "allow_interspersed_args": False})
+@click.option("--hostfile", "hostfile_path", required=True,
+              type=click.Path(exists=True, dir_okay=False), help="Hostfile (see module docs).")
+@click.option("--np", "np_", type=click.IntRange(min=1), default=None,
+              help="Number of ranks [default: total slots].")
+@click.option("--mpi", type=click.Choice(["auto", *MPI_KINDS]), default="auto", show_default=True,
+              help="MPI flavour of MPIEXEC.")
+@click.option("--mpiexec", default=None, help="mpiexec/mpirun to use [default: next to python].")
+@click.option("--write-hostfile", "out_hostfile", type=click.Path(dir_okay=False), default=None,
+              help="Where to write the translated hostfile [default: a temporary file].")
+@click.option("--mpi-arg", "mpi_args", multiple=True, metavar="ARG",
+              help="Extra option for mpiexec, repeatable (e.g. --mpi-arg=-iface --mpi-arg=eth1).")
+@click.option("--dry-run", is_flag=True, help="Print the command and do not run it.")
+@click.argument("pipeinfer_args", nargs=-1, type=click.UNPROCESSED)
+def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run,
+               pipeinfer_args):
+    """Run `pipeinfer ARGS...` on every slot of HOSTFILE via mpiexec.
+
+    Example: pipeinfer launch --hostfile hosts.txt -- generate --model m.gguf
+    """
+    try:
+        hosts = parse_hostfile(hostfile_path)
+        mpiexec = mpiexec or _default_mpiexec()
+        if mpi == "auto":
+            mpi = detect_mpi(mpiexec)
+        np_ = np_ or sum(h.slots for h in hosts)
+        extra = ["--allow-run-as-root"] if mpi == "openmpi" and os.geteuid() == 0 else []
+        extra += list(mpi_args)
+        cmd = build_command(hosts, np_, mpi, pipeinfer_args, mpiexec=mpiexec,
+                            extra=extra, hostfile=out_hostfile)
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    hostfile = cmd[cmd.index("-f" if mpi == "mpich" else "--hostfile") + 1]
+    click.echo(shlex.join(cmd))
+    if dry_run:
+        click.echo(f"# hostfile {hostfile}:\n" + Path(hostfile).read_text().rstrip(), err=True)
+        return
+    try:
+        rc = _run_forwarding_signals(cmd)
+    finally:
+        if out_hostfile is None:
+            Path(hostfile).unlink(missing_ok=True)
+    sys.exit(rc if rc >= 0 else 128 - rc)
+
+
+def _run_forwarding_signals(cmd: list[str]) -> int:
+    """Run cmd and return its status; SIGINT/SIGTERM/SIGHUP are passed on to it, never SIGKILL,
+    so mpiexec can stop its ranks on every host."""
+    proc = subprocess.Popen(cmd)
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.signal(s, lambda n, _f: proc.send_signal(n)) for s in sigs}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,82 @@
+"""Counters and timings of one generation (head side), printed once at the end in a fixed format.
+
+Timing definitions (the paper's section V.A): TTFT is the time from the start of prompt processing to
+the first generated token; ITL is the mean time between consecutive generated tokens after the first;
+generation speed is (generated tokens - 1) / (time of last token - time of first token), which
+excludes prompt processing; prompt speed is prompt tokens / TTFT.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Stats:
+    n_prompt: int = 0              # prompt tokens
+    n_generated: int = 0           # tokens emitted
+    n_runs: int = 0                # runs launched (prompt chunks included)
+    n_spec_runs: int = 0           # speculative runs launched
+    n_cancelled: int = 0           # speculative runs the head cancelled
+    n_drafted: int = 0             # draft tokens sent to the target
+    n_draft_accepted: int = 0      # draft tokens the target agreed with
+    n_draft_calls: int = 0         # drafter invocations (including ones that proposed nothing)
+    accept_hist: dict[int, int] = field(default_factory=dict)  # tokens gained per verified run -> count
+    t_start_s: float = 0.0
+    t_first_s: float = 0.0
+    t_last_s: float = 0.0
+    stage_stats: list[dict] = field(default_factory=list)  # one dict per stage rank (from worker.StageStats)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.n_draft_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.t_first_s - self.t_start_s
+
+    @property
+    def gen_tokens_per_s(self) -> float:
+        dt = self.t_last_s - self.t_first_s
+        return (self.n_generated - 1) / dt if self.n_generated > 1 and dt > 0 else 0.0
+
+    @property
+    def itl_s(self) -> float:
+        return (self.t_last_s - self.t_first_s) / (self.n_generated - 1) if self.n_generated > 1 else 0.0
+
+    @property
+    def pp_tokens_per_s(self) -> float:
+        return self.n_prompt / self.ttft_s if self.ttft_s > 0 else 0.0
+
+    @property
+    def mean_accepted_per_run(self) -> float:
+        n = sum(self.accept_hist.values())
+        return sum(k * v for k, v in self.accept_hist.items()) / n if n else 0.0
+
+    def n_cancelled_mid(self) -> int:
+        return sum(s.get("n_cancelled_mid", 0) for s in self.stage_stats)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(acceptance_rate=self.acceptance_rate, ttft_s=self.ttft_s, gen_tokens_per_s=self.gen_tokens_per_s,
+                 itl_s=self.itl_s, pp_tokens_per_s=self.pp_tokens_per_s,
+                 mean_accepted_per_run=self.mean_accepted_per_run)
+        return d
+
+    def report(self) -> str:
+        lines = [
+            f"n_prompt          = {self.n_prompt}",
+            f"n_generated       = {self.n_generated}",
+            f"ttft              = {self.ttft_s * 1e3:.1f} ms",
+            f"prompt speed      = {self.pp_tokens_per_s:.2f} tokens/s",
+            f"generation speed  = {self.gen_tokens_per_s:.2f} tokens/s",
+            f"itl               = {self.itl_s * 1e3:.1f} ms",
+            f"runs              = {self.n_runs} ({self.n_spec_runs} speculative, {self.n_cancelled} cancelled)",
+            f"drafted/accepted  = {self.n_drafted}/{self.n_draft_accepted} "
+            f"(acceptance {self.acceptance_rate * 100:.1f}%)",
+            f"tokens per run    = {self.mean_accepted_per_run:.2f}",
+        ]
+        for s in self.stage_stats:
+            lines.append(f"rank {s['rank']}: decoded {s['n_decoded']} runs / {s['n_tokens']} tokens, "
+                         f"cancelled {s['n_cancelled_before']} before start + {s['n_cancelled_mid']} mid-decode, "
+                         f"busy {s['t_busy_s']:.2f} s, idle {s['t_idle_s']:.2f} s")
+        return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""The head's end of the pipeline: runs the first stage locally, sends transactions on, collects results.
+
+With one rank the head holds the whole model and a run's result is ready as soon as it is launched.
+With N ranks the head decodes the first stage at launch (synchronously, as in the paper) and sends the
+hidden states on; results come back from the last rank in launch order (a FIFO of run ids).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from .protocol import Batch, Flag, Header, Kind, NO_RUN, Tag
+from .stage import StageEngine, TokenEmbedder
+from .topology import Topology
+from .transport import Transport
+
+
+@dataclass
+class Result:
+    run_id: int
+    cancelled: bool
+    logits: np.ndarray | None  # f32[n_outputs, n_vocab], rows in the order the batch marked outputs
+
+
+class Pipeline:
+    def __init__(self, topo: Topology, engine: StageEngine, n_vocab: int,
+                 embedder: TokenEmbedder | None = None, transport: Transport | None = None):
+        self.topo = topo
+        self.engine = engine
+        self.n_vocab = n_vocab
+        self.embedder = embedder
+        self.tx = transport
+        self.in_flight: deque[int] = deque()  # run ids in launch order
+        self._local: deque[Result] = deque()   # single-rank results
+        self.last = topo.n_ranks - 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.topo.n_ranks > 1
+
+    def launch(self, run_id: int, batch: Batch, speculative: bool, parent_id: int = NO_RUN) -> None:
+        flags = Flag.SPECULATIVE if speculative else Flag.NONE
+        self.engine.apply_kv_ops(batch.prefix_ops)
+        if not self.distributed:
+            self._local.append(Result(run_id, False, self.engine.decode(batch)))
+        else:
+            meta = batch.pack_meta()
+            hidden = self.engine.decode(batch, self.embedder(batch.tokens))
+            hdr = Header(Kind.DECODE, run_id, batch.n_tokens, len(meta), flags, parent_id, batch.n_outputs, hidden.shape[1])
+            self.tx.send(1, hdr, (Tag.META, meta), (Tag.ACTIV, hidden))
+        self.in_flight.append(run_id)
+
+    def kv(self, ops: np.ndarray) -> None:
+        """Apply KV ops on every stage, in order with the runs around them."""
+        if len(ops) == 0:
+            return
+        self.engine.apply_kv_ops(ops)
+        if self.distributed:
+            self.tx.send(1, Header(Kind.KV, n_tokens=len(ops)), (Tag.KV, ops))
+
+    def cancel(self, run_ids: list[int]) -> None:
+        """Out of band: to the last stage, which relays it backwards."""
+        if self.distributed and run_ids:
+            self.tx.send_cancel(self.last, run_ids)
+
+    def result_ready(self) -> bool:
+        return bool(self._local) or (self.distributed and bool(self.in_flight) and self.tx.header_ready(self.last))
+
+    def next_result(self) -> Result:
+        """The oldest run's result, waiting politely for it."""
+        if not self.in_flight:
+            raise RuntimeError("no run in flight")
+        expected = self.in_flight.popleft()
+        if not self.distributed:
+            res = self._local.popleft()
+        else:
+            hdr = self.tx.wait_header(self.last)
+            if hdr.kind != Kind.RESULT:
+                raise RuntimeError(f"head expected a RESULT from rank {self.last}, got {hdr.kind.name}")
+            cancelled = bool(hdr.flags & Flag.CANCELLED)
+            logits = None if cancelled else self.tx.recv_array(self.last, Tag.LOGITS, (hdr.n_outputs, self.n_vocab), np.float32)
+            res = Result(hdr.run_id, cancelled, logits)
+        if res.run_id != expected:
+            raise RuntimeError(f"results out of order: expected run {expected}, got {res.run_id}")
+        return res
+
+    def shutdown(self) -> None:
+        if self.distributed:
+            self.tx.send(1, Header(Kind.SHUTDOWN))
+            self.tx.flush()

@@ -1,0 +1,162 @@
+"""Start-up of one generation on every rank: topology, stage files, engines, transport; then head or worker.
+
+Everything here runs once; per-token work happens in head.py / worker.py. Start-up data may be
+pickled (allgather of versions and stage statistics); nothing per token is.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from dataclasses import dataclass, field, replace
+
+from .drafter import Cutoffs
+from .head import GenConfig, Head
+from .kvplan import PartitionPool, plan_partitions
+from .metrics import Stats
+from .protocol import PROTOCOL_VERSION
+from .stagefile import check_splittable, ensure_stage_file, read_info
+from .topology import LayerRange, Topology, layer_ranges, parse_per_rank_ints, parse_split
+
+
+class UserError(Exception):
+    """Bad input: reported as one line, non-zero exit on every rank."""
+
+
+@dataclass
+class RunOptions:
+    model: str
+    prompt_tokens: list[int] | None = None   # rank 0 only
+    gen: GenConfig = field(default_factory=GenConfig)
+    layer_split: str | None = None
+    threads: str | None = None
+    threads_batch: str | None = None
+    n_ctx: int = 4096
+    draft: str | None = None
+    drafter: str = "model"                    # model | ngram
+    max_in_flight: int = 8
+    poll_s: float = 0.0005
+    on_tokens: object = None
+
+
+@dataclass
+class RunResult:
+    tokens: list[int]
+    stats: Stats
+    ranges: list[LayerRange]
+    peak_rss_mb: list[float]
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def run(opts: RunOptions, comm=None) -> RunResult | None:
+    """Run one generation; returns the result on rank 0 and None on the other ranks."""
+    from mpi4py import MPI
+    comm = comm or MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    versions = comm.allgather(PROTOCOL_VERSION)
+    if len(set(versions)) != 1:
+        raise UserError(f"ranks run different pipeinfer protocol versions: {versions}")
+
+    info = read_info(opts.model)
+    try:
+        check_splittable(info, size)
+        ranges = layer_ranges(info.n_layer, parse_split(opts.layer_split, size))
+        threads = parse_per_rank_ints(opts.threads, size, "--threads", default=max(1, (os.cpu_count() or 2) // size))
+        threads_b = parse_per_rank_ints(opts.threads_batch, size, "--threads-batch", default=threads[rank])
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if any(r.n_layers == 0 for r in ranges):
+        raise UserError("every rank needs at least one layer: a fraction of 0 in --layer-split is not supported")
+    topo = Topology(rank, size, tuple(ranges))
+    cfg = opts.gen
+    if cfg.mode == "iterative":
+        n_part, n_seq_max = 0, 1
+    else:
+        n_part, n_seq_max = plan_partitions(cfg.cut.max_branches, opts.max_in_flight)
+
+    from .stage import StageEngine, TokenEmbedder  # imports llama_cpp: after the cheap checks
+    my = topo.my_range
+    if size == 1:
+        path, embd_input = opts.model, False
+    else:
+        path, embd_input = ensure_stage_file(opts.model, my.start, my.end, with_vocab=topo.is_last), True
+    n_batch = min(cfg.n_batch, opts.n_ctx)
+    engine = StageEngine(path, n_ctx=opts.n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
+                         n_threads=threads[rank], n_threads_batch=threads_b[rank] if len(threads_b) > 1 else threads_b[0],
+                         embd_input=embd_input, capture_hidden=not topo.is_last)
+    cfg = replace(cfg, n_batch=n_batch, n_ctx=opts.n_ctx)
+
+    transport = None
+    if size > 1:
+        from .transport import Transport
+        transport = Transport(comm.Dup(), comm.Dup(), poll_s=opts.poll_s)
+    comm.Barrier()  # every stage loaded before the clock starts
+
+    if rank != 0:
+        from .worker import StageWorker
+        stats = StageWorker(topo, engine, transport).serve()
+        comm.gather(vars(stats), root=0)
+        comm.gather(_peak_rss_mb(), root=0)
+        engine.close()
+        return None
+
+    from .pipeline import Pipeline
+    pipe = Pipeline(topo, engine, n_vocab=info.n_vocab,
+                    embedder=TokenEmbedder(opts.model) if size > 1 else None, transport=transport)
+    drafter = pool = None
+    if cfg.mode != "iterative":
+        pool = PartitionPool(n_part, cfg.cut.max_branches, n_seq_max)
+        drafter = make_drafter(opts, info, threads[0], threads_b[0])
+    from .tokenizer import Tokenizer
+    tok = Tokenizer(opts.model)
+    eos = set() if not cfg.stop_at_eos else {t for t in tok.eos}
+    head = Head(pipe, cfg, pool, drafter, eos=eos, on_tokens=opts.on_tokens)
+    try:
+        tokens = head.generate(opts.prompt_tokens)
+    finally:
+        pipe.shutdown()
+    stage_stats = comm.gather(None, root=0)[1:]
+    rss = comm.gather(_peak_rss_mb(), root=0)
+    head.stats.stage_stats = stage_stats
+    tok.close()
+    engine.close()
+    return RunResult(tokens, head.stats, ranges, rss)
+
+
+def make_drafter(opts: RunOptions, info, n_threads: int, n_threads_batch: int):
+    from .drafter import ModelDrafter, NgramDrafter
+    if opts.drafter == "ngram":
+        return NgramDrafter()
+    if opts.drafter != "model":
+        raise UserError(f"unknown drafter {opts.drafter!r} (choose model or ngram)")
+    if not opts.draft:
+        raise UserError(f"mode {opts.gen.mode} needs --draft MODEL.gguf or --drafter ngram")
+    check_vocab(opts.model, opts.draft)
+    return ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=opts.gen.cut.max_branches,
+                        n_threads=n_threads, n_threads_batch=n_threads_batch)
+
+
+def check_vocab(target: str, draft: str) -> None:
+    """The draft must give every token id the same text as the target."""
+    import gguf
+    toks = []
+    for path in (target, draft):
+        f = gguf.GGUFReader(str(path), "r").fields.get("tokenizer.ggml.tokens")
+        if f is None:
+            raise UserError(f"{path}: no tokenizer vocabulary in the GGUF")
+        toks.append([bytes(f.parts[i]) for i in f.data])
+    t_tgt, t_dft = toks
+    for i, (a, b) in enumerate(zip(t_tgt, t_dft)):
+        if a != b:
+            raise UserError(f"draft vocabulary differs from the target's: first mismatch at token id {i} "
+                            f"(target {a.decode(errors='replace')!r}, draft {b.decode(errors='replace')!r})")
+    if len(t_dft) > len(t_tgt):
+        raise UserError(f"draft vocabulary has {len(t_dft)} tokens, more than the target's {len(t_tgt)}: "
+                        f"first extra id {len(t_tgt)}")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,161 @@
+"""Stage files: a GGUF holding only a range of another GGUF's layers.
+
+llama.cpp refuses a file whose tensor count disagrees with `{arch}.block_count`, so each stage is a file
+of its own: tensors blk.{a}..blk.{b-1} renamed blk.0.., raw (quantized) data copied as is, per-layer
+metadata arrays sliced to the range. A stage that does not produce logits gets a 4-token dummy
+vocabulary and [4, n_embd] embedding/output tensors, so marking all its rows as outputs (needed to
+capture hidden states) costs no vocabulary-sized projection. Files are cached, keyed by the source's
+identity (path, size, mtime) and the range.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+STAGE_FORMAT = 2  # bump when the stage file layout changes: invalidates the cache
+
+# Architectures whose graph depends on the layer index only through metadata we can carry over.
+# llama/qwen2/qwen3: no index-dependent rule. gemma3: every 6th layer is global attention with another
+# RoPE base, derived from the index unless the per-layer array `sliding_window_pattern` is present;
+# we write that array (the whole model's pattern, sliced), which llama.cpp reads first.
+SPLITTABLE = {"llama", "qwen2", "qwen3", "gemma3"}
+SWA_PERIOD = {"gemma3": 6}
+
+
+class StageFileError(ValueError):
+    """A model that cannot be split as asked (one-line message for the user)."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+
+
+def read_info(path: str | os.PathLike) -> ModelInfo:
+    """Architecture and sizes from a GGUF header (fast: tensors are memory-mapped, not read)."""
+    import gguf
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except Exception as e:  # gguf raises ValueError/struct errors on foreign files
+        raise StageFileError(f"{path}: not a GGUF file ({type(e).__name__}: {e})") from None
+    arch = _field(reader, "general.architecture")
+    if arch is None:
+        raise StageFileError(f"{path}: GGUF without general.architecture")
+    n_layer = _field(reader, f"{arch}.block_count")
+    n_embd = _field(reader, f"{arch}.embedding_length")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    n_vocab = len(tokens.data) if tokens is not None else 0
+    if n_layer is None or n_embd is None:
+        raise StageFileError(f"{path}: GGUF lacks {arch}.block_count or {arch}.embedding_length")
+    return ModelInfo(arch, int(n_layer), int(n_embd), n_vocab)
+
+
+def _field(reader, key):
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def check_splittable(info: ModelInfo, n_stages: int) -> None:
+    if n_stages > 1 and info.arch not in SPLITTABLE:
+        raise StageFileError(
+            f"architecture '{info.arch}' is not verified for layer splitting (renumbering layers may change "
+            f"the model); supported: {', '.join(sorted(SPLITTABLE))}; run it on 1 rank instead")
+
+
+def stage_cache_dir() -> Path:
+    root = Path(os.environ.get("PIPEINFER_CACHE", Path.home() / ".cache" / "pipeinfer"))
+    return root / "stages"
+
+
+def stage_path(src: str | os.PathLike, start: int, end: int, with_vocab: bool) -> Path:
+    st = os.stat(src)
+    key = f"{os.path.abspath(src)}|{st.st_size}|{st.st_mtime_ns}|{start}|{end}|{with_vocab}|{STAGE_FORMAT}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return stage_cache_dir() / f"{Path(src).stem}.L{start}-{end}{'' if with_vocab else '.novocab'}.{digest}.gguf"
+
+
+def ensure_stage_file(src: str | os.PathLike, start: int, end: int, with_vocab: bool) -> Path:
+    """Path of the stage file for layers [start, end) of src, written on first use."""
+    out = stage_path(src, start, end, with_vocab)
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
+        try:
+            write_stage_file(src, tmp, start, end, with_vocab)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return out
+
+
+def write_stage_file(src, dst, start: int, end: int, with_vocab: bool) -> None:
+    import gguf
+    reader = gguf.GGUFReader(str(src), "r")
+    arch = _field(reader, "general.architecture")
+    n_layer = int(_field(reader, f"{arch}.block_count"))
+    n_embd = int(_field(reader, f"{arch}.embedding_length"))
+    if not (0 <= start < end <= n_layer):
+        raise StageFileError(f"layer range [{start}, {end}) outside the model's {n_layer} layers")
+    check_splittable(ModelInfo(arch, n_layer, n_embd, 0), 2 if (start, end) != (0, n_layer) else 1)
+
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for field in reader.fields.values():
+        name = field.name
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        if not with_vocab and name.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        value = field.contents()
+        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        if name == f"{arch}.block_count":
+            value = end - start
+        elif vtype == gguf.GGUFValueType.ARRAY and name.startswith(f"{arch}.") and len(value) == n_layer:
+            value = value[start:end]  # per-layer metadata (head counts, window flags, ...)
+        writer.add_key_value(name, value, vtype, sub_type=sub_type)
+    if arch in SWA_PERIOD and f"{arch}.attention.sliding_window_pattern" not in reader.fields:
+        period = SWA_PERIOD[arch]
+        pattern = [il % period < period - 1 for il in range(n_layer)][start:end]
+        writer.add_array(f"{arch}.attention.sliding_window_pattern", pattern)
+    if not with_vocab:
+        _add_dummy_vocab(writer, gguf)
+
+    tensors = []  # (new name, data, type)
+    for t in reader.tensors:
+        name = t.name
+        if name.startswith("blk."):
+            il = int(name.split(".")[1])
+            if not start <= il < end:
+                continue
+            name = f"blk.{il - start}." + name.split(".", 2)[2]
+        elif not with_vocab and name in ("token_embd.weight", "output.weight"):
+            # [4, n_embd] stand-ins: never used for hidden-state input, projection of 4 rows is free
+            tensors.append((name, np.zeros((4, n_embd), dtype=np.float32), gguf.GGMLQuantizationType.F32))
+            continue
+        tensors.append((name, t.data, t.tensor_type))
+    for name, data, ttype in tensors:
+        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, ttype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, data, _ in tensors:
+        writer.write_tensor_data(data)
+    writer.close()
+
+
+def _add_dummy_vocab(writer, gguf) -> None:
+    # SentencePiece-style ("llama") 4-token vocabulary: loads and reports n_vocab = 4
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>", "a"])
+    writer.add_token_scores([0.0] * 4)
+    writer.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL,
+                            gguf.TokenType.NORMAL])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)

@@ -1,0 +1,119 @@
+"""Ranks, roles, layer ranges and communicators.
+
+Rank 0 is the head: it holds the first target stage, the draft model, sampling and verification.
+Ranks 1..N-1 hold the following target stages in order; the last stage sends logits back to rank 0.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+class SplitError(ValueError):
+    """A layer split that cannot be applied (one-line message for the user)."""
+
+
+@dataclass(frozen=True)
+class LayerRange:
+    start: int  # first layer, inclusive
+    end: int    # last layer, exclusive
+
+    @property
+    def n_layers(self) -> int:
+        return self.end - self.start
+
+    def __str__(self) -> str:
+        return f"[{self.start}, {self.end})"
+
+
+def parse_split(text: str | None, n_ranks: int) -> list[float]:
+    """'0.2,0.4,0.4' -> [0.2, 0.4, 0.4]; None or 'even' -> equal fractions."""
+    if text is None or text.strip() in ("", "even"):
+        return [1.0] * n_ranks
+    try:
+        fractions = [float(x) for x in text.replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        raise SplitError(f"--layer-split must be comma-separated numbers, got {text!r}") from None
+    if len(fractions) != n_ranks:
+        raise SplitError(f"--layer-split has {len(fractions)} fractions but there are {n_ranks} target ranks")
+    if any(not math.isfinite(f) or f < 0 for f in fractions):
+        raise SplitError(f"--layer-split fractions must be finite and >= 0, got {text!r}")
+    if fractions[0] == 0:
+        raise SplitError("--layer-split: rank 0 (the head) needs at least one layer")
+    if sum(fractions) <= 0:
+        raise SplitError(f"--layer-split fractions sum to zero: {text!r}")
+    return fractions
+
+
+def layer_ranges(n_layer: int, fractions: list[float]) -> list[LayerRange]:
+    """Give rank i round(n_layer * f_i / sum f) layers, at least 1 unless f_i == 0; leftovers to the last rank.
+
+    Ranks with fraction 0 get an empty range (they hold no layers and only relay nothing; the CLI refuses
+    them as pipeline stages). Raises SplitError when some rank with a positive fraction would get no layer.
+    """
+    n_ranks_active = sum(1 for f in fractions if f > 0)
+    if n_ranks_active > n_layer:
+        raise SplitError(f"{n_ranks_active} ranks need layers but the model has only {n_layer} layers")
+    total = sum(fractions)
+    counts = [max(1, round(n_layer * f / total)) if f > 0 else 0 for f in fractions]
+    # trim from the largest shares while we overshoot (rounding up of tiny shares), then give leftovers to the last
+    while sum(counts) > n_layer:
+        i = max(range(len(counts)), key=lambda k: (counts[k], k))
+        counts[i] -= 1
+    last = max(i for i, f in enumerate(fractions) if f > 0)
+    counts[last] += n_layer - sum(counts)
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append(LayerRange(start, start + c))
+        start += c
+    assert start == n_layer and all(r.n_layers >= 1 for r, f in zip(ranges, fractions) if f > 0)
+    return ranges
+
+
+def split_from_speeds(ms_per_layer: list[float]) -> list[float]:
+    """Fractions proportional to speed (1 / measured ms per layer), for --layer-split auto."""
+    return [1.0 / max(t, 1e-9) for t in ms_per_layer]
+
+
+def parse_per_rank_ints(text: str | None, n_ranks: int, name: str, default: int) -> list[int]:
+    """'4,8,8' -> one value per rank; a single value applies to every rank; None -> default."""
+    if text is None or str(text).strip() == "":
+        return [default] * n_ranks
+    try:
+        values = [int(x) for x in str(text).replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        raise SplitError(f"{name} must be comma-separated integers, got {text!r}") from None
+    if len(values) == 1:
+        values = values * n_ranks
+    if len(values) != n_ranks or any(v < 1 for v in values):
+        raise SplitError(f"{name} needs one positive value or {n_ranks} (one per rank), got {text!r}")
+    return values
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Who is who: rank r holds layers ranges[r] of the target."""
+    rank: int
+    n_ranks: int
+    ranges: tuple[LayerRange, ...]
+
+    @property
+    def is_head(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.n_ranks - 1
+
+    @property
+    def next_rank(self) -> int:
+        """Where this stage's output goes: the next stage, or the head for the last stage's logits."""
+        return (self.rank + 1) % self.n_ranks
+
+    @property
+    def prev_rank(self) -> int:
+        return (self.rank - 1) % self.n_ranks
+
+    @property
+    def my_range(self) -> LayerRange:
+        return self.ranges[self.rank]

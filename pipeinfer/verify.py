@@ -1,0 +1,127 @@
+"""Sampling and verification: pure functions over token trees and logits.
+
+A run is a small tree of nodes at absolute positions. Each node's logits predict the next position.
+Verification walks the accepted sequence forward: while some node of the run holds the last accepted
+token at position m-1 and its whole context agrees with the accepted tokens, the target's token for
+position m is drawn from that node's logits and appended.
+
+Sampling is *per position*: the token at position m is drawn with an RNG seeded by (seed, m) from the
+target's distribution given the accepted context. So a position's token never depends on what the
+draft proposed, which makes every mode lossless: greedy output is token for token the target's, and
+sampled output is distributed exactly as sampling from the target alone (it is even the same sample
+for the same seed, up to float noise in the logits). This is SpecInfer's multi-step speculative
+sampling with deterministic (one-hot) proposals: a proposal x with q = onehot(x) is accepted with
+probability min(1, p(x)/q(x)) = p(x), and on rejection the residual norm(max(p - q, 0)) excludes x,
+which is the same as drawing y ~ p once and accepting the child whose token equals y.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temp: float = 0.0    # <= 0: greedy (argmax)
+    top_k: int = 0       # 0: off
+    top_p: float = 1.0   # 1: off
+    seed: int = 0
+
+
+def logits_to_probs(logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
+    """logits: f32[n_vocab] -> probabilities after temperature, top-k and top-p (f64[n_vocab])."""
+    x = logits.astype(np.float64) / max(sp.temp, 1e-6)
+    if sp.top_k > 0 and sp.top_k < len(x):
+        kth = np.partition(x, -sp.top_k)[-sp.top_k]
+        x = np.where(x >= kth, x, -np.inf)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if sp.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        keep = np.cumsum(p[order]) - p[order] < sp.top_p  # smallest prefix whose mass reaches top_p
+        mask = np.zeros_like(p, dtype=bool)
+        mask[order[keep]] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def sample_at(logits: np.ndarray, pos: int, sp: SamplingParams) -> int:
+    """The target's token for position `pos` given logits f32[n_vocab] of position pos-1."""
+    if sp.temp <= 0:
+        return int(np.argmax(logits))
+    p = logits_to_probs(logits, sp)
+    rng = np.random.default_rng([sp.seed, pos])
+    return int(rng.choice(len(p), p=p))
+
+
+@dataclass
+class Node:
+    token: int
+    pos: int
+    parent: int = -1          # index of the parent node in the same run; -1: attaches to the run's prefix
+    seq_ids: list[int] = field(default_factory=list)
+    row: int = -1             # row of this node's logits in the run's result; -1: no logits requested
+    drafted: bool = False     # proposed by the drafter (counts for the acceptance rate)
+
+
+@dataclass
+class TreeRun:
+    """The head's view of one run: its nodes and the speculative tokens it assumes before its first node."""
+    run_id: int
+    nodes: list[Node]
+    prefix: dict[int, int] = field(default_factory=dict)  # pos -> token assumed at positions before the nodes
+
+    def path(self, i: int) -> list[Node]:
+        out = []
+        while i >= 0:
+            out.append(self.nodes[i])
+            i = self.nodes[i].parent
+        return out[::-1]
+
+
+def consistent(run: TreeRun, i: int, accepted: list[int]) -> bool:
+    """Node i's context (run prefix + ancestors + itself) agrees with every accepted position it covers."""
+    m = len(accepted)
+    for pos, tok in run.prefix.items():
+        if pos < m and accepted[pos] != tok:
+            return False
+    return all(n.pos >= m or accepted[n.pos] == n.token for n in run.path(i))
+
+
+def is_useful(run: TreeRun, accepted: list[int]) -> bool:
+    """Can the run still add a token? Some consistent node must sit at or after the last accepted position.
+
+    False means the run is invalid (every branch disagrees with what was accepted) or superfluous
+    (everything it could predict is already accepted): cancel it. Checks every branch of the tree.
+    """
+    m = len(accepted)
+    return any(n.pos >= m - 1 and consistent(run, i, accepted) for i, n in enumerate(run.nodes))
+
+
+@dataclass
+class Verdict:
+    new_tokens: list[int]      # tokens appended to the accepted sequence
+    n_draft_accepted: int      # drafted nodes found consistent and used
+    deepest: int               # index of the deepest consistent node whose cell can join seq 0, -1 if none
+
+
+def verify(run: TreeRun, logits: np.ndarray, accepted: list[int], sp: SamplingParams) -> Verdict:
+    """Extend `accepted` (in place) with every token this run's logits f32[n_rows, n_vocab] determine."""
+    new, n_draft = [], 0
+    while True:
+        m = len(accepted)
+        hit = next((i for i, n in enumerate(run.nodes)
+                    if n.pos == m - 1 and n.row >= 0 and consistent(run, i, accepted)), None)
+        if hit is None:
+            break
+        n_draft += run.nodes[hit].drafted
+        y = sample_at(logits[run.nodes[hit].row], m, sp)
+        accepted.append(y)
+        new.append(y)
+    deepest = -1
+    for i, n in enumerate(run.nodes):
+        if n.pos < len(accepted) and consistent(run, i, accepted) and (deepest < 0 or n.pos > run.nodes[deepest].pos):
+            deepest = i
+    return Verdict(new, n_draft, deepest)

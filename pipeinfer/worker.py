@@ -1,0 +1,132 @@
+"""Serve loop of a pipeline stage rank (ranks 1..N-1).
+
+Handles transactions from the previous rank strictly in arrival order (which is the head's order,
+see protocol.py) and forwards each one to the next rank; the last stage sends DECODE results (logits)
+back to the head. Cancellation arrives out of band from the next rank (the signal travels backwards:
+head -> last stage -> ... -> rank 1), is recorded in a bounded set, relayed, and checked before a run
+starts and by llama.cpp's abort callback while it decodes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .protocol import Batch, Flag, Header, Kind, Tag
+from .stage import DecodeAborted, StageEngine
+from .topology import Topology
+from .transport import Transport
+
+CANCEL_WINDOW = 4096  # cancelled ids older than the newest handled run by this much are forgotten
+
+
+@dataclass
+class StageStats:
+    rank: int = 0
+    n_decoded: int = 0             # runs decoded to the end
+    n_tokens: int = 0              # tokens decoded
+    n_cancelled_before: int = 0    # runs skipped because they were cancelled before this stage started them
+    n_cancelled_mid: int = 0       # runs aborted in the middle of their decode
+    n_kv_txns: int = 0             # KV transactions applied
+    t_busy_s: float = 0.0          # time inside llama_decode
+    t_idle_s: float = 0.0          # time waiting for a transaction
+
+
+class StageWorker:
+    def __init__(self, topo: Topology, engine: StageEngine, transport: Transport):
+        self.topo = topo
+        self.engine = engine
+        self.tx = transport
+        self.cancelled: set[int] = set()
+        self.stats = StageStats(rank=topo.rank)
+        self._newest_run = -1
+
+    def _take_cancels(self) -> None:
+        if self.topo.is_last and self.topo.n_ranks > 1:
+            source = 0  # the head sends cancels to the last stage
+        else:
+            source = self.topo.next_rank
+        ids = self.tx.poll_cancel(source)
+        if ids:
+            self.cancelled.update(ids)
+            if self.topo.rank > 1:
+                self.tx.send_cancel(self.topo.prev_rank, ids)  # relay backwards, never to the head
+
+    def serve(self) -> StageStats:
+        prev, nxt = self.topo.prev_rank, self.topo.next_rank
+        while True:
+            hdr = self.tx.wait_header(prev, while_idle=self._take_cancels)
+            self._take_cancels()
+            if hdr.kind == Kind.SHUTDOWN:
+                if not self.topo.is_last:
+                    self.tx.send(nxt, hdr)
+                break
+            if hdr.kind == Kind.KV:
+                ops = self.tx.recv_array(prev, Tag.KV, (hdr.n_tokens, 5), np.int32)
+                self.engine.apply_kv_ops(ops)
+                self.stats.n_kv_txns += 1
+                if not self.topo.is_last:
+                    self.tx.send(nxt, hdr, (Tag.KV, ops))
+            elif hdr.kind == Kind.DECODE:
+                self._decode(hdr)
+            else:
+                raise RuntimeError(f"rank {self.topo.rank}: unexpected transaction {hdr.kind.name} from rank {prev}")
+        self.stats.t_idle_s = self.tx.t_wait_s
+        self.tx.flush()
+        return self.stats
+
+    def _decode(self, hdr: Header) -> None:
+        prev = self.topo.prev_rank
+        self._newest_run = max(self._newest_run, hdr.run_id)
+        if len(self.cancelled) > CANCEL_WINDOW:
+            self.cancelled = {r for r in self.cancelled if r > self._newest_run - CANCEL_WINDOW}
+        out, started = None, False
+        cancelled = bool(hdr.flags & Flag.CANCELLED) or hdr.run_id in self.cancelled or hdr.parent_id in self.cancelled
+        if not hdr.flags & Flag.CANCELLED:
+            meta = self.tx.recv_array(prev, Tag.META, (hdr.n_meta,), np.int32)
+            activ = self.tx.recv_array(prev, Tag.ACTIV, (hdr.n_tokens, hdr.n_embd), np.float32)
+            if not cancelled:
+                started = True
+                out = self._run(hdr, Batch.unpack_meta(meta), activ)
+                cancelled = out is None
+        if cancelled:
+            # pass an empty transaction on: later stages and the head's FIFO stay aligned
+            self.cancelled.add(hdr.run_id)
+            hdr.flags |= Flag.CANCELLED
+            self.stats.n_cancelled_before += not started
+            if self.topo.is_last:
+                hdr.kind = Kind.RESULT
+            self.tx.send(self.topo.next_rank, hdr)
+        elif self.topo.is_last:
+            hdr.kind = Kind.RESULT
+            self.tx.send(0, hdr, (Tag.LOGITS, out))
+        else:
+            hdr.n_embd = out.shape[1]
+            self.tx.send(self.topo.next_rank, hdr, (Tag.META, meta), (Tag.ACTIV, out))
+
+    def _run(self, hdr: Header, batch: Batch, activ: np.ndarray) -> np.ndarray | None:
+        """Decode one run; None when it was cancelled mid-decode (non-speculative runs never are)."""
+        self.engine.apply_kv_ops(batch.prefix_ops)
+        run_id = hdr.run_id
+        if hdr.flags & Flag.SPECULATIVE:
+            def should_abort() -> bool:
+                self._take_cancels()
+                return run_id in self.cancelled
+            self.engine.should_abort = should_abort
+        t0 = time.perf_counter()
+        try:
+            out = self.engine.decode(batch, activ)
+        except DecodeAborted:
+            self.stats.n_cancelled_mid += 1
+            return None
+        finally:
+            self.engine.should_abort = None
+            self.stats.t_busy_s += time.perf_counter() - t0
+        self.stats.n_decoded += 1
+        self.stats.n_tokens += batch.n_tokens
+        return out
+
+
+def stats_dict(stats: StageStats) -> dict:
+    return asdict(stats)
