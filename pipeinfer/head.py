@@ -106,7 +106,7 @@ class Head:
     def _speculate(self) -> None:
         """Keep the pipeline full while no result is waiting (continuous, asynchronous speculation)."""
         cut = self.cfg.cut
-        while not self.pipe.result_ready() and self.pool.n_free > 0:
+        while self.pool.n_free > 0 and (not self.pipe.result_ready() or self._single_rank_turn()):
             if not self.cfg.continuous and any(f.speculative and not f.cancelled for f in self.flights.values()):
                 return
             p_accept = max(0.0, cut.p_accept + self.adjust)
@@ -125,6 +125,10 @@ class Head:
                 self.adjust -= self.cfg.p_decay
             else:
                 return
+
+    def _single_rank_turn(self) -> bool:
+        # one rank: results are ready at once, so speculate one micro-batch per round instead of never
+        return not self.pipe.distributed and not any(f.speculative for f in self.flights.values())
 
     def _handle(self, res) -> None:
         """Verify the oldest run, commit what it proved, cancel what it made useless."""

@@ -21,6 +21,7 @@ class Stats:
     n_draft_accepted: int = 0      # draft tokens the target agreed with
     n_draft_calls: int = 0         # drafter invocations (including ones that proposed nothing)
     accept_hist: dict[int, int] = field(default_factory=dict)  # tokens gained per verified run -> count
+    n_kv0: int = 0                 # positions in canonical sequence 0 at the end
     t_start_s: float = 0.0
     t_first_s: float = 0.0
     t_last_s: float = 0.0
@@ -75,7 +76,7 @@ class Stats:
             f"(acceptance {self.acceptance_rate * 100:.1f}%)",
             f"tokens per run    = {self.mean_accepted_per_run:.2f}",
         ]
-        for s in self.stage_stats:
+        for s in self.stage_stats[1:]:
             lines.append(f"rank {s['rank']}: decoded {s['n_decoded']} runs / {s['n_tokens']} tokens, "
                          f"cancelled {s['n_cancelled_before']} before start + {s['n_cancelled_mid']} mid-decode, "
                          f"busy {s['t_busy_s']:.2f} s, idle {s['t_idle_s']:.2f} s")

@@ -120,7 +120,11 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
         pipe.shutdown()
     stage_stats = comm.gather(None, root=0)[1:]
     rss = comm.gather(_peak_rss_mb(), root=0)
-    head.stats.stage_stats = stage_stats
+    head_kv = {"rank": 0, "n_decoded": head.stats.n_runs, "n_tokens": 0, "n_cancelled_before": 0,
+               "n_cancelled_mid": 0, "n_kv_txns": 0, "t_busy_s": 0.0, "t_idle_s": transport.t_wait_s if transport else 0.0,
+               "kv": engine.kv_summary()}
+    head.stats.stage_stats = [head_kv] + stage_stats
+    head.stats.n_kv0 = head.n_kv0
     tok.close()
     engine.close()
     return RunResult(tokens, head.stats, ranges, rss)

@@ -45,8 +45,11 @@ _GGML = None
 _BACKEND_READY = False
 
 
+_ABORTING = False  # an abort we asked for makes llama.cpp log errors that are not errors
+
+
 def _quiet_log(level, text, user_data):  # llama.cpp logs to stderr by default; keep the CLI clean
-    if level == 4 or (level == 2 and os.environ.get("PIPEINFER_LLAMA_LOG")):  # GGML_LOG_LEVEL_ERROR
+    if os.environ.get("PIPEINFER_LLAMA_LOG") or (level == 4 and not _ABORTING):  # 4: GGML_LOG_LEVEL_ERROR
         os.write(2, text)
 
 
@@ -149,7 +152,11 @@ class StageEngine:
         return True
 
     def _on_abort_poll(self, data) -> bool:
-        return bool(self.should_abort and self.should_abort())
+        global _ABORTING
+        if self.should_abort is not None and self.should_abort():
+            _ABORTING = True
+            return True
+        return False
 
     # ---- decoding
     def decode(self, batch: Batch, embd: np.ndarray | None = None) -> np.ndarray:
@@ -172,7 +179,11 @@ class StageEngine:
         self._out[:n] = 1 if self.capture_hidden else batch.output
         self._batch.n_tokens = n
         self._captured.clear()
-        rc = llama_cpp.llama_decode(self.ctx, self._batch)
+        global _ABORTING
+        try:
+            rc = llama_cpp.llama_decode(self.ctx, self._batch)
+        finally:
+            _ABORTING = False
         if rc == 2:
             raise DecodeAborted()
         if rc != 0:
@@ -206,6 +217,15 @@ class StageEngine:
     def seq_pos_range(self, seq: int) -> tuple[int, int]:
         """(min, max) position held by a sequence, (-1, -1) when empty."""
         return (llama_cpp.llama_memory_seq_pos_min(self.mem, seq), llama_cpp.llama_memory_seq_pos_max(self.mem, seq))
+
+    def kv_summary(self) -> list[list[int]]:
+        """[seq, min pos, max pos] for every non-empty sequence (for checks after a generation)."""
+        out = []
+        for s in range(self.n_seq_max):
+            lo, hi = self.seq_pos_range(s)
+            if hi >= 0:
+                out.append([s, lo, hi])
+        return out
 
     def close(self) -> None:
         self._stack.close()

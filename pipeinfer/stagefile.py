@@ -70,6 +70,8 @@ def check_splittable(info: ModelInfo, n_stages: int) -> None:
 
 
 def stage_cache_dir() -> Path:
+    if os.environ.get("PIPEINFER_STAGE_CACHE"):
+        return Path(os.environ["PIPEINFER_STAGE_CACHE"])
     root = Path(os.environ.get("PIPEINFER_CACHE", Path.home() / ".cache" / "pipeinfer"))
     return root / "stages"
 

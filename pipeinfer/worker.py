@@ -31,6 +31,7 @@ class StageStats:
     n_kv_txns: int = 0             # KV transactions applied
     t_busy_s: float = 0.0          # time inside llama_decode
     t_idle_s: float = 0.0          # time waiting for a transaction
+    kv: list = None                # [seq, min pos, max pos] of non-empty sequences at shutdown
 
 
 class StageWorker:
@@ -73,6 +74,7 @@ class StageWorker:
             else:
                 raise RuntimeError(f"rank {self.topo.rank}: unexpected transaction {hdr.kind.name} from rank {prev}")
         self.stats.t_idle_s = self.tx.t_wait_s
+        self.stats.kv = self.engine.kv_summary()
         self.tx.flush()
         return self.stats
 

@@ -1,0 +1,114 @@
+"""Real multi-rank runs under mpiexec on synthetic GGUFs: every mode gives the target's own tokens."""
+import pytest
+
+from conftest import PROMPT, mpirun
+from synth import reference_greedy
+
+pytestmark = pytest.mark.mpi
+N = 48
+
+
+@pytest.fixture(scope="module")
+def ref(models):
+    return {k: reference_greedy(models[k], PROMPT, N) for k in ("f32", "q8", "six")}
+
+
+@pytest.mark.parametrize("n_ranks,split,kind", [
+    (1, None, "f32"), (2, None, "f32"), (2, "0.25,0.75", "q8"), (3, None, "six"), (3, "0.2,0.2,0.6", "six"),
+    (4, None, "f32"),  # 4 ranks x 1 layer
+])
+def test_iterative_matches_single_node(models, ref, n_ranks, split, kind):
+    out = mpirun(n_ranks, {"model": str(models[kind]), "prompt": PROMPT, "n": N, "split": split})
+    assert out["tokens"] == ref[kind]
+    assert len(out["ranges"]) == n_ranks and out["ranges"][-1][1] == (6 if kind == "six" else 4)
+
+
+@pytest.mark.parametrize("mode", ["speculative", "pipeinfer"])
+@pytest.mark.parametrize("n_ranks", [1, 2, 3, 4])
+def test_speculative_modes_match(models, ref, mode, n_ranks):
+    out = mpirun(n_ranks, {"model": str(models["f32"]), "prompt": PROMPT, "n": N, "mode": mode,
+                           "draft": str(models["draft60"])})
+    assert out["tokens"] == ref["f32"]
+    s = out["stats"]
+    assert s["n_spec_runs"] > 0 and 0 < s["n_draft_accepted"] < s["n_drafted"]
+    # invariant: afterwards sequence 0 holds exactly the committed tokens on every stage, nothing else remains
+    for st in s["stage_stats"]:
+        assert st["kv"] == [[0, 0, s["n_kv0"] - 1]], st
+
+
+def test_self_draft_accepts_everything(models, ref):
+    out = mpirun(2, {"model": str(models["f32"]), "prompt": PROMPT, "n": N, "mode": "speculative",
+                     "draft": str(models["f32"])})
+    assert out["tokens"] == ref["f32"]
+    assert out["stats"]["n_drafted"] > 0
+    assert out["stats"]["n_draft_accepted"] == out["stats"]["n_drafted"]
+
+
+def test_acceptance_follows_draft_quality(models, ref):
+    rates = []
+    for d in ("draft90", "draft60", "draft30"):
+        # one draft token per run: the acceptance rate is then the per-position agreement
+        out = mpirun(2, {"model": str(models["f32"]), "prompt": PROMPT, "n": 96, "mode": "speculative",
+                         "draft": str(models[d]), "draft_max": 1})
+        assert out["tokens"][:N] == ref["f32"]
+        rates.append(out["stats"]["acceptance_rate"])
+    assert rates[0] > rates[1] > rates[2], rates
+    assert 0.75 <= rates[0] <= 0.97 and 0.2 <= rates[2] <= 0.45, rates  # spans roughly 30%..90%
+
+
+def test_tree_speculation_matches(models, ref):
+    # low p_split: every draft step opens branches, up to 3 per run
+    out = mpirun(2, {"model": str(models["f32"]), "prompt": PROMPT, "n": N, "mode": "speculative",
+                     "draft": str(models["draft30"]), "max_branches": 3, "p_split": 0.0})
+    assert out["tokens"] == ref["f32"]
+    s = out["stats"]
+    assert s["n_drafted"] > 4 * s["n_spec_runs"] / 2  # trees, not chains
+    for st in s["stage_stats"]:
+        assert st["kv"] == [[0, 0, s["n_kv0"] - 1]]
+
+
+def test_pipeinfer_cancels_and_stays_exact(models, ref):
+    out = mpirun(3, {"model": str(models["f32"]), "prompt": PROMPT, "n": 96, "mode": "pipeinfer",
+                     "draft": str(models["draft30"]), "max_branches": 2, "p_split": 0.05})
+    assert out["tokens"][:N] == ref["f32"]
+    s = out["stats"]
+    assert s["n_cancelled"] > 0
+    stages = s["stage_stats"][1:]
+    assert sum(st["n_cancelled_before"] + st["n_cancelled_mid"] for st in stages) > 0
+    for st in s["stage_stats"]:
+        assert st["kv"] == [[0, 0, s["n_kv0"] - 1]]
+
+
+@pytest.mark.parametrize("flags", [{"cancel": False}, {"continuous": False}, {"p_recovery": 0.3, "p_accept": 0.1},
+                                   {"p_decay": 0.05, "p_accept": 0.9}])
+def test_pipeinfer_ablations(models, ref, flags):
+    cfg = {"model": str(models["f32"]), "prompt": PROMPT, "n": N, "mode": "pipeinfer", "draft": str(models["draft60"])}
+    cfg.update(flags)
+    out = mpirun(2, cfg)
+    assert out["tokens"] == ref["f32"]
+    if flags.get("cancel") is False:
+        assert all(st["n_cancelled_mid"] == 0 and st["n_cancelled_before"] == 0 for st in out["stats"]["stage_stats"])
+
+
+@pytest.mark.parametrize("mode", ["speculative", "pipeinfer"])
+def test_sampled_output_is_the_targets_sample(models, mode):
+    """Per-position sampling: a sampled run with any draft gives the target-alone sample for the same seed."""
+    base = {"model": str(models["f32"]), "prompt": PROMPT, "n": 32, "temp": 6.0}
+    for seed in (1, 2):
+        it = mpirun(2, dict(base, seed=seed))
+        sp = mpirun(2, dict(base, seed=seed, mode=mode, draft=str(models["draft60"])))
+        assert sp["tokens"] == it["tokens"]
+    assert mpirun(2, dict(base, seed=3))["tokens"] != it["tokens"]
+
+
+def test_ngram_drafter(models, ref):
+    out = mpirun(2, {"model": str(models["f32"]), "prompt": PROMPT, "n": N, "mode": "pipeinfer", "drafter": "ngram"})
+    assert out["tokens"] == ref["f32"]
+
+
+def test_prompt_longer_than_batch(models):
+    prompt = (PROMPT * 10)[:60]
+    a = mpirun(1, {"model": str(models["f32"]), "prompt": prompt, "n": 16})
+    b = mpirun(2, {"model": str(models["f32"]), "prompt": prompt, "n": 16, "n_batch": 16, "mode": "pipeinfer",
+                   "draft": str(models["draft90"])})
+    assert a["tokens"] == b["tokens"]

@@ -1,0 +1,98 @@
+"""Stage files and the stage engine on synthetic GGUFs: chained stages reproduce the whole model."""
+import numpy as np
+import pytest
+
+from conftest import PROMPT
+from pipeinfer.protocol import Batch, kv_ops
+from pipeinfer.stage import StageEngine, TokenEmbedder
+from pipeinfer.stagefile import StageFileError, check_splittable, ensure_stage_file, read_info, ModelInfo
+
+
+def _batch(tokens, p0, out_last=True):
+    n = len(tokens)
+    out = np.zeros(n, np.int32)
+    out[-1] = 1
+    return Batch(np.asarray(tokens, np.int32), np.arange(p0, p0 + n, dtype=np.int32), [[0]] * n, out, kv_ops())
+
+
+def _engine(path, **kw):
+    args = dict(n_ctx=256, n_batch=64, n_seq_max=2, n_threads=1, n_threads_batch=1)
+    args.update(kw)
+    return StageEngine(path, **args)
+
+
+def test_stage_file_layout(models):
+    src = models["f32"]
+    s0 = ensure_stage_file(src, 0, 1, with_vocab=False)
+    s1 = ensure_stage_file(src, 1, 4, with_vocab=True)
+    i0, i1 = read_info(s0), read_info(s1)
+    assert (i0.n_layer, i0.n_vocab) == (1, 4)         # dummy vocabulary on a middle stage
+    assert (i1.n_layer, i1.n_vocab) == (3, read_info(src).n_vocab)
+    assert ensure_stage_file(src, 0, 1, with_vocab=False) == s0  # cached
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8"])
+@pytest.mark.parametrize("cuts", [(2,), (1,), (1, 3), (1, 2, 3)])
+def test_chained_stages_equal_whole_model(models, kind, cuts):
+    src = models[kind]
+    n_layer = read_info(src).n_layer
+    bounds = [0, *cuts, n_layer]
+    whole = _engine(src, embd_input=False, capture_hidden=False)
+    stages = [_engine(ensure_stage_file(src, a, b, with_vocab=(b == n_layer)), embd_input=True,
+                      capture_hidden=(b != n_layer)) for a, b in zip(bounds, bounds[1:])]
+    emb = TokenEmbedder(src)
+    tokens, pos = list(PROMPT), 0
+    for step in range(12):
+        chunk = tokens if step == 0 else tokens[-1:]
+        ref = whole.decode(_batch(chunk, pos))
+        h = emb(np.asarray(chunk))
+        for st in stages:
+            h = st.decode(_batch(chunk, pos), h)
+        assert h.shape == ref.shape
+        np.testing.assert_allclose(h, ref, atol=2e-2)
+        assert int(h[-1].argmax()) == int(ref[-1].argmax())
+        pos += len(chunk)
+        tokens.append(int(ref[-1].argmax()))
+
+
+def test_middle_stage_has_no_vocabulary_work(models):
+    s = ensure_stage_file(models["f32"], 1, 3, with_vocab=False)
+    eng = _engine(s, embd_input=True, capture_hidden=True)
+    assert eng.n_vocab == 4
+    h = eng.decode(_batch([0, 0, 0], 0), np.ones((3, eng.n_embd), np.float32))
+    assert h.shape == (3, eng.n_embd) and np.isfinite(h).all()
+
+
+def test_kv_ops_and_tree_batch(models):
+    """Tree tokens sharing a prefix cell give the same logits as each branch decoded alone."""
+    eng = _engine(models["f32"], embd_input=False, capture_hidden=False, n_seq_max=3)
+    n = len(PROMPT)
+    eng.decode(_batch(PROMPT, 0))
+    eng.apply_kv_ops(kv_ops((2, 0, 1, -1, -1), (2, 0, 2, -1, -1)))  # seq_cp 0->1, 0->2
+    t1, a, b = 7, 11, 12
+    tree = Batch(np.array([t1, a, b], np.int32), np.array([n, n + 1, n + 1], np.int32), [[1, 2], [1], [2]],
+                 np.ones(3, np.int32), kv_ops())
+    lt = eng.decode(tree)
+    assert eng.seq_pos_range(1) == (0, n + 1) and eng.seq_pos_range(2) == (0, n + 1)
+    eng.apply_kv_ops(kv_ops((1, 1, -1, -1, -1), (1, 2, -1, -1, -1)))
+    assert eng.kv_summary() == [[0, 0, n - 1]]
+    for branch_tok, row in ((a, 1), (b, 2)):
+        eng.apply_kv_ops(kv_ops((2, 0, 1, -1, -1)))
+        lin = Batch(np.array([t1, branch_tok], np.int32), np.array([n, n + 1], np.int32), [[1], [1]],
+                    np.ones(2, np.int32), kv_ops())
+        ll = eng.decode(lin)
+        np.testing.assert_allclose(ll[1], lt[row], atol=1e-2)
+        eng.apply_kv_ops(kv_ops((1, 1, -1, -1, -1)))
+
+
+def test_refuses_unverified_architecture():
+    check_splittable(ModelInfo("mamba", 8, 64, 10), 1)  # whole model: fine
+    with pytest.raises(StageFileError, match="not verified for layer splitting"):
+        check_splittable(ModelInfo("mamba", 8, 64, 10), 2)
+
+
+def test_not_a_gguf(tmp_path):
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"hello world, not a model" * 10)
+    with pytest.raises(StageFileError, match="not a GGUF"):
+        read_info(p)
