@@ -246,6 +246,10 @@ class Head:
         now = time.perf_counter()
         if out:
             if self.stats.n_generated == 0:
+                self.stats.t_prompt_done_s = now
+                if len(out) > 1:
+                    self.stats.t_first_s = now
+            elif not self.stats.t_first_s:
                 self.stats.t_first_s = now
             self.stats.t_last_s = now
             self.stats.n_generated += len(out)

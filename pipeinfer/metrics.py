@@ -1,9 +1,13 @@
 """Counters and timings of one generation (head side), printed once at the end in a fixed format.
 
-Timing definitions (the paper's section V.A): TTFT is the time from the start of prompt processing to
-the first generated token; ITL is the mean time between consecutive generated tokens after the first;
-generation speed is (generated tokens - 1) / (time of last token - time of first token), which
-excludes prompt processing; prompt speed is prompt tokens / TTFT.
+Timing definitions follow the paper's section V.A, with wall-clock time on the head:
+- prompt processing ends when the prompt's logits give the first token (t_prompt_done_s);
+  prompt speed = prompt tokens / (t_prompt_done_s - t_start_s);
+- TTFT = time from the end of prompt processing to the next accepted token (the token sampled from
+  the prompt's logits does not count: no strategy is engaged while processing the prompt);
+- ITL = mean time between consecutive accepted tokens after prompt processing (tokens accepted
+  together count with a gap of 0) = (t_last_s - t_prompt_done_s) / (n_generated - 1);
+- generation speed = (n_generated - 1) / (t_last_s - t_prompt_done_s) = 1 / ITL.
 """
 from __future__ import annotations
 
@@ -22,9 +26,10 @@ class Stats:
     n_draft_calls: int = 0         # drafter invocations (including ones that proposed nothing)
     accept_hist: dict[int, int] = field(default_factory=dict)  # tokens gained per verified run -> count
     n_kv0: int = 0                 # positions in canonical sequence 0 at the end
-    t_start_s: float = 0.0
-    t_first_s: float = 0.0
-    t_last_s: float = 0.0
+    t_start_s: float = 0.0         # prompt processing starts
+    t_prompt_done_s: float = 0.0   # the prompt's logits gave the first token
+    t_first_s: float = 0.0         # first token accepted after prompt processing
+    t_last_s: float = 0.0          # last token accepted
     stage_stats: list[dict] = field(default_factory=list)  # one dict per stage rank (from worker.StageStats)
 
     @property
@@ -33,20 +38,21 @@ class Stats:
 
     @property
     def ttft_s(self) -> float:
-        return self.t_first_s - self.t_start_s
+        return self.t_first_s - self.t_prompt_done_s if self.n_generated > 1 else 0.0
 
     @property
     def gen_tokens_per_s(self) -> float:
-        dt = self.t_last_s - self.t_first_s
+        dt = self.t_last_s - self.t_prompt_done_s
         return (self.n_generated - 1) / dt if self.n_generated > 1 and dt > 0 else 0.0
 
     @property
     def itl_s(self) -> float:
-        return (self.t_last_s - self.t_first_s) / (self.n_generated - 1) if self.n_generated > 1 else 0.0
+        return (self.t_last_s - self.t_prompt_done_s) / (self.n_generated - 1) if self.n_generated > 1 else 0.0
 
     @property
     def pp_tokens_per_s(self) -> float:
-        return self.n_prompt / self.ttft_s if self.ttft_s > 0 else 0.0
+        dt = self.t_prompt_done_s - self.t_start_s
+        return self.n_prompt / dt if dt > 0 else 0.0
 
     @property
     def mean_accepted_per_run(self) -> float:

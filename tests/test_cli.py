@@ -1,0 +1,77 @@
+"""The command line: bad input gives one line and a non-zero exit on every rank, quickly; output streams."""
+import json
+import time
+
+import pytest
+
+from conftest import cli
+
+pytestmark = pytest.mark.mpi
+
+
+def _fails_fast(args, n, match):
+    t0 = time.monotonic()
+    p = cli(args, n=n, timeout=60)
+    dt = time.monotonic() - t0
+    assert p.returncode != 0
+    errors = [l for l in p.stderr.splitlines() if l.startswith("pipeinfer: error")]
+    assert errors and match in errors[0], p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    assert dt < 30, f"took {dt:.1f} s"
+
+
+def test_missing_model(tmp_path):
+    _fails_fast(["generate", "-m", str(tmp_path / "nope.gguf"), "-p", "hi"], 2, "model file not found")
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_text("definitely not a model\n" * 20)
+    _fails_fast(["generate", "-m", str(bad), "-p", "hi"], 2, "not a GGUF")
+
+
+def test_split_count_mismatch(models):
+    _fails_fast(["generate", "-m", str(models["f32"]), "-p", "hi", "--layer-split", "0.5,0.3,0.2"], 2,
+                "3 fractions but there are 2 target ranks")
+
+
+def test_more_ranks_than_layers(models):
+    _fails_fast(["generate", "-m", str(models["f32"]), "-p", "hi", "-t", "1"], 5, "only 4 layers")
+
+
+def test_prompt_longer_than_context(models):
+    _fails_fast(["generate", "-m", str(models["f32"]), "-p", "ba " * 400, "-c", "64"], 2, "does not fit the context")
+
+
+def test_unknown_registry_name():
+    _fails_fast(["generate", "-m", "no-such-model", "-p", "hi"], None, "model file not found")
+
+
+def test_draft_vocabulary_mismatch(tmp_path, models):
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from synth import make_llama_gguf
+    other = make_llama_gguf(tmp_path / "v600.gguf", n_layer=2, n_vocab=600)
+    _fails_fast(["generate", "-m", str(models["f32"]), "-p", "hi", "--mode", "speculative", "--draft", str(other)], 2,
+                "first mismatch at token id")
+
+
+def test_generate_json_on_two_ranks(models):
+    p = cli(["generate", "-m", str(models["f32"]), "-p", "hi", "-n", "12", "--mode", "pipeinfer", "--draft",
+             str(models["draft90"]), "--ignore-eos", "--json", "-q"], n=2)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(out["tokens"]) == 12 and out["ranges"] == [[0, 2], [2, 4]]
+    single = cli(["generate", "-m", str(models["f32"]), "-p", "hi", "-n", "12", "--mode", "iterative",
+                  "--ignore-eos", "--json", "-q"])
+    assert json.loads(single.stdout.strip().splitlines()[-1])["tokens"] == out["tokens"]
+
+
+def test_results_csv_row(models, tmp_path):
+    csv = tmp_path / "r.csv"
+    for _ in range(2):
+        p = cli(["generate", "-m", str(models["f32"]), "-p", "hi", "-n", "8", "--mode", "iterative", "-q",
+                 "--ignore-eos", "--results", str(csv)], n=2)
+        assert p.returncode == 0, p.stderr
+    lines = csv.read_text().splitlines()
+    assert lines[0].startswith("timestamp,mode") and len(lines) == 3

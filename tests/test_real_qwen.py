@@ -1,0 +1,72 @@
+"""End to end on the real Qwen2.5-Coder-1.5B GGUF (`pipeinfer models fetch qwen2.5-coder-1.5b`)."""
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import mpirun
+
+pytestmark = [pytest.mark.real, pytest.mark.mpi]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    from pipeinfer.models import ModelError, resolve_model
+    try:
+        return str(resolve_model("qwen2.5-coder-1.5b"))
+    except ModelError as e:
+        if os.environ.get("PIPEINFER_REQUIRE_REAL"):
+            raise
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def code_prompt(qwen):
+    from pipeinfer.cli import apply_chat, read_prompt_file
+    from pipeinfer.tokenizer import Tokenizer
+    text, chat = read_prompt_file(ROOT / "prompts" / "code.txt")
+    tok = Tokenizer(qwen)
+    ids = tok.encode(apply_chat(tok, text) if chat else text)
+    tok.close()
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference(qwen, code_prompt):
+    """llama-cpp-python's own single-node greedy decoding of the whole file: 256 tokens."""
+    import llama_cpp
+    llm = llama_cpp.Llama(model_path=qwen, n_ctx=1024, n_batch=512, n_threads=2, verbose=False)
+    llm.eval(code_prompt)
+    out = []
+    for _ in range(256):
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
+        t = int(np.argmax(logits))
+        out.append(t)
+        llm.eval([t])
+    llm.close()
+    return out
+
+
+def test_two_ranks_iterative_equals_llama_cpp_python(qwen, code_prompt, reference):
+    out = mpirun(2, {"model": qwen, "prompt": code_prompt, "n": 64, "n_ctx": 1024}, timeout=600)
+    assert out["tokens"] == reference[:64]
+    assert out["ranges"] == [[0, 14], [14, 28]]
+
+
+def test_self_draft_speculative_accepts_all(qwen, code_prompt, reference):
+    out = mpirun(2, {"model": qwen, "prompt": code_prompt, "n": 24, "n_ctx": 1024, "mode": "speculative",
+                     "draft": qwen, "draft_max": 3}, timeout=600)
+    assert out["tokens"] == reference[:24]
+    assert out["stats"]["n_draft_accepted"] == out["stats"]["n_drafted"] > 0
+
+
+def test_pipeinfer_256_tokens_two_ranks(qwen, code_prompt, reference):
+    out = mpirun(2, {"model": qwen, "prompt": code_prompt, "n": 256, "n_ctx": 1024, "mode": "pipeinfer",
+                     "drafter": "ngram", "p_accept": 0.5}, timeout=900)
+    assert out["tokens"] == reference
+    s = out["stats"]
+    assert s["n_spec_runs"] > 0
+    for st in s["stage_stats"]:
+        assert st["kv"] == [[0, 0, s["n_kv0"] - 1]]

@@ -1,0 +1,149 @@
+"""Layer splits, per-rank integer options and ring neighbours (pure functions, no MPI)."""
+from __future__ import annotations
+
+import pytest
+
+from pipeinfer.topology import (LayerRange, SplitError, Topology, layer_ranges, parse_per_rank_ints,
+                                parse_split, split_from_speeds)
+
+
+# ---------------------------------------------------------------- parse_split
+@pytest.mark.parametrize("text", [None, "", "  ", "even", " even "])
+def test_parse_split_even_default(text):
+    assert parse_split(text, 3) == [1.0, 1.0, 1.0]
+
+
+def test_parse_split_fractions():
+    assert parse_split("0.2,0.4,0.4", 3) == [0.2, 0.4, 0.4]
+    assert parse_split("1/2/1", 3) == [1.0, 2.0, 1.0]       # '/' is accepted as a separator
+    assert parse_split(" 3 , 1 ", 2) == [3.0, 1.0]
+    assert parse_split("2,0,1", 3) == [2.0, 0.0, 1.0]        # a middle rank may hold nothing
+
+
+def test_parse_split_count_mismatch_names_both_numbers():
+    with pytest.raises(SplitError) as e:
+        parse_split("0.5,0.5", 3)
+    msg = str(e.value)
+    assert "2" in msg and "3" in msg and "--layer-split" in msg
+    with pytest.raises(SplitError, match=r"4 fractions .* 2 target ranks"):
+        parse_split("1,1,1,1", 2)
+
+
+@pytest.mark.parametrize("text", ["0.5,-0.1,0.6", "nan,1", "1,nan", "inf,1", "1,-inf"])
+def test_parse_split_rejects_negative_and_non_finite(text):
+    with pytest.raises(SplitError, match="finite and >= 0"):
+        parse_split(text, 2 if text.count(",") == 1 else 3)
+
+
+@pytest.mark.parametrize("text", ["a,b", "0.5,x", "1;2", "0.5 0.5"])
+def test_parse_split_rejects_non_numeric(text):
+    with pytest.raises(SplitError, match="comma-separated numbers"):
+        parse_split(text, 2)
+
+
+@pytest.mark.parametrize("text", ["0,1,1", "0.0,2", "-0,1"])
+def test_parse_split_head_needs_a_layer(text):
+    with pytest.raises(SplitError, match="rank 0"):
+        parse_split(text, text.count(",") + 1)
+
+
+def test_split_error_is_a_value_error():
+    assert issubclass(SplitError, ValueError)
+
+
+# ---------------------------------------------------------------- layer_ranges
+def _check_cover(ranges: list[LayerRange], n_layer: int, fractions: list[float]) -> None:
+    assert ranges[0].start == 0 and ranges[-1].end == n_layer
+    for a, b in zip(ranges, ranges[1:]):
+        assert a.end == b.start                      # contiguous, no overlap, no gap
+    assert sum(r.n_layers for r in ranges) == n_layer
+    for r, f in zip(ranges, fractions):
+        assert (r.n_layers >= 1) if f > 0 else (r.n_layers == 0)
+
+
+@pytest.mark.parametrize("n_layer, fractions, expected", [
+    (28, [1, 1], [(0, 14), (14, 28)]),
+    (28, [1, 1, 1], [(0, 9), (9, 18), (18, 28)]),          # 27 by rounding, the leftover goes to the last rank
+    (10, [1, 1, 1], [(0, 3), (3, 6), (6, 10)]),
+    (5, [1, 1], [(0, 2), (2, 5)]),                         # round(2.5) == 2 twice, leftover to the last
+    (10, [0.2, 0.4, 0.4], [(0, 2), (2, 6), (6, 10)]),
+    (4, [0.1, 0.45, 0.45], [(0, 1), (1, 3), (3, 4)]),      # a 1-layer rank; overshoot trimmed from the largest
+    (10, [1, 0.01, 0.01], [(0, 8), (8, 9), (9, 10)]),     # tiny shares still get one layer each
+    (4, [1, 0, 1], [(0, 2), (2, 2), (2, 4)]),              # fraction 0: empty range
+    (6, [1, 1, 0], [(0, 3), (3, 6), (6, 6)]),              # last rank empty: leftovers to the last *active* rank
+    (3, [1, 1, 1], [(0, 1), (1, 2), (2, 3)]),              # exactly one layer per rank
+    (1, [1], [(0, 1)]),
+])
+def test_layer_ranges_exact(n_layer, fractions, expected):
+    ranges = layer_ranges(n_layer, fractions)
+    assert [(r.start, r.end) for r in ranges] == expected
+    _check_cover(ranges, n_layer, fractions)
+
+
+@pytest.mark.parametrize("n_layer", [2, 3, 5, 7, 12, 18, 28, 32, 80])
+@pytest.mark.parametrize("fractions", [[1], [1, 1], [0.2, 0.4, 0.4], [5, 1, 1, 1], [0.01, 1, 0.01],
+                                       [1, 0, 3], [1, 2, 3, 4, 5], [0.3, 0.3, 0.3, 0.05, 0.05]])
+def test_layer_ranges_cover_all_layers(n_layer, fractions):
+    if sum(f > 0 for f in fractions) > n_layer:
+        with pytest.raises(SplitError):
+            layer_ranges(n_layer, fractions)
+        return
+    ranges = layer_ranges(n_layer, fractions)
+    assert len(ranges) == len(fractions)
+    _check_cover(ranges, n_layer, fractions)
+
+
+def test_layer_ranges_more_ranks_than_layers():
+    with pytest.raises(SplitError, match=r"3 ranks need layers but the model has only 2 layers"):
+        layer_ranges(2, [1, 1, 1])
+    assert [r.n_layers for r in layer_ranges(2, [1, 0, 1])] == [1, 0, 1]  # inactive ranks do not count
+
+
+def test_layer_range_str_and_size():
+    r = LayerRange(3, 7)
+    assert r.n_layers == 4 and str(r) == "[3, 7)"
+
+
+def test_split_from_speeds_is_inverse_time():
+    f = split_from_speeds([10.0, 5.0, 0.0])
+    assert f[0] == pytest.approx(0.1) and f[1] == pytest.approx(0.2) and f[2] > 1e6  # 0 ms: clamped, no div by 0
+    assert [r.n_layers for r in layer_ranges(9, split_from_speeds([2.0, 1.0]))] == [3, 6]
+
+
+# ---------------------------------------------------------------- parse_per_rank_ints
+def test_parse_per_rank_ints():
+    assert parse_per_rank_ints("4,8,8", 3, "--threads", 2) == [4, 8, 8]
+    assert parse_per_rank_ints("4/8/8", 3, "--threads", 2) == [4, 8, 8]
+    assert parse_per_rank_ints("5", 3, "--threads", 2) == [5, 5, 5]   # one value for every rank
+    assert parse_per_rank_ints(6, 2, "--threads", 2) == [6, 6]        # a click int passes through
+    assert parse_per_rank_ints(None, 3, "--threads", 2) == [2, 2, 2]
+    assert parse_per_rank_ints("", 2, "--threads", 7) == [7, 7]
+
+
+@pytest.mark.parametrize("text, what", [
+    ("4,8", "one positive value or 3"),
+    ("4,8,8,8", "one positive value or 3"),
+    ("0", "one positive value or 3"),
+    ("4,-1,2", "one positive value or 3"),
+    ("a,b,c", "comma-separated integers"),
+    ("1.5", "comma-separated integers"),
+])
+def test_parse_per_rank_ints_rejects(text, what):
+    with pytest.raises(SplitError, match=what) as e:
+        parse_per_rank_ints(text, 3, "--threads-batch", 1)
+    assert "--threads-batch" in str(e.value)
+
+
+# ---------------------------------------------------------------- Topology
+def test_topology_ring():
+    ranges = tuple(layer_ranges(12, [1, 1, 1]))
+    head, mid, last = (Topology(r, 3, ranges) for r in range(3))
+    assert (head.is_head, head.is_last, head.next_rank, head.prev_rank) == (True, False, 1, 2)
+    assert (mid.is_head, mid.is_last, mid.next_rank, mid.prev_rank) == (False, False, 2, 0)
+    assert (last.is_head, last.is_last, last.next_rank, last.prev_rank) == (False, True, 0, 1)  # logits go to the head
+    assert [t.my_range for t in (head, mid, last)] == [LayerRange(0, 4), LayerRange(4, 8), LayerRange(8, 12)]
+
+
+def test_topology_single_rank():
+    t = Topology(0, 1, (LayerRange(0, 4),))
+    assert t.is_head and t.is_last and t.next_rank == 0 and t.prev_rank == 0
