@@ -245,15 +245,24 @@ class TokenEmbedder:
 
     def __init__(self, path: str | os.PathLike):
         import gguf
-        reader = gguf.GGUFReader(str(path), "r")
-        arch = reader.fields["general.architecture"].contents()
-        self._tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
-        self.n_vocab = int(self._tensor.shape[1])
-        self.n_embd = int(self._tensor.shape[0])
+        from .ggufheader import read_header, tensor_rows
+        header = read_header(path)
+        arch = header.fields["general.architecture"]
+        info = header.tensors["token_embd.weight"]
+        self._rows = tensor_rows(path, info)  # uint8[n_vocab, bytes per row], memory-mapped
+        self._type = gguf.GGMLQuantizationType(info.ggml_type)
+        self.n_embd, self.n_vocab = int(info.shape[0]), int(info.shape[1])
         self.scale = math.sqrt(self.n_embd) if arch in self.SCALED else 1.0
         self._dequantize = gguf.quants.dequantize
 
     def __call__(self, tokens: np.ndarray) -> np.ndarray:
-        rows = self._dequantize(np.asarray(self._tensor.data[np.asarray(tokens)]), self._tensor.tensor_type)
+        """f32[n_tokens, n_embd] input rows of the first stage."""
+        raw = np.asarray(self._rows[np.asarray(tokens)])
+        if self._type == self._type.F32:
+            rows = raw.view(np.float32)
+        elif self._type == self._type.F16:
+            rows = raw.view(np.float16).astype(np.float32)
+        else:
+            rows = self._dequantize(raw, self._type)
         rows = np.asarray(rows, dtype=np.float32).reshape(len(tokens), self.n_embd)
         return rows * np.float32(self.scale) if self.scale != 1.0 else rows

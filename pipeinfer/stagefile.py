@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,22 +40,19 @@ class ModelInfo:
 
 
 def read_info(path: str | os.PathLike) -> ModelInfo:
-    """Architecture and sizes from a GGUF header (fast: tensors are memory-mapped, not read)."""
-    import gguf
+    """Architecture and sizes from a GGUF header (fast: see ggufheader.py)."""
+    from .ggufheader import NotGGUF, read_header
     try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as e:  # gguf raises ValueError/struct errors on foreign files
-        raise StageFileError(f"{path}: not a GGUF file ({type(e).__name__}: {e})") from None
-    arch = _field(reader, "general.architecture")
+        fields = read_header(path).fields
+    except (NotGGUF, OSError, UnicodeDecodeError, struct.error) as e:
+        raise StageFileError(f"{path}: not a GGUF file ({e})") from None
+    arch = fields.get("general.architecture")
     if arch is None:
         raise StageFileError(f"{path}: GGUF without general.architecture")
-    n_layer = _field(reader, f"{arch}.block_count")
-    n_embd = _field(reader, f"{arch}.embedding_length")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    n_vocab = len(tokens.data) if tokens is not None else 0
+    n_layer, n_embd = fields.get(f"{arch}.block_count"), fields.get(f"{arch}.embedding_length")
     if n_layer is None or n_embd is None:
         raise StageFileError(f"{path}: GGUF lacks {arch}.block_count or {arch}.embedding_length")
-    return ModelInfo(arch, int(n_layer), int(n_embd), n_vocab)
+    return ModelInfo(arch, int(n_layer), int(n_embd), int(fields.get("tokenizer.ggml.tokens", 0)))
 
 
 def _field(reader, key):

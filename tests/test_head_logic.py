@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pipeinfer.drafter import Cutoffs, DraftNode
+from pipeinfer.drafter import Cutoffs, DraftNode, NgramDrafter
 from pipeinfer.head import GenConfig, Head
 from pipeinfer.kvplan import PartitionPool, plan_partitions
 from pipeinfer.pipeline import Result
@@ -49,7 +49,9 @@ def logits_flat(ctx: list[int]) -> np.ndarray:
     return row
 
 
-def target_alone(prompt: list[int], n: int, logits_fn=logits_greedy, sp: SamplingParams = SamplingParams()) -> list[int]:
+def target_alone(prompt: list[int], n: int, logits_fn=logits_greedy,
+                 sp: SamplingParams = SamplingParams()) -> list[int]:
+    """The target alone: prompt + n tokens, position m drawn by sample_at from the logits of the context before m."""
     seq = list(prompt)
     for m in range(len(prompt), len(prompt) + n):
         seq.append(sample_at(logits_fn(seq), m, sp))
@@ -267,10 +269,10 @@ class ToyDrafter:
     def __init__(self, error_rate: float = 0.0, seed: int = 0, prob: float = 0.9):
         self.error_rate, self.prob = error_rate, prob
         self.rng = np.random.default_rng(seed)
-        self.contexts: list[int] = []
+        self.p_accepts: list[float] = []  # the cutoff of every call
 
     def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
-        self.contexts.append(len(context))
+        self.p_accepts.append(cut.p_accept)
         if cut.p_accept > self.prob:
             return []
         tree: list[DraftNode] = []
@@ -298,21 +300,23 @@ class ToyDrafter:
 # ---------------------------------------------------------------- harness
 def run_head(mode: str, *, n_predict: int = 40, error_rate: float = 0.0, seed: int = 0, n_max: int = 4,
              max_branches: int = 1, max_in_flight: int = 6, distributed: bool = True, poll_every: int = 3,
-             abort_mid: bool = False, cancel_lag: int = 0, sampling: SamplingParams = SamplingParams(), logits_fn=logits_greedy,
-             eos: frozenset = frozenset(), **cfg_kw) -> SimpleNamespace:
+             abort_mid: bool = False, cancel_lag: int = 0, sampling: SamplingParams = SamplingParams(),
+             logits_fn=logits_greedy, eos: frozenset = frozenset(), drafter_prob: float = 0.9,
+             drafter=None, **cfg_kw) -> SimpleNamespace:
     reference = target_alone(PROMPT, n_predict + 64, logits_fn, sampling)
     pipe = FakePipeline(reference, logits_fn, distributed, poll_every, abort_mid, cancel_lag)
     n_part, n_seq = plan_partitions(max_branches, max_in_flight)
     pool = PartitionPool(n_part, max_branches, n_seq) if mode != "iterative" else None
-    drafter = ToyDrafter(error_rate, seed) if mode != "iterative" else None
+    if drafter is None and mode != "iterative":
+        drafter = ToyDrafter(error_rate, seed, drafter_prob)
     cfg = GenConfig(mode=mode, n_predict=n_predict, sampling=sampling,
                     cut=Cutoffs(p_accept=0.5, p_split=0.1, n_max=n_max, max_branches=max_branches), **cfg_kw)
     streamed: list[int] = []
     head = Head(pipe, cfg, pool, drafter, eos=set(eos), on_tokens=streamed.extend)
     out = head.generate(list(PROMPT))
     pipe.finish()
-    return SimpleNamespace(head=head, pipe=pipe, pool=pool, n_part=n_part, out=out, streamed=streamed,
-                           expected=reference[len(PROMPT):len(PROMPT) + n_predict], stats=head.stats)
+    return SimpleNamespace(head=head, pipe=pipe, pool=pool, drafter=drafter, n_part=n_part, out=out,
+                           streamed=streamed, expected=reference[len(PROMPT):len(PROMPT) + n_predict], stats=head.stats)
 
 
 def assert_clean_end(r: SimpleNamespace) -> None:
@@ -433,6 +437,34 @@ def test_pipeinfer_not_continuous_keeps_one_speculative_run():
     assert_clean_end(r)
 
 
+def test_pipeinfer_recovery_raises_the_cutoff():
+    # p_accept 0.5 rises by 0.25 per micro-batch launched since the last acceptance: 0.5, 0.75, then 1.0 stops
+    r = run_head("pipeinfer", error_rate=0.3, seed=17, p_recovery=0.25)
+    assert r.out == r.expected
+    assert set(r.drafter.p_accepts) == {0.5, 0.75}
+    assert_clean_end(r)
+
+
+def test_pipeinfer_decay_lowers_the_cutoff():
+    # the drafter is 0.4 confident: never enough for p_accept 0.5, enough after one decay step
+    r = run_head("pipeinfer", error_rate=0.3, seed=18, drafter_prob=0.4, p_decay=0.1)
+    assert r.out == r.expected
+    assert r.stats.n_spec_runs > 0 and set(r.drafter.p_accepts) >= {0.5, 0.4}
+    assert_clean_end(r)
+    r = run_head("pipeinfer", error_rate=0.3, seed=18, drafter_prob=0.4)
+    assert r.out == r.expected and r.stats.n_spec_runs == 0   # no decay: wait for results instead
+    assert_clean_end(r)
+
+
+@pytest.mark.parametrize("mode", ["speculative", "pipeinfer"])
+def test_with_ngram_drafter(mode):
+    # prompt lookup on this target proposes mostly wrong tokens: a stress test with a real drafter
+    r = run_head(mode, drafter=NgramDrafter(), n_predict=60)
+    assert r.out == r.expected
+    assert r.stats.n_spec_runs > 0
+    assert_clean_end(r)
+
+
 def test_pipeinfer_results_always_ready():
     # the last stage answers on the first poll: no room to speculate, PipeInfer degrades to iterative
     r = run_head("pipeinfer", error_rate=0.3, seed=16, poll_every=1)
@@ -545,5 +577,7 @@ def test_fake_pipeline_rejects_two_cells_at_one_position():
     pipe, ref = _prompted_pipe()
     pipe.launch(2, _one(ref[10], 10, [3], [cp(0, 3, 0, 10)]), True)
     pipe.launch(3, _one(ref[10], 10, [0]), False)
-    with pytest.raises(KvError, match="two cells at position 10"):
+    with pytest.raises(AssertionError, match="commit copy"):
         pipe.kv(kv_ops(cp(3, 0, 10, 11)))                      # a commit of a position seq 0 already holds
+    with pytest.raises(KvError, match="two cells at position 10"):
+        pipe.stages[0].apply(kv_ops(cp(3, 0, 10, 11)))        # and what the stage would then hold
