@@ -18,6 +18,7 @@ PipeInfer (paper, section IV), as the loop below runs it:
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -32,6 +33,15 @@ from .protocol import NO_RUN, Batch, kv_ops
 from .verify import Node, SamplingParams, TreeRun, consistent, is_useful, verify
 
 MODES = ("iterative", "speculative", "pipeinfer")
+
+
+def _rss_mb() -> float:
+    """Current resident set size of this process in MiB (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return 0.0
 
 
 @dataclass(frozen=True)
@@ -252,7 +262,10 @@ class Head:
             elif not self.stats.t_first_s:
                 self.stats.t_first_s = now
             self.stats.t_last_s = now
+            before = self.stats.n_generated
             self.stats.n_generated += len(out)
+            if self.stats.n_generated // 250 > before // 250:
+                self.stats.rss_trace_mb[self.stats.n_generated // 250 * 250] = _rss_mb()
             if self.on_tokens:
                 self.on_tokens(out)
         if self.stats.n_generated >= self.cfg.n_predict:

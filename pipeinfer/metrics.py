@@ -30,6 +30,7 @@ class Stats:
     t_prompt_done_s: float = 0.0   # the prompt's logits gave the first token
     t_first_s: float = 0.0         # first token accepted after prompt processing
     t_last_s: float = 0.0          # last token accepted
+    rss_trace_mb: dict[int, float] = field(default_factory=dict)  # head RSS (MiB) every 250 generated tokens
     stage_stats: list[dict] = field(default_factory=list)  # one dict per stage rank (from worker.StageStats)
 
     @property

@@ -122,12 +122,16 @@ class Batch:
 
     @classmethod
     def unpack_meta(cls, meta: np.ndarray) -> "Batch":
+        if len(meta) < 2:
+            raise ValueError(f"malformed META: {len(meta)} ints, need at least 2")
         n, n_ops = int(meta[0]), int(meta[1])
         if n < 0 or n_ops < 0 or len(meta) < 2 + 4 * n:
             raise ValueError(f"malformed META: n={n} n_ops={n_ops} len={len(meta)}")
         o = 2
         tokens, pos, output, n_seq = (meta[o + k * n:o + (k + 1) * n] for k in range(4))
         o += 4 * n
+        if (n_seq < 1).any():
+            raise ValueError("malformed META: a token without sequence ids")
         flat = meta[o:o + int(n_seq.sum())]
         o += int(n_seq.sum())
         if len(meta) != o + 5 * n_ops:

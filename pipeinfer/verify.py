@@ -52,7 +52,7 @@ def sample_at(logits: np.ndarray, pos: int, sp: SamplingParams) -> int:
     if sp.temp <= 0:
         return int(np.argmax(logits))
     p = logits_to_probs(logits, sp)
-    rng = np.random.default_rng([sp.seed, pos])
+    rng = np.random.default_rng([sp.seed % 2**63, pos])  # any int seed, negative included
     return int(rng.choice(len(p), p=p))
 
 

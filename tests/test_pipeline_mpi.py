@@ -112,3 +112,18 @@ def test_prompt_longer_than_batch(models):
     b = mpirun(2, {"model": str(models["f32"]), "prompt": prompt, "n": 16, "n_batch": 16, "mode": "pipeinfer",
                    "draft": str(models["draft90"])})
     assert a["tokens"] == b["tokens"]
+
+
+def test_long_generation_is_bounded(tmp_path):
+    """2,000 tokens of PipeInfer: no sequence-id or KV exhaustion, head memory flat, KV state exact."""
+    from synth import make_llama_gguf
+    t = make_llama_gguf(tmp_path / "t.gguf", n_layer=4, n_ctx_train=4096)
+    d = make_llama_gguf(tmp_path / "d.gguf", n_layer=4, n_ctx_train=4096, perturb=0.45)
+    out = mpirun(3, {"model": str(t), "prompt": PROMPT, "n": 2000, "n_ctx": 2100, "mode": "pipeinfer",
+                     "draft": str(d), "max_branches": 2, "p_split": 0.05, "max_in_flight": 6}, timeout=600)
+    s = out["stats"]
+    assert s["n_generated"] == 2000 and s["n_cancelled"] > 0
+    rss = {int(k): v for k, v in s["rss_trace_mb"].items()}
+    assert rss[2000] - rss[500] < 8.0, rss  # MiB: tokens lists and counters only
+    for st in s["stage_stats"]:
+        assert st["kv"] == [[0, 0, s["n_kv0"] - 1]]

@@ -165,15 +165,9 @@ def _valid_meta() -> list[int]:
     pytest.param([1, -1, 7, 0, 1, 1, 0], id="negative n_ops"),
     pytest.param([2, 0, 7, 8, 0, 1, 1, 1, 1, 1, 0], id="n_seq sum larger than payload"),
     pytest.param([1, 1, 7, 0, 1, 1, 0, 1, 2, 3], id="op row incomplete"),
-    pytest.param([], id="empty", marks=pytest.mark.xfail(
-        reason="BUG: Batch.unpack_meta indexes meta[0]/meta[1] before any length check: IndexError, "
-               "not ValueError('malformed META')", raises=IndexError, strict=True)),
-    pytest.param([3], id="one int", marks=pytest.mark.xfail(
-        reason="BUG: Batch.unpack_meta indexes meta[1] before any length check: IndexError, "
-               "not ValueError('malformed META')", raises=IndexError, strict=True)),
-    pytest.param([2, 0, 7, 8, 0, 1, 1, 1, 2, -1, 0], id="negative n_seq", marks=pytest.mark.xfail(
-        reason="BUG: Batch.unpack_meta does not check per-token n_seq >= 0; n_seq [2, -1] sums to 1 and "
-               "passes the length check, giving seq_ids [[0], []] instead of an error", strict=True)),
+    pytest.param([], id="empty"),
+    pytest.param([3], id="one int"),
+    pytest.param([2, 0, 7, 8, 0, 1, 1, 1, 2, -1, 0], id="negative n_seq"),
 ])
 def test_meta_malformed_rejected(meta):
     with pytest.raises(ValueError, match="malformed META"):

@@ -47,11 +47,6 @@ def test_sample_at_sampled_is_deterministic_per_seed_and_position():
     assert sum(x != y for x, y in zip(a, b)) > 150                               # the seed matters too
 
 
-@pytest.mark.xfail(reason="BUG: sample_at seeds np.random.default_rng([seed, pos]), which raises ValueError "
-                          "('expected non-negative integer') for a negative seed; the CLI's --seed is type=int and "
-                          "accepts -1 (llama.cpp's 'random seed' convention), so --temp > 0 --seed -1 crashes at the "
-                          "first sampled token instead of being rejected up front or working",
-                   raises=ValueError, strict=True)
 def test_negative_seed_is_rejected_up_front_or_works():
     try:
         sp = SamplingParams(temp=1.0, seed=-1)
