@@ -74,7 +74,11 @@ def main() -> None:
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--draft", default=None, help="draft GGUF (same vocabulary as the target)")
-@click.option("--drafter", type=click.Choice(["model", "ngram"]), default=None, help="[default: model if --draft else ngram]")
+@click.option("--drafter", type=click.Choice(["model", "ngram", "replay"]), default=None,
+              help="[default: model if --draft else ngram]; replay is a benchmark instrument (see README)")
+@click.option("--replay-ref", default=None, help="replay drafter: JSON output of an earlier --json run of the same prompt")
+@click.option("--replay-accuracy", default=0.8, show_default=True, type=click.FloatRange(0, 1),
+              help="replay drafter: probability that each proposal is the reference token")
 @click.option("--draft-max", default=4, show_default=True, type=click.IntRange(1, 64), help="max tokens per speculative micro-batch")
 @click.option("-pa", "--p-accept", default=0.5, show_default=True, type=click.FloatRange(0, 1), help="draft confidence cutoff")
 @click.option("-ps", "--p-split", default=0.1, show_default=True, type=click.FloatRange(0, 1), help="confidence to open a tree branch")
@@ -85,6 +89,8 @@ def main() -> None:
 @click.option("--cancel/--no-cancel", default=True, help="early inference cancellation")
 @click.option("--continuous/--no-continuous", default=True, help="more than one speculative run in flight")
 @click.option("--ignore-eos", is_flag=True, help="keep generating past end-of-generation tokens")
+@click.option("--fast-kernels", is_flag=True,
+              help="repacked CPU weights: faster prompt processing, but logits then depend on batch size (README)")
 @click.option("--poll-us", default=500, show_default=True, type=click.IntRange(0), help="sleep between message probes while waiting")
 @click.option("--results", default=None, help="append one CSV row of results to this file")
 @click.option("-q", "--quiet", is_flag=True, help="no statistics on stderr")
@@ -102,6 +108,8 @@ def _generate(kw) -> None:
     model = str(resolve_model(kw["model"] or DEFAULT_TARGET))
     draft = str(resolve_model(kw["draft"])) if kw["draft"] else None
     drafter = kw["drafter"] or ("model" if draft else "ngram")
+    if drafter == "replay" and not kw["replay_ref"]:
+        raise UserError("--drafter replay needs --replay-ref FILE.json (from an earlier --json run)")
     gen = GenConfig(
         mode=kw["mode"], n_predict=kw["n_predict"],
         sampling=SamplingParams(kw["temp"], kw["top_k"], kw["top_p"], kw["seed"]),
@@ -143,12 +151,14 @@ def _generate(kw) -> None:
                 sys.stdout.flush()
     opts = RunOptions(model=model, prompt_tokens=prompt_tokens, gen=gen, layer_split=kw["layer_split"],
                       threads=kw["threads"], threads_batch=kw["threads_batch"], n_ctx=kw["ctx_size"], draft=draft,
-                      drafter=drafter, max_in_flight=kw["max_in_flight"], poll_s=kw["poll_us"] / 1e6, on_tokens=stream)
+                      drafter=drafter, replay_ref=kw["replay_ref"], replay_accuracy=kw["replay_accuracy"],
+                      max_in_flight=kw["max_in_flight"], poll_s=kw["poll_us"] / 1e6,
+                      fast_kernels=kw["fast_kernels"], on_tokens=stream)
     res = run(opts)
     if rank != 0:
         return
     if kw["as_json"]:
-        print(json.dumps({"text": tok.decode(res.tokens), "tokens": res.tokens,
+        print(json.dumps({"text": tok.decode(res.tokens), "tokens": res.tokens, "prompt_tokens": prompt_tokens,
                           "ranges": [[r.start, r.end] for r in res.ranges], "stats": res.stats.to_dict(),
                           "peak_rss_mb": res.peak_rss_mb}))
     else:
@@ -159,7 +169,8 @@ def _generate(kw) -> None:
         print(f"\n[pipeinfer] mode {gen.mode}, {len(res.ranges)} rank(s): {ranges}", file=sys.stderr)
         print(res.stats.report(), file=sys.stderr)
     if kw["results"]:
-        _append_csv(kw, res, model, draft or drafter, prompt_name)
+        label = {"ngram": "ngram", "replay": f"replay@{kw['replay_accuracy']}"}.get(drafter, Path(draft or "").name)
+        _append_csv(kw, res, model, label, prompt_name)
 
 
 def _prompt_path(name: str) -> str:
@@ -172,7 +183,7 @@ def _append_csv(kw, res, model, draft, prompt_name) -> None:
     s = res.stats
     append_result(kw["results"], {
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "mode": kw["mode"], "target_model": Path(model).name,
-        "draft_model": Path(draft).name if kw["mode"] != "iterative" else "", "ranks": len(res.ranges),
+        "draft_model": draft if kw["mode"] != "iterative" else "", "ranks": len(res.ranges),
         "layer_split": ",".join(str(r.n_layers) for r in res.ranges), "threads": kw["threads"] or "",
         "prompt_name": prompt_name, "n_prompt_tokens": s.n_prompt, "n_generated": s.n_generated,
         "pp_tokens_per_s": round(s.pp_tokens_per_s, 3), "gen_tokens_per_s": round(s.gen_tokens_per_s, 3),

@@ -58,10 +58,11 @@ class ModelDrafter:
     branches, cleared after each call.
     """
 
-    def __init__(self, path, *, n_ctx: int, max_branches: int, n_threads: int, n_threads_batch: int):
+    def __init__(self, path, *, n_ctx: int, max_branches: int, n_threads: int, n_threads_batch: int,
+                 fast_kernels: bool = False):
         self.engine = StageEngine(path, n_ctx=n_ctx, n_batch=max(64, max_branches), n_seq_max=max(1, max_branches),
                                   n_threads=n_threads, n_threads_batch=n_threads_batch,
-                                  embd_input=False, capture_hidden=False)
+                                  embd_input=False, capture_hidden=False, fast_kernels=fast_kernels)
         self.n_vocab = self.engine.n_vocab
         self._kv: list[int] = []        # tokens in draft seq 0
         self._logits: np.ndarray | None = None  # logits after self._kv[-1]
@@ -167,3 +168,34 @@ class NgramDrafter:
                 return []
             return [DraftNode(int(t), k - 1, k, {0}, prob) for k, t in enumerate(cont)]
         return []
+
+
+class ReplayDrafter:
+    """BENCHMARK INSTRUMENT, not a real drafter: replays a known continuation with a set accuracy.
+
+    Given the reference tokens of an earlier single-node run of the same prompt (prompt + output), it
+    proposes the reference token at each position, right with probability `accuracy` (seeded per
+    position) and otherwise a wrong token, with confidence `accuracy`. So that its cost is realistic it
+    spends a real small model's compute per proposed token (`burner`, e.g. Gemma 3 270M, whose output is
+    discarded). It lets benchmarks sweep the acceptance rate on the real target.
+    """
+
+    def __init__(self, reference: list[int], accuracy: float, n_vocab: int, seed: int = 0,
+                 burner: ModelDrafter | None = None):
+        if not 0.0 <= accuracy <= 1.0:
+            raise ValueError(f"replay accuracy must be in [0, 1], got {accuracy}")
+        self.ref, self.accuracy, self.n_vocab, self.seed = list(reference), accuracy, n_vocab, seed
+        self.burner = burner
+
+    def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
+        if self.accuracy < cut.p_accept:
+            return []
+        pos0 = len(context)
+        tokens = []
+        for pos in range(pos0, min(pos0 + cut.n_max, len(self.ref))):
+            right = np.random.default_rng([self.seed, pos]).random() < self.accuracy
+            tokens.append(self.ref[pos] if right else (self.ref[pos] + 1 + pos % 7) % self.n_vocab)
+        if self.burner is not None and tokens:
+            v = self.burner.n_vocab
+            self.burner.draft([t % v for t in context], Cutoffs(0.0, 1.0, len(tokens), 1))
+        return [DraftNode(t, k - 1, k, {0}, self.accuracy) for k, t in enumerate(tokens)]

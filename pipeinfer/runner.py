@@ -16,7 +16,8 @@ from .kvplan import PartitionPool, plan_partitions
 from .metrics import Stats
 from .protocol import PROTOCOL_VERSION
 from .stagefile import check_splittable, ensure_stage_file, read_info
-from .topology import LayerRange, Topology, layer_ranges, parse_per_rank_ints, parse_split
+from .transport import polite_barrier
+from .topology import LayerRange, Topology, layer_ranges, parse_per_rank_ints, parse_split, split_from_speeds
 
 
 class UserError(Exception):
@@ -33,9 +34,12 @@ class RunOptions:
     threads_batch: str | None = None
     n_ctx: int = 4096
     draft: str | None = None
-    drafter: str = "model"                    # model | ngram
+    drafter: str = "model"                    # model | ngram | replay
+    replay_ref: str | None = None             # replay drafter: JSON of an earlier --json run
+    replay_accuracy: float = 0.8              # replay drafter: probability each proposal is right
     max_in_flight: int = 8
     poll_s: float = 0.0005
+    fast_kernels: bool = False                # repacked weights: faster, but not batch-invariant (stage.py)
     on_tokens: object = None
 
 
@@ -63,9 +67,13 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
     info = read_info(opts.model)
     try:
         check_splittable(info, size)
-        ranges = layer_ranges(info.n_layer, parse_split(opts.layer_split, size))
         threads = parse_per_rank_ints(opts.threads, size, "--threads", default=max(1, (os.cpu_count() or 2) // size))
         threads_b = parse_per_rank_ints(opts.threads_batch, size, "--threads-batch", default=threads[rank])
+        if opts.layer_split is not None and opts.layer_split.strip() == "auto":
+            fractions = auto_split(comm, opts.model, info, threads[rank], threads_b[rank]) if size > 1 else [1.0]
+        else:
+            fractions = parse_split(opts.layer_split, size)
+        ranges = layer_ranges(info.n_layer, fractions)
     except ValueError as e:
         raise UserError(str(e)) from None
     if any(r.n_layers == 0 for r in ranges):
@@ -86,18 +94,19 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
     n_batch = min(cfg.n_batch, opts.n_ctx)
     engine = StageEngine(path, n_ctx=opts.n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
                          n_threads=threads[rank], n_threads_batch=threads_b[rank] if len(threads_b) > 1 else threads_b[0],
-                         embd_input=embd_input, capture_hidden=not topo.is_last)
+                         embd_input=embd_input, capture_hidden=not topo.is_last, fast_kernels=opts.fast_kernels)
     cfg = replace(cfg, n_batch=n_batch, n_ctx=opts.n_ctx)
 
     transport = None
     if size > 1:
         from .transport import Transport
         transport = Transport(comm.Dup(), comm.Dup(), poll_s=opts.poll_s)
-    comm.Barrier()  # every stage loaded before the clock starts
+    polite_barrier(comm, opts.poll_s)  # every stage loaded before the clock starts
 
     if rank != 0:
         from .worker import StageWorker
         stats = StageWorker(topo, engine, transport).serve()
+        polite_barrier(comm, opts.poll_s)
         comm.gather(vars(stats), root=0)
         comm.gather(_peak_rss_mb(), root=0)
         engine.close()
@@ -118,6 +127,7 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
         tokens = head.generate(opts.prompt_tokens)
     finally:
         pipe.shutdown()
+    polite_barrier(comm, opts.poll_s)
     stage_stats = comm.gather(None, root=0)[1:]
     rss = comm.gather(_peak_rss_mb(), root=0)
     head_kv = {"rank": 0, "n_decoded": head.stats.n_runs, "n_tokens": 0, "n_cancelled_before": 0,
@@ -130,17 +140,64 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
     return RunResult(tokens, head.stats, ranges, rss)
 
 
+def auto_split(comm, model: str, info, n_threads: int, n_threads_batch: int) -> list[float]:
+    """--layer-split auto: each rank times the same probe layers in turn; fractions proportional to speed."""
+    import time
+
+    import numpy as np
+
+    from .protocol import Batch, kv_ops
+    from .stage import StageEngine
+    n_probe = max(1, info.n_layer // comm.Get_size())
+    probe = ensure_stage_file(model, 0, n_probe, with_vocab=False)
+    eng = StageEngine(probe, n_ctx=256, n_batch=32, n_seq_max=1, n_threads=n_threads, n_threads_batch=n_threads_batch,
+                      embd_input=True, capture_hidden=True)
+    rng = np.random.default_rng(0)
+    ms = []
+    for r in range(comm.Get_size()):  # one rank at a time: the probes must not compete for cores
+        polite_barrier(comm)
+        if r == comm.Get_rank():
+            for n in (1, 8, 1, 8, 1, 8):  # a mix of single-token and micro-batch decodes, after one warm-up
+                b = Batch(np.zeros(n, np.int32), np.arange(n, dtype=np.int32), [[0]] * n, np.ones(n, np.int32), kv_ops())
+                t0 = time.perf_counter()
+                eng.decode(b, rng.standard_normal((n, eng.n_embd), dtype=np.float32))
+                ms.append((time.perf_counter() - t0) * 1e3)
+                eng.apply_kv_ops(kv_ops((1, 0, -1, -1, -1)))
+    eng.close()
+    polite_barrier(comm)
+    mine = sum(ms[2:]) / n_probe if ms else 0.0
+    all_ms = comm.allgather(mine)
+    fractions = split_from_speeds(all_ms)
+    if comm.Get_rank() == 0:
+        log("[pipeinfer] --layer-split auto: ms per probe layer " + ", ".join(f"{t:.2f}" for t in all_ms)
+            + " -> fractions " + ",".join(f"{f / sum(fractions):.3f}" for f in fractions))
+    return fractions
+
+
 def make_drafter(opts: RunOptions, info, n_threads: int, n_threads_batch: int):
-    from .drafter import ModelDrafter, NgramDrafter
+    from .drafter import ModelDrafter, NgramDrafter, ReplayDrafter
     if opts.drafter == "ngram":
         return NgramDrafter()
+    if opts.drafter == "replay":
+        import json
+        try:
+            ref = json.load(open(opts.replay_ref))
+            reference = list(ref["prompt_tokens"]) + list(ref["tokens"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"--replay-ref {opts.replay_ref!r}: need the JSON of an earlier "
+                            f"'pipeinfer generate --json' run ({e})") from None
+        burner = None
+        if opts.draft:
+            burner = ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=1, n_threads=n_threads,
+                                  n_threads_batch=n_threads_batch)
+        return ReplayDrafter(reference, opts.replay_accuracy, info.n_vocab, seed=opts.gen.sampling.seed, burner=burner)
     if opts.drafter != "model":
-        raise UserError(f"unknown drafter {opts.drafter!r} (choose model or ngram)")
+        raise UserError(f"unknown drafter {opts.drafter!r} (choose model, ngram or replay)")
     if not opts.draft:
         raise UserError(f"mode {opts.gen.mode} needs --draft MODEL.gguf or --drafter ngram")
     check_vocab(opts.model, opts.draft)
     return ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=opts.gen.cut.max_branches,
-                        n_threads=n_threads, n_threads_batch=n_threads_batch)
+                        n_threads=n_threads, n_threads_batch=n_threads_batch, fast_kernels=opts.fast_kernels)
 
 
 def check_vocab(target: str, draft: str) -> None:

@@ -64,18 +64,34 @@ def init_backend() -> None:
         _BACKEND_READY = True
 
 
+def batch_invariant_model_params(fast_kernels: bool = False):
+    """Model params under which a token's logits do not depend on the batch it is decoded in.
+
+    Verification decodes micro-batches while the target alone decodes one token at a time, so greedy
+    output is exact only if both give bit-identical logits. Measured on Qwen2.5-Coder-1.5B Q4_K_M with
+    llama-cpp-python 0.3.36: the CPU "extra buffer" (repacked Q4_K weights, a different gemm for >= 4
+    rows) and non-flash attention (f16 matmuls through llamafile's sgemm for >= 2 rows) each move
+    logits by up to 0.45 between batch sizes 1, 2 and 4; with flash attention and without the repack
+    the logits are identical (max difference 0.0). `fast_kernels` keeps the repack: faster prompt
+    processing, but near-ties may then resolve differently in batches.
+    """
+    params = llama_cpp.llama_model_default_params()
+    params.use_extra_bufts = bool(fast_kernels)
+    return params
+
+
 class StageEngine:
     """Owns llama.cpp state for layers of one stage. `embd_input`: feed hidden states instead of tokens."""
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int, n_batch: int, n_seq_max: int,
                  n_threads: int, n_threads_batch: int, embd_input: bool, capture_hidden: bool,
-                 flash_attn: bool = False):
+                 fast_kernels: bool = False):
         global _GGML
         init_backend()
         if n_seq_max > LLAMA_MAX_SEQ:
             raise ValueError(f"n_seq_max {n_seq_max} exceeds llama.cpp's cap of {LLAMA_MAX_SEQ}")
         self._stack = contextlib.ExitStack()
-        mparams = llama_cpp.llama_model_default_params()
+        mparams = batch_invariant_model_params(fast_kernels)
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
@@ -98,8 +114,7 @@ class StageEngine:
         cparams.n_threads_batch = n_threads_batch
         cparams.kv_unified = True  # sequences share one cell pool; seq_cp only tags cells
         cparams.no_perf = True
-        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
-                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED  # batch-invariant attention (below)
         self._captured: list[np.ndarray] = []
         if capture_hidden:
             if _GGML is None:

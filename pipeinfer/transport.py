@@ -104,3 +104,10 @@ class Transport:
             self.cancel_comm.Recv(buf, source=source, tag=Tag.CANCEL)
             ids.extend(buf.tolist())
         return ids
+
+
+def polite_barrier(comm: MPI.Comm, poll_s: float = 0.0005) -> None:
+    """A barrier that sleeps while it waits (a blocking MPI_Barrier busy-polls, see module docstring)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(poll_s)

@@ -1,6 +1,7 @@
 """Run one generation through pipeinfer.runner.run under mpiexec; rank 0 prints a JSON result line.
 
 Usage: mpiexec -n N python -m mpi4py tests/mpi_gen.py '{"model": ..., "prompt": [...], "mode": ..., ...}'
+       mpiexec -n N python -m mpi4py tests/mpi_gen.py @config.json
 """
 import json
 import sys
@@ -10,7 +11,8 @@ from pipeinfer.head import GenConfig
 from pipeinfer.runner import RunOptions, run
 from pipeinfer.verify import SamplingParams
 
-cfg = json.loads(sys.argv[1])
+arg = sys.argv[1]
+cfg = json.loads(open(arg[1:]).read() if arg.startswith("@") else arg)  # @FILE: JSON from a file
 gen = GenConfig(mode=cfg.get("mode", "iterative"), n_predict=cfg["n"],
                 sampling=SamplingParams(cfg.get("temp", 0.0), 0, 1.0, cfg.get("seed", 0)),
                 cut=Cutoffs(cfg.get("p_accept", 0.0), cfg.get("p_split", 1.0), cfg.get("draft_max", 4),
@@ -20,7 +22,8 @@ gen = GenConfig(mode=cfg.get("mode", "iterative"), n_predict=cfg["n"],
                 n_batch=cfg.get("n_batch", 512), stop_at_eos=False)
 res = run(RunOptions(model=cfg["model"], prompt_tokens=cfg["prompt"], gen=gen, layer_split=cfg.get("split"),
                      threads=cfg.get("threads", "1"), n_ctx=cfg.get("n_ctx", 1024), draft=cfg.get("draft"),
-                     drafter=cfg.get("drafter", "model"), max_in_flight=cfg.get("max_in_flight", 8)))
+                     drafter=cfg.get("drafter", "model"), replay_ref=cfg.get("replay_ref"),
+                     replay_accuracy=cfg.get("replay_accuracy", 0.8), max_in_flight=cfg.get("max_in_flight", 8)))
 if res is not None:
     print("RESULT " + json.dumps({"tokens": res.tokens, "stats": res.stats.to_dict(),
                                   "ranges": [[r.start, r.end] for r in res.ranges], "rss_mb": res.peak_rss_mb}))

@@ -123,7 +123,36 @@ def test_long_generation_is_bounded(tmp_path):
                      "draft": str(d), "max_branches": 2, "p_split": 0.05, "max_in_flight": 6}, timeout=600)
     s = out["stats"]
     assert s["n_generated"] == 2000 and s["n_cancelled"] > 0
+    # cancellation saved work in the middle of a decode on the middle rank, and before start elsewhere
+    assert s["stage_stats"][1]["n_cancelled_mid"] > 0, s["stage_stats"]
+    assert sum(st["n_cancelled_before"] for st in s["stage_stats"]) > 0
     rss = {int(k): v for k, v in s["rss_trace_mb"].items()}
     assert rss[2000] - rss[500] < 8.0, rss  # MiB: tokens lists and counters only
     for st in s["stage_stats"]:
         assert st["kv"] == [[0, 0, s["n_kv0"] - 1]]
+
+
+def test_replay_drafter_sweeps_acceptance(models, ref, tmp_path):
+    import json
+    from conftest import cli
+    refjson = tmp_path / "ref.json"
+    refjson.write_text(json.dumps({"prompt_tokens": PROMPT, "tokens": ref["f32"]}))
+    rates = []
+    for acc in (0.9, 0.5):
+        out = mpirun(2, {"model": str(models["f32"]), "prompt": PROMPT, "n": N, "mode": "speculative",
+                         "drafter": "replay", "replay_ref": str(refjson), "replay_accuracy": acc,
+                         "draft": str(models["draft90"]), "p_accept": 0.1, "draft_max": 1})
+        assert out["tokens"] == ref["f32"]
+        rates.append(out["stats"]["acceptance_rate"])
+    assert rates[0] > 0.75 and 0.3 < rates[1] < 0.7, rates
+
+
+def test_layer_split_auto_favours_the_faster_rank(tmp_path):
+    from synth import make_llama_gguf
+    big = make_llama_gguf(tmp_path / "big.gguf", n_layer=12, n_embd=512, n_head=8, n_head_kv=8, n_ff=2048)
+    out = mpirun(2, {"model": str(big), "prompt": PROMPT, "n": 4, "split": "auto", "threads": "2,1"})
+    (a0, b0), (a1, b1) = out["ranges"]
+    assert b0 - a0 > b1 - a1, out["ranges"]  # rank 0 runs 2 threads, rank 1 one
+    out = mpirun(2, {"model": str(big), "prompt": PROMPT, "n": 4, "split": "auto", "threads": "1,2"})
+    (a0, b0), (a1, b1) = out["ranges"]
+    assert b0 - a0 < b1 - a1, out["ranges"]

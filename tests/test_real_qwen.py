@@ -35,37 +35,57 @@ def code_prompt(qwen):
 
 @pytest.fixture(scope="module")
 def reference(qwen, code_prompt):
-    """llama-cpp-python's own single-node greedy decoding of the whole file: 256 tokens."""
+    """llama-cpp-python's own single-node greedy decoding of the whole file: 256 tokens and top-2 gaps."""
     import llama_cpp
-    llm = llama_cpp.Llama(model_path=qwen, n_ctx=1024, n_batch=512, n_threads=2, verbose=False)
+    from pipeinfer.stage import batch_invariant_model_params
+    # the same numerics pipeinfer uses: flash attention, no repacked weights (stage.py explains why);
+    # Llama() has no argument for the repack, so its model-params factory is swapped while it loads
+    default = llama_cpp.llama_model_default_params
+    llama_cpp.llama_model_default_params = batch_invariant_model_params
+    try:
+        llm = llama_cpp.Llama(model_path=qwen, n_ctx=1024, n_batch=512, n_threads=2, flash_attn=True, verbose=False)
+    finally:
+        llama_cpp.llama_model_default_params = default
     llm.eval(code_prompt)
-    out = []
+    out, gaps = [], []
     for _ in range(256):
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
+        top2 = np.sort(logits)[-2:]
         t = int(np.argmax(logits))
         out.append(t)
+        gaps.append(float(top2[1] - top2[0]))
         llm.eval([t])
     llm.close()
-    return out
+    return out, gaps
+
+
+def assert_greedy_equal(tokens, reference):
+    """Token for token; on failure, say how close the reference's top two were at the first difference."""
+    ref, gaps = reference
+    for i, (a, b) in enumerate(zip(tokens, ref)):
+        assert a == b, f"differs at {i}: {a} != {b} (reference top-2 margin there {gaps[i]:.3f})"
+    assert len(tokens) <= len(ref)
 
 
 def test_two_ranks_iterative_equals_llama_cpp_python(qwen, code_prompt, reference):
     out = mpirun(2, {"model": qwen, "prompt": code_prompt, "n": 64, "n_ctx": 1024}, timeout=600)
-    assert out["tokens"] == reference[:64]
+    assert_greedy_equal(out["tokens"], reference)
+    assert len(out["tokens"]) == 64
     assert out["ranges"] == [[0, 14], [14, 28]]
 
 
 def test_self_draft_speculative_accepts_all(qwen, code_prompt, reference):
     out = mpirun(2, {"model": qwen, "prompt": code_prompt, "n": 24, "n_ctx": 1024, "mode": "speculative",
                      "draft": qwen, "draft_max": 3}, timeout=600)
-    assert out["tokens"] == reference[:24]
-    assert out["stats"]["n_draft_accepted"] == out["stats"]["n_drafted"] > 0
+    assert_greedy_equal(out["tokens"], reference)
+    s = out["stats"]
+    assert s["n_drafted"] > 0 and s["n_draft_accepted"] == s["n_drafted"], s
 
 
 def test_pipeinfer_256_tokens_two_ranks(qwen, code_prompt, reference):
     out = mpirun(2, {"model": qwen, "prompt": code_prompt, "n": 256, "n_ctx": 1024, "mode": "pipeinfer",
                      "drafter": "ngram", "p_accept": 0.5}, timeout=900)
-    assert out["tokens"] == reference
+    assert_greedy_equal(out["tokens"], reference)
     s = out["stats"]
     assert s["n_spec_runs"] > 0
     for st in s["stage_stats"]:
