@@ -79,7 +79,8 @@ class ChainEntry:
 class Head:
     def __init__(self, pipe: Pipeline, cfg: GenConfig, pool: PartitionPool | None = None,
                  drafter: Drafter | None = None, eos: set[int] = frozenset(),
-                 on_tokens: Callable[[list[int]], None] | None = None):
+                 on_tokens: Callable[[list[int]], None] | None = None,
+                 on_progress: Callable[[Stats, int], None] | None = None):
         if cfg.mode not in MODES:
             raise ValueError(f"unknown mode {cfg.mode!r}")
         if cfg.mode != "iterative" and (drafter is None or pool is None):
@@ -87,6 +88,7 @@ class Head:
         self.pipe, self.cfg, self.pool, self.drafter = pipe, cfg, pool, drafter
         self.eos = set(eos)
         self.on_tokens = on_tokens
+        self.on_progress = on_progress      # (stats, runs in flight) after every emission, for a live status line
         self.accepted: list[int] = []
         self.n_kv0 = 0                      # positions in sequence 0 once every issued transaction is applied
         self.flights: dict[int, Flight] = {}  # in launch order
@@ -268,6 +270,8 @@ class Head:
                 self.stats.rss_trace_mb[self.stats.n_generated // 250 * 250] = _rss_mb()
             if self.on_tokens:
                 self.on_tokens(out)
+            if self.on_progress:
+                self.on_progress(self.stats, len(self.flights))
         if self.stats.n_generated >= self.cfg.n_predict:
             self.done = True
 

@@ -40,7 +40,8 @@ class RunOptions:
     max_in_flight: int = 8
     poll_s: float = 0.0005
     fast_kernels: bool = False                # repacked weights: faster, but not batch-invariant (stage.py)
-    on_tokens: object = None
+    on_tokens: object = None                  # callable(list of new token ids), rank 0
+    on_progress: object = None                # callable(Stats, runs in flight), rank 0
 
 
 @dataclass
@@ -122,7 +123,7 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
     from .tokenizer import Tokenizer
     tok = Tokenizer(opts.model)
     eos = set() if not cfg.stop_at_eos else {t for t in tok.eos}
-    head = Head(pipe, cfg, pool, drafter, eos=eos, on_tokens=opts.on_tokens)
+    head = Head(pipe, cfg, pool, drafter, eos=eos, on_tokens=opts.on_tokens, on_progress=opts.on_progress)
     try:
         tokens = head.generate(opts.prompt_tokens)
     finally:
