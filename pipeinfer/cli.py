@@ -90,7 +90,8 @@ def main() -> None:
 @click.option("--continuous/--no-continuous", default=True, help="more than one speculative run in flight")
 @click.option("--ignore-eos", is_flag=True, help="keep generating past end-of-generation tokens")
 @click.option("--fast-kernels", is_flag=True,
-              help="repacked CPU weights: faster prompt processing, but logits then depend on batch size (README)")
+              help="llama.cpp's default kernels (repacked weights, no flash attention): faster prompt processing, "
+                   "but logits then depend on batch size (README, Exactness)")
 @click.option("--poll-us", default=500, show_default=True, type=click.IntRange(0), help="sleep between message probes while waiting")
 @click.option("--results", default=None, help="append one CSV row of results to this file")
 @click.option("-q", "--quiet", is_flag=True, help="no statistics on stderr")

@@ -72,8 +72,9 @@ def batch_invariant_model_params(fast_kernels: bool = False):
     llama-cpp-python 0.3.36: the CPU "extra buffer" (repacked Q4_K weights, a different gemm for >= 4
     rows) and non-flash attention (f16 matmuls through llamafile's sgemm for >= 2 rows) each move
     logits by up to 0.45 between batch sizes 1, 2 and 4; with flash attention and without the repack
-    the logits are identical (max difference 0.0). `fast_kernels` keeps the repack: faster prompt
-    processing, but near-ties may then resolve differently in batches.
+    the logits are identical (max difference 0.0). `fast_kernels` takes llama.cpp's defaults instead
+    (repack on, flash attention off): faster prompt processing, but near-ties may then resolve
+    differently in batches.
     """
     params = llama_cpp.llama_model_default_params()
     params.use_extra_bufts = bool(fast_kernels)
@@ -114,7 +115,9 @@ class StageEngine:
         cparams.n_threads_batch = n_threads_batch
         cparams.kv_unified = True  # sequences share one cell pool; seq_cp only tags cells
         cparams.no_perf = True
-        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED  # batch-invariant attention (below)
+        # flash attention is batch-invariant (batch_invariant_model_params); --fast-kernels takes llama.cpp's defaults
+        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED if fast_kernels
+                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
         self._captured: list[np.ndarray] = []
         if capture_hidden:
             if _GGML is None:
