@@ -79,6 +79,8 @@ def main() -> None:
 @click.option("--replay-ref", default=None, help="replay drafter: JSON output of an earlier --json run of the same prompt")
 @click.option("--replay-accuracy", default=0.8, show_default=True, type=click.FloatRange(0, 1),
               help="replay drafter: probability that each proposal is the reference token")
+@click.option("--draft-vocab", type=click.Choice(["auto", "same", "translate"]), default="auto", show_default=True,
+              help="draft model vocabulary: same as the target (checked), or translate through text; auto picks")
 @click.option("--draft-max", default=4, show_default=True, type=click.IntRange(1, 64), help="max tokens per speculative micro-batch")
 @click.option("-pa", "--p-accept", default=0.5, show_default=True, type=click.FloatRange(0, 1), help="draft confidence cutoff")
 @click.option("-ps", "--p-split", default=0.1, show_default=True, type=click.FloatRange(0, 1), help="confidence to open a tree branch")
@@ -132,6 +134,7 @@ def _generate(kw) -> None:
         chat = file_chat if chat is None else chat
         prompt_name = prompt_name or Path(path).stem
     stream = None
+    user_text = text
     if rank == 0:
         from .stagefile import read_info
         from .tokenizer import StreamDecoder, Tokenizer
@@ -157,7 +160,8 @@ def _generate(kw) -> None:
                       threads=kw["threads"], threads_batch=kw["threads_batch"], n_ctx=kw["ctx_size"], draft=draft,
                       drafter=drafter, replay_ref=kw["replay_ref"], replay_accuracy=kw["replay_accuracy"],
                       max_in_flight=kw["max_in_flight"], poll_s=kw["poll_us"] / 1e6,
-                      fast_kernels=kw["fast_kernels"], on_tokens=stream)
+                      fast_kernels=kw["fast_kernels"], draft_vocab=kw["draft_vocab"], prompt_text=user_text,
+                      chat=bool(chat), on_tokens=stream)
     res = run(opts)
     if rank != 0:
         return

@@ -37,6 +37,9 @@ class RunOptions:
     drafter: str = "model"                    # model | ngram | replay
     replay_ref: str | None = None             # replay drafter: JSON of an earlier --json run
     replay_accuracy: float = 0.8              # replay drafter: probability each proposal is right
+    draft_vocab: str = "auto"                 # auto | same | translate: how a draft model's vocabulary maps
+    prompt_text: str | None = None            # raw user prompt (a translating drafter formats its own prompt)
+    chat: bool = False                        # whether the prompt was chat-formatted
     max_in_flight: int = 8
     poll_s: float = 0.0005
     fast_kernels: bool = False                # repacked weights: faster, but not batch-invariant (stage.py)
@@ -196,7 +199,22 @@ def make_drafter(opts: RunOptions, info, n_threads: int, n_threads_batch: int):
         raise UserError(f"unknown drafter {opts.drafter!r} (choose model, ngram or replay)")
     if not opts.draft:
         raise UserError(f"mode {opts.gen.mode} needs --draft MODEL.gguf or --drafter ngram")
-    check_vocab(opts.model, opts.draft)
+    translate = opts.draft_vocab == "translate"
+    if not translate:
+        try:
+            check_vocab(opts.model, opts.draft)
+        except UserError:
+            if opts.draft_vocab == "same":
+                raise
+            translate = True  # auto: a draft with another vocabulary drafts through text
+    if translate:
+        from .tokenizer import Tokenizer
+        from .xvocab import TranslatingDrafter
+        inner = ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=1, n_threads=n_threads,
+                             n_threads_batch=n_threads_batch, fast_kernels=opts.fast_kernels)
+        text = opts.prompt_text if opts.prompt_text is not None else ""
+        return TranslatingDrafter(inner, Tokenizer(opts.model), Tokenizer(opts.draft),
+                                  n_prompt=len(opts.prompt_tokens), prompt_text=text, chat=opts.chat)
     return ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=opts.gen.cut.max_branches,
                         n_threads=n_threads, n_threads_batch=n_threads_batch, fast_kernels=opts.fast_kernels)
 

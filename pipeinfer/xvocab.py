@@ -44,11 +44,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .drafter import Cutoffs, DraftNode, softmax
+from .drafter import Cutoffs, DraftNode
 from .protocol import Batch, kv_ops
 
-_WORD = re.compile(r"\w+")
-_TRAILING_WORD = re.compile(r"\w+$")
+_LETTERS = re.compile(r"[^\W\d_]+")
+_TRAILING_LETTERS = re.compile(r"[^\W\d_]+$")
 
 Encode = Callable[[str], list[int]]
 Piece = Callable[[int], bytes]
@@ -120,13 +120,16 @@ def shift_spans(spans: Sequence[tuple[int, int, float]], offset: int) -> list[tu
     return [(s - offset, e - offset, p) for s, e, p in spans if e - offset > 0]
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def _tokens_of(encode: Encode, piece: Piece, win: list[int], data: bytes) -> list[int] | None:
+    """Tokens of the complete text in `data` if they start with `win` and give the bytes back, else None."""
+    full, _ = utf8_split(data)
+    try:
+        toks = encode(full.decode("utf-8"))  # strict: a window that starts inside a character is no good
+    except UnicodeDecodeError:
+        return None
+    if toks[:len(win)] != win or b"".join(piece(t) for t in toks) != full:
+        return None                          # the window's tokens merge with the new text
+    return toks[len(win):]
 
 
 def translate(window: Sequence[int], new: bytes, spans: Sequence[tuple[int, int, float]], encode: Encode,
@@ -138,59 +141,53 @@ def translate(window: Sequence[int], new: bytes, spans: Sequence[tuple[int, int,
     ended: the text ends after `new` (the draft emitted its end-of-generation token);
     lookahead: bytes the draft expects next (b"": the end of the text; None: unknown).
 
-    The window's text + `new` is tokenized; its first tokens must equal the window (else a shorter
-    window is tried; none fits: nothing is proposed). An unfinished UTF-8 character at the end of `new`
-    is not translated. The last token is kept only if re-tokenizing with `lookahead` (and with
-    `lookahead` + its last character again) keeps it; tokens that change are dropped too. When `new`
-    ends inside a word and the look-ahead is all word characters (the word goes on), tokens that touch
-    that word are dropped as well.
+    The window's text + `new` + `lookahead` is tokenized; its first tokens must equal the window (else
+    a shorter window is tried; none fits: nothing is proposed). The proposals are the following tokens
+    that lie within `new` (an unfinished UTF-8 character at its end is never translated) and that do
+    not change when the look-ahead's last character is repeated (the look-ahead may be the start of a
+    longer run, "  " of "    "). Without a look-ahead the last token is dropped. When `new` ends inside
+    a word that the look-ahead continues and may not finish (all letters), the word's tokens are
+    dropped too.
     """
     if ended:
         lookahead = b""
     window = list(window)
-    ks = range(len(window), 0, -1) if window else [0]
-    for k in ks:
+    ahead = lookahead or b""
+    variants = [ahead]
+    if ahead:
+        last = utf8_split(ahead)[0].decode("utf-8", errors="replace")[-1:]
+        if last:
+            variants.append(ahead + last.encode())
+    for k in (range(len(window), 0, -1) if window else [0]):
         win = window[len(window) - k:]
         wb = b"".join(piece(t) for t in win)
-        full, _ = utf8_split(wb + new)
-        if len(full) <= len(wb):
+        n_new = len(utf8_split(wb + new)[0]) - len(wb)   # complete characters only
+        if n_new <= 0:
             return []                        # no complete new character yet
-        try:
-            text = full.decode("utf-8")      # strict: a window that starts inside a character is no good
-        except UnicodeDecodeError:
-            continue
-        toks = encode(text)
-        if toks[:k] != win or b"".join(piece(t) for t in toks) != full:
-            continue                         # the window's tokens merge with the new text: back off
-        props = toks[k:]
-        break
+        found = [_tokens_of(encode, piece, win, wb + new + v) for v in variants]
+        if found[0] is not None:
+            break
     else:
         return []
+    # the tokens within `new`, agreed on by every look-ahead variant
+    props: list[int] = []
+    a = 0
+    for i, t in enumerate(found[0]):
+        a += len(piece(t))
+        if a > n_new or any(f is None or i >= len(f) or f[i] != t for f in found[1:]):
+            break
+        props.append(t)
     n = len(props)
     if lookahead is None:
         n -= 1
-    elif n:
-        # the look-ahead may itself be the start of a longer run ("  " of "    "): also try it with its
-        # last character repeated
-        last = utf8_split(lookahead)[0].decode("utf-8", errors="replace")[-1:]
-        for ahead in {lookahead, lookahead + last.encode()}:
-            full_l, _ = utf8_split(wb + new + ahead)
-            try:
-                toks_l = encode(full_l.decode("utf-8"))
-            except UnicodeDecodeError:
-                toks_l = None
-            if toks_l is None or toks_l[:k] != win:
-                n = min(n, len(props) - 1)
-            else:
-                n = min(n, _common_prefix(props, toks_l[k:]))
-    if lookahead and n:
-        # the draft stopped inside a word that the look-ahead does not finish: the target may split the
-        # whole word differently, so no proposal may touch the word's known part
+    elif lookahead and n:
+        # the draft stopped inside a word that the look-ahead continues (and may not finish): the target
+        # may split the whole word differently, so no proposal may touch the word's known part
         new_text = utf8_split(new)[0].decode("utf-8", errors="replace")
-        ahead = utf8_split(lookahead)[0].decode("utf-8", errors="replace")
-        if new_text and ahead and _WORD.fullmatch(ahead) and _WORD.match(new_text[-1]):
-            word = len(_TRAILING_WORD.search(new_text).group().encode())
-            keep_bytes = len(full) - len(wb) - word      # new bytes before the word
+        ahead_text = utf8_split(lookahead)[0].decode("utf-8", errors="replace")
+        if new_text and ahead_text and _LETTERS.fullmatch(ahead_text) and _LETTERS.match(new_text[-1]):
+            word = len(_TRAILING_LETTERS.search(new_text).group().encode())
+            keep_bytes = n_new - word        # new bytes before the word
             a = 0
             for i, t in enumerate(props[:n]):
                 a += len(piece(t))
@@ -266,24 +263,30 @@ class TranslatingDrafter:
     target_tok, draft_tok: Tokenizers of the two GGUFs (encode/piece/is_eog/chat_template/n_vocab);
     n_prompt: number of target prompt tokens at the start of every context;
     prompt_text, chat: the raw user prompt and whether the chat format applies (the draft gets its own);
-    draft_template: chat template (or llama.cpp built-in name) for the draft when its GGUF has none;
+    draft_chat: format the draft's prompt as chat or not, whatever `chat` says (None: as `chat`; a base
+        draft model such as Gemma 3 270M (not -it) agreed a little more often with the plain text);
+    draft_template: chat template (or llama.cpp built-in name) for the draft when its GGUF has none
+        (default: the GGUF's own, else "gemma" or "chatml" recognised from the vocabulary);
     window: target tokens re-tokenized together with the drafted text (boundary merges);
     heal: token healing of the draft context's last token.
     """
 
     def __init__(self, drafter, target_tok, draft_tok, *, n_prompt: int, prompt_text: str, chat: bool,
-                 draft_template: str | None = None, window: int = 4, heal: bool = True):
+                 draft_chat: bool | None = None, draft_template: str | None = None, window: int = 4,
+                 heal: bool = True):
         self.drafter, self.tt, self.dt = drafter, target_tok, draft_tok
         self.n_prompt, self.window, self.heal = n_prompt, window, heal
-        self.prompt = draft_tok.encode(draft_prompt_text(draft_tok, prompt_text, chat, draft_template),
+        use_chat = chat if draft_chat is None else draft_chat
+        self.prompt = draft_tok.encode(draft_prompt_text(draft_tok, prompt_text, use_chat, draft_template),
                                        add_special=True, parse_special=True)
         self._tpieces: dict[int, bytes] = {}
         self._dpieces: dict[int, bytes] = {}
         self._index: PrefixIndex | None = None
         self.n_calls = 0           # draft() calls
-        self.n_draft_tokens = 0    # tokens the draft model drafted (with text; its end token not counted)
+        self.n_draft_tokens = 0    # draft tokens drafted (with text, healed one included; not the end token)
         self.n_proposed = 0        # target tokens proposed
-        self.n_backoff = 0         # calls whose draft text did not fit the target context (nothing proposed)
+        self.n_backoff = 0         # calls whose drafted text gave no target token (it did not fit the context,
+                                   # merged with its last tokens, or was only an unsure last token)
 
     # ---- cached tokenizer access
     def tpiece(self, t: int) -> bytes:
@@ -333,14 +336,15 @@ class TranslatingDrafter:
         look = None
         n_max = cut.n_max + (allowed is not None)   # the healed token re-emits known text: not counted
         for depth in range(n_max + 1):
-            p = softmax(logits)
-            if depth == 0 and allowed is not None:
-                pa = p[allowed]
-                i = int(np.argmax(pa))
-                t, pt = int(allowed[i]), float(pa[i] / max(pa.sum(), 1e-300))
+            if depth == 0 and allowed is not None:   # the arg-max among the allowed tokens, renormalised
+                x = logits[allowed]
+                i = int(np.argmax(x))
+                t = int(allowed[i])
             else:
-                t = int(np.argmax(p))
-                pt = float(p[t])
+                x = logits
+                t = int(np.argmax(x))
+                i = t
+            pt = float(1.0 / np.exp(x.astype(np.float64) - float(x[i])).sum())
             if depth == n_max or pt < cut.p_accept:
                 look = t
                 break

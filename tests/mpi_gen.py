@@ -23,7 +23,8 @@ gen = GenConfig(mode=cfg.get("mode", "iterative"), n_predict=cfg["n"],
 res = run(RunOptions(model=cfg["model"], prompt_tokens=cfg["prompt"], gen=gen, layer_split=cfg.get("split"),
                      threads=cfg.get("threads", "1"), n_ctx=cfg.get("n_ctx", 1024), draft=cfg.get("draft"),
                      drafter=cfg.get("drafter", "model"), replay_ref=cfg.get("replay_ref"),
-                     replay_accuracy=cfg.get("replay_accuracy", 0.8), max_in_flight=cfg.get("max_in_flight", 8)))
+                     replay_accuracy=cfg.get("replay_accuracy", 0.8), draft_vocab=cfg.get("draft_vocab", "auto"),
+                     prompt_text=cfg.get("prompt_text"), chat=cfg.get("chat", False), max_in_flight=cfg.get("max_in_flight", 8)))
 if res is not None:
     print("RESULT " + json.dumps({"tokens": res.tokens, "stats": res.stats.to_dict(),
                                   "ranges": [[r.start, r.end] for r in res.ranges], "rss_mb": res.peak_rss_mb}))

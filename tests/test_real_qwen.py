@@ -23,6 +23,12 @@ def qwen():
 
 
 @pytest.fixture(scope="module")
+def code_text():
+    from pipeinfer.cli import read_prompt_file
+    return read_prompt_file(ROOT / "prompts" / "code.txt")
+
+
+@pytest.fixture(scope="module")
 def code_prompt(qwen):
     from pipeinfer.cli import apply_chat, read_prompt_file
     from pipeinfer.tokenizer import Tokenizer
@@ -112,3 +118,22 @@ def test_pipeinfer_256_tokens_two_ranks(qwen, code_prompt, reference):
     assert s["n_spec_runs"] > 0 and s["n_cancelled"] > 0
     for st in s["stage_stats"]:
         assert st["kv"] == [[0, 0, s["n_kv0"] - 1]]
+
+
+def test_gemma_draft_through_text_translation(qwen, code_prompt, code_text, reference):
+    """Issue 6: the real Gemma 3 270M (another vocabulary) drafts for Qwen; output unchanged."""
+    from pipeinfer.models import ModelError, resolve_model
+    try:
+        gemma = str(resolve_model("gemma3-270m"))
+    except ModelError as e:
+        if os.environ.get("PIPEINFER_REQUIRE_REAL"):
+            raise
+        pytest.skip(str(e))
+    text, chat = code_text
+    out = mpirun(2, {"model": qwen, "prompt": code_prompt, "n": 48, "n_ctx": 1024, "mode": "speculative",
+                     "draft": gemma, "prompt_text": text, "chat": chat, "draft_max": 3, "p_accept": 0.3},
+                 timeout=900)
+    assert_greedy_equal(out["tokens"], reference)
+    assert len(out["tokens"]) == 48
+    s = out["stats"]
+    assert s["n_drafted"] > 0 and s["acceptance_rate"] > 0.3, s

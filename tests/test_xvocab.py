@@ -97,7 +97,7 @@ def test_utf8_split_holds_back_unfinished_characters(text):
         head, tail = utf8_split(data[:cut])
         assert head + tail == data[:cut]
         head.decode("utf-8")                      # strict: the head is always complete
-        assert len(tail) <= 3 and (not tail or (data[:cut] + data[cut:]).decode())
+        assert len(tail) <= 3 and (not tail or tail[0] >= 0xC0)     # a lead byte and its continuation
 
 
 def test_utf8_split_leaves_invalid_bytes_in_the_head():
@@ -110,6 +110,7 @@ def test_partial_character_at_the_end_of_the_draft_is_not_translated():
     props = tr("x", b"\n" + e[:2], lookahead=b"")        # the draft stopped inside the emoji
     assert texts(props) == [b"\n"]
     assert tr("x", e[:3], lookahead=b"") == []            # nothing complete: nothing proposed, no bogus token
+    assert texts(tr("x", b"\n" + e[:2], lookahead=e[2:])) == [b"\n"]   # even when the look-ahead finishes it
 
 
 def test_multibyte_character_split_across_context_and_draft():
@@ -129,8 +130,8 @@ def test_multibyte_characters_translate_to_whole_target_tokens():
 def test_window_starting_inside_a_character_backs_off_to_a_smaller_one():
     e = EMOJI_SPLIT.encode()
     window = [TARGET.ids[e[3:]], TARGET.ids[b" "]]        # first window token: the emoji's last byte only
-    assert texts(tr(window, b"foo", ended=True)) == [b"foo"] or tr(window, b"foo", ended=True) == []
-    assert texts(tr(window, b"\n", ended=True)) == [b"\n"]
+    assert texts(tr(window, b"\n", ended=True)) == [b"\n"]    # window [" "] (k=2 does not decode)
+    assert tr(window, b"foo", ended=True) == []                # window [" "]: " " + "foo" merge
 
 
 # ------------------------------------------------------------------------------------ boundary merges
@@ -138,7 +139,7 @@ def test_context_token_that_would_merge_with_the_draft_backs_off():
     assert tr("hel", "lo world", ended=True) == []         # "hel"+"lo" -> "hello": not what the context holds
     assert tr("\n", "\nfoo", ended=True) == []             # "\n"+"\n" -> "\n\n"
     assert tr(" ", "foo", ended=True) == []                # " "+"foo" -> " foo"
-    assert texts(tr("\n", "   def", ended=True)) == [b"   ", b"def"] or texts(tr("\n", "   def", ended=True))
+    assert texts(tr("\n", "   def", ended=True)) == [b"   ", b"def"]   # no merge: proposed
 
 
 def test_window_gives_the_tokens_after_the_context():
@@ -153,6 +154,20 @@ def test_last_token_dropped_without_lookahead_and_kept_when_stable():
     assert texts(tr("x", "():", lookahead=b"\n")) == []                        # "():" becomes "():\n"
     assert texts(tr("x", " foo ", lookahead=b"foo")) == [b" foo"]             # " " becomes " foo"
     assert texts(tr("x", " foo ", lookahead=b"")) == [b" foo", b" "]          # b"": the text ends
+
+
+def test_lookahead_decides_how_the_new_text_splits():
+    # "    " alone is "   " + " "; before "def" the target writes "   " + " def": only "   " is proposed
+    assert texts(tr("x\n", "    ", lookahead=b"def")) == [b"   "]
+    assert texts(tr("x\n", "    ", ended=True)) == [b"   ", b" "]
+    # the look-ahead may be the start of a longer run: "\n " + " " could be "\n" + "   " + ...
+    assert texts(tr("hello world", "\n ", lookahead=b" ")) == [b"\n"]
+
+
+def test_draft_stopping_inside_a_word():
+    assert texts(tr("x", " foo(ret", lookahead=b"ur")) == [b" foo", b"("]          # "ret|ur..." may split otherwise
+    assert texts(tr("x", " foo(ret", lookahead=b"urn(")) == [b" foo", b"(", b"ret"]  # the word ends in view
+    assert texts(tr("x", " foo(re", lookahead=b"_")) == [b" foo", b"(", b"r", b"e"]  # not a letter: the word ends
 
 
 def test_max_tokens_and_confidence_is_the_product_of_overlapping_draft_tokens():
@@ -374,13 +389,17 @@ def test_real_boundary_merges_back_off(qwen_tok):
 
     def go(ctx, new, **kw):
         kw.setdefault("ended", True)
+        kw.setdefault("lookahead", None)
         return [piece(t) for t, _ in translate(enc(ctx), new.encode(), [(0, len(new.encode()), 1.0)], enc, piece,
-                                               lookahead=None, max_tokens=8, **kw)]
+                                               max_tokens=8, **kw)]
     assert enc("x = 1\n")[-1] == enc("\n")[0]
     assert go("x = 1\n", "\ny = 2") == []                 # Qwen would have emitted "\n\n"
     assert go("return", " ") == [b" "] and go("return ", "foo") == []   # " " + "foo" -> " foo"
     assert go("x = 1\n", "    y = 2") == [b"   ", b" y", b" =", b" ", b"2"]
     assert go("x = 1", "\n    y", ended=False) == [b"\n", b"   "]       # " y" might be " yield"
+    assert go("x = 1\n", "    ", ended=False, lookahead=b"y") == [b"   "]       # "   " + " y", not "    "
+    assert go("x = 1", ".", ended=False, lookahead=b"max") == []              # ".max" is one Qwen token
+    assert go("from functools import wraps, l", "ru", ended=False, lookahead=b"_") == [b"ru"]
     assert go("print(\"caf", "é\")") == []            # Qwen's tokens of "café" are "ca" + "fé"
     assert go("print(\"", "café\")") == [piece(t) for t in enc("print(\"café\")")[len(enc("print(\"")):]]
 
@@ -408,3 +427,18 @@ def test_real_emoji_straddling_tokens(qwen_tok, gemma_tok):
     props = translate(window, dt.data[len(tail):], shift_spans(dt.spans, len(tail)), _enc(qwen_tok), qwen_tok.piece,
                       ended=True, lookahead=None, max_tokens=8)
     assert [t for t, _ in props] == q[1:]
+
+
+def test_draft_prompt_formats():
+    from pipeinfer.xvocab import draft_prompt_text
+    assert draft_prompt_text(DRAFT, "Q?", chat=True) == "Q?"            # no template, none recognised
+    assert draft_prompt_text(DRAFT, "Q?", chat=False) == "Q?"
+
+
+@pytest.mark.real
+def test_real_gemma_prompt_uses_its_builtin_template(gemma_tok):
+    from pipeinfer.xvocab import draft_prompt_text
+    assert gemma_tok.chat_template() is None                            # the GGUF carries none
+    assert (draft_prompt_text(gemma_tok, "hi", chat=True)
+            == "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n")
+    assert draft_prompt_text(gemma_tok, "hi", chat=False) == "hi"
