@@ -4,7 +4,8 @@
 #
 #   launch/experiments.sh [RANKS] [N_TOKENS]        (defaults: 2 ranks, 128 tokens)
 #
-# Target: Qwen2.5-Coder-1.5B. Drafters: the n-gram drafter (no model), and the replay drafter (a
+# Target: Qwen2.5-Coder-1.5B. Drafters: the n-gram drafter (no model), Gemma 3 270M drafting through
+# text translation (its vocabulary differs from Qwen's), and the replay drafter (a
 # benchmark instrument: replays the target's own earlier output at a set accuracy while spending
 # Gemma 3 270M's compute per draft token) at 0.8 and 0.5 accuracy, standing in for the paper's model
 # pairs of different acceptance. On a 2-core machine keep ranks x threads <= 2 (default: 1 thread
@@ -30,7 +31,10 @@ for prompt in code story encyclopedia; do
         echo "== $prompt: $mode, n-gram drafter"
         "$MPIEXEC" -n "$RANKS" "${PI[@]}" generate --prompt-name "$prompt" -n "$N" --mode "$mode" -t "$THREADS" \
             --drafter ngram --ignore-eos -q --results "$CSV" > /dev/null
-        for acc in 0.8 0.5; do
+        echo "== $prompt: $mode, Gemma 3 270M draft through text translation"
+        "$MPIEXEC" -n "$RANKS" "${PI[@]}" generate --prompt-name "$prompt" -n "$N" --mode "$mode" -t "$THREADS" \
+            --draft gemma3-270m --p-accept 0.3 --draft-max 3 --ignore-eos -q --results "$CSV" > /dev/null
+        for acc in ${REPLAY_ACCURACIES:-0.8 0.5}; do
             echo "== $prompt: $mode, replay drafter at $acc (Gemma 3 270M compute)"
             "$MPIEXEC" -n "$RANKS" "${PI[@]}" generate --prompt-name "$prompt" -n "$N" --mode "$mode" -t "$THREADS" \
                 --drafter replay --replay-ref "$tmp/$prompt.json" --replay-accuracy "$acc" --draft gemma3-270m \

@@ -75,7 +75,8 @@ def main() -> None:
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--draft", default=None, help="draft GGUF (same vocabulary as the target)")
 @click.option("--drafter", type=click.Choice(["model", "ngram", "replay"]), default=None,
-              help="[default: model if --draft else ngram]; replay is a benchmark instrument (see README)")
+              help="[default: model if --draft (on the default target: gemma3-270m when installed) else ngram]; "
+                   "replay is a benchmark instrument (see README)")
 @click.option("--replay-ref", default=None, help="replay drafter: JSON output of an earlier --json run of the same prompt")
 @click.option("--replay-accuracy", default=0.8, show_default=True, type=click.FloatRange(0, 1),
               help="replay drafter: probability that each proposal is the reference token")
@@ -105,11 +106,13 @@ def generate(**kw) -> None:
 
 def _generate(kw) -> None:
     from mpi4py import MPI
-    from .models import DEFAULT_TARGET, resolve_model
+    from .models import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_model
     from .runner import RunOptions, UserError, run
     rank = MPI.COMM_WORLD.Get_rank()
     model = str(resolve_model(kw["model"] or DEFAULT_TARGET))
     draft = str(resolve_model(kw["draft"])) if kw["draft"] else None
+    if draft is None and kw["drafter"] is None and kw["model"] in (None, DEFAULT_TARGET) and kw["mode"] != "iterative":
+        draft = _installed(DEFAULT_DRAFT)  # the default demo: Qwen target, Gemma draft through text translation
     drafter = kw["drafter"] or ("model" if draft else "ngram")
     if drafter == "replay" and not kw["replay_ref"]:
         raise UserError("--drafter replay needs --replay-ref FILE.json (from an earlier --json run)")
@@ -181,6 +184,14 @@ def _generate(kw) -> None:
     if kw["results"]:
         label = {"ngram": "ngram", "replay": f"replay@{kw['replay_accuracy']}"}.get(drafter, Path(draft or "").name)
         _append_csv(kw, res, model, label, prompt_name)
+
+
+def _installed(name: str) -> str | None:
+    from .models import ModelError, resolve_model
+    try:
+        return str(resolve_model(name))
+    except ModelError:
+        return None
 
 
 def _status_line():
