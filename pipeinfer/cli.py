@@ -61,7 +61,8 @@ def main() -> None:
 @click.option("-p", "--prompt", default=None, help="prompt text")
 @click.option("-f", "--file", "prompt_file", default=None, help="prompt file (first line may be '# chat: true|false')")
 @click.option("--prompt-name", default=None, help="a prompt from prompts/ by name (code, story, encyclopedia)")
-@click.option("--chat/--no-chat", default=None, help="apply the model's chat template [default: from the prompt file]")
+@click.option("--chat/--no-chat", default=None,
+              help="apply the model's chat template [default: yes for -p, the '# chat:' header for files]")
 @click.option("-n", "--n-predict", default=128, show_default=True, type=click.IntRange(1), help="tokens to generate")
 @click.option("--mode", type=click.Choice(MODES), default="pipeinfer", show_default=True)
 @click.option("--layer-split", default=None, help="fraction of layers per rank, rank 0 first, e.g. 0.2,0.4,0.4 [default: even]")
@@ -129,6 +130,7 @@ def _generate(kw) -> None:
     chat = kw["chat"]
     if kw["prompt"] is not None:
         text = kw["prompt"]
+        chat = True if chat is None else chat  # a -p prompt is a user message when the model has a template
     else:
         path = kw["prompt_file"] or _prompt_path(kw["prompt_name"])
         if not Path(path).is_file():
