@@ -42,6 +42,21 @@ def code_prompt(qwen):
 @pytest.fixture(scope="module")
 def reference(qwen, code_prompt):
     """llama-cpp-python's own single-node greedy decoding of the whole file: 256 tokens and top-2 gaps."""
+    return greedy_reference(qwen, code_prompt)
+
+
+def prompt_tokens(qwen, name):
+    """Token ids of prompts/NAME.txt, chat-formatted as its header says, and its raw text and chat flag."""
+    from pipeinfer.cli import apply_chat, read_prompt_file
+    from pipeinfer.tokenizer import Tokenizer
+    text, chat = read_prompt_file(ROOT / "prompts" / f"{name}.txt")
+    tok = Tokenizer(qwen)
+    ids = tok.encode(apply_chat(tok, text) if chat else text)
+    tok.close()
+    return ids, text, bool(chat)
+
+
+def greedy_reference(qwen, prompt, n=256):
     import llama_cpp
     from pipeinfer.stage import batch_invariant_model_params
     # the same numerics pipeinfer uses: flash attention, no repacked weights (stage.py explains why);
@@ -53,9 +68,9 @@ def reference(qwen, code_prompt):
                               flash_attn=True, verbose=False)  # 1 thread, like each stage in these tests
     finally:
         llama_cpp.llama_model_default_params = default
-    llm.eval(code_prompt)
+    llm.eval(prompt)
     out, gaps = [], []
-    for _ in range(256):
+    for _ in range(n):
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
         top2 = np.sort(logits)[-2:]
         t = int(np.argmax(logits))
@@ -137,3 +152,32 @@ def test_gemma_draft_through_text_translation(qwen, code_prompt, code_text, refe
     assert len(out["tokens"]) == 48
     s = out["stats"]
     assert s["n_drafted"] > 0 and s["acceptance_rate"] > 0.3, s
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from pipeinfer.models import ModelError, resolve_model
+    try:
+        return str(resolve_model("gemma3-270m"))
+    except ModelError as e:
+        if os.environ.get("PIPEINFER_REQUIRE_REAL"):
+            raise
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("name", ["code", "story", "encyclopedia"])
+def test_gemma_draft_three_prompts_256_tokens(qwen, gemma, name):
+    """Issue 6: Gemma (another vocabulary) drafting for Qwen on every prompt, both modes, 256 tokens."""
+    ids, text, chat = prompt_tokens(qwen, name)
+    # the reference is the 2-rank iterative pipeline (issue 6 asks for equality with iterative output);
+    # the top-2 margins come from the single-node run. (On the story prompt the 2-rank pipeline and
+    # single-node llama-cpp-python part at token 56, a 0.034 near-tie; see the closing notes.)
+    _, gaps = greedy_reference(qwen, ids)
+    it = mpirun(2, {"model": qwen, "prompt": ids, "n": 256, "n_ctx": 1024}, timeout=900)
+    ref = (it["tokens"], gaps)
+    for mode in ("speculative", "pipeinfer"):
+        out = mpirun(2, {"model": qwen, "prompt": ids, "n": 256, "n_ctx": 1024, "mode": mode, "draft": gemma,
+                         "prompt_text": text, "chat": chat, "draft_max": 3, "p_accept": 0.3}, timeout=900)
+        assert len(out["tokens"]) == 256
+        assert_greedy_equal(out["tokens"], ref, near_tie=0.0 if mode == "speculative" else NEAR_TIE)
+        assert out["stats"]["n_draft_accepted"] > 0
