@@ -165,6 +165,8 @@ def gemma():
         pytest.skip(str(e))
 
 
+@pytest.mark.skipif(not os.environ.get("PIPEINFER_SLOW"),
+                    reason="about 8 minutes per prompt on 2 cores: set PIPEINFER_SLOW=1 to run")
 @pytest.mark.parametrize("name", ["code", "story", "encyclopedia"])
 def test_gemma_draft_three_prompts_256_tokens(qwen, gemma, name):
     """Issue 6: Gemma (another vocabulary) drafting for Qwen on every prompt, both modes, 256 tokens."""
