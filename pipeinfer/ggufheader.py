@@ -6,6 +6,8 @@ size and one tensor's location, so we walk the header once with struct and skip 
 """
 from __future__ import annotations
 
+import functools
+import os
 import struct
 from dataclasses import dataclass
 import numpy as np
@@ -33,7 +35,17 @@ class Header:
 
 
 def read_header(path, keep_arrays: tuple[str, ...] = ()) -> Header:
-    """Metadata and tensor infos. Arrays are replaced by their length unless their key is in keep_arrays."""
+    """Metadata and tensor infos. Arrays are replaced by their length unless their key is in keep_arrays.
+
+    Cached per (file, size, mtime): start-up reads the same header from the CLI, the runner and the
+    head's embedder; callers must not modify the result.
+    """
+    st = os.stat(path)
+    return _read_header(os.fspath(path), st.st_size, st.st_mtime_ns, tuple(keep_arrays))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_header(path: str, size: int, mtime_ns: int, keep_arrays: tuple[str, ...]) -> Header:
     with open(path, "rb") as f:
         buf = f.read(1 << 20)
         pos = 0

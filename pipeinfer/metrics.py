@@ -60,9 +60,6 @@ class Stats:
         n = sum(self.accept_hist.values())
         return sum(k * v for k, v in self.accept_hist.items()) / n if n else 0.0
 
-    def n_cancelled_mid(self) -> int:
-        return sum(s.get("n_cancelled_mid", 0) for s in self.stage_stats)
-
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(acceptance_rate=self.acceptance_rate, ttft_s=self.ttft_s, gen_tokens_per_s=self.gen_tokens_per_s,

@@ -97,7 +97,7 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
         path, embd_input = ensure_stage_file(opts.model, my.start, my.end, with_vocab=topo.is_last), True
     n_batch = min(cfg.n_batch, opts.n_ctx)
     engine = StageEngine(path, n_ctx=opts.n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
-                         n_threads=threads[rank], n_threads_batch=threads_b[rank] if len(threads_b) > 1 else threads_b[0],
+                         n_threads=threads[rank], n_threads_batch=threads_b[rank],
                          embd_input=embd_input, capture_hidden=not topo.is_last, fast_kernels=opts.fast_kernels)
     cfg = replace(cfg, n_batch=n_batch, n_ctx=opts.n_ctx)
 
@@ -134,10 +134,10 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
     polite_barrier(comm, opts.poll_s)
     stage_stats = comm.gather(None, root=0)[1:]
     rss = comm.gather(_peak_rss_mb(), root=0)
-    head_kv = {"rank": 0, "n_decoded": head.stats.n_runs, "n_tokens": 0, "n_cancelled_before": 0,
-               "n_cancelled_mid": 0, "n_kv_txns": 0, "t_busy_s": 0.0, "t_idle_s": transport.t_wait_s if transport else 0.0,
-               "kv": engine.kv_summary()}
-    head.stats.stage_stats = [head_kv] + stage_stats
+    from .worker import StageStats
+    head_stage = StageStats(rank=0, n_decoded=head.stats.n_runs, t_idle_s=transport.t_wait_s if transport else 0.0,
+                            kv=engine.kv_summary())
+    head.stats.stage_stats = [vars(head_stage)] + stage_stats
     head.stats.n_kv0 = head.n_kv0
     tok.close()
     engine.close()

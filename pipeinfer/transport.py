@@ -76,24 +76,18 @@ class Transport:
     def recv_array(self, source: int, tag: Tag, shape: tuple[int, ...], dtype) -> np.ndarray:
         """The next payload on `tag` from `source`; its size must match what the header announced."""
         buf = np.empty(shape, dtype=dtype)
-        status = MPI.Status()
-        self._recv(self.pipe, buf, source, tag, status)
-        n = status.Get_count(MPI.BYTE)
-        if n != buf.nbytes:
-            raise RuntimeError(f"payload on tag {tag.name} from rank {source}: {n} bytes, expected {buf.nbytes}")
+        self._recv(self.pipe, buf, source, tag)
         return buf
 
-    def _recv(self, comm: MPI.Comm, buf: np.ndarray, source: int, tag: int, status: MPI.Status | None = None):
-        # payloads follow their header closely; probe politely all the same
-        while not comm.Iprobe(source=source, tag=tag):
+    def _recv(self, comm: MPI.Comm, buf: np.ndarray, source: int, tag: int) -> None:
+        """Receive the next message on `tag` into buf, which it must fill exactly (checked before Recv)."""
+        status = MPI.Status()
+        while not comm.Iprobe(source=source, tag=tag, status=status):  # payloads follow closely; still polite
             time.sleep(self.poll_s)
-        if status is not None:
-            probe = MPI.Status()
-            comm.Probe(source=source, tag=tag, status=probe)
-            if probe.Get_count(MPI.BYTE) > buf.nbytes:
-                raise RuntimeError(f"message on tag {tag} from rank {source} larger than announced "
-                                   f"({probe.Get_count(MPI.BYTE)} > {buf.nbytes} bytes)")
-        comm.Recv(buf, source=source, tag=tag, status=status)
+        n = status.Get_count(MPI.BYTE)
+        if n != buf.nbytes:
+            raise RuntimeError(f"message on tag {Tag(tag).name} from rank {source}: {n} bytes, expected {buf.nbytes}")
+        comm.Recv(buf, source=source, tag=tag)
 
     def poll_cancel(self, source: int) -> list[int]:
         """Run ids cancelled by messages already waiting from `source` (never blocks)."""

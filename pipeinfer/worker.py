@@ -9,7 +9,7 @@ starts and by llama.cpp's abort callback while it decodes.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -44,11 +44,7 @@ class StageWorker:
         self._newest_run = -1
 
     def _take_cancels(self) -> None:
-        if self.topo.is_last and self.topo.n_ranks > 1:
-            source = 0  # the head sends cancels to the last stage
-        else:
-            source = self.topo.next_rank
-        ids = self.tx.poll_cancel(source)
+        ids = self.tx.poll_cancel(self.topo.next_rank)  # for the last stage, next_rank is the head
         if ids:
             self.cancelled.update(ids)
             if self.topo.rank > 1:
@@ -128,7 +124,3 @@ class StageWorker:
         self.stats.n_decoded += 1
         self.stats.n_tokens += batch.n_tokens
         return out
-
-
-def stats_dict(stats: StageStats) -> dict:
-    return asdict(stats)

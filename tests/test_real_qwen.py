@@ -11,11 +11,11 @@ pytestmark = [pytest.mark.real, pytest.mark.mpi]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def qwen():
+def real_model(name: str) -> str:
+    """Path of an installed registry model; skip (or fail under PIPEINFER_REQUIRE_REAL) when missing."""
     from pipeinfer.models import ModelError, resolve_model
     try:
-        return str(resolve_model("qwen2.5-coder-1.5b"))
+        return str(resolve_model(name))
     except ModelError as e:
         if os.environ.get("PIPEINFER_REQUIRE_REAL"):
             raise
@@ -23,20 +23,24 @@ def qwen():
 
 
 @pytest.fixture(scope="module")
-def code_text():
-    from pipeinfer.cli import read_prompt_file
-    return read_prompt_file(ROOT / "prompts" / "code.txt")
+def qwen():
+    return real_model("qwen2.5-coder-1.5b")
 
 
 @pytest.fixture(scope="module")
-def code_prompt(qwen):
-    from pipeinfer.cli import apply_chat, read_prompt_file
-    from pipeinfer.tokenizer import Tokenizer
-    text, chat = read_prompt_file(ROOT / "prompts" / "code.txt")
-    tok = Tokenizer(qwen)
-    ids = tok.encode(apply_chat(tok, text) if chat else text)
-    tok.close()
-    return ids
+def gemma():
+    return real_model("gemma3-270m")
+
+
+@pytest.fixture(scope="module")
+def code(qwen):
+    """The code prompt: (token ids, raw text, chat flag)."""
+    return prompt_tokens(qwen, "code")
+
+
+@pytest.fixture(scope="module")
+def code_prompt(code):
+    return code[0]
 
 
 @pytest.fixture(scope="module")
@@ -136,16 +140,9 @@ def test_pipeinfer_256_tokens_two_ranks(qwen, code_prompt, reference):
         assert st["kv"] == [[0, 0, s["n_kv0"] - 1]]
 
 
-def test_gemma_draft_through_text_translation(qwen, code_prompt, code_text, reference):
+def test_gemma_draft_through_text_translation(qwen, gemma, code, reference):
     """Issue 6: the real Gemma 3 270M (another vocabulary) drafts for Qwen; output unchanged."""
-    from pipeinfer.models import ModelError, resolve_model
-    try:
-        gemma = str(resolve_model("gemma3-270m"))
-    except ModelError as e:
-        if os.environ.get("PIPEINFER_REQUIRE_REAL"):
-            raise
-        pytest.skip(str(e))
-    text, chat = code_text
+    code_prompt, text, chat = code
     out = mpirun(2, {"model": qwen, "prompt": code_prompt, "n": 48, "n_ctx": 1024, "mode": "speculative",
                      "draft": gemma, "prompt_text": text, "chat": chat, "draft_max": 3, "p_accept": 0.3},
                  timeout=900)
@@ -153,17 +150,6 @@ def test_gemma_draft_through_text_translation(qwen, code_prompt, code_text, refe
     assert len(out["tokens"]) == 48
     s = out["stats"]
     assert s["n_drafted"] > 0 and s["acceptance_rate"] > 0.3, s
-
-
-@pytest.fixture(scope="module")
-def gemma():
-    from pipeinfer.models import ModelError, resolve_model
-    try:
-        return str(resolve_model("gemma3-270m"))
-    except ModelError as e:
-        if os.environ.get("PIPEINFER_REQUIRE_REAL"):
-            raise
-        pytest.skip(str(e))
 
 
 @pytest.mark.skipif(not os.environ.get("PIPEINFER_SLOW"),
