@@ -53,6 +53,7 @@ class RunResult:
     stats: Stats
     ranges: list[LayerRange]
     peak_rss_mb: list[float]
+    probe_ms_per_layer: list[float] | None = None  # --layer-split auto's measurements, one per rank
 
 
 def _peak_rss_mb() -> float:
@@ -73,8 +74,10 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
         check_splittable(info, size)
         threads = parse_per_rank_ints(opts.threads, size, "--threads", default=max(1, (os.cpu_count() or 2) // size))
         threads_b = parse_per_rank_ints(opts.threads_batch, size, "--threads-batch", default=threads[rank])
+        probe_ms = None
         if opts.layer_split is not None and opts.layer_split.strip() == "auto":
-            fractions = auto_split(comm, opts.model, info, threads[rank], threads_b[rank]) if size > 1 else [1.0]
+            probe_ms = auto_split(comm, opts.model, info, threads[rank], threads_b[rank]) if size > 1 else [1.0]
+            fractions = split_from_speeds(probe_ms)
         else:
             fractions = parse_split(opts.layer_split, size)
         ranges = layer_ranges(info.n_layer, fractions)
@@ -141,11 +144,12 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
     head.stats.n_kv0 = head.n_kv0
     tok.close()
     engine.close()
-    return RunResult(tokens, head.stats, ranges, rss)
+    return RunResult(tokens, head.stats, ranges, rss, probe_ms)
 
 
 def auto_split(comm, model: str, info, n_threads: int, n_threads_batch: int) -> list[float]:
-    """--layer-split auto: each rank times the same probe layers in turn; fractions proportional to speed."""
+    """--layer-split auto: each rank times the same probe layers in turn; returns every rank's ms per layer
+    (split_from_speeds turns them into fractions proportional to speed)."""
     import time
 
     import numpy as np
@@ -178,7 +182,7 @@ def auto_split(comm, model: str, info, n_threads: int, n_threads_batch: int) -> 
     if comm.Get_rank() == 0:
         log("[pipeinfer] --layer-split auto: ms per probe layer " + ", ".join(f"{t:.2f}" for t in all_ms)
             + " -> fractions " + ",".join(f"{f / sum(fractions):.3f}" for f in fractions))
-    return fractions
+    return all_ms
 
 
 def make_drafter(opts: RunOptions, info, n_threads: int, n_threads_batch: int):

@@ -27,4 +27,5 @@ res = run(RunOptions(model=cfg["model"], prompt_tokens=cfg["prompt"], gen=gen, l
                      prompt_text=cfg.get("prompt_text"), chat=cfg.get("chat", False), max_in_flight=cfg.get("max_in_flight", 8)))
 if res is not None:
     print("RESULT " + json.dumps({"tokens": res.tokens, "stats": res.stats.to_dict(),
-                                  "ranges": [[r.start, r.end] for r in res.ranges], "rss_mb": res.peak_rss_mb}))
+                                  "ranges": [[r.start, r.end] for r in res.ranges], "rss_mb": res.peak_rss_mb,
+                                  "probe_ms": res.probe_ms_per_layer}))

@@ -147,12 +147,16 @@ def test_replay_drafter_sweeps_acceptance(models, ref, tmp_path):
     assert rates[0] > 0.75 and 0.3 < rates[1] < 0.7, rates
 
 
-def test_layer_split_auto_favours_the_faster_rank(tmp_path):
+def test_layer_split_auto_splits_by_each_ranks_measured_speed(tmp_path):
+    # Which rank is faster is a timing question (not tested here: this machine is shared and noisy); what is
+    # tested is that every rank measures itself and the ranges follow those measurements through the same
+    # split_from_speeds that test_topology checks with fixed numbers.
     from synth import make_llama_gguf
+    from pipeinfer.topology import layer_ranges, split_from_speeds
     big = make_llama_gguf(tmp_path / "big.gguf", n_layer=12, n_embd=512, n_head=8, n_head_kv=8, n_ff=2048)
-    out = mpirun(2, {"model": str(big), "prompt": PROMPT, "n": 4, "split": "auto", "threads": "2,1"})
-    (a0, b0), (a1, b1) = out["ranges"]
-    assert b0 - a0 > b1 - a1, out["ranges"]  # rank 0 runs 2 threads, rank 1 one
-    out = mpirun(2, {"model": str(big), "prompt": PROMPT, "n": 4, "split": "auto", "threads": "1,2"})
-    (a0, b0), (a1, b1) = out["ranges"]
-    assert b0 - a0 < b1 - a1, out["ranges"]
+    for n_ranks, threads in ((2, "2,1"), (3, "1")):
+        out = mpirun(n_ranks, {"model": str(big), "prompt": PROMPT, "n": 4, "split": "auto", "threads": threads})
+        ms = out["probe_ms"]
+        assert len(ms) == n_ranks and all(t > 0 for t in ms), ms
+        expect = [[r.start, r.end] for r in layer_ranges(12, split_from_speeds(ms))]
+        assert out["ranges"] == expect, (out["ranges"], ms)
