@@ -148,10 +148,14 @@ def _generate(kw) -> None:
         if chat:
             text = apply_chat(tok, text)
         prompt_tokens = tok.encode(text)
-        need = len(prompt_tokens) + kw["n_predict"] + kw["draft_max"] + 1
+        reserve = 1
+        if kw["mode"] != "iterative":  # room for the runs in flight (kvplan.cells_reserve)
+            from .kvplan import cells_reserve, plan_partitions
+            reserve = cells_reserve(plan_partitions(kw["max_branches"], kw["max_in_flight"])[0], kw["draft_max"])
+        need = len(prompt_tokens) + kw["n_predict"] + reserve
         if need > kw["ctx_size"]:
-            raise UserError(f"prompt of {len(prompt_tokens)} tokens + {kw['n_predict']} to generate does not fit "
-                            f"the context of {kw['ctx_size']} tokens (-c/--ctx-size)")
+            raise UserError(f"prompt of {len(prompt_tokens)} tokens + {kw['n_predict']} to generate + {reserve} for "
+                            f"runs in flight does not fit the context of {kw['ctx_size']} tokens (-c/--ctx-size)")
         if not kw["as_json"]:
             dec = StreamDecoder(tok)
 

@@ -26,10 +26,10 @@ from typing import Callable
 import numpy as np
 
 from .drafter import Cutoffs, Drafter, DraftNode, main_chain
-from .kvplan import CANONICAL, PartitionPool, commit_ops, prefix_ops
+from .kvplan import CANONICAL, PartitionPool, cells_reserve, commit_ops, prefix_ops, retire_starts
 from .metrics import Stats
 from .pipeline import Pipeline
-from .protocol import NO_RUN, Batch, kv_ops
+from .protocol import NO_RUN, Batch, compact, kv_ops
 from .verify import Node, SamplingParams, TreeRun, consistent, is_useful, verify
 
 MODES = ("iterative", "speculative", "pipeinfer")
@@ -98,6 +98,7 @@ class Head:
         self.done = False
         self._next_run = 0
         self._n_prompt = 0
+        self.n_cells_bound = 0              # cells any stage may hold: retired cells count until COMPACT
 
     # ================================================================ the algorithm
     def generate(self, prompt: list[int]) -> list[int]:
@@ -107,6 +108,9 @@ class Head:
         self.stats.n_prompt = self._n_prompt = len(prompt)
         self._launch_prompt(prompt)
         while not self.done:
+            if self.n_cells_bound + self._cells_reserve() > self.cfg.n_ctx:
+                self._compact()
+                continue
             if self.cfg.mode == "pipeinfer":
                 self._speculate()
             self._handle(self.pipe.next_result())
@@ -154,7 +158,8 @@ class Head:
                 node = fl.run.nodes[verdict.deepest]
                 branch_seq = next(s for s in node.seq_ids if s != CANONICAL) if node.pos >= self.n_kv0 else None
                 end = max(end, node.pos + 1)
-            self.pipe.kv(commit_ops(branch_seq, self.n_kv0, end, fl.seqs))
+            starts = retire_starts([(n.pos, n.seq_ids) for n in fl.run.nodes])
+            self.pipe.kv(commit_ops(branch_seq, self.n_kv0, end, fl.seqs, starts, self.pool.garbage_seq))
             self.n_kv0 = end
             self.pool.give_back(fl.partition)
         if verdict is not None and verdict.new_tokens:
@@ -235,8 +240,24 @@ class Head:
         else:
             self.chain += [ChainEntry(nodes[off + i].pos, tree[i].token, run.run_id) for i in main_chain(tree)]
 
+    def _cells_reserve(self) -> int:
+        return 1 if self.cfg.mode == "iterative" else cells_reserve(self.pool.n_partitions, self.cfg.cut.n_max)
+
+    def _compact(self) -> None:
+        """Collect every run in flight, then have every stage repack sequence 0 (kvplan.py: garbage)."""
+        while self.flights:
+            self._handle(self.pipe.next_result())
+        self.pipe.kv(kv_ops(compact(CANONICAL)))
+        self.n_cells_bound = self.n_kv0
+        self.stats.n_compactions += 1
+        if not self.done:
+            self._cover_last_token()
+
     def _launch(self, fl: Flight, pre_ops: np.ndarray) -> None:
         run = fl.run
+        self.n_cells_bound += len(run.nodes)
+        if self.n_cells_bound > self.cfg.n_ctx:
+            raise RuntimeError(f"internal: {self.n_cells_bound} KV cells needed, the context has {self.cfg.n_ctx}")
         batch = Batch(np.array([n.token for n in run.nodes], dtype=np.int32),
                       np.array([n.pos for n in run.nodes], dtype=np.int32),
                       [n.seq_ids for n in run.nodes],

@@ -6,8 +6,18 @@ tree branch, taken from a FIFO free list (multibuffering). Before decoding, a st
 sequences see the canonical prefix (seq_cp 0 -> s) and the cells of the run it builds on (seq_cp
 parent -> s over the parent's speculative positions). On acceptance the accepted cells join sequence
 0 with one seq_cp over the accepted positions (O(accepted tokens), never a copy to every sequence),
-then the partition is cleared with seq_rm and returned to the free list. The clear travels in order
-with everything else, so a later run given the same partition cannot see old cells on any stage.
+then the partition is cleared and returned to the free list. The clear travels in order with
+everything else, so a later run given the same partition cannot see old cells on any stage.
+
+Cells are never freed in the middle of the cache. Freeing a cell makes llama.cpp's slot search start
+there, so a later token would land *below* canonical cells of lower positions, and CPU flash
+attention (which accumulates V in f16, in cell order) would then add the canonical prefix up in
+another order than a plain run does: logits move by up to 0.6 (measured on Qwen2.5-Coder-1.5B) and a
+near-tie flips. So a partition's cells are *retired* instead: tagged with the garbage sequence (never
+decoded, never seen) before the partition's own tag goes. Every cell is then allocated above every
+cell allocated before it, and any sequence's cells lie in position order, exactly as in a plain run
+(masked cells are skipped, not summed). Garbage is reclaimed by COMPACT (the head issues it when the
+cache is about to fill, with nothing in flight): each stage repacks sequence 0 into cells 0..n-1.
 """
 from __future__ import annotations
 
@@ -21,12 +31,14 @@ CANONICAL = 0
 
 
 class PartitionPool:
-    """FIFO free list of sequence-id ranges [1 + k*size, 1 + (k+1)*size)."""
+    """FIFO free list of sequence-id ranges [1 + k*size, 1 + (k+1)*size); the id after them is garbage."""
 
     def __init__(self, n_partitions: int, size: int, n_seq_max: int):
-        if n_partitions < 1 or size < 1 or 1 + n_partitions * size > n_seq_max:
+        if n_partitions < 1 or size < 1 or 2 + n_partitions * size > n_seq_max:
             raise ValueError(f"{n_partitions} partitions of {size} sequences do not fit in {n_seq_max} sequence ids")
         self.size = size
+        self.n_partitions = n_partitions
+        self.garbage_seq = 1 + n_partitions * size
         self._free = deque(range(n_partitions))
 
     def take(self) -> int | None:
@@ -46,11 +58,18 @@ class PartitionPool:
 
 
 def plan_partitions(max_branches: int, max_in_flight: int, n_seq_max: int = 256) -> tuple[int, int]:
-    """(n_partitions, n_seq_max for the context) for the given tree width and in-flight runs."""
-    n_part = max(1, min(max_in_flight, (n_seq_max - 1) // max_branches))
-    if n_part * max_branches + 1 > n_seq_max:
+    """(n_partitions, n_seq_max for the context) for the given tree width and in-flight runs
+    (sequence 0, the partitions, and the garbage sequence)."""
+    n_part = max(1, min(max_in_flight, (n_seq_max - 2) // max_branches))
+    if n_part * max_branches + 2 > n_seq_max:
         raise ValueError(f"--max-branches {max_branches} leaves no room within {n_seq_max} sequences")
-    return n_part, 1 + n_part * max_branches
+    return n_part, 2 + n_part * max_branches
+
+
+def cells_reserve(n_partitions: int, n_max: int) -> int:
+    """KV cells one round of the head's loop may allocate: a micro-batch of n_max tokens (plus a lead
+    token) for every partition, and one more run. The head compacts before fewer are left."""
+    return (n_partitions + 1) * (n_max + 1)
 
 
 def prefix_ops(seqs: list[int], n_kv0: int, parent_seq: int | None, first_pos: int) -> np.ndarray:
@@ -68,10 +87,34 @@ def prefix_ops(seqs: list[int], n_kv0: int, parent_seq: int | None, first_pos: i
     return kv_ops(*ops)
 
 
-def commit_ops(branch_seq: int | None, n_kv0: int, end: int, seqs: list[int]) -> np.ndarray:
-    """Accept cells [n_kv0, end) of `branch_seq` into sequence 0, then clear the run's partition."""
+def retire_starts(nodes: list[tuple[int, list[int]]]) -> dict[int, int]:
+    """For a run's nodes (pos, seq_ids): each sequence -> first position of the cells it *owns*.
+
+    A tree cell carries every branch through it; the lowest of those ids owns it. Branch ids grow as
+    branches split off, so a branch owns one contiguous stretch of positions, from where it split to
+    its end, and copying [start, inf) of each branch to the garbage sequence tags every cell of the
+    run exactly once (llama.cpp asserts a cell never gets a sequence twice). Cells that were canonical
+    at launch (the synchronous mode's lead token) are not the run's to retire.
+    """
+    starts: dict[int, int] = {}
+    for pos, seq_ids in nodes:
+        if CANONICAL in seq_ids:
+            continue
+        owner = min(seq_ids)
+        starts[owner] = min(starts.get(owner, pos), pos)
+    return starts
+
+
+def commit_ops(branch_seq: int | None, n_kv0: int, end: int, seqs: list[int], starts: dict[int, int],
+               garbage_seq: int) -> np.ndarray:
+    """Accept cells [n_kv0, end) of `branch_seq` into sequence 0, then retire the run's partition:
+    its own cells (`starts`, from retire_starts) join the garbage sequence before the partition's tags
+    go, so no cell is freed; the canonical and parent cells it saw keep their other tags."""
     ops = []
     if branch_seq is not None and end > n_kv0:
         ops.append(cp(branch_seq, CANONICAL, n_kv0, end))
-    ops.extend(rm(s) for s in seqs)
+    for s in seqs:
+        if s in starts:
+            ops.append(cp(s, garbage_seq, starts[s]))
+        ops.append(rm(s))
     return kv_ops(*ops)

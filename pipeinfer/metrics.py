@@ -21,6 +21,7 @@ class Stats:
     n_runs: int = 0                # runs launched (prompt chunks included)
     n_spec_runs: int = 0           # speculative runs launched
     n_cancelled: int = 0           # speculative runs the head cancelled
+    n_compactions: int = 0         # KV compactions (garbage reclaimed with nothing in flight; kvplan.py)
     n_drafted: int = 0             # draft tokens sent to the target
     n_draft_accepted: int = 0      # draft tokens the target agreed with
     n_draft_calls: int = 0         # drafter invocations (including ones that proposed nothing)
@@ -79,6 +80,7 @@ class Stats:
             f"drafted/accepted  = {self.n_drafted}/{self.n_draft_accepted} "
             f"(acceptance {self.acceptance_rate * 100:.1f}%)",
             f"tokens per run    = {self.mean_accepted_per_run:.2f}",
+            f"KV compactions    = {self.n_compactions}",
         ]
         for s in self.stage_stats[1:]:
             lines.append(f"rank {s['rank']}: decoded {s['n_decoded']} runs / {s['n_tokens']} tokens, "

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class Tag(enum.IntEnum):
@@ -54,6 +54,7 @@ class KvOp(enum.IntEnum):
     RM = 1     # seq_rm(seq_src, p0, p1)
     CP = 2     # seq_cp(seq_src, seq_dst, p0, p1)
     KEEP = 3   # seq_keep(seq_src)
+    COMPACT = 4  # keep only seq_src, repacked into cells 0..n-1 in position order (stage.py)
 
 
 # HEADER: i32[8]
@@ -153,3 +154,7 @@ def rm(seq: int, p0: int = -1, p1: int = -1) -> tuple[int, int, int, int, int]:
 
 def cp(src: int, dst: int, p0: int = -1, p1: int = -1) -> tuple[int, int, int, int, int]:
     return (KvOp.CP, src, dst, p0, p1)
+
+
+def compact(seq: int) -> tuple[int, int, int, int, int]:
+    return (KvOp.COMPACT, seq, -1, -1, -1)

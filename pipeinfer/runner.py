@@ -92,7 +92,11 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
     else:
         n_part, n_seq_max = plan_partitions(cfg.cut.max_branches, opts.max_in_flight)
 
-    from .stage import StageEngine, TokenEmbedder  # imports llama_cpp: after the cheap checks
+    from .stage import MAX_EXACT_BATCH, StageEngine, TokenEmbedder  # imports llama_cpp: after the cheap checks
+    if not opts.fast_kernels and opts.gen.mode != "iterative" and opts.gen.cut.n_max + 1 > MAX_EXACT_BATCH:
+        raise UserError(f"--draft-max {opts.gen.cut.n_max} makes verification batches of {opts.gen.cut.n_max + 1} "
+                        f"tokens, which llama.cpp multiplies with other kernels than single tokens; at most "
+                        f"{MAX_EXACT_BATCH - 1} keeps the output exact (--fast-kernels allows more)")
     my = topo.my_range
     if size == 1:
         path, embd_input = opts.model, False

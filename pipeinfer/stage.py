@@ -22,6 +22,9 @@ import llama_cpp
 from .protocol import Batch, KvOp
 
 LLAMA_MAX_SEQ = 256  # llama.cpp's cap on n_seq_max
+# From 8 rows on, ggml-cpu multiplies K-quant weights with its tiled kernel (tiled.cpp, ggml_tiled_min_batch),
+# which rounds differently from the one-row path: a verification batch must stay below that to be exact.
+MAX_EXACT_BATCH = 7
 
 
 class DecodeAborted(Exception):
@@ -218,6 +221,15 @@ class StageEngine:
         finally:
             _ABORTING = False
         if rc == 2:
+            # llama.cpp frees an aborted batch's cells by each token's first sequence only, so a tree cell
+            # shared by branches survives; free all of them: they are the latest cells, and the next
+            # batch must take their place, above every older cell (kvplan.py: cells stay in order)
+            first: dict[int, int] = {}
+            for p, ids in zip(batch.pos.tolist(), batch.seq_ids):
+                for s in ids:
+                    first[s] = min(first.get(s, p), p)
+            for s, p in first.items():
+                llama_cpp.llama_memory_seq_rm(self.mem, s, p, -1)
             raise DecodeAborted()
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc} (batch of {n} tokens at positions "
@@ -244,17 +256,31 @@ class StageEngine:
                 llama_cpp.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
             elif op == KvOp.KEEP:
                 llama_cpp.llama_memory_seq_keep(self.mem, src)
+            elif op == KvOp.COMPACT:
+                self._compact(src)
             else:
                 raise ValueError(f"unknown KV op {op}")
+
+    def _compact(self, seq: int) -> None:
+        """Keep only `seq`, repacked into cells 0..n-1 in the order it held them (kvplan.py: garbage).
+        llama.cpp writes a sequence's cells in cell order and restores them from cell 0 of an empty
+        cache, so K/V bytes and order are unchanged and the holes are gone."""
+        n = llama_cpp.llama_state_seq_get_size(self.ctx, seq)
+        buf = (ctypes.c_uint8 * n)()
+        got = llama_cpp.llama_state_seq_get_data(self.ctx, buf, n, seq)
+        llama_cpp.llama_memory_clear(self.mem, False)
+        if got != n or llama_cpp.llama_state_seq_set_data(self.ctx, buf, got, seq) != got:
+            raise RuntimeError(f"KV compaction of sequence {seq} failed ({got} of {n} bytes)")
 
     def seq_pos_range(self, seq: int) -> tuple[int, int]:
         """(min, max) position held by a sequence, (-1, -1) when empty."""
         return (llama_cpp.llama_memory_seq_pos_min(self.mem, seq), llama_cpp.llama_memory_seq_pos_max(self.mem, seq))
 
     def kv_summary(self) -> list[list[int]]:
-        """[seq, min pos, max pos] for every non-empty sequence (for checks after a generation)."""
+        """[seq, min pos, max pos] for every non-empty sequence but the garbage one (the last id, when
+        there are partitions; kvplan.py), for checks after a generation."""
         out = []
-        for s in range(self.n_seq_max):
+        for s in range(self.n_seq_max - (self.n_seq_max > 1)):
             lo, hi = self.seq_pos_range(s)
             if hi >= 0:
                 out.append([s, lo, hi])

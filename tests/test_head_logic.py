@@ -71,9 +71,12 @@ class Cell:
 
 
 class ToyStage:
-    def __init__(self, name: str, logits_fn, reference: list[int]):
-        self.name, self.logits_fn, self.reference = name, logits_fn, reference
+    """Cells in allocation order, as llama.cpp's slots are when nothing is freed in the middle."""
+
+    def __init__(self, name: str, logits_fn, reference: list[int], garbage: int | None = None):
+        self.name, self.logits_fn, self.reference, self.garbage = name, logits_fn, reference, garbage
         self.cells: list[Cell] = []
+        self.n_compactions = 0
 
     def seq_cells(self, s: int) -> dict[int, Cell]:
         out: dict[int, Cell] = {}
@@ -103,14 +106,23 @@ class ToyStage:
                     c.seqs.discard(src)
             elif op == KvOp.CP:
                 for c in sel:
+                    if dst in c.seqs:  # llama.cpp asserts this never happens
+                        raise KvError(f"{self.name}: cell at {c.pos} already carries sequence {dst}")
                     c.seqs.add(dst)
-                self.seq_cells(dst)
+                if dst != self.garbage:  # garbage may hold several cells at one position
+                    self.seq_cells(dst)
             elif op == KvOp.KEEP:
                 for c in self.cells:
                     c.seqs &= {src}
+            elif op == KvOp.COMPACT:
+                self.cells = [c for c in self.cells if src in c.seqs]
+                for c in self.cells:
+                    c.seqs = {src}
+                self.n_compactions += 1
             else:
                 raise KvError(f"unknown KV op {op}")
-            self.cells = [c for c in self.cells if c.seqs]
+            if any(not c.seqs for c in self.cells):  # kvplan.py: a freed cell would be refilled out of order
+                raise KvError(f"{self.name}: op {op} freed a cell in the middle of the cache")
         self.check_canonical()
 
     def decode(self, batch: Batch) -> np.ndarray:
@@ -138,6 +150,9 @@ class ToyStage:
                     raise KvError(f"{self.name}: sequence {s} misses position {e} below {c.pos}") from None
             if any([id(x) for x in v] != [id(x) for x in views[0]] for v in views):
                 raise KvError(f"{self.name}: token at {c.pos} sees different cells in sequences {sorted(c.seqs)}")
+            slot = {id(x): i for i, x in enumerate(self.cells)}
+            if [slot[id(x)] for x in views[0]] != sorted(slot[id(x)] for x in views[0]):
+                raise KvError(f"{self.name}: token at {c.pos} sees its cells out of position order")
             rows.append(self.logits_fn([x.token for x in views[0]]))
         return np.array(rows, dtype=np.float32).reshape(-1, V)
 
@@ -147,14 +162,15 @@ class FakePipeline:
     """What Head uses of Pipeline: launch, kv, cancel, result_ready, next_result, distributed, in_flight."""
 
     def __init__(self, reference: list[int], logits_fn=logits_greedy, distributed: bool = True,
-                 poll_every: int = 3, abort_mid: bool = False, cancel_lag: int = 0):
+                 poll_every: int = 3, abort_mid: bool = False, cancel_lag: int = 0, garbage: int | None = None):
         self.distributed = distributed
         self.cancel_lag = cancel_lag  # the cancel signal reaches the last stage after this many of its steps
         self.poll_every = poll_every
         self.abort_mid = abort_mid  # a cancelled run was aborted mid-decode: its prefix copies happened
-        self.stages = [ToyStage("head stage", logits_fn, reference)]
+        self.garbage = garbage
+        self.stages = [ToyStage("head stage", logits_fn, reference, garbage)]
         if distributed:
-            self.stages.append(ToyStage("last stage", logits_fn, reference))
+            self.stages.append(ToyStage("last stage", logits_fn, reference, garbage))
         self.queue: deque = deque()       # transactions on their way to the last stage, in the head's order
         self.results: deque[Result] = deque()
         self.in_flight: deque[int] = deque()
@@ -198,7 +214,7 @@ class FakePipeline:
             return
         n0 = len(self.stages[0].seq_cells(0))
         for op, src, dst, p0, p1 in np.asarray(ops).reshape(-1, 5).tolist():
-            if op == KvOp.CP:  # invariant 6: a commit copies only new positions, and only into sequence 0
+            if op == KvOp.CP and dst != self.garbage:  # invariant 6: a commit copies only new positions into seq 0
                 assert dst == 0 and p0 == n0 and p1 > p0, f"commit copy {src}->{dst} [{p0}, {p1}), seq 0 ends at {n0}"
         self.stages[0].apply(ops)
         if self.distributed:
@@ -304,8 +320,8 @@ def run_head(mode: str, *, n_predict: int = 40, error_rate: float = 0.0, seed: i
              logits_fn=logits_greedy, eos: frozenset = frozenset(), drafter_prob: float = 0.9,
              drafter=None, **cfg_kw) -> SimpleNamespace:
     reference = target_alone(PROMPT, n_predict + 64, logits_fn, sampling)
-    pipe = FakePipeline(reference, logits_fn, distributed, poll_every, abort_mid, cancel_lag)
     n_part, n_seq = plan_partitions(max_branches, max_in_flight)
+    pipe = FakePipeline(reference, logits_fn, distributed, poll_every, abort_mid, cancel_lag, garbage=n_seq - 1)
     pool = PartitionPool(n_part, max_branches, n_seq) if mode != "iterative" else None
     if drafter is None and mode != "iterative":
         drafter = ToyDrafter(error_rate, seed, drafter_prob)
@@ -328,7 +344,7 @@ def assert_clean_end(r: SimpleNamespace) -> None:
         held = stage.seq_cells(0)
         assert sorted(held) == list(range(n)), stage.name
         assert [held[p].token for p in range(n)] == head.accepted[:n], stage.name
-        others = sorted({s for c in stage.cells for s in c.seqs} - {0})
+        others = sorted({s for c in stage.cells for s in c.seqs} - {0, r.pipe.garbage})
         assert others == [], f"{stage.name}: sequences {others} still hold cells"
     assert not head.flights and not r.pipe.in_flight
     if r.pool is not None:
@@ -522,7 +538,7 @@ def test_head_rejects_bad_configuration():
     with pytest.raises(ValueError, match="unknown mode"):
         Head(pipe, GenConfig(mode="turbo"))
     with pytest.raises(ValueError, match="needs a drafter"):
-        Head(pipe, GenConfig(mode="pipeinfer"), pool=PartitionPool(2, 1, 3))
+        Head(pipe, GenConfig(mode="pipeinfer"), pool=PartitionPool(2, 1, 4))
     with pytest.raises(ValueError, match="needs a drafter"):
         Head(pipe, GenConfig(mode="speculative"), drafter=ToyDrafter())
     with pytest.raises(ValueError, match="empty prompt"):
@@ -581,3 +597,23 @@ def test_fake_pipeline_rejects_two_cells_at_one_position():
         pipe.kv(kv_ops(cp(3, 0, 10, 11)))                      # a commit of a position seq 0 already holds
     with pytest.raises(KvError, match="two cells at position 10"):
         pipe.stages[0].apply(kv_ops(cp(3, 0, 10, 11)))        # and what the stage would then hold
+
+
+@pytest.mark.parametrize("mode, error_rate", [("speculative", 0.3), ("pipeinfer", 0.3), ("pipeinfer", 0.0)])
+def test_compacts_when_retired_cells_fill_the_cache(mode, error_rate):
+    """Retired cells are never freed in the middle (the fake rejects that); when they would fill the
+    context, the head collects what is in flight and every stage compacts, and generation goes on."""
+    n_predict, n_ctx = 150, len(PROMPT) + 150 + 60
+    r = run_head(mode, n_predict=n_predict, error_rate=error_rate, seed=5, n_ctx=n_ctx, max_in_flight=4)
+    assert r.out == r.expected
+    assert (r.stats.n_compactions >= 1) == (error_rate > 0), r.stats  # perfect drafts leave no garbage to speak of
+    assert all(st.n_compactions == r.stats.n_compactions for st in r.pipe.stages)
+    assert max(len(st.cells) for st in r.pipe.stages) <= n_ctx
+    assert_clean_end(r)
+
+
+def test_fake_pipeline_rejects_freeing_a_cell():
+    pipe, ref = _prompted_pipe()
+    pipe.launch(2, _one(ref[10], 10, [3], [cp(0, 3, 0, 10)]), True)
+    with pytest.raises(KvError, match="freed a cell"):
+        pipe.kv(kv_ops(rm(3)))                                 # the run's own cell would become a hole

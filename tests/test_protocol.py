@@ -26,11 +26,11 @@ def test_frozen_flags():
 
 
 def test_frozen_kv_ops():
-    assert {m.name: int(m) for m in KvOp} == {"RM": 1, "CP": 2, "KEEP": 3}
+    assert {m.name: int(m) for m in KvOp} == {"RM": 1, "CP": 2, "KEEP": 3, "COMPACT": 4}
 
 
 def test_frozen_header_layout():
-    assert protocol.PROTOCOL_VERSION == 1
+    assert protocol.PROTOCOL_VERSION == 2
     assert HEADER_LEN == 8 and NO_RUN == -1
     assert (protocol.H_KIND, protocol.H_RUN, protocol.H_N_TOKENS, protocol.H_N_META, protocol.H_FLAGS,
             protocol.H_PARENT, protocol.H_N_OUTPUTS, protocol.H_N_EMBD) == (0, 1, 2, 3, 4, 5, 6, 7)
@@ -132,7 +132,7 @@ def test_meta_layout():
     Batch(np.arange(6, dtype=np.int32), np.arange(6, dtype=np.int32), [[0]] * 6,
           np.array([0, 0, 0, 0, 0, 1], np.int32), kv_ops()),
     Batch(np.array([4, 5], np.int32), np.array([20, 21], np.int32), [[9], [9]], np.array([1, 1], np.int32),
-          commit_ops(1, 10, 14, [1, 2, 3])),
+          commit_ops(1, 10, 14, [1, 2, 3], {1: 10, 2: 12}, 9)),
 ])
 def test_meta_round_trip(batch):
     back = Batch.unpack_meta(batch.pack_meta())

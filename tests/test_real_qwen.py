@@ -62,16 +62,19 @@ def prompt_tokens(qwen, name):
 
 def greedy_reference(qwen, prompt, n=256):
     import llama_cpp
+    import llama_cpp.llama_cpp as bindings
     from pipeinfer.stage import batch_invariant_model_params
     # the same numerics pipeinfer uses: flash attention, no repacked weights (stage.py explains why);
     # Llama() has no argument for the repack, so its model-params factory is swapped while it loads
-    default = llama_cpp.llama_model_default_params
-    llama_cpp.llama_model_default_params = batch_invariant_model_params
+    # (in the bindings module, which is where Llama looks it up)
+    default = bindings.llama_model_default_params
+    bindings.llama_model_default_params = batch_invariant_model_params
     try:
         llm = llama_cpp.Llama(model_path=qwen, n_ctx=1024, n_batch=512, n_threads=1, n_threads_batch=1,
                               flash_attn=True, verbose=False)  # 1 thread, like each stage in these tests
     finally:
-        llama_cpp.llama_model_default_params = default
+        bindings.llama_model_default_params = default
+    assert not llm.model_params.use_extra_bufts, "the reference must not use repacked weights"
     llm.eval(prompt)
     out, gaps = [], []
     for _ in range(n):
