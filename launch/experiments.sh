@@ -10,6 +10,7 @@
 # Gemma 3 270M's compute per draft token) at 0.8 and 0.5 accuracy, standing in for the paper's model
 # pairs of different acceptance. On a 2-core machine keep ranks x threads <= 2 (default: 1 thread
 # per rank). Results: results/results.csv (appended) and results/*.png.
+# Subsets: PROMPTS="code story encyclopedia", DRAFTERS="ngram gemma replay", REPLAY_ACCURACIES="0.8 0.5".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RANKS=${1:-2}
@@ -23,17 +24,26 @@ mkdir -p "$OUT"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-for prompt in code story encyclopedia; do
+PROMPTS=${PROMPTS:-code story encyclopedia}
+DRAFTERS=${DRAFTERS:-ngram gemma replay}
+has() { [[ " $DRAFTERS " == *" $1 "* ]]; }
+
+for prompt in $PROMPTS; do
     echo "== $prompt: reference run (iterative, JSON kept for the replay drafter)"
     "$MPIEXEC" -n "$RANKS" "${PI[@]}" generate --prompt-name "$prompt" -n "$N" --mode iterative -t "$THREADS" \
         --ignore-eos --json -q --results "$CSV" > "$tmp/$prompt.json"
     for mode in speculative pipeinfer; do
-        echo "== $prompt: $mode, n-gram drafter"
-        "$MPIEXEC" -n "$RANKS" "${PI[@]}" generate --prompt-name "$prompt" -n "$N" --mode "$mode" -t "$THREADS" \
-            --drafter ngram --ignore-eos -q --results "$CSV" > /dev/null
-        echo "== $prompt: $mode, Gemma 3 270M draft through text translation"
-        "$MPIEXEC" -n "$RANKS" "${PI[@]}" generate --prompt-name "$prompt" -n "$N" --mode "$mode" -t "$THREADS" \
-            --draft gemma3-270m --p-accept 0.3 --draft-max 3 --ignore-eos -q --results "$CSV" > /dev/null
+        if has ngram; then
+            echo "== $prompt: $mode, n-gram drafter"
+            "$MPIEXEC" -n "$RANKS" "${PI[@]}" generate --prompt-name "$prompt" -n "$N" --mode "$mode" -t "$THREADS" \
+                --drafter ngram --ignore-eos -q --results "$CSV" > /dev/null
+        fi
+        if has gemma; then
+            echo "== $prompt: $mode, Gemma 3 270M draft through text translation"
+            "$MPIEXEC" -n "$RANKS" "${PI[@]}" generate --prompt-name "$prompt" -n "$N" --mode "$mode" -t "$THREADS" \
+                --draft gemma3-270m --p-accept 0.3 --draft-max 3 --ignore-eos -q --results "$CSV" > /dev/null
+        fi
+        has replay || continue
         for acc in ${REPLAY_ACCURACIES:-0.8 0.5}; do
             echo "== $prompt: $mode, replay drafter at $acc (Gemma 3 270M compute)"
             "$MPIEXEC" -n "$RANKS" "${PI[@]}" generate --prompt-name "$prompt" -n "$N" --mode "$mode" -t "$THREADS" \

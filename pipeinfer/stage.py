@@ -90,7 +90,7 @@ def batch_invariant_model_params(fast_kernels: bool = False):
     llama-cpp-python 0.3.36: the CPU "extra buffer" (repacked Q4_K weights, a different gemm for >= 4
     rows) and non-flash attention (f16 matmuls through llamafile's sgemm for >= 2 rows) each move
     logits by up to 0.45 between batch sizes 1, 2 and 4; with flash attention and without the repack
-    the logits are identical (max difference 0.0). `fast_kernels` takes llama.cpp's defaults instead
+    the logits are identical (max difference 0.0) for batches of up to MAX_EXACT_BATCH tokens. `fast_kernels` takes llama.cpp's defaults instead
     (repack on, flash attention off): faster prompt processing, but near-ties may then resolve
     differently in batches.
     """
