@@ -10,7 +10,8 @@
 # Gemma 3 270M's compute per draft token) at 0.8 and 0.5 accuracy, standing in for the paper's model
 # pairs of different acceptance. On a 2-core machine keep ranks x threads <= 2 (default: 1 thread
 # per rank). Results: results/results.csv (appended) and results/*.png.
-# Subsets: PROMPTS="code story encyclopedia", DRAFTERS="ngram gemma replay", REPLAY_ACCURACIES="0.8 0.5".
+# Subsets: PROMPTS="code story encyclopedia", DRAFTERS="ngram gemma replay", REPLAY_ACCURACIES="0.8 0.5";
+# REPLAY_P_ACCEPT (default 0.5) is the cutoff for the replay drafter, whose confidence is its accuracy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RANKS=${1:-2}
@@ -48,7 +49,7 @@ for prompt in $PROMPTS; do
             echo "== $prompt: $mode, replay drafter at $acc (Gemma 3 270M compute)"
             "$MPIEXEC" -n "$RANKS" "${PI[@]}" generate --prompt-name "$prompt" -n "$N" --mode "$mode" -t "$THREADS" \
                 --drafter replay --replay-ref "$tmp/$prompt.json" --replay-accuracy "$acc" --draft gemma3-270m \
-                --p-accept 0.1 --draft-max 3 --ignore-eos -q --results "$CSV" > /dev/null
+                --p-accept "${REPLAY_P_ACCEPT:-0.5}" --draft-max 3 --ignore-eos -q --results "$CSV" > /dev/null
         done
     done
 done

@@ -86,7 +86,7 @@ def main() -> None:
 @click.option("--draft-max", default=4, show_default=True, type=click.IntRange(1, 64), help="max tokens per speculative micro-batch")
 @click.option("-pa", "--p-accept", default=0.5, show_default=True, type=click.FloatRange(0, 1), help="draft confidence cutoff")
 @click.option("-ps", "--p-split", default=0.1, show_default=True, type=click.FloatRange(0, 1), help="confidence to open a tree branch")
-@click.option("-pr", "--p-recovery", default=0.0, show_default=True, type=click.FloatRange(0), help="cutoff rise per micro-batch since the last acceptance")
+@click.option("-pr", "--p-recovery", default=0.1, show_default=True, type=click.FloatRange(0), help="cutoff rise per micro-batch since the last acceptance")
 @click.option("-pd", "--p-decay", default=0.0, show_default=True, type=click.FloatRange(0), help="cutoff fall per failed draft while idle")
 @click.option("-np", "--max-branches", default=1, show_default=True, type=click.IntRange(1, 16), help="max tree branches per run")
 @click.option("--max-in-flight", default=8, show_default=True, type=click.IntRange(1, 255), help="max speculative runs in flight")
