@@ -43,6 +43,11 @@ def test_prompt_longer_than_context(models):
     _fails_fast(["generate", "-m", str(models["f32"]), "-p", "ba " * 400, "-c", "64"], 2, "does not fit the context")
 
 
+def test_draft_max_beyond_exact_batches(models):
+    _fails_fast(["generate", "-m", str(models["f32"]), "-p", "ba", "--mode", "pipeinfer", "--drafter", "ngram",
+                 "--draft-max", "7"], 2, "--draft-max 7 makes verification batches of 8")
+
+
 def test_unknown_registry_name():
     _fails_fast(["generate", "-m", "no-such-model", "-p", "hi"], None, "model file not found")
 

@@ -114,6 +114,18 @@ def test_prompt_longer_than_batch(models):
     assert a["tokens"] == b["tokens"]
 
 
+@pytest.mark.parametrize("mode", ["speculative", "pipeinfer"])
+def test_compaction_keeps_output_exact(models, ref, mode):
+    """A context just large enough: retired cells fill it, every stage compacts, the output is unchanged."""
+    out = mpirun(3, {"model": str(models["f32"]), "prompt": PROMPT, "n": N, "mode": mode,
+                     "draft": str(models["draft30"]), "n_ctx": len(PROMPT) + N + 50})
+    assert out["tokens"] == ref["f32"]
+    s = out["stats"]
+    assert s["n_compactions"] >= 1, s
+    for st in s["stage_stats"]:
+        assert st["kv"] == [[0, 0, s["n_kv0"] - 1]], st
+
+
 def test_long_generation_is_bounded(tmp_path):
     """2,000 tokens of PipeInfer: no sequence-id or KV exhaustion, head memory flat, KV state exact."""
     from synth import make_llama_gguf
@@ -128,6 +140,7 @@ def test_long_generation_is_bounded(tmp_path):
     assert sum(st["n_cancelled_before"] for st in s["stage_stats"]) > 0
     rss = {int(k): v for k, v in s["rss_trace_mb"].items()}
     assert rss[2000] - rss[500] < 8.0, rss  # MiB: tokens lists and counters only
+    assert s["n_compactions"] >= 1  # retired cells filled the 2,100-cell cache and were reclaimed
     for st in s["stage_stats"]:
         assert st["kv"] == [[0, 0, s["n_kv0"] - 1]]
 
