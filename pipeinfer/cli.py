@@ -148,10 +148,9 @@ def _generate(kw) -> None:
         if chat:
             text = apply_chat(tok, text)
         prompt_tokens = tok.encode(text)
-        reserve = 1
-        if kw["mode"] != "iterative":  # room for the runs in flight (kvplan.cells_reserve)
-            from .kvplan import cells_reserve, plan_partitions
-            reserve = cells_reserve(plan_partitions(kw["max_branches"], kw["max_in_flight"])[0], kw["draft_max"])
+        from .kvplan import cells_reserve, plan_partitions
+        n_part = 0 if kw["mode"] == "iterative" else plan_partitions(kw["max_branches"], kw["max_in_flight"])[0]
+        reserve = cells_reserve(n_part, kw["draft_max"])  # room for the runs in flight
         need = len(prompt_tokens) + kw["n_predict"] + reserve
         if need > kw["ctx_size"]:
             raise UserError(f"prompt of {len(prompt_tokens)} tokens + {kw['n_predict']} to generate + {reserve} for "

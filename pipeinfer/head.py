@@ -241,7 +241,7 @@ class Head:
             self.chain += [ChainEntry(nodes[off + i].pos, tree[i].token, run.run_id) for i in main_chain(tree)]
 
     def _cells_reserve(self) -> int:
-        return 1 if self.cfg.mode == "iterative" else cells_reserve(self.pool.n_partitions, self.cfg.cut.n_max)
+        return cells_reserve(self.pool.n_partitions if self.pool else 0, self.cfg.cut.n_max)
 
     def _compact(self) -> None:
         """Collect every run in flight, then have every stage repack sequence 0 (kvplan.py: garbage)."""

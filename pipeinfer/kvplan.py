@@ -38,7 +38,7 @@ class PartitionPool:
             raise ValueError(f"{n_partitions} partitions of {size} sequences do not fit in {n_seq_max} sequence ids")
         self.size = size
         self.n_partitions = n_partitions
-        self.garbage_seq = 1 + n_partitions * size
+        self.garbage_seq = garbage_seq(2 + n_partitions * size)
         self._free = deque(range(n_partitions))
 
     def take(self) -> int | None:
@@ -66,10 +66,16 @@ def plan_partitions(max_branches: int, max_in_flight: int, n_seq_max: int = 256)
     return n_part, 2 + n_part * max_branches
 
 
+def garbage_seq(n_seq_max: int) -> int | None:
+    """The garbage sequence of a context planned by plan_partitions: its last id (None without partitions)."""
+    return n_seq_max - 1 if n_seq_max > 1 else None
+
+
 def cells_reserve(n_partitions: int, n_max: int) -> int:
     """KV cells one round of the head's loop may allocate: a micro-batch of n_max tokens (plus a lead
-    token) for every partition, and one more run. The head compacts before fewer are left."""
-    return (n_partitions + 1) * (n_max + 1)
+    token) for every partition, and one more run; one token without partitions (iterative). The head
+    compacts before fewer are left."""
+    return (n_partitions + 1) * (n_max + 1) if n_partitions else 1
 
 
 def prefix_ops(seqs: list[int], n_kv0: int, parent_seq: int | None, first_pos: int) -> np.ndarray:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from .drafter import Cutoffs
 from .head import GenConfig, Head
-from .kvplan import PartitionPool, plan_partitions
+from .kvplan import PartitionPool, garbage_seq, plan_partitions
 from .metrics import Stats
 from .protocol import PROTOCOL_VERSION
 from .stagefile import check_splittable, ensure_stage_file, read_info
@@ -76,8 +76,9 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
         threads_b = parse_per_rank_ints(opts.threads_batch, size, "--threads-batch", default=threads[rank])
         probe_ms = None
         if opts.layer_split is not None and opts.layer_split.strip() == "auto":
-            probe_ms = auto_split(comm, opts.model, info, threads[rank], threads_b[rank]) if size > 1 else [1.0]
-            fractions = split_from_speeds(probe_ms)
+            if size > 1:
+                probe_ms = auto_split(comm, opts.model, info, threads[rank], threads_b[rank])
+            fractions = split_from_speeds(probe_ms) if probe_ms else [1.0]
         else:
             fractions = parse_split(opts.layer_split, size)
         ranges = layer_ranges(info.n_layer, fractions)
@@ -143,7 +144,7 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
     rss = comm.gather(_peak_rss_mb(), root=0)
     from .worker import StageStats
     head_stage = StageStats(rank=0, n_decoded=head.stats.n_runs, t_idle_s=transport.t_wait_s if transport else 0.0,
-                            kv=engine.kv_summary())
+                            kv=engine.kv_summary(exclude=garbage_seq(n_seq_max)))
     head.stats.stage_stats = [vars(head_stage)] + stage_stats
     head.stats.n_kv0 = head.n_kv0
     tok.close()

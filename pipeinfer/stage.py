@@ -90,9 +90,9 @@ def batch_invariant_model_params(fast_kernels: bool = False):
     llama-cpp-python 0.3.36: the CPU "extra buffer" (repacked Q4_K weights, a different gemm for >= 4
     rows) and non-flash attention (f16 matmuls through llamafile's sgemm for >= 2 rows) each move
     logits by up to 0.45 between batch sizes 1, 2 and 4; with flash attention and without the repack
-    the logits are identical (max difference 0.0) for batches of up to MAX_EXACT_BATCH tokens. `fast_kernels` takes llama.cpp's defaults instead
-    (repack on, flash attention off): faster prompt processing, but near-ties may then resolve
-    differently in batches.
+    the logits are identical (max difference 0.0) for batches of up to MAX_EXACT_BATCH tokens.
+    `fast_kernels` takes llama.cpp's defaults instead (repack on, flash attention off): faster prompt
+    processing, but near-ties may then resolve differently in batches.
     """
     params = llama_cpp.llama_model_default_params()
     params.use_extra_bufts = bool(fast_kernels)
@@ -276,11 +276,12 @@ class StageEngine:
         """(min, max) position held by a sequence, (-1, -1) when empty."""
         return (llama_cpp.llama_memory_seq_pos_min(self.mem, seq), llama_cpp.llama_memory_seq_pos_max(self.mem, seq))
 
-    def kv_summary(self) -> list[list[int]]:
-        """[seq, min pos, max pos] for every non-empty sequence but the garbage one (the last id, when
-        there are partitions; kvplan.py), for checks after a generation."""
+    def kv_summary(self, exclude: int | None = None) -> list[list[int]]:
+        """[seq, min pos, max pos] for every non-empty sequence but `exclude`, for checks after a generation."""
         out = []
-        for s in range(self.n_seq_max - (self.n_seq_max > 1)):
+        for s in range(self.n_seq_max):
+            if s == exclude:
+                continue
             lo, hi = self.seq_pos_range(s)
             if hi >= 0:
                 out.append([s, lo, hi])

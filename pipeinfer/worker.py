@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .kvplan import garbage_seq
 from .protocol import Batch, Flag, Header, Kind, Tag
 from .stage import DecodeAborted, StageEngine
 from .topology import Topology
@@ -70,7 +71,7 @@ class StageWorker:
             else:
                 raise RuntimeError(f"rank {self.topo.rank}: unexpected transaction {hdr.kind.name} from rank {prev}")
         self.stats.t_idle_s = self.tx.t_wait_s
-        self.stats.kv = self.engine.kv_summary()
+        self.stats.kv = self.engine.kv_summary(exclude=garbage_seq(self.engine.n_seq_max))
         self.tx.flush()
         return self.stats
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeinfer.kvplan import CANONICAL, PartitionPool, commit_ops, plan_partitions, prefix_ops, retire_starts
+from pipeinfer.kvplan import (CANONICAL, PartitionPool, cells_reserve, commit_ops, garbage_seq, plan_partitions,
+                              prefix_ops, retire_starts)
 from pipeinfer.protocol import KvOp
 
 RM, CP = int(KvOp.RM), int(KvOp.CP)
@@ -74,7 +75,14 @@ def test_plan_partitions(max_branches, max_in_flight, expected):
     n_part, n_seq = plan_partitions(max_branches, max_in_flight)
     assert (n_part, n_seq) == expected
     assert n_seq <= 256 and n_seq == 2 + n_part * max_branches  # sequence 0, partitions, garbage
-    PartitionPool(n_part, max_branches, n_seq)  # the plan always fits its pool
+    pool = PartitionPool(n_part, max_branches, n_seq)  # the plan always fits its pool
+    assert pool.garbage_seq == garbage_seq(n_seq) == n_seq - 1  # stages find the same garbage id
+
+
+def test_no_garbage_and_one_cell_without_partitions():
+    assert garbage_seq(1) is None
+    assert cells_reserve(0, 4) == 1                       # iterative: one token per round
+    assert cells_reserve(3, 4) == 20                      # 3 partitions + 1 run, 4 drafted + 1 lead token each
 
 
 @pytest.mark.parametrize("max_branches", [1, 2, 3, 7, 16, 31, 64, 100, 128, 200, 254])
