@@ -16,6 +16,7 @@ import click
 from . import __version__
 from .drafter import Cutoffs
 from .head import MODES, GenConfig
+from .status import StatusLine
 from .verify import SamplingParams
 
 
@@ -162,15 +163,19 @@ def _generate(kw) -> None:
                 sys.stdout.write(dec.feed(tokens))
                 sys.stdout.flush()
     progress = None
-    if rank == 0 and not kw["quiet"] and not kw["as_json"] and sys.stderr.isatty() and not sys.stdout.isatty():
-        progress = _status_line()  # live status only when the text goes elsewhere: one terminal line each
+    if rank == 0 and not kw["quiet"] and not kw["as_json"]:
+        progress = StatusLine.for_streams(sys.stdout, sys.stderr)  # None unless stderr is a terminal
     opts = RunOptions(model=model, on_progress=progress, prompt_tokens=prompt_tokens, gen=gen, layer_split=kw["layer_split"],
                       threads=kw["threads"], threads_batch=kw["threads_batch"], n_ctx=kw["ctx_size"], draft=draft,
                       drafter=drafter, replay_ref=kw["replay_ref"], replay_accuracy=kw["replay_accuracy"],
                       max_in_flight=kw["max_in_flight"], poll_s=kw["poll_us"] / 1e6,
                       fast_kernels=kw["fast_kernels"], draft_vocab=kw["draft_vocab"], prompt_text=user_text,
                       chat=bool(chat), on_tokens=stream)
-    res = run(opts)
+    try:
+        res = run(opts)
+    finally:
+        if progress is not None:
+            progress.close()
     if rank != 0:
         return
     if kw["as_json"]:
@@ -180,8 +185,6 @@ def _generate(kw) -> None:
     else:
         sys.stdout.write(dec.flush() + "\n")
         sys.stdout.flush()
-    if progress is not None:
-        sys.stderr.write("\r\x1b[2K")
     if not kw["quiet"]:
         ranges = ", ".join(f"rank {i}: layers {r}" for i, r in enumerate(res.ranges))
         print(f"\n[pipeinfer] mode {gen.mode}, {len(res.ranges)} rank(s): {ranges}", file=sys.stderr)
@@ -197,21 +200,6 @@ def _installed(name: str) -> str | None:
         return str(resolve_model(name))
     except ModelError:
         return None
-
-
-def _status_line():
-    """A callback drawing one live line on stderr: speed, acceptance, runs in flight (at most 4 per second)."""
-    last = [0.0]
-
-    def draw(stats, n_in_flight: int) -> None:
-        now = time.perf_counter()
-        if now - last[0] < 0.25:
-            return
-        last[0] = now
-        sys.stderr.write(f"\r\x1b[2K[pipeinfer] {stats.n_generated} tokens, {stats.gen_tokens_per_s:.2f} tokens/s, "
-                         f"acceptance {stats.acceptance_rate * 100:.0f}%, {n_in_flight} runs in flight")
-        sys.stderr.flush()
-    return draw
 
 
 def _prompt_path(name: str) -> str:

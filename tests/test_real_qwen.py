@@ -111,6 +111,17 @@ def test_self_draft_speculative_accepts_all(qwen, code_prompt, reference):
     assert s["n_drafted"] > 0 and s["n_draft_accepted"] == s["n_drafted"], s
 
 
+@pytest.mark.parametrize("n_ranks, ranges", [(1, [[0, 28]]), (3, [[0, 9], [9, 18], [18, 28]])])
+def test_speculative_one_and_three_ranks(qwen, code_prompt, reference, n_ranks, ranges):
+    # 3 ranks on 2 cores: ranks wait for messages without spinning (transport.py), so this stays quick
+    out = mpirun(n_ranks, {"model": qwen, "prompt": code_prompt, "n": 64, "n_ctx": 1024, "mode": "speculative",
+                           "drafter": "ngram", "p_accept": 0.5}, timeout=900)
+    assert out["ranges"] == ranges
+    assert len(out["tokens"]) == 64
+    assert_greedy_equal(out["tokens"], reference)
+    assert out["stats"]["n_draft_accepted"] > 0, out["stats"]
+
+
 def test_speculative_256_tokens_two_ranks(qwen, code_prompt, reference):
     out = mpirun(2, {"model": qwen, "prompt": code_prompt, "n": 256, "n_ctx": 1024, "mode": "speculative",
                      "drafter": "ngram", "p_accept": 0.5}, timeout=900)
