@@ -34,6 +34,11 @@ class Cutoffs:
 
 
 class Drafter(Protocol):
+    def prefill(self, prompt: list[int]) -> None:
+        """Take in the prompt ahead of the first draft (the head calls it while the target's pipeline
+        works on the prompt, so a draft model's prompt processing is off the critical path)."""
+        ...
+
     def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
         """A tree of proposals for positions len(context).., parents before children; [] if unconfident."""
         ...
@@ -91,6 +96,9 @@ class ModelDrafter:
         self._kv = list(context)
         self._logits = logits[-1]
         return self._logits
+
+    def prefill(self, prompt: list[int]) -> None:
+        self._sync(prompt)
 
     def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
         logits0 = self._sync(context)
@@ -152,6 +160,9 @@ class NgramDrafter:
     def __init__(self, n_min: int = 1, n_max: int = 4):
         self.n_min, self.n_max = n_min, n_max
 
+    def prefill(self, prompt: list[int]) -> None:
+        pass  # nothing to process: the context is searched at each draft
+
     def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
         ctx = np.asarray(context)
         for n in range(min(self.n_max, len(ctx) - 1), self.n_min - 1, -1):
@@ -186,6 +197,10 @@ class ReplayDrafter:
             raise ValueError(f"replay accuracy must be in [0, 1], got {accuracy}")
         self.ref, self.accuracy, self.n_vocab, self.seed = list(reference), accuracy, n_vocab, seed
         self.burner = burner
+
+    def prefill(self, prompt: list[int]) -> None:
+        if self.burner is not None:  # the burner's prompt processing, as a real draft model's
+            self.burner.prefill([t % self.burner.n_vocab for t in prompt])
 
     def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
         if self.accuracy < cut.p_accept:

@@ -107,6 +107,8 @@ class Head:
         self.stats.t_start_s = time.perf_counter()
         self.stats.n_prompt = self._n_prompt = len(prompt)
         self._launch_prompt(prompt)
+        if self.drafter is not None:
+            self.drafter.prefill(prompt)  # while the target's stages process the prompt
         while not self.done:
             if self.n_cells_bound + self._cells_reserve() > self.cfg.n_ctx:
                 self._compact()

@@ -361,6 +361,11 @@ class TranslatingDrafter:
             d._logits = logits
         return toks, probs, look
 
+    def prefill(self, prompt: list[int]) -> None:
+        self.drafter.prefill(self.prompt)  # the draft's own rendering of the prompt, in its vocabulary
+        if self.heal:
+            _ = self.index  # built now, not at the first draft (262k draft tokens: about a second)
+
     def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
         self.n_calls += 1
         if len(context) < self.n_prompt:

@@ -286,6 +286,11 @@ class ToyDrafter:
         self.error_rate, self.prob = error_rate, prob
         self.rng = np.random.default_rng(seed)
         self.p_accepts: list[float] = []  # the cutoff of every call
+        self.prefilled: list[int] | None = None
+
+    def prefill(self, prompt: list[int]) -> None:
+        assert self.prefilled is None and not self.p_accepts, "prefill comes once, before any draft"
+        self.prefilled = list(prompt)
 
     def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
         self.p_accepts.append(cut.p_accept)
@@ -531,6 +536,25 @@ def test_short_generations(mode, n_predict):
     assert r.out == r.expected
     assert r.stats.n_generated == n_predict
     assert_clean_end(r)
+
+
+@pytest.mark.parametrize("mode", ["speculative", "pipeinfer"])
+def test_drafter_takes_the_prompt_while_the_pipeline_does(mode, monkeypatch):
+    """The draft model's prompt processing overlaps the target's: prefill comes before the first result."""
+    log = []
+    next_result = FakePipeline.next_result
+    monkeypatch.setattr(FakePipeline, "next_result", lambda self: log.append("result") or next_result(self))
+
+    class Probe(ToyDrafter):
+        def prefill(self, prompt):
+            log.append("prefill")
+            super().prefill(prompt)
+
+    drafter = Probe(0.2, 3)
+    r = run_head(mode, drafter=drafter)
+    assert drafter.prefilled == list(PROMPT)
+    assert log[:2] == ["prefill", "result"] and log.count("prefill") == 1
+    assert r.out == r.expected
 
 
 def test_head_rejects_bad_configuration():
