@@ -87,7 +87,8 @@ def main() -> None:
 @click.option("--draft-max", default=4, show_default=True, type=click.IntRange(1, 64), help="max tokens per speculative micro-batch")
 @click.option("-pa", "--p-accept", default=0.5, show_default=True, type=click.FloatRange(0, 1), help="draft confidence cutoff")
 @click.option("-ps", "--p-split", default=0.1, show_default=True, type=click.FloatRange(0, 1), help="confidence to open a tree branch")
-@click.option("-pr", "--p-recovery", default=0.1, show_default=True, type=click.FloatRange(0), help="cutoff rise per micro-batch since the last acceptance")
+@click.option("-pr", "--p-recovery", default="auto", show_default=True, callback=lambda c, p, v: _auto_or_float(v, p),
+              help="cutoff rise per micro-batch since the last acceptance; auto: 0.5 / (ranks - 1)")
 @click.option("-pd", "--p-decay", default=0.0, show_default=True, type=click.FloatRange(0), help="cutoff fall per failed draft while idle")
 @click.option("-np", "--max-branches", default=1, show_default=True, type=click.IntRange(1, 16), help="max tree branches per run")
 @click.option("--max-in-flight", default=8, show_default=True, type=click.IntRange(1, 255), help="max speculative runs in flight")
@@ -187,11 +188,25 @@ def _generate(kw) -> None:
         sys.stdout.flush()
     if not kw["quiet"]:
         ranges = ", ".join(f"rank {i}: layers {r}" for i, r in enumerate(res.ranges))
-        print(f"\n[pipeinfer] mode {gen.mode}, {len(res.ranges)} rank(s): {ranges}", file=sys.stderr)
+        cutoff = "" if gen.mode == "iterative" else f", cutoff -pa {gen.cut.p_accept:g} -pr {res.p_recovery:g}"
+        print(f"\n[pipeinfer] mode {gen.mode}{cutoff}, {len(res.ranges)} rank(s): {ranges}", file=sys.stderr)
         print(res.stats.report(), file=sys.stderr)
     if kw["results"]:
         label = {"ngram": "ngram", "replay": f"replay@{kw['replay_accuracy']}"}.get(drafter, Path(draft or "").name)
         _append_csv(kw, res, model, label, prompt_name)
+
+
+def _auto_or_float(value: str, param) -> float | None:
+    """'auto' (None: the runner picks by the number of ranks) or a number >= 0."""
+    if value == "auto":
+        return None
+    try:
+        x = float(value)
+    except ValueError:
+        x = -1.0
+    if not x >= 0:
+        raise click.BadParameter(f"{value!r} is neither 'auto' nor a number >= 0", param=param)
+    return x
 
 
 def _installed(name: str) -> str | None:
@@ -241,6 +256,29 @@ def _run_guarded(fn, kw) -> None:
         traceback.print_exc()
         msg, code = "internal error (traceback above)", 2
     _die(msg, code)
+
+
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
+
+
+def entry() -> None:
+    """The console entry point: click, with a usage error as one line like every other user error
+    (printed once, by rank 0; every rank exits with 2)."""
+    try:
+        code = main.main(prog_name="pipeinfer", standalone_mode=False)
+    except _NO_ARGS_IS_HELP as e:  # bare `pipeinfer`: the help, as click shows it
+        e.show()
+        sys.exit(e.exit_code)
+    except click.UsageError as e:
+        hint = f" (see: {e.ctx.command_path} --help)" if e.ctx is not None else ""
+        if int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))) == 0:
+            print(f"pipeinfer: error: {e.format_message()}{hint}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        _die(e.format_message(), e.exit_code)
+    except click.Abort:
+        _die("interrupted", 130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 def _die(msg: str, code: int) -> None:

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from .drafter import Cutoffs
-from .head import GenConfig, Head
+from .head import GenConfig, Head, auto_p_recovery
 from .kvplan import PartitionPool, garbage_seq, plan_partitions
 from .metrics import Stats
 from .protocol import PROTOCOL_VERSION
@@ -54,6 +54,7 @@ class RunResult:
     ranges: list[LayerRange]
     peak_rss_mb: list[float]
     probe_ms_per_layer: list[float] | None = None  # --layer-split auto's measurements, one per rank
+    p_recovery: float = 0.0                         # the recovery factor used (-pr auto resolved)
 
 
 def _peak_rss_mb() -> float:
@@ -107,7 +108,8 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
     engine = StageEngine(path, n_ctx=opts.n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
                          n_threads=threads[rank], n_threads_batch=threads_b[rank],
                          embd_input=embd_input, capture_hidden=not topo.is_last, fast_kernels=opts.fast_kernels)
-    cfg = replace(cfg, n_batch=n_batch, n_ctx=opts.n_ctx)
+    cfg = replace(cfg, n_batch=n_batch, n_ctx=opts.n_ctx,
+                  p_recovery=auto_p_recovery(size) if cfg.p_recovery is None else cfg.p_recovery)
 
     transport = None
     if size > 1:
@@ -149,7 +151,7 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
     head.stats.n_kv0 = head.n_kv0
     tok.close()
     engine.close()
-    return RunResult(tokens, head.stats, ranges, rss, probe_ms)
+    return RunResult(tokens, head.stats, ranges, rss, probe_ms, cfg.p_recovery)
 
 
 def auto_split(comm, model: str, info, n_threads: int, n_threads_batch: int) -> list[float]:

@@ -28,4 +28,4 @@ res = run(RunOptions(model=cfg["model"], prompt_tokens=cfg["prompt"], gen=gen, l
 if res is not None:
     print("RESULT " + json.dumps({"tokens": res.tokens, "stats": res.stats.to_dict(),
                                   "ranges": [[r.start, r.end] for r in res.ranges], "rss_mb": res.peak_rss_mb,
-                                  "probe_ms": res.probe_ms_per_layer}))
+                                  "probe_ms": res.probe_ms_per_layer, "p_recovery": res.p_recovery}))

@@ -48,6 +48,17 @@ def test_draft_max_beyond_exact_batches(models):
                  "--draft-max", "7"], 2, "--draft-max 7 makes verification batches of 8")
 
 
+@pytest.mark.parametrize("args, match", [(["-pr", "banana"], "'banana' is neither 'auto' nor a number >= 0"),
+                                         (["-pr", "-0.5"], "is neither 'auto' nor a number >= 0"),
+                                         (["--temp", "-1"], "Invalid value for '--temp'")])
+def test_usage_errors_are_one_line_from_rank_0(models, args, match):
+    p = cli(["generate", "-m", str(models["f32"]), "-p", "hi"] + args, n=2, timeout=60)
+    assert p.returncode == 2
+    errors = [l for l in p.stderr.splitlines() if l.startswith("pipeinfer: error")]
+    assert len(errors) == 1 and match in errors[0] and errors[0].endswith("(see: pipeinfer generate --help)"), p.stderr
+    assert "Usage:" not in p.stderr and "Traceback" not in p.stderr
+
+
 def test_unknown_registry_name():
     _fails_fast(["generate", "-m", "no-such-model", "-p", "hi"], None, "model file not found")
 

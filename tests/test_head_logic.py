@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from pipeinfer.drafter import Cutoffs, DraftNode, NgramDrafter
-from pipeinfer.head import GenConfig, Head
+from pipeinfer.head import GenConfig, Head, auto_p_recovery
 from pipeinfer.kvplan import PartitionPool, plan_partitions
 from pipeinfer.pipeline import Result
 from pipeinfer.protocol import NO_RUN, Batch, KvOp, cp, kv_ops, rm
@@ -464,6 +464,20 @@ def test_pipeinfer_recovery_raises_the_cutoff():
     assert r.out == r.expected
     assert set(r.drafter.p_accepts) == {0.5, 0.75}
     assert_clean_end(r)
+
+
+@pytest.mark.parametrize("n_ranks, expected, runs_ahead_at_0_9", [(1, 0.5, 1), (2, 0.5, 1), (3, 0.25, 2),
+                                                                   (5, 0.125, 4), (9, 0.0625, 7)])
+def test_auto_recovery_fills_the_stages_after_the_head(n_ranks, expected, runs_ahead_at_0_9):
+    pr = auto_p_recovery(n_ranks)
+    assert pr == expected
+    # micro-batches a 0.9-confident draft launches over -pa 0.5 before the cutoff passes 0.9
+    assert sum(1 for k in range(20) if 0.5 + k * pr <= 0.9 + 1e-9) == runs_ahead_at_0_9
+
+
+def test_head_needs_a_resolved_recovery_factor():
+    with pytest.raises(ValueError, match="p_recovery is unresolved"):
+        Head(FakePipeline(target_alone(PROMPT, 8)), GenConfig(p_recovery=None))
 
 
 def test_pipeinfer_decay_lowers_the_cutoff():

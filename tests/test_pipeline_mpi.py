@@ -80,12 +80,13 @@ def test_pipeinfer_cancels_and_stays_exact(models, ref):
 
 
 @pytest.mark.parametrize("flags", [{"cancel": False}, {"continuous": False}, {"p_recovery": 0.3, "p_accept": 0.1},
-                                   {"p_decay": 0.05, "p_accept": 0.9}])
+                                   {"p_decay": 0.05, "p_accept": 0.9}, {"p_recovery": None}])
 def test_pipeinfer_ablations(models, ref, flags):
     cfg = {"model": str(models["f32"]), "prompt": PROMPT, "n": N, "mode": "pipeinfer", "draft": str(models["draft60"])}
     cfg.update(flags)
     out = mpirun(2, cfg)
     assert out["tokens"] == ref["f32"]
+    assert out["p_recovery"] == flags.get("p_recovery", 0.0) or (flags["p_recovery"] is None and out["p_recovery"] == 0.5)
     if flags.get("cancel") is False:
         assert all(st["n_cancelled_mid"] == 0 and st["n_cancelled_before"] == 0 for st in out["stats"]["stage_stats"])
 
