@@ -74,11 +74,17 @@ def stage_cache_dir() -> Path:
     return root / "stages"
 
 
-def stage_path(src: str | os.PathLike, start: int, end: int, with_vocab: bool) -> Path:
+def derived_path(src: str | os.PathLike, label: str, ext: str, *key: object) -> Path:
+    """Cache path of a file derived from src: keyed by src's identity (path, size, mtime) and `key`."""
     st = os.stat(src)
-    key = f"{os.path.abspath(src)}|{st.st_size}|{st.st_mtime_ns}|{start}|{end}|{with_vocab}|{STAGE_FORMAT}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return stage_cache_dir() / f"{Path(src).stem}.L{start}-{end}{'' if with_vocab else '.novocab'}.{digest}.gguf"
+    text = "|".join(map(str, (os.path.abspath(src), st.st_size, st.st_mtime_ns, *key)))
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return stage_cache_dir() / f"{Path(src).stem}.{label}.{digest}.{ext}"
+
+
+def stage_path(src: str | os.PathLike, start: int, end: int, with_vocab: bool) -> Path:
+    label = f"L{start}-{end}{'' if with_vocab else '.novocab'}"
+    return derived_path(src, label, "gguf", start, end, with_vocab, STAGE_FORMAT)
 
 
 def ensure_stage_file(src: str | os.PathLike, start: int, end: int, with_vocab: bool) -> Path:

@@ -10,6 +10,7 @@ from .stage import init_backend
 
 class Tokenizer:
     def __init__(self, path):
+        self.path = str(path)
         init_backend()
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True

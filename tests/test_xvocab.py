@@ -212,10 +212,36 @@ def test_heal_split_and_shift_spans():
 
 
 def test_prefix_index():
-    idx = PrefixIndex(DRAFT.n_vocab, DRAFT.piece)
+    idx = PrefixIndex.build(DRAFT.n_vocab, DRAFT.piece)
     assert sorted(DRAFT.piece(int(t)) for t in idx.starting_with(b"re")) == [b"re", b"return"]
     assert {DRAFT.piece(int(t)) for t in idx.starting_with(b"\xff")} == {b"\xff"}
     assert len(idx.starting_with(b"zzzq")) == 0
+
+
+def test_prefix_index_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPEINFER_STAGE_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "draft.gguf"
+    model.write_bytes(b"stands for the model file: the cache is keyed by its path, size and mtime")
+    calls = []
+
+    def piece(t):
+        calls.append(t)
+        return DRAFT.piece(t)
+
+    built = PrefixIndex.cached(str(model), DRAFT.n_vocab, piece)
+    n_calls = len(calls)
+    assert n_calls == DRAFT.n_vocab and len(list((tmp_path / "cache").glob("draft.prefix-index.*.npz"))) == 1
+    loaded = PrefixIndex.cached(str(model), DRAFT.n_vocab, piece)   # from the file: no piece calls
+    assert len(calls) == n_calls
+    assert loaded.keys == built.keys and np.array_equal(loaded.ids, built.ids)
+    assert list(loaded.starting_with(b"re")) == list(built.starting_with(b"re"))
+    for f in (tmp_path / "cache").glob("*.npz"):
+        f.write_bytes(b"not an npz")                                 # unreadable: rebuilt and rewritten
+    assert PrefixIndex.cached(str(model), DRAFT.n_vocab, piece).keys == built.keys
+    assert len(calls) == 2 * n_calls
+    model.write_bytes(b"another model")                              # another file: another cache entry
+    PrefixIndex.cached(str(model), DRAFT.n_vocab, piece)
+    assert len(calls) == 3 * n_calls and len(list((tmp_path / "cache").glob("*.npz"))) == 2
 
 
 # ------------------------------------------------------------------------------------ whole drafter, oracle model
