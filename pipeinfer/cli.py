@@ -165,7 +165,7 @@ def _generate(kw) -> None:
                 sys.stdout.flush()
     progress = None
     if rank == 0 and not kw["quiet"] and not kw["as_json"]:
-        progress = StatusLine.for_streams(sys.stdout, sys.stderr)  # None unless stderr is a terminal
+        progress = StatusLine.for_streams(sys.stdout, sys.stderr, under_mpiexec=_mpi_size() > 1)
     opts = RunOptions(model=model, on_progress=progress, prompt_tokens=prompt_tokens, gen=gen, layer_split=kw["layer_split"],
                       threads=kw["threads"], threads_batch=kw["threads_batch"], n_ctx=kw["ctx_size"], draft=draft,
                       drafter=drafter, replay_ref=kw["replay_ref"], replay_accuracy=kw["replay_accuracy"],
@@ -188,7 +188,8 @@ def _generate(kw) -> None:
         sys.stdout.flush()
     if not kw["quiet"]:
         ranges = ", ".join(f"rank {i}: layers {r}" for i, r in enumerate(res.ranges))
-        cutoff = "" if gen.mode == "iterative" else f", cutoff -pa {gen.cut.p_accept:g} -pr {res.p_recovery:g}"
+        cutoff = {"iterative": "", "speculative": f", cutoff -pa {gen.cut.p_accept:g}"}.get(
+            gen.mode, f", cutoff -pa {gen.cut.p_accept:g} -pr {res.p_recovery:g}")
         print(f"\n[pipeinfer] mode {gen.mode}{cutoff}, {len(res.ranges)} rank(s): {ranges}", file=sys.stderr)
         print(res.stats.report(), file=sys.stderr)
     if kw["results"]:
