@@ -114,7 +114,7 @@ def _bar_chart(groups, modes, value, ylabel, title, path, n_prompts):
                 ax.annotate(f"{m:.3g}", (b.get_x() + b.get_width() / 2, m + e),
                             ha="center", va="bottom", fontsize=7, xytext=(0, 2),
                             textcoords="offset points")
-    ax.set_title(title + (f" (mean over {n_prompts} prompts)" if n_prompts > 1 else ""))
+    ax.set_title(title + (f"\nmean over {n_prompts} prompts" if n_prompts > 1 else ""))
     ax.set_ylabel(ylabel)
     ax.set_xticks(x, labels, fontsize=8)
     ax.set_xlim(-0.6, max(len(groups), 1) - 0.4)
