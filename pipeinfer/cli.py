@@ -28,6 +28,11 @@ def _mpi_size() -> int:
     return 1
 
 
+def _mpi_rank() -> int:
+    # this process's rank under mpiexec, without initialising MPI (MPICH/Hydra: PMI_RANK; Open MPI)
+    return int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+
+
 def read_prompt_file(path: str) -> tuple[str, bool | None]:
     """Prompt text and its '# chat: true|false' header (None when absent)."""
     text = Path(path).read_text()
@@ -272,7 +277,7 @@ def entry() -> None:
         sys.exit(e.exit_code)
     except click.UsageError as e:
         hint = f" (see: {e.ctx.command_path} --help)" if e.ctx is not None else ""
-        if int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))) == 0:
+        if _mpi_rank() == 0:
             print(f"pipeinfer: error: {e.format_message()}{hint}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
     except click.ClickException as e:
@@ -284,7 +289,7 @@ def entry() -> None:
 
 def _die(msg: str, code: int) -> None:
     size = _mpi_size()
-    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    rank = _mpi_rank()
     where = f" (rank {rank})" if rank else ""
     print(f"pipeinfer: error{where}: {msg}", file=sys.stderr, flush=True)
     if size > 1:
