@@ -161,7 +161,7 @@ def auto_split(comm, model: str, info, n_threads: int, n_threads_batch: int) -> 
 
     import numpy as np
 
-    from .protocol import Batch, kv_ops
+    from .protocol import Batch, kv_ops, rm
     from .stage import StageEngine
     n_probe = max(1, info.n_layer // comm.Get_size())
     probe = ensure_stage_file(model, 0, n_probe, with_vocab=False)
@@ -179,7 +179,7 @@ def auto_split(comm, model: str, info, n_threads: int, n_threads_batch: int) -> 
                     t0 = time.perf_counter()
                     eng.decode(b, rng.standard_normal((n, eng.n_embd), dtype=np.float32))
                     best = min(best, (time.perf_counter() - t0) * 1e3)
-                    eng.apply_kv_ops(kv_ops((1, 0, -1, -1, -1)))
+                    eng.apply_kv_ops(kv_ops(rm(0)))
                 ms.append(best)
     eng.close()
     polite_barrier(comm)
