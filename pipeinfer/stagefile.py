@@ -14,6 +14,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -87,17 +88,23 @@ def stage_path(src: str | os.PathLike, start: int, end: int, with_vocab: bool) -
     return derived_path(src, label, "gguf", start, end, with_vocab, STAGE_FORMAT)
 
 
+def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """write(a temporary file beside path), then rename it onto path: ranks sharing the cache never read
+    a partial file. The temporary name keeps path's suffix (numpy's savez would add its own)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def ensure_stage_file(src: str | os.PathLike, start: int, end: int, with_vocab: bool) -> Path:
     """Path of the stage file for layers [start, end) of src, written on first use."""
     out = stage_path(src, start, end, with_vocab)
     if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".tmp{os.getpid()}")
-        try:
-            write_stage_file(src, tmp, start, end, with_vocab)
-            os.replace(tmp, out)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomically(out, lambda tmp: write_stage_file(src, tmp, start, end, with_vocab))
     return out
 
 

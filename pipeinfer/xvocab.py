@@ -38,7 +38,6 @@ callables (tested without a model); :class:`TranslatingDrafter` wires them to a 
 from __future__ import annotations
 
 import bisect
-import os
 import re
 import zipfile
 from dataclasses import dataclass
@@ -226,7 +225,7 @@ class PrefixIndex:
     @classmethod
     def cached(cls, model_path: str, n_vocab: int, piece: Piece) -> PrefixIndex:
         """build(), kept next to the stage files: 262k pieces take about 1.5 s, loading the file 0.1 s."""
-        from .stagefile import derived_path
+        from .stagefile import derived_path, write_atomically
         path = derived_path(model_path, "prefix-index", "npz", n_vocab, PREFIX_INDEX_FORMAT)
         try:
             with np.load(path) as f:
@@ -236,16 +235,12 @@ class PrefixIndex:
         except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
             pass  # not cached yet, or unreadable: build and (re)write it
         idx = cls.build(n_vocab, piece)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
         try:
-            np.savez(tmp, blob=np.frombuffer(b"".join(idx.keys), dtype=np.uint8),
-                     ends=np.cumsum([len(k) for k in idx.keys], dtype=np.int64), ids=idx.ids)
-            os.replace(tmp, path)
+            write_atomically(path, lambda tmp: np.savez(
+                tmp, blob=np.frombuffer(b"".join(idx.keys), dtype=np.uint8),
+                ends=np.cumsum([len(k) for k in idx.keys], dtype=np.int64), ids=idx.ids))
         except OSError:
             pass  # a read-only cache only costs the rebuild next time
-        finally:
-            tmp.unlink(missing_ok=True)
         return idx
 
     def starting_with(self, prefix: bytes) -> np.ndarray:
