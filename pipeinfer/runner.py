@@ -10,7 +10,6 @@ import resource
 import sys
 from dataclasses import dataclass, field, replace
 
-from .drafter import Cutoffs
 from .head import GenConfig, Head, auto_p_recovery
 from .kvplan import PartitionPool, garbage_seq, plan_partitions
 from .metrics import Stats

@@ -148,7 +148,6 @@ def test_long_generation_is_bounded(tmp_path):
 
 def test_replay_drafter_sweeps_acceptance(models, ref, tmp_path):
     import json
-    from conftest import cli
     refjson = tmp_path / "ref.json"
     refjson.write_text(json.dumps({"prompt_tokens": PROMPT, "tokens": ref["f32"]}))
     rates = []
