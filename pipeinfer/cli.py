@@ -16,6 +16,7 @@ import click
 from . import __version__
 from .drafter import Cutoffs
 from .head import MODES, GenConfig
+from .kernels import DEFAULT_KERNELS, KERNELS
 from .status import StatusLine
 from .verify import SamplingParams
 
@@ -89,7 +90,8 @@ def main() -> None:
               help="replay drafter: probability that each proposal is the reference token")
 @click.option("--draft-vocab", type=click.Choice(["auto", "same", "translate"]), default="auto", show_default=True,
               help="draft model vocabulary: same as the target (checked), or translate through text; auto picks")
-@click.option("--draft-max", default=4, show_default=True, type=click.IntRange(1, 64), help="max tokens per speculative micro-batch")
+@click.option("--draft-max", default=None, type=click.IntRange(1, 64),
+              help="max draft tokens per speculative micro-batch [default: up to 4, within the exact batch limit]")
 @click.option("-pa", "--p-accept", default=0.5, show_default=True, type=click.FloatRange(0, 1), help="draft confidence cutoff")
 @click.option("-ps", "--p-split", default=0.1, show_default=True, type=click.FloatRange(0, 1), help="confidence to open a tree branch")
 @click.option("-pr", "--p-recovery", default="auto", show_default=True, callback=lambda c, p, v: _auto_or_float(v, p),
@@ -100,9 +102,11 @@ def main() -> None:
 @click.option("--cancel/--no-cancel", default=True, help="early inference cancellation")
 @click.option("--continuous/--no-continuous", default=True, help="more than one speculative run in flight")
 @click.option("--ignore-eos", is_flag=True, help="keep generating past end-of-generation tokens")
-@click.option("--fast-kernels", is_flag=True,
-              help="llama.cpp's default kernels (repacked weights, no flash attention): faster prompt processing, "
-                   "but logits then depend on batch size (README, Exactness)")
+@click.option("--kernels", type=click.Choice(KERNELS), default=DEFAULT_KERNELS, show_default=True,
+              help="repack: repacked weights + flash attention (exact to a measured batch limit, 3 on x86 Q4_K); "
+                   "no-repack: exact to larger batches, slower; fast: llama.cpp's defaults, batch-dependent logits "
+                   "(README, Exactness)")
+@click.option("--fast-kernels", is_flag=True, help="same as --kernels fast")
 @click.option("--poll-us", default=500, show_default=True, type=click.IntRange(0), help="sleep between message probes while waiting")
 @click.option("--results", default=None, help="append one CSV row of results to this file")
 @click.option("-q", "--quiet", is_flag=True, help="no statistics on stderr")
@@ -157,7 +161,7 @@ def _generate(kw) -> None:
         prompt_tokens = tok.encode(text)
         from .kvplan import cells_reserve, plan_partitions
         n_part = 0 if kw["mode"] == "iterative" else plan_partitions(kw["max_branches"], kw["max_in_flight"])[0]
-        reserve = cells_reserve(n_part, kw["draft_max"])  # room for the runs in flight
+        reserve = cells_reserve(n_part, kw["draft_max"] or 4)  # room for the runs in flight (auto: at most 4)
         need = len(prompt_tokens) + kw["n_predict"] + reserve
         if need > kw["ctx_size"]:
             raise UserError(f"prompt of {len(prompt_tokens)} tokens + {kw['n_predict']} to generate + {reserve} for "
@@ -175,7 +179,7 @@ def _generate(kw) -> None:
                       threads=kw["threads"], threads_batch=kw["threads_batch"], n_ctx=kw["ctx_size"], draft=draft,
                       drafter=drafter, replay_ref=kw["replay_ref"], replay_accuracy=kw["replay_accuracy"],
                       max_in_flight=kw["max_in_flight"], poll_s=kw["poll_us"] / 1e6,
-                      fast_kernels=kw["fast_kernels"], draft_vocab=kw["draft_vocab"], prompt_text=user_text,
+                      kernels="fast" if kw["fast_kernels"] else kw["kernels"], draft_vocab=kw["draft_vocab"], prompt_text=user_text,
                       chat=bool(chat), on_tokens=stream)
     try:
         res = run(opts)

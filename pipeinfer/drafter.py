@@ -12,6 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .kernels import DEFAULT_KERNELS, exact_batch_limit
 from .protocol import Batch, cp, kv_ops, rm
 from .stage import StageEngine
 
@@ -64,10 +65,13 @@ class ModelDrafter:
     """
 
     def __init__(self, path, *, n_ctx: int, max_branches: int, n_threads: int, n_threads_batch: int,
-                 fast_kernels: bool = False):
+                 kernels: str = DEFAULT_KERNELS):
         self.engine = StageEngine(path, n_ctx=n_ctx, n_batch=max(64, max_branches), n_seq_max=max(1, max_branches),
                                   n_threads=n_threads, n_threads_batch=n_threads_batch,
-                                  embd_input=False, capture_hidden=False, fast_kernels=fast_kernels)
+                                  embd_input=False, capture_hidden=False, kernels=kernels)
+        # reported with the statistics; the draft's numerics do not touch the output's exactness
+        self.exact_batch = None if kernels == "fast" else exact_batch_limit(self.engine, path, kernels, n_threads,
+                                                                              n_threads_batch)
         self.n_vocab = self.engine.n_vocab
         self._kv: list[int] = []        # tokens in draft seq 0
         self._logits: np.ndarray | None = None  # logits after self._kv[-1]
@@ -197,6 +201,7 @@ class ReplayDrafter:
             raise ValueError(f"replay accuracy must be in [0, 1], got {accuracy}")
         self.ref, self.accuracy, self.n_vocab, self.seed = list(reference), accuracy, n_vocab, seed
         self.burner = burner
+        self.exact_batch = burner.exact_batch if burner is not None else None
 
     def prefill(self, prompt: list[int]) -> None:
         if self.burner is not None:  # the burner's prompt processing, as a real draft model's

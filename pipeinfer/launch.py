@@ -341,6 +341,8 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
     click.echo(shlex.join(cmd))
     if dry_run:
         click.echo(f"# hostfile {hostfile}:\n" + Path(hostfile).read_text().rstrip(), err=True)
+        if out_hostfile is None:  # nothing will run it: leave no temporary file behind
+            Path(hostfile).unlink(missing_ok=True)
         return
     try:
         rc = _run_forwarding_signals(cmd)

@@ -33,6 +33,9 @@ class Stats:
     t_last_s: float = 0.0          # last token accepted
     rss_trace_mb: dict[int, float] = field(default_factory=dict)  # head RSS (MiB) every 250 generated tokens
     stage_stats: list[dict] = field(default_factory=list)  # one dict per stage rank (from worker.StageStats)
+    kernels: str = ""              # --kernels (kernels.py)
+    exact_batch: list = field(default_factory=list)  # exact batch limit per rank (None: not exact, --kernels fast)
+    exact_batch_draft: int | None = None  # the draft model's exact batch limit (None: no draft model)
 
     @property
     def acceptance_rate(self) -> float:
@@ -61,6 +64,14 @@ class Stats:
         n = sum(self.accept_hist.values())
         return sum(k * v for k, v in self.accept_hist.items()) / n if n else 0.0
 
+    def _exact_text(self) -> str:
+        if not self.exact_batch or None in self.exact_batch:
+            return "none (not batch-invariant)"
+        text = f"{min(self.exact_batch)} (per rank: {', '.join(map(str, self.exact_batch))}"
+        if self.exact_batch_draft is not None:
+            text += f"; draft: {self.exact_batch_draft}"
+        return text + ")"
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(acceptance_rate=self.acceptance_rate, ttft_s=self.ttft_s, gen_tokens_per_s=self.gen_tokens_per_s,
@@ -82,6 +93,8 @@ class Stats:
             f"tokens per run    = {self.mean_accepted_per_run:.2f}",
             f"KV compactions    = {self.n_compactions}",
         ]
+        if self.kernels:
+            lines.append(f"kernels           = {self.kernels}, exact batch limit {self._exact_text()}")
         for s in self.stage_stats[1:]:
             lines.append(f"rank {s['rank']}: decoded {s['n_decoded']} runs / {s['n_tokens']} tokens, "
                          f"cancelled {s['n_cancelled_before']} before start + {s['n_cancelled_mid']} mid-decode, "

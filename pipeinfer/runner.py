@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from .head import GenConfig, Head, auto_p_recovery
+from .kernels import DEFAULT_KERNELS, resolve_draft_max
 from .kvplan import PartitionPool, garbage_seq, plan_partitions
 from .metrics import Stats
 from .protocol import PROTOCOL_VERSION
@@ -41,7 +42,7 @@ class RunOptions:
     chat: bool = False                        # whether the prompt was chat-formatted
     max_in_flight: int = 8
     poll_s: float = 0.0005
-    fast_kernels: bool = False                # repacked weights: faster, but not batch-invariant (stage.py)
+    kernels: str = DEFAULT_KERNELS            # kernels.py: repack | no-repack | fast (not batch-invariant)
     on_tokens: object = None                  # callable(list of new token ids), rank 0
     on_progress: object = None                # callable(Stats, runs in flight), rank 0
 
@@ -93,11 +94,8 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
     else:
         n_part, n_seq_max = plan_partitions(cfg.cut.max_branches, opts.max_in_flight)
 
-    from .stage import MAX_EXACT_BATCH, StageEngine, TokenEmbedder  # imports llama_cpp: after the cheap checks
-    if not opts.fast_kernels and opts.gen.mode != "iterative" and opts.gen.cut.n_max + 1 > MAX_EXACT_BATCH:
-        raise UserError(f"--draft-max {opts.gen.cut.n_max} makes verification batches of {opts.gen.cut.n_max + 1} "
-                        f"tokens, which llama.cpp multiplies with other kernels than single tokens; at most "
-                        f"{MAX_EXACT_BATCH - 1} keeps the output exact (--fast-kernels allows more)")
+    from .kernels import exact_batch_limit
+    from .stage import StageEngine, TokenEmbedder  # imports llama_cpp: after the cheap checks
     my = topo.my_range
     if size == 1:
         path, embd_input = opts.model, False
@@ -106,8 +104,10 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
     n_batch = min(cfg.n_batch, opts.n_ctx)
     engine = StageEngine(path, n_ctx=opts.n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
                          n_threads=threads[rank], n_threads_batch=threads_b[rank],
-                         embd_input=embd_input, capture_hidden=not topo.is_last, fast_kernels=opts.fast_kernels)
-    cfg = replace(cfg, n_batch=n_batch, n_ctx=opts.n_ctx,
+                         embd_input=embd_input, capture_hidden=not topo.is_last, kernels=opts.kernels)
+    exact = None if opts.kernels == "fast" else exact_batch_limit(engine, path, opts.kernels, threads[rank], threads_b[rank])
+    exact_per_rank = comm.allgather(exact)
+    cfg = replace(cfg, cut=replace(cfg.cut, n_max=_draft_max(cfg, exact_per_rank)), n_batch=n_batch, n_ctx=opts.n_ctx,
                   p_recovery=auto_p_recovery(size) if cfg.p_recovery is None else cfg.p_recovery)
 
     transport = None
@@ -148,9 +148,27 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
                             kv=engine.kv_summary(exclude=garbage_seq(n_seq_max)))
     head.stats.stage_stats = [vars(head_stage)] + stage_stats
     head.stats.n_kv0 = head.n_kv0
+    head.stats.kernels = opts.kernels
+    head.stats.exact_batch = exact_per_rank
+    head.stats.exact_batch_draft = getattr(drafter, "exact_batch", None)
     tok.close()
     engine.close()
     return RunResult(tokens, head.stats, ranges, rss, probe_ms, cfg.p_recovery)
+
+
+def _draft_max(cfg: GenConfig, exact_per_rank: list[int | None]) -> int | None:
+    """The run's draft tokens per micro-batch: --draft-max, or the largest that keeps every stage's
+    verification batches within its exact batch limit (kernels.py); None in iterative mode."""
+    if cfg.mode == "iterative":
+        return cfg.cut.n_max
+    known = [x for x in exact_per_rank if x is not None]
+    if not known:  # --kernels fast: no limit, no exactness
+        return cfg.cut.n_max or 4
+    limit = min(known)
+    try:
+        return resolve_draft_max(cfg.cut.n_max, limit, lead=cfg.mode == "speculative")
+    except ValueError as e:
+        raise UserError(f"{e} [limit measured on rank {exact_per_rank.index(limit)}]") from None
 
 
 def auto_split(comm, model: str, info, n_threads: int, n_threads_batch: int) -> list[float]:
@@ -206,7 +224,7 @@ def make_drafter(opts: RunOptions, info, n_threads: int, n_threads_batch: int):
         burner = None
         if opts.draft:
             burner = ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=1, n_threads=n_threads,
-                                  n_threads_batch=n_threads_batch)
+                                  n_threads_batch=n_threads_batch, kernels=opts.kernels)
         return ReplayDrafter(reference, opts.replay_accuracy, info.n_vocab, seed=opts.gen.sampling.seed, burner=burner)
     if opts.drafter != "model":
         raise UserError(f"unknown drafter {opts.drafter!r} (choose model, ngram or replay)")
@@ -224,12 +242,12 @@ def make_drafter(opts: RunOptions, info, n_threads: int, n_threads_batch: int):
         from .tokenizer import Tokenizer
         from .xvocab import TranslatingDrafter
         inner = ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=1, n_threads=n_threads,
-                             n_threads_batch=n_threads_batch, fast_kernels=opts.fast_kernels)
+                             n_threads_batch=n_threads_batch, kernels=opts.kernels)
         text = opts.prompt_text if opts.prompt_text is not None else ""
         return TranslatingDrafter(inner, Tokenizer(opts.model), Tokenizer(opts.draft),
                                   n_prompt=len(opts.prompt_tokens), prompt_text=text, chat=opts.chat)
     return ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=opts.gen.cut.max_branches,
-                        n_threads=n_threads, n_threads_batch=n_threads_batch, fast_kernels=opts.fast_kernels)
+                        n_threads=n_threads, n_threads_batch=n_threads_batch, kernels=opts.kernels)
 
 
 def check_vocab(target: str, draft: str) -> None:

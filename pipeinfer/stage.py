@@ -19,12 +19,10 @@ import numpy as np
 
 import llama_cpp
 
+from .kernels import DEFAULT_KERNELS, flash_attn_type, model_params
 from .protocol import Batch, KvOp
 
 LLAMA_MAX_SEQ = 256  # llama.cpp's cap on n_seq_max
-# From 8 rows on, ggml-cpu multiplies K-quant weights with its tiled kernel (tiled.cpp, ggml_tiled_min_batch),
-# which rounds differently from the one-row path: a verification batch must stay below that to be exact.
-MAX_EXACT_BATCH = 7
 
 
 class DecodeAborted(Exception):
@@ -82,35 +80,18 @@ def init_backend() -> None:
         _BACKEND_READY = True
 
 
-def batch_invariant_model_params(fast_kernels: bool = False):
-    """Model params under which a token's logits do not depend on the batch it is decoded in.
-
-    Verification decodes micro-batches while the target alone decodes one token at a time, so greedy
-    output is exact only if both give bit-identical logits. Measured on Qwen2.5-Coder-1.5B Q4_K_M with
-    llama-cpp-python 0.3.36: the CPU "extra buffer" (repacked Q4_K weights, a different gemm for >= 4
-    rows) and non-flash attention (f16 matmuls through llamafile's sgemm for >= 2 rows) each move
-    logits by up to 0.45 between batch sizes 1, 2 and 4; with flash attention and without the repack
-    the logits are identical (max difference 0.0) for batches of up to MAX_EXACT_BATCH tokens.
-    `fast_kernels` takes llama.cpp's defaults instead (repack on, flash attention off): faster prompt
-    processing, but near-ties may then resolve differently in batches.
-    """
-    params = llama_cpp.llama_model_default_params()
-    params.use_extra_bufts = bool(fast_kernels)
-    return params
-
-
 class StageEngine:
     """Owns llama.cpp state for layers of one stage. `embd_input`: feed hidden states instead of tokens."""
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int, n_batch: int, n_seq_max: int,
                  n_threads: int, n_threads_batch: int, embd_input: bool, capture_hidden: bool,
-                 fast_kernels: bool = False):
+                 kernels: str = DEFAULT_KERNELS):
         global _GGML
         init_backend()
         if n_seq_max > LLAMA_MAX_SEQ:
             raise ValueError(f"n_seq_max {n_seq_max} exceeds llama.cpp's cap of {LLAMA_MAX_SEQ}")
         self._stack = contextlib.ExitStack()
-        mparams = batch_invariant_model_params(fast_kernels)
+        mparams = model_params(kernels)
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
@@ -119,6 +100,7 @@ class StageEngine:
         self.n_layer = llama_cpp.llama_model_n_layer(self.model)
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.kernels = kernels
         self.embd_input = embd_input
         self.capture_hidden = capture_hidden
         self.n_batch = n_batch
@@ -133,9 +115,7 @@ class StageEngine:
         cparams.n_threads_batch = n_threads_batch
         cparams.kv_unified = True  # sequences share one cell pool; seq_cp only tags cells
         cparams.no_perf = True
-        # flash attention is batch-invariant (batch_invariant_model_params); --fast-kernels takes llama.cpp's defaults
-        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED if fast_kernels
-                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+        cparams.flash_attn_type = flash_attn_type(kernels)  # kernels.py: which settings are batch-invariant
         self._captured: list[np.ndarray] = []
         if capture_hidden:
             if _GGML is None:
@@ -271,6 +251,10 @@ class StageEngine:
         llama_cpp.llama_memory_clear(self.mem, False)
         if got != n or llama_cpp.llama_state_seq_set_data(self.ctx, buf, got, seq) != got:
             raise RuntimeError(f"KV compaction of sequence {seq} failed ({got} of {n} bytes)")
+
+    def clear_kv(self) -> None:
+        """Forget every cell (the next one goes to cell 0)."""
+        llama_cpp.llama_memory_clear(self.mem, True)
 
     def seq_pos_range(self, seq: int) -> tuple[int, int]:
         """(min, max) position held by a sequence, (-1, -1) when empty."""

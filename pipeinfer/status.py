@@ -79,7 +79,7 @@ class StatusLine:
         self.stream = stream
         self.rows = rows
         self.min_interval_s = min_interval_s
-        self._last_draw_s = 0.0
+        self._last_draw_s: float | None = None  # None: never drawn (the monotonic clock may be near 0 after boot)
         self._rows = 0                      # terminal height the scroll region was set for; 0: none set
         self.reserve_row = reserve_row
         if reserve_row:
@@ -106,7 +106,7 @@ class StatusLine:
 
     def __call__(self, stats, n_in_flight: int) -> None:
         now = time.perf_counter()
-        if now - self._last_draw_s < self.min_interval_s:
+        if self._last_draw_s is not None and now - self._last_draw_s < self.min_interval_s:
             return
         self._last_draw_s = now
         self.draw(status_text(stats.n_generated, stats.gen_tokens_per_s, stats.acceptance_rate, n_in_flight))

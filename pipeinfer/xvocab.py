@@ -303,6 +303,7 @@ class TranslatingDrafter:
                  draft_chat: bool | None = None, draft_template: str | None = None, window: int = 4,
                  heal: bool = True):
         self.drafter, self.tt, self.dt = drafter, target_tok, draft_tok
+        self.exact_batch = getattr(drafter, "exact_batch", None)
         self.n_prompt, self.window, self.heal = n_prompt, window, heal
         use_chat = chat if draft_chat is None else draft_chat
         self.prompt = draft_tok.encode(draft_prompt_text(draft_tok, prompt_text, use_chat, draft_template),

@@ -15,7 +15,7 @@ arg = sys.argv[1]
 cfg = json.loads(open(arg[1:]).read() if arg.startswith("@") else arg)  # @FILE: JSON from a file
 gen = GenConfig(mode=cfg.get("mode", "iterative"), n_predict=cfg["n"],
                 sampling=SamplingParams(cfg.get("temp", 0.0), 0, 1.0, cfg.get("seed", 0)),
-                cut=Cutoffs(cfg.get("p_accept", 0.0), cfg.get("p_split", 1.0), cfg.get("draft_max", 4),
+                cut=Cutoffs(cfg.get("p_accept", 0.0), cfg.get("p_split", 1.0), cfg.get("draft_max"),
                             cfg.get("max_branches", 1)),
                 p_recovery=cfg.get("p_recovery", 0.0), p_decay=cfg.get("p_decay", 0.0),
                 cancel=cfg.get("cancel", True), continuous=cfg.get("continuous", True),

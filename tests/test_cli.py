@@ -44,8 +44,16 @@ def test_prompt_longer_than_context(models):
 
 
 def test_draft_max_beyond_exact_batches(models):
-    _fails_fast(["generate", "-m", str(models["f32"]), "-p", "ba", "--mode", "pipeinfer", "--drafter", "ngram",
-                 "--draft-max", "7"], 2, "--draft-max 7 makes verification batches of 8")
+    # q8_0 weights: exact to 8 rows here (measured at load), so 9 draft tokens are refused, naming the limit
+    _fails_fast(["generate", "-m", str(models["q8"]), "-p", "ba", "--mode", "pipeinfer", "--drafter", "ngram",
+                 "--draft-max", "9"], 2, "--draft-max 9 makes verification batches of 9 tokens, more than the exact "
+                                         "batch limit of")
+
+
+def test_speculation_refused_where_no_batch_is_exact(models):
+    # f32 weights go through llamafile's sgemm from 2 rows on: batch limit 1, no room for a lead + draft token
+    _fails_fast(["generate", "-m", str(models["f32"]), "-p", "ba", "--mode", "speculative", "--drafter", "ngram"], 2,
+                "the exact batch limit is 1: no draft token fits")
 
 
 @pytest.mark.parametrize("args, match", [(["-pr", "banana"], "'banana' is neither 'auto' nor a number >= 0"),
@@ -68,7 +76,7 @@ def test_draft_vocabulary_mismatch(tmp_path, models):
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from synth import make_llama_gguf
     other = make_llama_gguf(tmp_path / "v600.gguf", n_layer=2, n_vocab=600)
-    _fails_fast(["generate", "-m", str(models["f32"]), "-p", "hi", "--mode", "speculative", "--draft", str(other),
+    _fails_fast(["generate", "-m", str(models["q8"]), "-p", "hi", "--mode", "speculative", "--draft", str(other),
                  "--draft-vocab", "same"], 2, "first mismatch at token id")
 
 
@@ -78,7 +86,7 @@ def test_cross_vocabulary_draft_is_lossless(tmp_path, models):
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from synth import make_llama_gguf
     other = make_llama_gguf(tmp_path / "v600.gguf", n_layer=2, n_vocab=600)
-    args = ["generate", "-m", str(models["f32"]), "-p", "ba ki", "-n", "16", "--ignore-eos", "--json", "-q"]
+    args = ["generate", "-m", str(models["q8"]), "-p", "ba ki", "-n", "16", "--ignore-eos", "--json", "-q"]
     ref = cli(args + ["--mode", "iterative"], n=2)
     assert ref.returncode == 0, ref.stderr
     for mode in ("speculative", "pipeinfer"):
@@ -92,12 +100,12 @@ def test_cross_vocabulary_draft_is_lossless(tmp_path, models):
 
 
 def test_generate_json_on_two_ranks(models):
-    p = cli(["generate", "-m", str(models["f32"]), "-p", "hi", "-n", "12", "--mode", "pipeinfer", "--draft",
+    p = cli(["generate", "-m", str(models["q8"]), "-p", "hi", "-n", "12", "--mode", "pipeinfer", "--draft",
              str(models["draft90"]), "--ignore-eos", "--json", "-q"], n=2)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert len(out["tokens"]) == 12 and out["ranges"] == [[0, 2], [2, 4]]
-    single = cli(["generate", "-m", str(models["f32"]), "-p", "hi", "-n", "12", "--mode", "iterative",
+    single = cli(["generate", "-m", str(models["q8"]), "-p", "hi", "-n", "12", "--mode", "iterative",
                   "--ignore-eos", "--json", "-q"])
     assert json.loads(single.stdout.strip().splitlines()[-1])["tokens"] == out["tokens"]
 

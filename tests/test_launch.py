@@ -161,6 +161,18 @@ def test_launch_cmd_dry_run(tmp_path, monkeypatch):
     assert out.read_text() == "x:2\ny:1\n"
 
 
+def test_dry_run_leaves_no_temporary_hostfile(tmp_path, monkeypatch):
+    hf = tmp_path / "hosts"
+    hf.write_text("x:1\ny:1\n")
+    monkeypatch.setattr(launch, "detect_mpi", lambda mpiexec: "mpich")
+    monkeypatch.setattr(launch.tempfile, "tempdir", str(tmp_path))  # mkstemp writes here
+    res = CliRunner().invoke(launch.launch_cmd, ["--hostfile", str(hf), "--mpiexec", "mympiexec",
+                                                 "--dry-run", "--", "generate"])
+    assert res.exit_code == 0, res.output
+    assert "# hostfile" in res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hosts"]
+
+
 def test_launch_cmd_bad_hostfile(tmp_path):
     hf = tmp_path / "hosts"
     hf.write_text("x:y\n")
@@ -189,7 +201,7 @@ def test_netns_exec_drops_ssh_options(tmp_path):
     res = run("-x", "-T", "-o", "BatchMode=yes", "-oStrict=no", "-p22", "-l", "root",
               "user@h1", "/bin/proxy", "--arg", "a b")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split("\n")[:-1] == ["[netns]", "[exec]", "[h1]", "[bash]", "[-c]",
-                                           "[/bin/proxy --arg a b]"]
+    assert res.stdout.split("\n")[:-1] == ["[netns]", "[exec]", "[h1]", "[env]", "[PIPEINFER_HOST=h1]", "[bash]",
+                                           "[-c]", "[/bin/proxy --arg a b]"]
     res = run("-x", "h7", "true")
     assert res.returncode == 255 and "no network namespace named 'h7'" in res.stderr

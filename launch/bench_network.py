@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Benchmark (not a test): iterative and PipeInfer tokens/s on 2 ranks locally and over the emulated
+Ethernet cluster (launch/netns-cluster.sh) at 1 Gbit/s and 100 Mbit/s, each beside the MPI ping-pong
+bandwidth and latency measured in the same run. Needs root and iproute2 for the shaped rows.
+
+    python launch/bench_network.py [-n 64] [--prompt-name code] [--out results/bench_network.csv]
+
+2 ranks x 1 thread (this machine has 2 cores), the default Qwen2.5-Coder-1.5B target, PipeInfer with its
+default draft (Gemma 3 270M). Writes the CSV and results/bench_network.png.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+MPIEXEC = str(BIN / "mpiexec")
+PROBE = re.compile(r"bandwidth ([0-9.]+) Mbit/s .*latency ([0-9.]+) us")
+
+
+def generate_args(mode: str, n: int, prompt_name: str) -> list[str]:
+    return [sys.executable, "-m", "mpi4py", "-m", "pipeinfer", "generate", "--prompt-name", prompt_name, "-n", str(n),
+            "--mode", mode, "-t", "1", "--ignore-eos", "--json", "-q"]
+
+
+def run_local(mode: str, n: int, prompt_name: str) -> tuple[dict, tuple[float, float]]:
+    probe = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pipeinfer.netprobe"],
+                           capture_output=True, text=True, check=True).stdout
+    p = subprocess.run([MPIEXEC, "-n", "2"] + generate_args(mode, n, prompt_name), capture_output=True, text=True,
+                       check=True)
+    return json.loads(p.stdout.strip().splitlines()[-1]), _probe(probe)
+
+
+def run_shaped(rate: str, mode: str, n: int, prompt_name: str) -> tuple[dict, tuple[float, float]]:
+    env = dict(os.environ, NETNS_RATE=rate, MPIEXEC=MPIEXEC, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    p = subprocess.run(["bash", str(ROOT / "launch" / "netns-cluster.sh"), "run", "2", "--"]
+                       + generate_args(mode, n, prompt_name), capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise SystemExit(f"netns run at {rate} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1]), _probe(p.stderr)
+
+
+def _probe(text: str) -> tuple[float, float]:
+    m = PROBE.search(text)
+    if not m:
+        raise SystemExit(f"no ping-pong line in:\n{text[-2000:]}")
+    return float(m.group(1)), float(m.group(2))
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    settings = list(dict.fromkeys(r["network"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(modes)
+    for k, mode in enumerate(modes):
+        ys = [next(r["gen_tokens_per_s"] for r in rows if r["network"] == s and r["mode"] == mode) for s in settings]
+        bars = ax.bar([i + k * width for i in range(len(settings))], ys, width, label=mode)
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    labels = []
+    for s in settings:
+        r = next(r for r in rows if r["network"] == s)
+        labels.append(f"{s}\nMPI ping-pong {r['pingpong_mbit_s']:.0f} Mbit/s\n{r['pingpong_latency_us']:.0f} us")
+    ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(settings))], labels, fontsize=8)
+    ax.set_ylabel("generation tokens/s")
+    ax.set_title("Qwen2.5-Coder-1.5B on 2 ranks x 1 thread: local vs emulated Ethernet links", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("--prompt-name", default="code")
+    ap.add_argument("--modes", default="iterative,pipeinfer")
+    ap.add_argument("--rates", default="1gbit,100mbit")
+    ap.add_argument("--out", default=str(ROOT / "results" / "bench_network.csv"))
+    args = ap.parse_args()
+    rows = []
+    for network in ["local"] + args.rates.split(","):
+        for mode in args.modes.split(","):
+            if network == "local":
+                res, (mbit, lat) = run_local(mode, args.n, args.prompt_name)
+            else:
+                res, (mbit, lat) = run_shaped(network, mode, args.n, args.prompt_name)
+            s = res["stats"]
+            row = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "network": network, "mode": mode,
+                   "n": args.n, "prompt": args.prompt_name, "gen_tokens_per_s": round(s["gen_tokens_per_s"], 3),
+                   "acceptance_rate": round(s["acceptance_rate"], 3), "ttft_s": round(s["ttft_s"], 4),
+                   "pingpong_mbit_s": mbit, "pingpong_latency_us": lat, "tokens": len(res["tokens"]),
+                   "first_tokens": " ".join(map(str, res["tokens"][:8]))}
+            rows.append(row)
+            print({k: v for k, v in row.items() if k != "first_tokens"}, flush=True)
+    by = {(r["network"], r["mode"]): r for r in rows}
+    for mode in args.modes.split(","):
+        base = by[("local", mode)]["gen_tokens_per_s"]
+        print(f"{mode}: " + ", ".join(f"{net} {by[(net, mode)]['gen_tokens_per_s']:.2f} tok/s "
+                                      f"({by[(net, mode)]['gen_tokens_per_s'] / base:.2f}x local)"
+                                      for net in ["local"] + args.rates.split(",")))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

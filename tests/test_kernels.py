@@ -1,0 +1,90 @@
+"""Kernel settings and the exact batch limit (pipeinfer/kernels.py)."""
+import numpy as np
+import pytest
+
+from pipeinfer import kernels
+from pipeinfer.kernels import largest_draft, probe_exact_batch, resolve_draft_max
+
+
+class FakeEngine:
+    """Outputs row i as f(input i), rounded differently when it sits in a batch of more than `exact` rows
+    (like a gemm that takes over from the one-row kernel)."""
+
+    def __init__(self, exact: int, embd_input: bool = True, n_batch: int = 512):
+        self.exact, self.embd_input, self.n_batch, self.n_ctx = exact, embd_input, n_batch, 4096
+        self.n_embd, self.n_vocab, self.capture_hidden = 3, 50, True
+        self.cells: list[int] = []
+        self.batch_sizes: list[int] = []
+
+    def clear_kv(self):
+        self.cells.clear()
+
+    def decode(self, batch, embd=None):
+        n = batch.n_tokens
+        assert list(batch.pos) == list(range(len(self.cells), len(self.cells) + n)), "positions follow the cache"
+        self.cells += list(batch.pos)
+        self.batch_sizes.append(n)
+        x = embd.sum(axis=1, keepdims=True) if self.embd_input else batch.tokens[:, None].astype(np.float32)
+        out = np.repeat(x, self.n_embd, axis=1) * np.float32(1.1)
+        return out + np.float32(1e-3) if n > self.exact else out
+
+
+@pytest.mark.parametrize("exact", [1, 3, 7, 8])
+def test_probe_finds_the_largest_exact_batch(exact):
+    eng = FakeEngine(exact)
+    assert probe_exact_batch(eng) == exact
+    assert eng.cells == [], "the probe leaves the cache empty"
+    assert max(eng.batch_sizes) == min(exact + 1, 8), "stops at the first batch size that differs"
+
+
+def test_probe_stays_within_the_engines_batch_and_uses_tokens_without_embedding_input():
+    assert probe_exact_batch(FakeEngine(8, n_batch=4)) == 4
+    assert probe_exact_batch(FakeEngine(2, embd_input=False)) == 2
+
+
+def test_largest_draft_counts_the_lead_token():
+    assert largest_draft(3, lead=False) == 3   # a PipeInfer micro-batch is its draft tokens
+    assert largest_draft(3, lead=True) == 2    # synchronous speculation adds the last accepted token
+
+
+def test_resolve_draft_max():
+    assert resolve_draft_max(None, 3, lead=False) == 3
+    assert resolve_draft_max(None, 3, lead=True) == 2
+    assert resolve_draft_max(None, 7, lead=False) == 4   # auto stays in the useful range on CPUs
+    assert resolve_draft_max(2, 3, lead=True) == 2
+    with pytest.raises(ValueError, match="--draft-max 3 makes verification batches of 4 tokens.*limit of 3"):
+        resolve_draft_max(3, 3, lead=True)
+    with pytest.raises(ValueError, match="--draft-max 4 makes verification batches of 4 tokens.*limit of 3"):
+        resolve_draft_max(4, 3, lead=False)
+    with pytest.raises(ValueError, match="no draft token fits"):
+        resolve_draft_max(None, 1, lead=True)
+
+
+def test_kernel_settings():
+    assert kernels.model_params("repack").use_extra_bufts
+    assert not kernels.model_params("no-repack").use_extra_bufts
+    assert kernels.model_params("fast").use_extra_bufts
+    import llama_cpp
+    assert kernels.flash_attn_type("repack") == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    assert kernels.flash_attn_type("fast") == llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    with pytest.raises(ValueError, match="unknown kernels"):
+        kernels.model_params("turbo")
+
+
+def test_limit_is_measured_once_and_cached(models, monkeypatch, tmp_path):
+    """A real engine on a synthetic q8_0 model: the probe runs on first load only (keyed by file, kernels,
+    threads and build); the cache sits beside the stage files."""
+    from pipeinfer.stage import StageEngine
+    monkeypatch.setenv("PIPEINFER_STAGE_CACHE", str(tmp_path))
+    calls = []
+    real_probe = kernels.probe_exact_batch
+    monkeypatch.setattr(kernels, "probe_exact_batch", lambda eng: calls.append(1) or real_probe(eng))
+    path = str(models["q8"])
+    with StageEngine(path, n_ctx=64, n_batch=64, n_seq_max=1, n_threads=1, n_threads_batch=1,
+                     embd_input=False, capture_hidden=False) as eng:
+        first = kernels.exact_batch_limit(eng, path, "repack", 1, 1)
+        again = kernels.exact_batch_limit(eng, path, "repack", 1, 1)
+        other = kernels.exact_batch_limit(eng, path, "repack", 1, 2)
+    assert 1 <= first <= 8 and again == first and other == first
+    assert len(calls) == 2, "one probe per (file, kernels, threads)"
+    assert len(list(tmp_path.glob("*.exact.*.json"))) == 2
