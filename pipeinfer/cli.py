@@ -45,15 +45,21 @@ def read_prompt_file(path: str) -> tuple[str, bool | None]:
     return text, chat
 
 
-def apply_chat(tok, text: str) -> str:
+def apply_chat(tok, conversation: str | list[dict]) -> str:
+    """The model's chat template applied to one user message (a string) or to [{"role", "content"}, ...],
+    with the assistant's turn opened. A model without a template gets the contents joined."""
     import llama_cpp
+    messages = [{"role": "user", "content": conversation}] if isinstance(conversation, str) else conversation
     tmpl = tok.chat_template()
     if tmpl is None:
-        return text
-    msgs = (llama_cpp.llama_chat_message * 1)(llama_cpp.llama_chat_message(b"user", text.encode()))
-    n = llama_cpp.llama_chat_apply_template(tmpl.encode(), msgs, 1, True, None, 0)
+        return "\n".join(m["content"] for m in messages)
+    keep = [(m["role"].encode(), m["content"].encode()) for m in messages]  # alive while llama.cpp reads them
+    msgs = (llama_cpp.llama_chat_message * len(keep))(*[llama_cpp.llama_chat_message(r, c) for r, c in keep])
+    n = llama_cpp.llama_chat_apply_template(tmpl.encode(), msgs, len(keep), True, None, 0)
+    if n < 0:
+        raise ValueError("the model's chat template is not one llama.cpp knows")
     buf = (llama_cpp.ctypes.c_char * (n + 1))()
-    llama_cpp.llama_chat_apply_template(tmpl.encode(), msgs, 1, True, buf, n + 1)
+    llama_cpp.llama_chat_apply_template(tmpl.encode(), msgs, len(keep), True, buf, n + 1)
     return bytes(buf[:n]).decode()
 
 
@@ -63,51 +69,63 @@ def main() -> None:
     """pipeinfer: PipeInfer (asynchronous pipelined speculation) for GGUF models on CPU clusters over MPI."""
 
 
+# options of every command that loads the pipeline (generate, serve)
+PIPELINE_OPTIONS = [
+    click.option("-m", "--model", default=None, help="target GGUF path or registry name [default: qwen2.5-coder-1.5b]"),
+    click.option("--mode", type=click.Choice(MODES), default="pipeinfer", show_default=True),
+    click.option("--layer-split", default=None, help="fraction of layers per rank, rank 0 first, e.g. 0.2,0.4,0.4 [default: even]"),
+    click.option("-t", "--threads", default=None, help="threads per rank for single-token decodes: one value or a,b,c"),
+    click.option("-tb", "--threads-batch", default=None, help="threads per rank for batch decodes [default: --threads]"),
+    click.option("-c", "--ctx-size", default=4096, show_default=True, type=click.IntRange(16), help="KV cache size per stage"),
+    click.option("-b", "--batch-size", default=512, show_default=True, type=click.IntRange(1), help="largest batch per decode"),
+    click.option("--draft", default=None, help="draft GGUF (same vocabulary as the target)"),
+    click.option("--drafter", type=click.Choice(["model", "ngram", "replay"]), default=None,
+                  help="[default: model if --draft (on the default target: gemma3-270m when installed) else ngram]; "
+                       "replay is a benchmark instrument (see README)"),
+    click.option("--draft-vocab", type=click.Choice(["auto", "same", "translate"]), default="auto", show_default=True,
+                  help="draft model vocabulary: same as the target (checked), or translate through text; auto picks"),
+    click.option("--draft-max", default=None, type=click.IntRange(1, 64),
+                  help="max draft tokens per speculative micro-batch [default: up to 4, within the exact batch limit]"),
+    click.option("-pa", "--p-accept", default=0.5, show_default=True, type=click.FloatRange(0, 1), help="draft confidence cutoff"),
+    click.option("-ps", "--p-split", default=0.1, show_default=True, type=click.FloatRange(0, 1), help="confidence to open a tree branch"),
+    click.option("-pr", "--p-recovery", default="auto", show_default=True, callback=lambda c, p, v: _auto_or_float(v, p),
+                  help="cutoff rise per micro-batch since the last acceptance; auto: 0.5 / (ranks - 1)"),
+    click.option("-pd", "--p-decay", default=0.0, show_default=True, type=click.FloatRange(0), help="cutoff fall per failed draft while idle"),
+    click.option("-np", "--max-branches", default=1, show_default=True, type=click.IntRange(1, 16), help="max tree branches per run"),
+    click.option("--max-in-flight", default=8, show_default=True, type=click.IntRange(1, 255), help="max speculative runs in flight"),
+    click.option("--cancel/--no-cancel", default=True, help="early inference cancellation"),
+    click.option("--continuous/--no-continuous", default=True, help="more than one speculative run in flight"),
+    click.option("--kernels", type=click.Choice(KERNELS), default=DEFAULT_KERNELS, show_default=True,
+                  help="repack: repacked weights + flash attention (exact to the batch limit measured at load); "
+                       "no-repack: exact to larger batches, slower; fast: llama.cpp's defaults, batch-dependent logits "
+                       "(README, Exactness)"),
+    click.option("--fast-kernels", is_flag=True, help="same as --kernels fast"),
+    click.option("--poll-us", default=500, show_default=True, type=click.IntRange(0), help="sleep between message probes while waiting"),
+]
+
+
+def pipeline_options(f):
+    for option in reversed(PIPELINE_OPTIONS):
+        f = option(f)
+    return f
+
+
 @main.command()
-@click.option("-m", "--model", default=None, help="target GGUF path or registry name [default: qwen2.5-coder-1.5b]")
+@pipeline_options
 @click.option("-p", "--prompt", default=None, help="prompt text")
 @click.option("-f", "--file", "prompt_file", default=None, help="prompt file (first line may be '# chat: true|false')")
 @click.option("--prompt-name", default=None, help="a prompt from prompts/ by name (code, story, encyclopedia)")
 @click.option("--chat/--no-chat", default=None,
               help="apply the model's chat template [default: yes for -p, the '# chat:' header for files]")
 @click.option("-n", "--n-predict", default=128, show_default=True, type=click.IntRange(1), help="tokens to generate")
-@click.option("--mode", type=click.Choice(MODES), default="pipeinfer", show_default=True)
-@click.option("--layer-split", default=None, help="fraction of layers per rank, rank 0 first, e.g. 0.2,0.4,0.4 [default: even]")
-@click.option("-t", "--threads", default=None, help="threads per rank for single-token decodes: one value or a,b,c")
-@click.option("-tb", "--threads-batch", default=None, help="threads per rank for batch decodes [default: --threads]")
-@click.option("-c", "--ctx-size", default=4096, show_default=True, type=click.IntRange(16), help="KV cache size per stage")
-@click.option("-b", "--batch-size", default=512, show_default=True, type=click.IntRange(1), help="largest batch per decode")
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0), help="temperature; 0 is greedy")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(0))
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--draft", default=None, help="draft GGUF (same vocabulary as the target)")
-@click.option("--drafter", type=click.Choice(["model", "ngram", "replay"]), default=None,
-              help="[default: model if --draft (on the default target: gemma3-270m when installed) else ngram]; "
-                   "replay is a benchmark instrument (see README)")
 @click.option("--replay-ref", default=None, help="replay drafter: JSON output of an earlier --json run of the same prompt")
 @click.option("--replay-accuracy", default=0.8, show_default=True, type=click.FloatRange(0, 1),
               help="replay drafter: probability that each proposal is the reference token")
-@click.option("--draft-vocab", type=click.Choice(["auto", "same", "translate"]), default="auto", show_default=True,
-              help="draft model vocabulary: same as the target (checked), or translate through text; auto picks")
-@click.option("--draft-max", default=None, type=click.IntRange(1, 64),
-              help="max draft tokens per speculative micro-batch [default: up to 4, within the exact batch limit]")
-@click.option("-pa", "--p-accept", default=0.5, show_default=True, type=click.FloatRange(0, 1), help="draft confidence cutoff")
-@click.option("-ps", "--p-split", default=0.1, show_default=True, type=click.FloatRange(0, 1), help="confidence to open a tree branch")
-@click.option("-pr", "--p-recovery", default="auto", show_default=True, callback=lambda c, p, v: _auto_or_float(v, p),
-              help="cutoff rise per micro-batch since the last acceptance; auto: 0.5 / (ranks - 1)")
-@click.option("-pd", "--p-decay", default=0.0, show_default=True, type=click.FloatRange(0), help="cutoff fall per failed draft while idle")
-@click.option("-np", "--max-branches", default=1, show_default=True, type=click.IntRange(1, 16), help="max tree branches per run")
-@click.option("--max-in-flight", default=8, show_default=True, type=click.IntRange(1, 255), help="max speculative runs in flight")
-@click.option("--cancel/--no-cancel", default=True, help="early inference cancellation")
-@click.option("--continuous/--no-continuous", default=True, help="more than one speculative run in flight")
 @click.option("--ignore-eos", is_flag=True, help="keep generating past end-of-generation tokens")
-@click.option("--kernels", type=click.Choice(KERNELS), default=DEFAULT_KERNELS, show_default=True,
-              help="repack: repacked weights + flash attention (exact to a measured batch limit, 3 on x86 Q4_K); "
-                   "no-repack: exact to larger batches, slower; fast: llama.cpp's defaults, batch-dependent logits "
-                   "(README, Exactness)")
-@click.option("--fast-kernels", is_flag=True, help="same as --kernels fast")
-@click.option("--poll-us", default=500, show_default=True, type=click.IntRange(0), help="sleep between message probes while waiting")
 @click.option("--results", default=None, help="append one CSV row of results to this file")
 @click.option("-q", "--quiet", is_flag=True, help="no statistics on stderr")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, tokens, stats) instead of streaming")
@@ -118,22 +136,13 @@ def generate(**kw) -> None:
 
 def _generate(kw) -> None:
     from mpi4py import MPI
-    from .models import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_model
-    from .runner import RunOptions, UserError, run
+    from .runner import UserError, run
     rank = MPI.COMM_WORLD.Get_rank()
-    model = str(resolve_model(kw["model"] or DEFAULT_TARGET))
-    draft = str(resolve_model(kw["draft"])) if kw["draft"] else None
-    if draft is None and kw["drafter"] is None and kw["model"] in (None, DEFAULT_TARGET) and kw["mode"] != "iterative":
-        draft = _installed(DEFAULT_DRAFT)  # the default demo: Qwen target, Gemma draft through text translation
-    drafter = kw["drafter"] or ("model" if draft else "ngram")
-    if drafter == "replay" and not kw["replay_ref"]:
+    if kw["drafter"] == "replay" and not kw["replay_ref"]:
         raise UserError("--drafter replay needs --replay-ref FILE.json (from an earlier --json run)")
-    gen = GenConfig(
-        mode=kw["mode"], n_predict=kw["n_predict"],
-        sampling=SamplingParams(kw["temp"], kw["top_k"], kw["top_p"], kw["seed"]),
-        cut=Cutoffs(kw["p_accept"], kw["p_split"], kw["draft_max"], kw["max_branches"]),
-        p_recovery=kw["p_recovery"], p_decay=kw["p_decay"], cancel=kw["cancel"], continuous=kw["continuous"],
-        n_batch=kw["batch_size"], stop_at_eos=not kw["ignore_eos"])
+    model, draft, drafter, gen = _pipeline_config(
+        kw, n_predict=kw["n_predict"], sampling=SamplingParams(kw["temp"], kw["top_k"], kw["top_p"], kw["seed"]),
+        stop_at_eos=not kw["ignore_eos"])
     prompt_tokens, prompt_name, text = None, kw["prompt_name"] or "", None
     sources = [x for x in ("prompt", "prompt_file", "prompt_name") if kw[x]]
     if len(sources) != 1:
@@ -159,9 +168,7 @@ def _generate(kw) -> None:
         if chat:
             text = apply_chat(tok, text)
         prompt_tokens = tok.encode(text)
-        from .kvplan import cells_reserve, plan_partitions
-        n_part = 0 if kw["mode"] == "iterative" else plan_partitions(kw["max_branches"], kw["max_in_flight"])[0]
-        reserve = cells_reserve(n_part, kw["draft_max"] or 4)  # room for the runs in flight (auto: at most 4)
+        reserve = _cells_reserve(kw)
         need = len(prompt_tokens) + kw["n_predict"] + reserve
         if need > kw["ctx_size"]:
             raise UserError(f"prompt of {len(prompt_tokens)} tokens + {kw['n_predict']} to generate + {reserve} for "
@@ -175,12 +182,9 @@ def _generate(kw) -> None:
     progress = None
     if rank == 0 and not kw["quiet"] and not kw["as_json"]:
         progress = StatusLine.for_streams(sys.stdout, sys.stderr, under_mpiexec=_mpi_size() > 1)
-    opts = RunOptions(model=model, on_progress=progress, prompt_tokens=prompt_tokens, gen=gen, layer_split=kw["layer_split"],
-                      threads=kw["threads"], threads_batch=kw["threads_batch"], n_ctx=kw["ctx_size"], draft=draft,
-                      drafter=drafter, replay_ref=kw["replay_ref"], replay_accuracy=kw["replay_accuracy"],
-                      max_in_flight=kw["max_in_flight"], poll_s=kw["poll_us"] / 1e6,
-                      kernels="fast" if kw["fast_kernels"] else kw["kernels"], draft_vocab=kw["draft_vocab"], prompt_text=user_text,
-                      chat=bool(chat), on_tokens=stream)
+    opts = _run_options(kw, model, draft, drafter, gen, on_progress=progress, prompt_tokens=prompt_tokens,
+                        replay_ref=kw["replay_ref"], replay_accuracy=kw["replay_accuracy"], prompt_text=user_text,
+                        chat=bool(chat), on_tokens=stream)
     try:
         res = run(opts)
     finally:
@@ -204,6 +208,130 @@ def _generate(kw) -> None:
     if kw["results"]:
         label = {"ngram": "ngram", "replay": f"replay@{kw['replay_accuracy']}"}.get(drafter, Path(draft or "").name)
         _append_csv(kw, res, model, label, prompt_name)
+
+
+def _pipeline_config(kw, *, n_predict: int, sampling: SamplingParams, stop_at_eos: bool):
+    """(target path, draft path or None, drafter kind, GenConfig) from the pipeline options."""
+    from .models import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_model
+    model = str(resolve_model(kw["model"] or DEFAULT_TARGET))
+    draft = str(resolve_model(kw["draft"])) if kw["draft"] else None
+    if draft is None and kw["drafter"] is None and kw["model"] in (None, DEFAULT_TARGET) and kw["mode"] != "iterative":
+        draft = _installed(DEFAULT_DRAFT)  # the default demo: Qwen target, Gemma draft through text translation
+    drafter = kw["drafter"] or ("model" if draft else "ngram")
+    gen = GenConfig(
+        mode=kw["mode"], n_predict=n_predict, sampling=sampling,
+        cut=Cutoffs(kw["p_accept"], kw["p_split"], kw["draft_max"], kw["max_branches"]),
+        p_recovery=kw["p_recovery"], p_decay=kw["p_decay"], cancel=kw["cancel"], continuous=kw["continuous"],
+        n_batch=kw["batch_size"], stop_at_eos=stop_at_eos)
+    return model, draft, drafter, gen
+
+
+def _run_options(kw, model, draft, drafter, gen, **more):
+    from .runner import RunOptions
+    return RunOptions(model=model, gen=gen, layer_split=kw["layer_split"], threads=kw["threads"],
+                      threads_batch=kw["threads_batch"], n_ctx=kw["ctx_size"], draft=draft, drafter=drafter,
+                      max_in_flight=kw["max_in_flight"], poll_s=kw["poll_us"] / 1e6,
+                      kernels="fast" if kw["fast_kernels"] else kw["kernels"], draft_vocab=kw["draft_vocab"], **more)
+
+
+def _cells_reserve(kw) -> int:
+    """KV cells the runs in flight may take beyond the prompt and the answer (auto --draft-max: at most 4)."""
+    from .kvplan import cells_reserve, plan_partitions
+    n_part = 0 if kw["mode"] == "iterative" else plan_partitions(kw["max_branches"], kw["max_in_flight"])[0]
+    return cells_reserve(n_part, kw["draft_max"] or 4)
+
+
+@main.command()
+@pipeline_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (0.0.0.0: every interface)")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--alias", default=None, help="model id clients ask for [default: the registry name or the file's stem]")
+@click.option("-n", "--n-predict", default=256, show_default=True, type=click.IntRange(1),
+              help="max_tokens of a request that gives none (within the context)")
+@click.option("--max-queue", default=16, show_default=True, type=click.IntRange(1),
+              help="requests waiting beyond the one generating; more get 503 with Retry-After")
+@click.option("--results", default=None, help="append one CSV row per request to this file")
+def serve(**kw) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API from rank 0 (streaming and not)."""
+    _run_guarded(_serve, kw)
+
+
+def _serve(kw) -> None:
+    import signal
+    from mpi4py import MPI
+    from .runner import UserError, open_session
+    if kw["drafter"] == "replay":
+        raise UserError("--drafter replay is a benchmark instrument for generate, not for serve")
+    rank = MPI.COMM_WORLD.Get_rank()
+    model, draft, drafter, gen = _pipeline_config(kw, n_predict=kw["n_predict"], sampling=SamplingParams(),
+                                                  stop_at_eos=True)
+    if rank == 0:
+        from .stagefile import read_info
+        read_info(model)  # a clear error for a non-GGUF before llama.cpp sees it
+        _check_port_free(kw["host"], kw["port"])
+    else:  # a stage rank ends when the head shuts the pipeline down, not on the terminal's Ctrl-C
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    session = open_session(_run_options(kw, model, draft, drafter, gen))
+    if session is None:
+        return
+    from .server import Generator, ServeConfig, create_app
+    from .tokenizer import Tokenizer
+    import uvicorn
+    tok = Tokenizer(model)
+    from .models import DEFAULT_TARGET
+    name = kw["model"] or DEFAULT_TARGET
+    is_file = Path(name).suffix.lower() == ".gguf" or Path(name).exists()
+    model_id = kw["alias"] or (Path(name).stem if is_file else name)  # a registry name stays as it is
+
+    def on_done(job, stats, finish):
+        if kw["results"]:
+            _append_serve_row(kw, model, draft, drafter, len(session.ranges), len(job.prompt_tokens), stats, finish)
+
+    generator = Generator(session, tok, kw["max_queue"], on_done=on_done)
+    app = create_app(ServeConfig(model_id, kw["ctx_size"], _cells_reserve(kw), kw["n_predict"]), generator, tok,
+                     lambda messages: apply_chat(tok, messages))
+    generator.start()
+    print(f"[pipeinfer] serving '{model_id}' on http://{kw['host']}:{kw['port']}/v1 (mode {kw['mode']}, "
+          f"{len(session.ranges)} rank(s)); Ctrl-C stops", file=sys.stderr, flush=True)
+    try:
+        uvicorn.Server(uvicorn.Config(app, host=kw["host"], port=kw["port"], log_level="warning",
+                                      timeout_graceful_shutdown=5)).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down for: the normal way to stop
+        pass
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # mpiexec forwards Ctrl-C again: finish shutting down
+        print("[pipeinfer] stopping: finishing the request in progress, then shutting the pipeline down",
+              file=sys.stderr, flush=True)
+        generator.stop()
+        session.close()
+        tok.close()
+    if generator.fatal:
+        raise UserError(f"the pipeline failed: {generator.fatal}")
+
+
+def _check_port_free(host: str, port: int) -> None:
+    import socket
+    from .runner import UserError
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def _append_serve_row(kw, model, draft, drafter, n_ranks, n_prompt, s, finish) -> None:
+    from .results import append_result
+    append_result(kw["results"], {
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "mode": kw["mode"], "target_model": Path(model).name,
+        "draft_model": (drafter if drafter == "ngram" else Path(draft or "").name) if kw["mode"] != "iterative" else "",
+        "ranks": n_ranks, "layer_split": kw["layer_split"] or "", "threads": kw["threads"] or "",
+        "prompt_name": f"serve:{finish}", "n_prompt_tokens": n_prompt, "n_generated": s.n_generated,
+        "pp_tokens_per_s": round(s.pp_tokens_per_s, 3), "gen_tokens_per_s": round(s.gen_tokens_per_s, 3),
+        "ttft_s": round(s.ttft_s, 4), "itl_mean_s": round(s.itl_s, 4), "acceptance_rate": round(s.acceptance_rate, 4),
+        "n_runs": s.n_runs, "n_cancelled": s.n_cancelled, "peak_rss_max_mb": "", "peak_rss_sum_mb": "",
+        "version": __version__,
+    })
 
 
 def _auto_or_float(value: str, param) -> float | None:

@@ -93,7 +93,8 @@ class Head:
     def __init__(self, pipe: Pipeline, cfg: GenConfig, pool: PartitionPool | None = None,
                  drafter: Drafter | None = None, eos: set[int] = frozenset(),
                  on_tokens: Callable[[list[int]], None] | None = None,
-                 on_progress: Callable[[Stats, int], None] | None = None):
+                 on_progress: Callable[[Stats, int], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None, first_run_id: int = 0):
         if cfg.mode not in MODES:
             raise ValueError(f"unknown mode {cfg.mode!r}")
         if cfg.p_recovery is None:
@@ -104,6 +105,7 @@ class Head:
         self.eos = set(eos)
         self.on_tokens = on_tokens
         self.on_progress = on_progress      # (stats, runs in flight) after every emission, for a live status line
+        self.should_stop = should_stop      # polled after every result: True ends the generation early
         self.accepted: list[int] = []
         self.n_kv0 = 0                      # positions in sequence 0 once every issued transaction is applied
         self.flights: dict[int, Flight] = {}  # in launch order
@@ -111,7 +113,7 @@ class Head:
         self.adjust = 0.0                   # reactive cutoff adjustment
         self.stats = Stats()
         self.done = False
-        self._next_run = 0
+        self._next_run = first_run_id       # run ids keep growing across generations on one pipeline
         self._n_prompt = 0
         self.n_cells_bound = 0              # cells any stage may hold: retired cells count until COMPACT
 
@@ -131,6 +133,8 @@ class Head:
             if self.cfg.mode == "pipeinfer":
                 self._speculate()
             self._handle(self.pipe.next_result())
+            if self.should_stop is not None and self.should_stop():
+                self.done = True  # a client left or a stop string matched: cancel what is in flight
             if not self.done:
                 self._cover_last_token()
         self._drain()
@@ -204,6 +208,10 @@ class Head:
         self._launch_nonspec()
 
     # ================================================================ launching runs
+    @property
+    def last_run_id(self) -> int:
+        return self._next_run
+
     def _new_run_id(self) -> int:
         self._next_run += 1
         return self._next_run

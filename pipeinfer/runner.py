@@ -14,7 +14,7 @@ from .head import GenConfig, Head, auto_p_recovery
 from .kernels import DEFAULT_KERNELS, resolve_draft_max
 from .kvplan import PartitionPool, garbage_seq, plan_partitions
 from .metrics import Stats
-from .protocol import PROTOCOL_VERSION
+from .protocol import PROTOCOL_VERSION, kv_ops, rm
 from .stagefile import check_splittable, ensure_stage_file, read_info
 from .transport import polite_barrier
 from .topology import LayerRange, Topology, layer_ranges, parse_per_rank_ints, parse_split, split_from_speeds
@@ -63,6 +63,82 @@ def _peak_rss_mb() -> float:
 
 def run(opts: RunOptions, comm=None) -> RunResult | None:
     """Run one generation; returns the result on rank 0 and None on the other ranks."""
+    session = open_session(opts, comm)
+    if session is None:
+        return None  # a stage rank: it served the pipeline until the head shut it down
+    try:
+        stats = session.generate(opts.prompt_tokens, prompt_text=opts.prompt_text, chat=opts.chat,
+                                 on_tokens=opts.on_tokens, on_progress=opts.on_progress)
+    finally:
+        stats_per_rank, rss = session.close()
+    stats.stage_stats = stats_per_rank
+    return RunResult(session.last_tokens, stats, session.ranges, rss, session.probe_ms, session.cfg.p_recovery)
+
+
+@dataclass
+class HeadSession:
+    """Rank 0's end of a loaded pipeline: runs generations one after another (`pipeinfer serve` runs many),
+    then shuts the pipeline down."""
+    opts: RunOptions
+    cfg: GenConfig                      # resolved: draft max, n_batch, n_ctx, p_recovery
+    comm: object
+    engine: object
+    transport: object
+    pipe: object
+    pool: PartitionPool | None
+    drafter_for: object                 # callable(prompt tokens, prompt text, chat) -> Drafter, or None
+    tok: object
+    eos: set[int]
+    ranges: list[LayerRange]
+    exact_per_rank: list[int | None]
+    n_seq_max: int
+    probe_ms: list[float] | None = None
+    last_tokens: list[int] = field(default_factory=list)
+    n_generations: int = 0
+    _next_run: int = 0
+    _n_runs: int = 0
+
+    def generate(self, prompt: list[int], *, n_predict: int | None = None, sampling=None, prompt_text: str | None = None,
+                 chat: bool = False, on_tokens=None, on_progress=None, should_stop=None) -> Stats:
+        """One generation from an empty KV cache on every stage; the tokens are in `last_tokens`."""
+        cfg = self.cfg
+        if n_predict is not None:
+            cfg = replace(cfg, n_predict=n_predict)
+        if sampling is not None:
+            cfg = replace(cfg, sampling=sampling)
+        if self.n_generations:  # nothing of the previous generation stays: every cell freed, from cell 0 again
+            self.pipe.kv(kv_ops(rm(-1)))
+        drafter = None if cfg.mode == "iterative" else self.drafter_for(prompt, prompt_text, chat)
+        head = Head(self.pipe, cfg, self.pool, drafter, eos=self.eos, on_tokens=on_tokens, on_progress=on_progress,
+                    should_stop=should_stop, first_run_id=self._next_run)
+        self.last_tokens = head.generate(prompt)
+        self._next_run = head.last_run_id
+        self._n_runs += head.stats.n_runs
+        self.n_generations += 1
+        head.stats.n_kv0 = head.n_kv0
+        head.stats.kernels = self.opts.kernels
+        head.stats.exact_batch = self.exact_per_rank
+        head.stats.exact_batch_draft = getattr(drafter, "exact_batch", None)
+        return head.stats
+
+    def close(self) -> tuple[list[dict], list[float]]:
+        """Shut the pipeline down; every rank's stage statistics (worker.StageStats as dicts, rank 0 first)
+        and peak RSS (MiB)."""
+        from .worker import StageStats
+        head_stage = StageStats(rank=0, n_decoded=self._n_runs, t_idle_s=self.transport.t_wait_s if self.transport else 0.0,
+                                kv=self.engine.kv_summary(exclude=garbage_seq(self.n_seq_max)))
+        self.pipe.shutdown()
+        polite_barrier(self.comm, self.opts.poll_s)
+        stage_stats = self.comm.gather(None, root=0)[1:]
+        rss = self.comm.gather(_peak_rss_mb(), root=0)
+        self.tok.close()
+        self.engine.close()
+        return [vars(head_stage)] + stage_stats, rss
+
+
+def open_session(opts: RunOptions, comm=None) -> HeadSession | None:
+    """Load every rank's stage. Rank 0 gets a HeadSession; the other ranks serve the pipeline until the head
+    shuts it down, and get None."""
     from mpi4py import MPI
     comm = comm or MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -128,32 +204,15 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
     from .pipeline import Pipeline
     pipe = Pipeline(topo, engine, n_vocab=info.n_vocab,
                     embedder=TokenEmbedder(opts.model) if size > 1 else None, transport=transport)
-    drafter = pool = None
+    drafter_for = pool = None
     if cfg.mode != "iterative":
         pool = PartitionPool(n_part, cfg.cut.max_branches, n_seq_max)
-        drafter = make_drafter(opts, info, threads[0], threads_b[0])
+        drafter_for = make_drafter(opts, info, threads[0], threads_b[0])
     from .tokenizer import Tokenizer
     tok = Tokenizer(opts.model)
     eos = set() if not cfg.stop_at_eos else {t for t in tok.eos}
-    head = Head(pipe, cfg, pool, drafter, eos=eos, on_tokens=opts.on_tokens, on_progress=opts.on_progress)
-    try:
-        tokens = head.generate(opts.prompt_tokens)
-    finally:
-        pipe.shutdown()
-    polite_barrier(comm, opts.poll_s)
-    stage_stats = comm.gather(None, root=0)[1:]
-    rss = comm.gather(_peak_rss_mb(), root=0)
-    from .worker import StageStats
-    head_stage = StageStats(rank=0, n_decoded=head.stats.n_runs, t_idle_s=transport.t_wait_s if transport else 0.0,
-                            kv=engine.kv_summary(exclude=garbage_seq(n_seq_max)))
-    head.stats.stage_stats = [vars(head_stage)] + stage_stats
-    head.stats.n_kv0 = head.n_kv0
-    head.stats.kernels = opts.kernels
-    head.stats.exact_batch = exact_per_rank
-    head.stats.exact_batch_draft = getattr(drafter, "exact_batch", None)
-    tok.close()
-    engine.close()
-    return RunResult(tokens, head.stats, ranges, rss, probe_ms, cfg.p_recovery)
+    return HeadSession(opts, cfg, comm, engine, transport, pipe, pool, drafter_for, tok, eos, ranges, exact_per_rank,
+                       n_seq_max, probe_ms)
 
 
 def _draft_max(cfg: GenConfig, exact_per_rank: list[int | None]) -> int | None:
@@ -210,9 +269,12 @@ def auto_split(comm, model: str, info, n_threads: int, n_threads_batch: int) -> 
 
 
 def make_drafter(opts: RunOptions, info, n_threads: int, n_threads_batch: int):
+    """The drafter for a generation: a callable (prompt tokens, prompt text, chat) -> Drafter. Models are
+    loaded once; a drafter that depends on the prompt (through text translation) is wrapped per prompt."""
     from .drafter import ModelDrafter, NgramDrafter, ReplayDrafter
     if opts.drafter == "ngram":
-        return NgramDrafter()
+        ngram = NgramDrafter()
+        return lambda prompt, text, chat: ngram
     if opts.drafter == "replay":
         import json
         try:
@@ -225,7 +287,8 @@ def make_drafter(opts: RunOptions, info, n_threads: int, n_threads_batch: int):
         if opts.draft:
             burner = ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=1, n_threads=n_threads,
                                   n_threads_batch=n_threads_batch, kernels=opts.kernels)
-        return ReplayDrafter(reference, opts.replay_accuracy, info.n_vocab, seed=opts.gen.sampling.seed, burner=burner)
+        replay = ReplayDrafter(reference, opts.replay_accuracy, info.n_vocab, seed=opts.gen.sampling.seed, burner=burner)
+        return lambda prompt, text, chat: replay
     if opts.drafter != "model":
         raise UserError(f"unknown drafter {opts.drafter!r} (choose model, ngram or replay)")
     if not opts.draft:
@@ -243,11 +306,12 @@ def make_drafter(opts: RunOptions, info, n_threads: int, n_threads_batch: int):
         from .xvocab import TranslatingDrafter
         inner = ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=1, n_threads=n_threads,
                              n_threads_batch=n_threads_batch, kernels=opts.kernels)
-        text = opts.prompt_text if opts.prompt_text is not None else ""
-        return TranslatingDrafter(inner, Tokenizer(opts.model), Tokenizer(opts.draft),
-                                  n_prompt=len(opts.prompt_tokens), prompt_text=text, chat=opts.chat)
-    return ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=opts.gen.cut.max_branches,
+        tok_tgt, tok_dft = Tokenizer(opts.model), Tokenizer(opts.draft)
+        return lambda prompt, text, chat: TranslatingDrafter(inner, tok_tgt, tok_dft, n_prompt=len(prompt),
+                                                             prompt_text=text or "", chat=chat)
+    same = ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=opts.gen.cut.max_branches,
                         n_threads=n_threads, n_threads_batch=n_threads_batch, kernels=opts.kernels)
+    return lambda prompt, text, chat: same
 
 
 def check_vocab(target: str, draft: str) -> None:

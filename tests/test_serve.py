@@ -1,0 +1,252 @@
+"""`pipeinfer serve`: a real server on 2 ranks under mpiexec on a loopback port, driven with the `openai`
+package (streaming and not) and with raw HTTP for the error cases."""
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import MPIEXEC, cli
+
+pytestmark = pytest.mark.mpi
+PROMPT = "ba ki lo"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """mpiexec -n RANKS pipeinfer serve ARGS on a free loopback port; stderr kept in a file."""
+
+    def __init__(self, args: list[str], ranks: int, log_path, timeout: float = 120):
+        self.port = free_port()
+        self.log_path = log_path
+        cmd = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "pipeinfer", "serve",
+               "--port", str(self.port)] + args
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.text()[-3000:]}")
+            try:
+                if self.request("GET", "/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise AssertionError(f"server did not come up in {timeout} s:\n{self.text()[-3000:]}")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def request(self, method: str, path: str, body=None, raw: bytes | None = None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        out = r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        conn.close()
+        return out
+
+    def text(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return open(self.log_path).read()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)  # like Ctrl-C in the terminal mpiexec runs in
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    srv = Server(["-m", str(models["q8"]), "--mode", "pipeinfer", "--draft", str(models["draft60"]), "-n", "24",
+                  "--alias", "synthetic", "-c", "512"], 2, log)
+    yield srv
+    assert srv.stop() == 0, srv.text()[-3000:]
+    assert "Traceback" not in srv.text()
+
+
+def client(srv):
+    from openai import OpenAI
+    return OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=120)
+
+
+def generate_text(models, n: int, *extra) -> str:
+    """What `pipeinfer generate` prints for the prompt (the reference a served answer must equal)."""
+    p = cli(["generate", "-m", str(models["q8"]), "-p", PROMPT, "--no-chat", "-n", str(n), "-q", "--drafter", "ngram",
+             *extra], n=2)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.endswith("\n")
+    return p.stdout[:-1]
+
+
+def test_models_and_health(server):
+    assert [m.id for m in client(server).models.list().data] == ["synthetic"]
+    status, _, body = server.request("GET", "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+
+
+def test_completion_equals_generate(server, models):
+    c = client(server)
+    r = c.completions.create(model="synthetic", prompt=PROMPT, max_tokens=20)
+    assert r.choices[0].text == generate_text(models, 20)
+    assert r.usage.completion_tokens == 20 and r.usage.total_tokens == r.usage.prompt_tokens + 20
+    assert r.choices[0].finish_reason == "length"
+    # streamed, the same text in pieces
+    pieces = [ch.choices[0].text for ch in c.completions.create(model="synthetic", prompt=PROMPT, max_tokens=20,
+                                                                 stream=True)]
+    assert "".join(pieces) == r.choices[0].text and len([p for p in pieces if p]) > 1
+
+
+def test_sampled_completion_follows_the_seed(server, models):
+    c = client(server)
+    for seed in (7, 8):
+        got = c.completions.create(model="synthetic", prompt=PROMPT, max_tokens=16, temperature=2.0, top_p=0.95,
+                                   seed=seed).choices[0].text
+        assert got == generate_text(models, 16, "--temp", "2.0", "--top-p", "0.95", "--seed", str(seed))
+
+
+def test_chat_streaming_and_not(server):
+    c = client(server)
+    msgs = [{"role": "user", "content": PROMPT}]
+    whole = c.chat.completions.create(model="synthetic", messages=msgs, max_tokens=12)
+    assert whole.choices[0].message.role == "assistant" and whole.usage.completion_tokens == 12
+    chunks = list(c.chat.completions.create(model="synthetic", messages=msgs, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_stop_string_cuts_the_answer(server):
+    c = client(server)
+    full = c.completions.create(model="synthetic", prompt=PROMPT, max_tokens=20).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    r = c.completions.create(model="synthetic", prompt=PROMPT, max_tokens=20, stop=[stop])
+    assert r.choices[0].text == full[:full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="synthetic", prompt=PROMPT, max_tokens=20, stop=stop, stream=True))
+    assert streamed == r.choices[0].text
+
+
+@pytest.mark.parametrize("body, status, code_or_param", [
+    (b"{not json", 400, None),
+    ({"model": "synthetic"}, 400, "prompt"),
+    ({"model": "synthetic", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "synthetic", "prompt": "x", "max_tokens": 100000}, 400, "context_length_exceeded"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model_not_found"),
+    ({"model": "synthetic", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, code_or_param):
+    got, _, data = server.request("POST", "/v1/completions", **({"raw": body} if isinstance(body, bytes) else {"body": body}))
+    assert got == status, data
+    err = json.loads(data)["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if code_or_param:
+        assert code_or_param in (err["code"], err["param"]), err
+
+
+def test_bad_chat_requests(server):
+    got, _, data = server.request("POST", "/v1/chat/completions", {"model": "synthetic", "messages": []})
+    assert got == 400 and json.loads(data)["error"]["param"] == "messages"
+    got, _, data = server.request("POST", "/v1/chat/completions",
+                                  {"model": "synthetic", "messages": [{"role": "wizard", "content": "x"}]})
+    assert got == 400 and "unknown role" in json.loads(data)["error"]["message"]
+
+
+def test_disconnect_mid_stream_cancels_and_leaves_nothing_behind(server, models):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({"model": "synthetic", "prompt": PROMPT,
+                                                              "max_tokens": 400, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    r.fp.readline()  # the first event
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.monotonic() + 30
+    while "cancelled" not in server.text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    line = next(l for l in server.text().splitlines() if "cancelled" in l)
+    assert "400 tokens" not in line, line  # stopped early
+    # the next answer is untouched by the cancelled one (its runs and KV cells are gone)
+    assert client(server).completions.create(model="synthetic", prompt=PROMPT, max_tokens=20).choices[0].text == \
+        generate_text(models, 20)
+
+
+def test_full_queue_gets_503_with_retry_after(models, tmp_path):
+    srv = Server(["-m", str(models["q8"]), "--mode", "iterative", "--max-queue", "1", "-c", "2048"], 2,
+                 tmp_path / "server.log")
+    try:
+        results = []
+
+        def ask():
+            status, headers, _ = srv.request("POST", "/v1/completions",
+                                             {"model": srv_model(models), "prompt": PROMPT, "max_tokens": 1500})
+            results.append((status, headers.get("retry-after")))
+
+        threads = [threading.Thread(target=ask) for _ in range(6)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+        statuses = sorted(s for s, _ in results)
+        assert statuses.count(200) >= 2 and 503 in statuses, results
+        assert all(retry == "1" for s, retry in results if s == 503)
+    finally:
+        assert srv.stop() == 0
+
+
+def srv_model(models) -> str:
+    return models["q8"].stem  # the default model id: the file's stem
+
+
+@pytest.mark.real
+def test_real_qwen_chat_equals_generate(tmp_path):
+    """The default model and draft (Qwen2.5-Coder-1.5B, Gemma 3 270M through text) served on 2 ranks: a chat
+    answer is the text `pipeinfer generate -p` prints for the same prompt."""
+    from test_real_qwen import real_model
+    real_model("qwen2.5-coder-1.5b")
+    real_model("gemma3-270m")
+    question = "Write a Python function that checks whether a number is prime."
+    srv = Server(["-t", "1", "-c", "1024"], 2, tmp_path / "server.log", timeout=300)
+    try:
+        c = client(srv)
+        assert [m.id for m in c.models.list().data] == ["qwen2.5-coder-1.5b"]
+        r = c.chat.completions.create(model="qwen2.5-coder-1.5b", max_tokens=32,
+                                      messages=[{"role": "user", "content": question}])
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="qwen2.5-coder-1.5b", max_tokens=32, stream=True, messages=[{"role": "user", "content": question}]))
+    finally:
+        assert srv.stop() == 0, srv.text()[-3000:]
+    p = cli(["generate", "-p", question, "-n", "32", "-q", "-t", "1", "-c", "1024"], n=2, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert r.choices[0].message.content == p.stdout[:-1] == streamed
+    assert r.usage.completion_tokens == 32
+    log = srv.text()
+    assert log.count("[serve]") == 2 and "acceptance" in log
