@@ -81,7 +81,7 @@ class Server:
 def server(models, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
     srv = Server(["-m", str(models["q8"]), "--mode", "pipeinfer", "--draft", str(models["draft60"]), "-n", "24",
-                  "--alias", "synthetic", "-c", "512"], 2, log)
+                  "--alias", "synthetic", "-c", "512", "--results", str(log.with_name("served.csv"))], 2, log)
     yield srv
     assert srv.stop() == 0, srv.text()[-3000:]
     assert "Traceback" not in srv.text()
@@ -117,6 +117,19 @@ def test_completion_equals_generate(server, models):
     pieces = [ch.choices[0].text for ch in c.completions.create(model="synthetic", prompt=PROMPT, max_tokens=20,
                                                                  stream=True)]
     assert "".join(pieces) == r.choices[0].text and len([p for p in pieces if p]) > 1
+
+
+def test_every_request_is_logged_and_gets_a_results_row(server):
+    before = server.text().count("[serve] ")
+    client(server).completions.create(model="synthetic", prompt=PROMPT, max_tokens=5)
+    deadline = time.monotonic() + 10
+    while server.text().count("[serve] ") == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    line = server.text().splitlines()[-1]
+    assert "prompt + 5 tokens" in line and "tokens/s" in line and "ttft" in line, line
+    from pipeinfer.results import read_results
+    rows = read_results(server.log_path.with_name("served.csv"))
+    assert rows[-1]["n_generated"] == 5 and rows[-1]["prompt_name"] == "serve:length" and rows[-1]["mode"] == "pipeinfer"
 
 
 def test_sampled_completion_follows_the_seed(server, models):
