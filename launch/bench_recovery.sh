@@ -24,8 +24,8 @@ first=1  # lines in the CSV before this run (header included)
 gen() { "$MPIEXEC" -n 2 "${PI[@]}" generate --prompt-name code -n "$N" -t 1 --ignore-eos -q --results "$CSV" "$@"; }
 draft_args() {
     case $1 in
-        gemma) echo "--draft gemma3-270m -pa 0.3 --draft-max 3" ;;
-        *) echo "--drafter replay --replay-ref $tmp/ref.json --replay-accuracy $1 --draft gemma3-270m -pa 0.5 --draft-max 3" ;;
+        gemma) echo "--draft gemma3-270m -pa 0.3" ;;
+        *) echo "--drafter replay --replay-ref $tmp/ref.json --replay-accuracy $1 --draft gemma3-270m -pa 0.5" ;;
     esac
 }
 

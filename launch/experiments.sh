@@ -42,14 +42,14 @@ for prompt in $PROMPTS; do
         if has gemma; then
             echo "== $prompt: $mode, Gemma 3 270M draft through text translation"
             "$MPIEXEC" -n "$RANKS" "${PI[@]}" generate --prompt-name "$prompt" -n "$N" --mode "$mode" -t "$THREADS" \
-                --draft gemma3-270m --p-accept 0.3 --draft-max 3 --ignore-eos -q --results "$CSV" > /dev/null
+                --draft gemma3-270m --p-accept 0.3 --ignore-eos -q --results "$CSV" > /dev/null
         fi
         has replay || continue
         for acc in ${REPLAY_ACCURACIES:-0.8 0.5}; do
             echo "== $prompt: $mode, replay drafter at $acc (Gemma 3 270M compute)"
             "$MPIEXEC" -n "$RANKS" "${PI[@]}" generate --prompt-name "$prompt" -n "$N" --mode "$mode" -t "$THREADS" \
                 --drafter replay --replay-ref "$tmp/$prompt.json" --replay-accuracy "$acc" --draft gemma3-270m \
-                --p-accept "${REPLAY_P_ACCEPT:-0.5}" --draft-max 3 --ignore-eos -q --results "$CSV" > /dev/null
+                --p-accept "${REPLAY_P_ACCEPT:-0.5}" --ignore-eos -q --results "$CSV" > /dev/null
         done
     done
 done

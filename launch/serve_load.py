@@ -8,7 +8,7 @@ Starts `mpiexec -n 2 pipeinfer serve` on a free loopback port (default model and
 SERVE ARGS replace those), then:
 1. asks each (prompt, seed) of the mix once, alone: the reference answers;
 2. runs --requests requests from --clients concurrent clients with the `openai` package: a third streaming,
-   a third not, a third disconnecting after the first streamed piece;
+   a third not, a third disconnecting after the first piece of generated text;
 3. checks that every completed request's text equals the reference for its prompt and seed and that no
    request is lost, prints p50/p95 latency and tokens/s, writes one CSV row per request and a summary, and
    stops the server.
@@ -116,12 +116,18 @@ def main() -> None:
             conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(kw, stream=True, max_tokens=256)),
                          headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
-            while resp.fp.readline().strip() == b"":
-                pass
-            resp.fp.readline()
+            first = None
+            while first is None:  # read up to the first generated text, then hang up mid-stream
+                line = resp.fp.readline()
+                if not line:
+                    break
+                if line.startswith(b"data: {"):
+                    choices = json.loads(line[6:]).get("choices") or [{}]
+                    if choices[0].get("delta", {}).get("content"):
+                        first = time.perf_counter() - t0
             conn.sock.shutdown(socket.SHUT_RDWR)
             conn.close()
-            return {"text": None, "tokens": 0, "latency_s": time.perf_counter() - t0, "first_s": None}
+            return {"text": None, "tokens": 0, "latency_s": time.perf_counter() - t0, "first_s": first}
 
         mix = [(p, t, s) for p in PROMPTS for t, s in SEEDS]
         reference = {m: ask(*m, "plain")["text"] for m in mix}
