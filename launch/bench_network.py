@@ -99,6 +99,7 @@ def main() -> None:
                    "n": args.n, "prompt": args.prompt_name, "gen_tokens_per_s": round(s["gen_tokens_per_s"], 3),
                    "acceptance_rate": round(s["acceptance_rate"], 3), "ttft_s": round(s["ttft_s"], 4),
                    "pingpong_mbit_s": mbit, "pingpong_latency_us": lat, "tokens": len(res["tokens"]),
+                   "bytes_per_token_per_link": " ".join(f"{b:.0f}" for b in s.get("bytes_per_token", [])),
                    "first_tokens": " ".join(map(str, res["tokens"][:8]))}
             rows.append(row)
             print({k: v for k, v in row.items() if k != "first_tokens"}, flush=True)

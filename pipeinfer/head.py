@@ -123,6 +123,7 @@ class Head:
             raise ValueError("empty prompt")
         self.stats.t_start_s = time.perf_counter()
         self.stats.n_prompt = self._n_prompt = len(prompt)
+        self.pipe.set_sampling(self.cfg.sampling)
         self._launch_prompt(prompt)
         if self.drafter is not None:
             self.drafter.prefill(prompt)  # while the target's stages process the prompt
@@ -172,7 +173,7 @@ class Head:
         fl = self.flights.pop(res.run_id)
         verdict = None
         if not (fl.cancelled or res.cancelled):
-            verdict = verify(fl.run, res.logits, self.accepted, self.cfg.sampling)
+            verdict = verify(fl.run, res.tokens, self.accepted)
         if fl.speculative:
             branch_seq, end = None, self.n_kv0
             if verdict is not None and verdict.deepest >= 0:

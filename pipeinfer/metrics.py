@@ -59,6 +59,10 @@ class Stats:
         dt = self.t_prompt_done_s - self.t_start_s
         return self.n_prompt / dt if dt > 0 else 0.0
 
+    def bytes_per_token(self) -> list[float]:
+        """Bytes sent per generated token on each link, rank r -> r+1 (the last: -> rank 0)."""
+        return [s.get("bytes_sent", 0) / self.n_generated if self.n_generated else 0.0 for s in self.stage_stats]
+
     @property
     def mean_accepted_per_run(self) -> float:
         n = sum(self.accept_hist.values())
@@ -76,7 +80,7 @@ class Stats:
         d = asdict(self)
         d.update(acceptance_rate=self.acceptance_rate, ttft_s=self.ttft_s, gen_tokens_per_s=self.gen_tokens_per_s,
                  itl_s=self.itl_s, pp_tokens_per_s=self.pp_tokens_per_s,
-                 mean_accepted_per_run=self.mean_accepted_per_run)
+                 mean_accepted_per_run=self.mean_accepted_per_run, bytes_per_token=self.bytes_per_token())
         return d
 
     def report(self) -> str:
@@ -95,6 +99,10 @@ class Stats:
         ]
         if self.kernels:
             lines.append(f"kernels           = {self.kernels}, exact batch limit {self._exact_text()}")
+        if len(self.stage_stats) > 1 and self.n_generated:
+            links = [f"{s['rank']}->{(s['rank'] + 1) % len(self.stage_stats)} {s.get('bytes_sent', 0) / self.n_generated:,.0f}"
+                     for s in self.stage_stats]
+            lines.append(f"bytes/token sent  = {', '.join(links)} (per link)")
         for s in self.stage_stats[1:]:
             lines.append(f"rank {s['rank']}: decoded {s['n_decoded']} runs / {s['n_tokens']} tokens, "
                          f"cancelled {s['n_cancelled_before']} before start + {s['n_cancelled_mid']} mid-decode, "

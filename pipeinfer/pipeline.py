@@ -11,17 +11,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .protocol import Batch, Flag, Header, Kind, NO_RUN, Tag
+from .protocol import Batch, Flag, Header, Kind, NO_RUN, Tag, pack_sampling
 from .stage import StageEngine, TokenEmbedder
 from .topology import Topology
 from .transport import Transport
+from .verify import SamplingParams, row_tokens
 
 
 @dataclass
 class Result:
     run_id: int
     cancelled: bool
-    logits: np.ndarray | None  # f32[n_outputs, n_vocab], rows in the order the batch marked outputs
+    tokens: np.ndarray | None  # i32[n_outputs]: the target's token after each output row (verify.row_tokens)
 
 
 class Pipeline:
@@ -33,6 +34,7 @@ class Pipeline:
         self.embedder = embedder
         self.tx = transport
         self.in_flight: deque[int] = deque()  # run ids in launch order
+        self.sampling = SamplingParams()
         self._local: deque[Result] = deque()   # single-rank results
         self.last = topo.n_ranks - 1
 
@@ -44,13 +46,20 @@ class Pipeline:
         flags = Flag.SPECULATIVE if speculative else Flag.NONE
         self.engine.apply_kv_ops(batch.prefix_ops)
         if not self.distributed:
-            self._local.append(Result(run_id, False, self.engine.decode(batch)))
+            logits = self.engine.decode(batch)
+            self._local.append(Result(run_id, False, row_tokens(logits, batch.pos[batch.output != 0], self.sampling)))
         else:
             meta = batch.pack_meta()
             hidden = self.engine.decode(batch, self.embedder(batch.tokens))
             hdr = Header(Kind.DECODE, run_id, batch.n_tokens, len(meta), flags, parent_id, batch.n_outputs, hidden.shape[1])
             self.tx.send(1, hdr, (Tag.META, meta), (Tag.ACTIV, hidden))
         self.in_flight.append(run_id)
+
+    def set_sampling(self, sp: SamplingParams) -> None:
+        """How the last stage turns each output row into a token, from the next run on (in order with runs)."""
+        self.sampling = sp
+        if self.distributed:
+            self.tx.send(1, Header(Kind.SAMPLING), (Tag.SAMPLING, pack_sampling(sp)))
 
     def kv(self, ops: np.ndarray) -> None:
         """Apply KV ops on every stage, in order with the runs around them."""
@@ -80,8 +89,8 @@ class Pipeline:
             if hdr.kind != Kind.RESULT:
                 raise RuntimeError(f"head expected a RESULT from rank {self.last}, got {hdr.kind.name}")
             cancelled = bool(hdr.flags & Flag.CANCELLED)
-            logits = None if cancelled else self.tx.recv_array(self.last, Tag.LOGITS, (hdr.n_outputs, self.n_vocab), np.float32)
-            res = Result(hdr.run_id, cancelled, logits)
+            tokens = None if cancelled else self.tx.recv_array(self.last, Tag.TOKENS, (hdr.n_outputs,), np.int32)
+            res = Result(hdr.run_id, cancelled, tokens)
         if res.run_id != expected:
             raise RuntimeError(f"results out of order: expected run {expected}, got {res.run_id}")
         return res

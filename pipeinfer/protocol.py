@@ -4,8 +4,9 @@ Every pipeline operation is a *transaction*: a fixed-size header on TAG_BEGIN, t
 the header announces, each on its kind's own tag (the paper's design):
 
     DECODE  (rank r -> r+1):  | HEADER | META i32[n_meta] on TAG_META | ACTIV f32[n_tokens, n_embd] on TAG_ACTIV |
-    RESULT  (last -> head):   | HEADER | LOGITS f32[n_outputs, n_vocab] on TAG_LOGITS |
+    RESULT  (last -> head):   | HEADER | TOKENS i32[n_outputs] on TAG_TOKENS |
     KV      (rank r -> r+1):  | HEADER | KV_OPS i32[n_ops, 5] on TAG_KV |
+    SAMPLING(rank r -> r+1):  | HEADER | SAMPLING i64[4] on TAG_SAMPLING |
     SHUTDOWN(rank r -> r+1):  | HEADER |
     CANCEL  (out of band, comm_cancel, last -> ... -> 1): i32[k] run ids on TAG_CANCEL
 
@@ -17,6 +18,11 @@ in the same order as their headers, so the next message on TAG_META is always th
 Each stage forwards transactions in the order it handled them, so every stage sees the head's order.
 Cancelled runs still pass a DECODE header (flag CANCELLED, no payload) so positions in the stream and
 the head's FIFO of results stay aligned.
+
+A RESULT carries one token id per output row, not the row's logits: the target's token after that row,
+drawn by the last stage exactly as verification draws it (verify.sample_at: arg-max, or a sample seeded
+by (seed, position) with the generation's SAMPLING parameters, which the head sends before its prompt).
+That is 4 bytes per row instead of n_vocab x 4 (607,744 bytes for Qwen2.5's 151,936-token vocabulary).
 """
 from __future__ import annotations
 
@@ -25,16 +31,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class Tag(enum.IntEnum):
     BEGIN = 1      # transaction header, HEADER layout
     META = 2       # DECODE metadata, META layout
     ACTIV = 3      # hidden states f32[n_tokens, n_embd]
-    LOGITS = 4     # f32[n_outputs, n_vocab]
     KV = 5         # KV ops i32[n_ops, 5]
     CANCEL = 6     # i32[k] run ids (on comm_cancel)
+    SAMPLING = 7   # i64[4]: SAMPLING layout
+    TOKENS = 8     # i32[n_outputs]: the target's token after each output row (4 was LOGITS, protocol 2)
 
 
 class Kind(enum.IntEnum):
@@ -42,6 +49,7 @@ class Kind(enum.IntEnum):
     RESULT = 2
     KV = 3
     SHUTDOWN = 4
+    SAMPLING = 5
 
 
 class Flag(enum.IntFlag):
@@ -141,6 +149,20 @@ class Batch:
         bounds = np.concatenate([[0], np.cumsum(n_seq)])
         seq_ids = [flat[bounds[i]:bounds[i + 1]].tolist() for i in range(n)]
         return cls(tokens.copy(), pos.copy(), seq_ids, output.copy(), ops.copy())
+
+
+# SAMPLING: i64[4] | temp (f64 bits) | top_p (f64 bits) | top_k | seed mod 2**63 |
+def pack_sampling(sp) -> np.ndarray:
+    floats = np.array([sp.temp, sp.top_p], dtype=np.float64).view(np.int64)
+    return np.concatenate([floats, np.array([sp.top_k, sp.seed % 2**63], dtype=np.int64)])
+
+
+def unpack_sampling(buf: np.ndarray):
+    from .verify import SamplingParams
+    if buf.shape != (4,) or buf.dtype != np.int64:
+        raise ValueError(f"malformed SAMPLING: shape {buf.shape} dtype {buf.dtype}")
+    temp, top_p = buf[:2].view(np.float64).tolist()
+    return SamplingParams(temp, int(buf[2]), top_p, int(buf[3]))
 
 
 def kv_ops(*ops: tuple[int, int, int, int, int]) -> np.ndarray:

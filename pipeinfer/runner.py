@@ -126,7 +126,8 @@ class HeadSession:
         and peak RSS (MiB)."""
         from .worker import StageStats
         head_stage = StageStats(rank=0, n_decoded=self._n_runs, t_idle_s=self.transport.t_wait_s if self.transport else 0.0,
-                                kv=self.engine.kv_summary(exclude=garbage_seq(self.n_seq_max)))
+                                kv=self.engine.kv_summary(exclude=garbage_seq(self.n_seq_max)),
+                                bytes_sent=self.transport.bytes_sent if self.transport else 0)
         self.pipe.shutdown()
         polite_barrier(self.comm, self.opts.poll_s)
         stage_stats = self.comm.gather(None, root=0)[1:]

@@ -25,10 +25,12 @@ class Transport:
         self.poll_s = poll_s
         self._pending: list[tuple[MPI.Request, tuple]] = []
         self.t_wait_s = 0.0  # time spent waiting for a message (pipeline idle time on this rank)
+        self.bytes_sent = 0  # payload and header bytes this rank sent (cancellations included)
 
     # ---- sending
     def _isend(self, comm: MPI.Comm, buf: np.ndarray, dest: int, tag: int) -> None:
         buf = np.ascontiguousarray(buf)
+        self.bytes_sent += buf.nbytes
         self._pending.append((comm.Isend(buf, dest=dest, tag=tag), (buf,)))
         if len(self._pending) > MAX_PENDING_SENDS:
             self._pending = [(r, b) for r, b in self._pending if not r.Test()]

@@ -107,8 +107,17 @@ class Verdict:
     deepest: int               # index of the deepest consistent node whose cell can join seq 0, -1 if none
 
 
-def verify(run: TreeRun, logits: np.ndarray, accepted: list[int], sp: SamplingParams) -> Verdict:
-    """Extend `accepted` (in place) with every token this run's logits f32[n_rows, n_vocab] determine."""
+def row_tokens(logits: np.ndarray, row_pos: np.ndarray, sp: SamplingParams) -> np.ndarray:
+    """The target's token after each output row: i32[n_rows] from logits f32[n_rows, n_vocab] of the rows at
+    positions row_pos i32[n_rows] (the last stage computes this and sends it instead of the logits)."""
+    if sp.temp <= 0:
+        return np.argmax(logits, axis=1).astype(np.int32)
+    return np.array([sample_at(row, int(p) + 1, sp) for row, p in zip(logits, row_pos)], dtype=np.int32)
+
+
+def verify(run: TreeRun, targets: np.ndarray, accepted: list[int], sp: SamplingParams | None = None) -> Verdict:
+    """Extend `accepted` (in place) with every token the run's rows determine: targets i32[n_rows] holds the
+    target's token after each output row (row_tokens), drawn per position, so the proposals do not matter."""
     new, n_draft = [], 0
     while True:
         m = len(accepted)
@@ -117,7 +126,7 @@ def verify(run: TreeRun, logits: np.ndarray, accepted: list[int], sp: SamplingPa
         if hit is None:
             break
         n_draft += run.nodes[hit].drafted
-        y = sample_at(logits[run.nodes[hit].row], m, sp)
+        y = int(targets[run.nodes[hit].row])
         accepted.append(y)
         new.append(y)
     deepest = -1

@@ -1,8 +1,8 @@
 """Serve loop of a pipeline stage rank (ranks 1..N-1).
 
 Handles transactions from the previous rank strictly in arrival order (which is the head's order,
-see protocol.py) and forwards each one to the next rank; the last stage sends DECODE results (logits)
-back to the head. Cancellation arrives out of band from the next rank (the signal travels backwards:
+see protocol.py) and forwards each one to the next rank; the last stage sends DECODE results back to
+the head: one token id per output row (protocol.py). Cancellation arrives out of band from the next rank (the signal travels backwards:
 head -> last stage -> ... -> rank 1), is recorded in a bounded set, relayed, and checked before a run
 starts and by llama.cpp's abort callback while it decodes.
 """
@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kvplan import garbage_seq
-from .protocol import Batch, Flag, Header, Kind, Tag
+from .protocol import Batch, Flag, Header, Kind, Tag, unpack_sampling
 from .stage import DecodeAborted, StageEngine
 from .topology import Topology
 from .transport import Transport
+from .verify import SamplingParams, row_tokens
 
 CANCEL_WINDOW = 4096  # cancelled ids older than the newest handled run by this much are forgotten
 
@@ -32,6 +33,7 @@ class StageStats:
     n_kv_txns: int = 0             # KV transactions applied
     t_busy_s: float = 0.0          # time inside llama_decode
     t_idle_s: float = 0.0          # time waiting for a transaction
+    bytes_sent: int = 0            # bytes this rank sent on (to the next rank; the last one: to the head)
     kv: list = None                # [seq, min pos, max pos] of non-empty sequences at shutdown
 
 
@@ -43,6 +45,7 @@ class StageWorker:
         self.cancelled: set[int] = set()
         self.stats = StageStats(rank=topo.rank)
         self._newest_run = -1
+        self.sampling = SamplingParams()  # the last stage's rule for each output row's token (SAMPLING)
 
     def _take_cancels(self) -> None:
         ids = self.tx.poll_cancel(self.topo.next_rank)  # for the last stage, next_rank is the head
@@ -68,9 +71,15 @@ class StageWorker:
                     self.tx.send(nxt, hdr, (Tag.KV, ops))
             elif hdr.kind == Kind.DECODE:
                 self._decode(hdr)
+            elif hdr.kind == Kind.SAMPLING:
+                buf = self.tx.recv_array(prev, Tag.SAMPLING, (4,), np.int64)
+                self.sampling = unpack_sampling(buf)
+                if not self.topo.is_last:
+                    self.tx.send(nxt, hdr, (Tag.SAMPLING, buf))
             else:
                 raise RuntimeError(f"rank {self.topo.rank}: unexpected transaction {hdr.kind.name} from rank {prev}")
         self.stats.t_idle_s = self.tx.t_wait_s
+        self.stats.bytes_sent = self.tx.bytes_sent
         self.stats.kv = self.engine.kv_summary(exclude=garbage_seq(self.engine.n_seq_max))
         self.tx.flush()
         return self.stats
@@ -87,8 +96,11 @@ class StageWorker:
             activ = self.tx.recv_array(prev, Tag.ACTIV, (hdr.n_tokens, hdr.n_embd), np.float32)
             if not cancelled:
                 started = True
-                out = self._run(hdr, Batch.unpack_meta(meta), activ)
+                batch = Batch.unpack_meta(meta)
+                out = self._run(hdr, batch, activ)
                 cancelled = out is None
+                if out is not None and self.topo.is_last:  # logits -> the token verification needs per row
+                    out = row_tokens(out, batch.pos[batch.output != 0], self.sampling)
         if cancelled:
             # pass an empty transaction on: later stages and the head's FIFO stay aligned
             self.cancelled.add(hdr.run_id)
@@ -99,7 +111,7 @@ class StageWorker:
             self.tx.send(self.topo.next_rank, hdr)
         elif self.topo.is_last:
             hdr.kind = Kind.RESULT
-            self.tx.send(0, hdr, (Tag.LOGITS, out))
+            self.tx.send(0, hdr, (Tag.TOKENS, out))
         else:
             hdr.n_embd = out.shape[1]
             self.tx.send(self.topo.next_rank, hdr, (Tag.META, meta), (Tag.ACTIV, out))

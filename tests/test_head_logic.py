@@ -22,7 +22,7 @@ from pipeinfer.head import GenConfig, Head, auto_p_recovery
 from pipeinfer.kvplan import PartitionPool, plan_partitions
 from pipeinfer.pipeline import Result
 from pipeinfer.protocol import NO_RUN, Batch, KvOp, cp, kv_ops, rm
-from pipeinfer.verify import SamplingParams, sample_at
+from pipeinfer.verify import SamplingParams, row_tokens, sample_at
 
 V = 29
 PROMPT = [5, 17, 2, 9, 11, 3, 8, 1, 20, 14]
@@ -182,6 +182,7 @@ class FakePipeline:
         self.polls = 0
         self.max_in_flight = 0
         self.n_skipped = 0
+        self.sampling = SamplingParams()
 
     @staticmethod
     def _check_fresh(stage: ToyStage, batch: Batch) -> None:
@@ -197,6 +198,13 @@ class FakePipeline:
         stage.check_canonical()
         return out
 
+    def set_sampling(self, sp: SamplingParams) -> None:
+        self.sampling = sp
+
+    def _tokens(self, batch: Batch, logits: np.ndarray) -> np.ndarray:
+        """What the last stage sends back: the token after each output row (protocol: RESULT)."""
+        return row_tokens(logits, batch.pos[batch.output != 0], self.sampling)
+
     def launch(self, run_id: int, batch: Batch, speculative: bool, parent_id: int = NO_RUN) -> None:
         assert run_id not in self.speculative, f"run id {run_id} reused"
         assert not self.in_flight or run_id > self.in_flight[-1]
@@ -205,7 +213,7 @@ class FakePipeline:
         if self.distributed:
             self.queue.append(("decode", run_id, batch, parent_id))
         else:
-            self.results.append(Result(run_id, False, logits))
+            self.results.append(Result(run_id, False, self._tokens(batch, logits)))
         self.in_flight.append(run_id)
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
 
@@ -250,7 +258,7 @@ class FakePipeline:
                 last.apply(batch.prefix_ops)
             self.results.append(Result(run_id, True, None))
         else:
-            self.results.append(Result(run_id, False, self._run_on(last, batch)))
+            self.results.append(Result(run_id, False, self._tokens(batch, self._run_on(last, batch))))
 
     def result_ready(self) -> bool:
         self.polls += 1
@@ -601,7 +609,7 @@ def _one(tok: int, pos: int, seqs: list[int], ops=()) -> Batch:
 def test_fake_pipeline_computes_the_target():
     pipe, ref = _prompted_pipe()
     pipe.launch(2, _one(ref[10], 10, [0]), False)
-    assert [int(np.argmax(pipe.next_result().logits[0])), int(np.argmax(pipe.next_result().logits[0]))] == \
+    assert [int(pipe.next_result().tokens[0]), int(pipe.next_result().tokens[0])] == \
         [ref[10], ref[11]]
 
 

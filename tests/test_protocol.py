@@ -6,18 +6,21 @@ import pytest
 
 from pipeinfer import protocol
 from pipeinfer.kvplan import commit_ops, prefix_ops
-from pipeinfer.protocol import (HEADER_LEN, NO_RUN, Batch, Flag, Header, Kind, KvOp, Tag, cp, kv_ops, rm)
+from pipeinfer.protocol import (HEADER_LEN, NO_RUN, Batch, Flag, Header, Kind, KvOp, Tag, cp, kv_ops, pack_sampling, rm,
+                                unpack_sampling)
+from pipeinfer.verify import SamplingParams
 
 
 # ---------------------------------------------------------------- frozen numbers (a static_assert)
 # Ranks of different builds talk to each other: these numbers are the wire format and must never change.
 # A new member needs a new number (and PROTOCOL_VERSION + 1), never a reused one.
 def test_frozen_tags():
-    assert {m.name: int(m) for m in Tag} == {"BEGIN": 1, "META": 2, "ACTIV": 3, "LOGITS": 4, "KV": 5, "CANCEL": 6}
+    assert {m.name: int(m) for m in Tag} == {"BEGIN": 1, "META": 2, "ACTIV": 3, "KV": 5, "CANCEL": 6,
+                                             "SAMPLING": 7, "TOKENS": 8}  # 4 (LOGITS, protocol 2) is retired
 
 
 def test_frozen_kinds():
-    assert {m.name: int(m) for m in Kind} == {"DECODE": 1, "RESULT": 2, "KV": 3, "SHUTDOWN": 4}
+    assert {m.name: int(m) for m in Kind} == {"DECODE": 1, "RESULT": 2, "KV": 3, "SHUTDOWN": 4, "SAMPLING": 5}
 
 
 def test_frozen_flags():
@@ -30,7 +33,7 @@ def test_frozen_kv_ops():
 
 
 def test_frozen_header_layout():
-    assert protocol.PROTOCOL_VERSION == 2
+    assert protocol.PROTOCOL_VERSION == 3
     assert HEADER_LEN == 8 and NO_RUN == -1
     assert (protocol.H_KIND, protocol.H_RUN, protocol.H_N_TOKENS, protocol.H_N_META, protocol.H_FLAGS,
             protocol.H_PARENT, protocol.H_N_OUTPUTS, protocol.H_N_EMBD) == (0, 1, 2, 3, 4, 5, 6, 7)
@@ -64,7 +67,7 @@ def test_header_defaults():
     assert h.pack().tolist() == [4, -1, 0, 0, 0, -1, 0, 0]
 
 
-@pytest.mark.parametrize("kind", [0, 5, -1, 99])
+@pytest.mark.parametrize("kind", [0, 6, -1, 99])
 def test_header_unknown_kind(kind):
     buf = Header(Kind.KV).pack()
     buf[protocol.H_KIND] = kind
@@ -172,3 +175,13 @@ def _valid_meta() -> list[int]:
 def test_meta_malformed_rejected(meta):
     with pytest.raises(ValueError, match="malformed META"):
         Batch.unpack_meta(np.array(meta, dtype=np.int32))
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(), SamplingParams(0.7, 40, 0.95, 12345), SamplingParams(1.5, 0, 1.0, -3),
+                                SamplingParams(2.0, 5, 0.5, 2**70 + 9)])
+def test_sampling_round_trip(sp):
+    got = unpack_sampling(pack_sampling(sp))
+    assert (got.temp, got.top_k, got.top_p) == (sp.temp, sp.top_k, sp.top_p)
+    assert got.seed % 2**63 == sp.seed % 2**63  # sample_at seeds its RNG with seed mod 2**63
+    with pytest.raises(ValueError, match="malformed SAMPLING"):
+        unpack_sampling(np.zeros(3, np.int64))

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeinfer.verify import (Node, SamplingParams, TreeRun, consistent, is_useful, logits_to_probs, sample_at,
-                              verify)
+from pipeinfer.verify import (Node, SamplingParams, TreeRun, consistent, is_useful, logits_to_probs, row_tokens,
+                              sample_at, verify)
 
 V = 8
 GREEDY = SamplingParams()
@@ -15,6 +15,12 @@ def onehot(tok: int, v: int = V, margin: float = 5.0) -> np.ndarray:
     row = np.zeros(v, dtype=np.float32)
     row[tok] = margin
     return row
+
+
+def vfy(run: TreeRun, logits: np.ndarray, accepted: list[int], sp: SamplingParams):
+    """verify() as the head runs it: the last stage turns each output row's logits into a token first."""
+    pos = {n.row: n.pos for n in run.nodes if n.row >= 0}
+    return verify(run, row_tokens(logits, np.array([pos[r] for r in range(len(logits))]), sp), accepted)
 
 
 def table(*toks: int) -> np.ndarray:
@@ -123,7 +129,7 @@ def chain_run(drafts: list[int], first_pos: int = 4, lead: int | None = 5, prefi
 def test_verify_chain_all_drafts_match_accepts_all_plus_bonus():
     run = chain_run([6, 2, 7])
     acc = list(PROMPT)
-    v = verify(run, table(6, 2, 7, 0), acc, GREEDY)
+    v = vfy(run, table(6, 2, 7, 0), acc, GREEDY)
     assert v.new_tokens == [6, 2, 7, 0]                     # three drafts and the bonus token
     assert acc == PROMPT + [6, 2, 7, 0]                     # extended in place
     assert v.n_draft_accepted == 3
@@ -133,7 +139,7 @@ def test_verify_chain_all_drafts_match_accepts_all_plus_bonus():
 def test_verify_chain_first_mismatch():
     run = chain_run([6, 2, 7])
     acc = list(PROMPT)
-    v = verify(run, table(6, 3, 7, 0), acc, GREEDY)        # the target says 3 where the draft said 2
+    v = vfy(run, table(6, 3, 7, 0), acc, GREEDY)        # the target says 3 where the draft said 2
     assert v.new_tokens == [6, 3]                           # accepted prefix + the target's own token
     assert v.n_draft_accepted == 1
     assert v.deepest == 1
@@ -141,7 +147,7 @@ def test_verify_chain_first_mismatch():
 
 def test_verify_first_draft_wrong():
     acc = list(PROMPT)
-    v = verify(chain_run([6, 2, 7]), table(0, 2, 7, 0), acc, GREEDY)
+    v = vfy(chain_run([6, 2, 7]), table(0, 2, 7, 0), acc, GREEDY)
     assert (v.new_tokens, v.n_draft_accepted, v.deepest) == ([0], 0, 0)   # only the lead node's cell is consistent
 
 
@@ -154,7 +160,7 @@ def test_verify_tree_correct_token_on_second_branch():
     run = TreeRun(1, nodes)
     acc = list(PROMPT)
     logits = np.stack([onehot(6), onehot(0), onehot(7), onehot(1)])  # row 1 (branch a) must never be used
-    v = verify(run, logits, acc, GREEDY)
+    v = vfy(run, logits, acc, GREEDY)
     assert v.new_tokens == [6, 7, 1]
     assert v.n_draft_accepted == 2
     assert v.deepest == 3 and run.nodes[v.deepest].seq_ids == [2]
@@ -163,7 +169,7 @@ def test_verify_tree_correct_token_on_second_branch():
 def test_verify_tree_deepest_is_branch_node():
     nodes = [Node(5, 4, -1, [0, 1, 2], 0), Node(2, 5, 0, [1], 1, drafted=True), Node(6, 5, 0, [2], 2, drafted=True)]
     acc = list(PROMPT)
-    v = verify(TreeRun(1, nodes), table(6, 0, 3), acc, GREEDY)
+    v = vfy(TreeRun(1, nodes), table(6, 0, 3), acc, GREEDY)
     assert v.new_tokens == [6, 3] and v.deepest == 2
 
 
@@ -171,7 +177,7 @@ def test_verify_prefix_conflict_accepts_nothing():
     # a PipeInfer run built on speculation [6, 2] at positions 5, 6: its first node sits at 7
     run = chain_run([0, 1], first_pos=7, lead=None, prefix={5: 6, 6: 2})
     acc = PROMPT + [6, 3, 0]                                   # position 6 was accepted as 3, not 2
-    v = verify(run, table(1, 4), acc, GREEDY)
+    v = vfy(run, table(1, 4), acc, GREEDY)
     assert (v.new_tokens, v.n_draft_accepted, v.deepest) == ([], 0, -1)
     assert acc == PROMPT + [6, 3, 0]
     assert not is_useful(run, acc)
@@ -180,14 +186,14 @@ def test_verify_prefix_conflict_accepts_nothing():
 def test_verify_prefix_agrees_accepts():
     run = chain_run([0, 1], first_pos=7, lead=None, prefix={5: 6, 6: 2})
     acc = PROMPT + [6, 2, 0]
-    v = verify(run, table(1, 4), acc, GREEDY)
+    v = vfy(run, table(1, 4), acc, GREEDY)
     assert v.new_tokens == [1, 4] and v.n_draft_accepted == 2 and v.deepest == 1
 
 
 def test_verify_run_not_reached_yet_accepts_nothing():
     run = chain_run([0, 1], first_pos=7, lead=None, prefix={5: 6, 6: 2})
     acc = PROMPT + [6]                                         # position 6 is not decided yet
-    v = verify(run, table(1, 4), acc, GREEDY)
+    v = vfy(run, table(1, 4), acc, GREEDY)
     assert (v.new_tokens, v.deepest) == ([], -1)
     assert is_useful(run, acc)
 
@@ -197,7 +203,7 @@ def test_verify_nodes_without_logits_are_not_used():
     nodes = [Node(t, p, p - 1, [0], -1) for p, t in enumerate(PROMPT)]
     nodes[-1].row = 0
     acc = list(PROMPT)
-    v = verify(TreeRun(1, nodes), table(2), acc, GREEDY)
+    v = vfy(TreeRun(1, nodes), table(2), acc, GREEDY)
     assert v.new_tokens == [2] and v.n_draft_accepted == 0 and v.deepest == 4
 
 
@@ -234,7 +240,7 @@ def test_is_useful_checks_every_branch():
     assert not is_useful(run, PROMPT + [6, 0])            # second branch broken at position 6
     assert not is_useful(run, PROMPT + [3])               # no branch agrees
     acc = PROMPT + [6]
-    assert verify(run, table(0, 0, 7, 1), acc, GREEDY).new_tokens == [7, 1]
+    assert vfy(run, table(0, 0, 7, 1), acc, GREEDY).new_tokens == [7, 1]
 
 
 # ---------------------------------------------------------------- sampled verification (invariant 9)
@@ -257,7 +263,7 @@ def run_seeds(run: TreeRun) -> list[list[int]]:
     out = []
     for seed in range(N_SEEDS):
         acc = [0, 1, 2]
-        out.append(verify(run, L, acc, SamplingParams(temp=TEMP, seed=seed)).new_tokens)
+        out.append(vfy(run, L, acc, SamplingParams(temp=TEMP, seed=seed)).new_tokens)
     return out
 
 
@@ -316,4 +322,4 @@ def test_sampled_chain_equals_target_alone():
     t4 = sample_at(L[1], 4, sp)
     t5 = sample_at(L[2], 5, sp)
     acc = [0, 1, 2]
-    assert verify(spec_chain(t3, t4), L, acc, sp).new_tokens == [t3, t4, t5]
+    assert vfy(spec_chain(t3, t4), L, acc, sp).new_tokens == [t3, t4, t5]
