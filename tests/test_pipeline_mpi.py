@@ -175,3 +175,12 @@ def test_layer_split_auto_splits_by_each_ranks_measured_speed(tmp_path):
         assert len(ms) == n_ranks and all(t > 0 for t in ms), ms
         expect = [[r.start, r.end] for r in layer_ranges(12, split_from_speeds(ms))]
         assert out["ranges"] == expect, (out["ranges"], ms)
+
+
+def test_the_last_stage_sends_token_ids_not_logits(models, ref):
+    """Per generated token, the link back to the head carries a header and one i32 per output row."""
+    out = mpirun(2, {"model": str(models["q8"]), "prompt": PROMPT, "n": N})
+    assert out["tokens"] == ref["q8"]
+    forward, back = out["stats"]["bytes_per_token"]
+    assert back <= 32 + 4 + 1, back       # HEADER i32[8] + TOKENS i32[1] per run (+ the prompt's run, amortised)
+    assert forward >= 4 * 64, forward     # hidden states f32[1, n_embd] and META per run go forward
