@@ -411,6 +411,10 @@ def entry() -> None:
         hint = f" (see: {e.ctx.command_path} --help)" if e.ctx is not None else ""
         if _mpi_rank() == 0:
             print(f"pipeinfer: error: {e.format_message()}{hint}", file=sys.stderr, flush=True)
+        elif _mpi_size() > 1:
+            # every rank sees the same error; the others' non-zero exit makes mpi4py abort the job, which
+            # could kill rank 0 before its line is written: give rank 0 the time to print and exit first
+            time.sleep(3)
         sys.exit(e.exit_code)
     except click.ClickException as e:
         _die(e.format_message(), e.exit_code)
