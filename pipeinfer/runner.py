@@ -148,6 +148,8 @@ def open_session(opts: RunOptions, comm=None) -> HeadSession | None:
         raise UserError(f"ranks run different pipeinfer protocol versions: {versions}")
 
     info = read_info(opts.model)
+    if opts.draft and opts.gen.mode != "iterative":
+        read_info(opts.draft)  # a missing, foreign or truncated draft fails here, before any model loads
     try:
         check_splittable(info, size)
         threads = parse_per_rank_ints(opts.threads, size, "--threads", default=max(1, (os.cpu_count() or 2) // size))

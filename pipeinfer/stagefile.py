@@ -10,6 +10,7 @@ identity (path, size, mtime) and the range.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -44,7 +45,8 @@ def read_info(path: str | os.PathLike) -> ModelInfo:
     """Architecture and sizes from a GGUF header (fast: see ggufheader.py)."""
     from .ggufheader import NotGGUF, read_header
     try:
-        fields = read_header(path).fields
+        header = read_header(path)
+        fields = header.fields
     except (NotGGUF, OSError, UnicodeDecodeError, struct.error) as e:
         raise StageFileError(f"{path}: not a GGUF file ({e})") from None
     arch = fields.get("general.architecture")
@@ -53,7 +55,23 @@ def read_info(path: str | os.PathLike) -> ModelInfo:
     n_layer, n_embd = fields.get(f"{arch}.block_count"), fields.get(f"{arch}.embedding_length")
     if n_layer is None or n_embd is None:
         raise StageFileError(f"{path}: GGUF lacks {arch}.block_count or {arch}.embedding_length")
+    _check_tensor_data(path, header.tensors)
     return ModelInfo(arch, int(n_layer), int(n_embd), int(fields.get("tokenizer.ggml.tokens", 0)))
+
+
+def _check_tensor_data(path, tensors) -> None:
+    """Every tensor's data lies inside the file (a truncated copy fails here, not inside llama.cpp)."""
+    import gguf
+    size = os.path.getsize(path)
+    for t in tensors.values():
+        try:
+            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.ggml_type)]
+        except (ValueError, KeyError):
+            raise StageFileError(f"{path}: tensor {t.name} has ggml type {t.ggml_type}, unknown to this build") from None
+        end = t.offset + math.prod(t.shape) // block * type_size
+        if end > size:
+            raise StageFileError(f"{path}: truncated GGUF: tensor {t.name} needs bytes up to {end:,}, "
+                                 f"the file has {size:,} (an incomplete download or copy?)")
 
 
 def _field(reader, key):

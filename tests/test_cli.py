@@ -30,6 +30,16 @@ def test_not_a_gguf(tmp_path):
     _fails_fast(["generate", "-m", str(bad), "-p", "hi"], 2, "not a GGUF")
 
 
+@pytest.mark.parametrize("keep, match", [(0.5, "truncated GGUF: tensor"), (0.001, "truncated GGUF header")])
+def test_truncated_gguf(models, tmp_path, keep, match):
+    data = models["q8"].read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:int(len(data) * keep)])
+    _fails_fast(["generate", "-m", str(cut), "-p", "hi"], 2, match)
+    # the same file as the draft
+    _fails_fast(["generate", "-m", str(models["q8"]), "-p", "hi", "--draft", str(cut)], 2, match)
+
+
 def test_split_count_mismatch(models):
     _fails_fast(["generate", "-m", str(models["f32"]), "-p", "hi", "--layer-split", "0.5,0.3,0.2"], 2,
                 "3 fractions but there are 2 target ranks")
