@@ -330,7 +330,7 @@ def _append_serve_row(kw, model, draft, drafter, n_ranks, n_prompt, s, finish) -
         "pp_tokens_per_s": round(s.pp_tokens_per_s, 3), "gen_tokens_per_s": round(s.gen_tokens_per_s, 3),
         "ttft_s": round(s.ttft_s, 4), "itl_mean_s": round(s.itl_s, 4), "acceptance_rate": round(s.acceptance_rate, 4),
         "n_runs": s.n_runs, "n_cancelled": s.n_cancelled, "peak_rss_max_mb": "", "peak_rss_sum_mb": "",
-        "version": __version__,
+        "version": __version__, **_kernel_and_link_columns(s),
     })
 
 
@@ -362,8 +362,9 @@ def _prompt_path(name: str) -> str:
 
 def _append_csv(kw, res, model, draft, prompt_name) -> None:
     from .results import append_result
+    from .runner import UserError
     s = res.stats
-    append_result(kw["results"], {
+    row = {
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "mode": kw["mode"], "target_model": Path(model).name,
         "draft_model": draft if kw["mode"] != "iterative" else "", "ranks": len(res.ranges),
         "layer_split": ",".join(str(r.n_layers) for r in res.ranges), "threads": kw["threads"] or "",
@@ -372,8 +373,18 @@ def _append_csv(kw, res, model, draft, prompt_name) -> None:
         "ttft_s": round(s.ttft_s, 4), "itl_mean_s": round(s.itl_s, 4),
         "acceptance_rate": round(s.acceptance_rate, 4), "n_runs": s.n_runs, "n_cancelled": s.n_cancelled,
         "peak_rss_max_mb": round(max(res.peak_rss_mb), 1), "peak_rss_sum_mb": round(sum(res.peak_rss_mb), 1),
-        "version": __version__,
-    })
+        "version": __version__, **_kernel_and_link_columns(s),
+    }
+    try:
+        append_result(kw["results"], row)
+    except (ValueError, OSError) as e:  # the text is out already; only the row could not be written
+        raise UserError(f"--results {kw['results']}: {e}") from None
+
+
+def _kernel_and_link_columns(s) -> dict:
+    known = [x for x in s.exact_batch if x is not None]
+    return {"kernels": s.kernels, "exact_batch_limit": min(known) if known else None,
+            "bytes_per_token": [round(b) for b in s.bytes_per_token()]}
 
 
 def _run_guarded(fn, kw) -> None:

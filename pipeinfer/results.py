@@ -31,6 +31,14 @@ n_cancelled       of those, runs cancelled before completion (int)
 peak_rss_max_mb   largest peak resident set size of any rank, MiB
 peak_rss_sum_mb   sum over ranks of the peak resident set size, MiB
 version           pipeinfer version that produced the row
+kernels           --kernels setting (repack, no-repack, fast)
+exact_batch_limit smallest exact batch limit of the stages (empty: fast kernels)
+bytes_per_token   bytes sent per generated token on each link, rank r -> r+1
+                  (the last: -> rank 0), comma-separated, rank 0's link first
+
+A file written before the last three columns existed is upgraded in place the
+next time a row is appended (its header extended, old rows padded with empty
+fields).
 
 Timing definitions (after the PipeInfer paper, section V.A)
 -----------------------------------------------------------
@@ -65,9 +73,9 @@ RESULT_COLUMNS: list[str] = [
     "timestamp", "mode", "target_model", "draft_model", "ranks", "layer_split", "threads",
     "prompt_name", "n_prompt_tokens", "n_generated", "pp_tokens_per_s", "gen_tokens_per_s",
     "ttft_s", "itl_mean_s", "acceptance_rate", "n_runs", "n_cancelled",
-    "peak_rss_max_mb", "peak_rss_sum_mb", "version",
+    "peak_rss_max_mb", "peak_rss_sum_mb", "version", "kernels", "exact_batch_limit", "bytes_per_token",
 ]
-INT_COLUMNS = frozenset({"ranks", "n_prompt_tokens", "n_generated", "n_runs", "n_cancelled"})
+INT_COLUMNS = frozenset({"ranks", "n_prompt_tokens", "n_generated", "n_runs", "n_cancelled", "exact_batch_limit"})
 FLOAT_COLUMNS = frozenset({"pp_tokens_per_s", "gen_tokens_per_s", "ttft_s", "itl_mean_s",
                            "acceptance_rate", "peak_rss_max_mb", "peak_rss_sum_mb"})
 
@@ -104,12 +112,26 @@ def append_result(path: str | os.PathLike, row: dict) -> None:
         with open(path, newline="", encoding="utf-8") as f:
             header = next(csv.reader(f), [])
         if header != RESULT_COLUMNS:
-            raise ValueError(f"{path}: header does not match RESULT_COLUMNS: {header}")
+            if not header or header != RESULT_COLUMNS[:len(header)]:
+                raise ValueError(f"{path}: not a pipeinfer results file (its header does not match): {header[:4]}...")
+            _upgrade(path, len(RESULT_COLUMNS) - len(header))
     with open(path, "a", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         if new:
             w.writerow(RESULT_COLUMNS)
         w.writerow([_cell(row.get(c)) for c in RESULT_COLUMNS])
+
+
+def _upgrade(path: Path, n_new: int) -> None:
+    """Extend an older file's header to RESULT_COLUMNS and pad its rows (columns are only ever added at the end)."""
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f))
+    tmp = path.with_name(path.name + ".upgrade")
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(RESULT_COLUMNS)
+        w.writerows(r + [""] * n_new for r in rows[1:])
+    os.replace(tmp, path)
 
 
 def _convert(col: str, text: str):

@@ -128,3 +128,19 @@ def test_results_csv_row(models, tmp_path):
         assert p.returncode == 0, p.stderr
     lines = csv.read_text().splitlines()
     assert lines[0].startswith("timestamp,mode") and len(lines) == 3
+    from pipeinfer.results import read_results
+    row = read_results(csv)[-1]
+    assert row["kernels"] == "repack" and row["exact_batch_limit"] == 1  # f32 weights: llamafile sgemm from 2 rows
+    forward, back = map(int, row["bytes_per_token"].split(","))
+    assert back < 64 < forward  # token ids come back, hidden states go forward
+
+
+def test_results_file_of_another_kind_is_a_one_line_error_after_the_text(models, tmp_path):
+    other = tmp_path / "other.csv"
+    other.write_text("name,score\nx,1\n")
+    p = cli(["generate", "-m", str(models["q8"]), "-p", "hi", "-n", "8", "--mode", "iterative", "-q",
+             "--ignore-eos", "--results", str(other)], n=2)
+    assert p.returncode != 0 and p.stdout.strip(), p.stderr  # the text was printed first
+    errors = [l for l in p.stderr.splitlines() if l.startswith("pipeinfer: error")]
+    assert errors and "not a pipeinfer results file" in errors[0] and "Traceback" not in p.stderr
+    assert other.read_text() == "name,score\nx,1\n"

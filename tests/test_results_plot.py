@@ -22,8 +22,8 @@ def _row(mode, draft, ranks, speed, **kw):
 
 def test_columns_as_specified():
     assert RESULT_COLUMNS[:4] == ["timestamp", "mode", "target_model", "draft_model"]
-    assert RESULT_COLUMNS[-1] == "version" and len(RESULT_COLUMNS) == 20
-    assert len(set(RESULT_COLUMNS)) == 20
+    assert RESULT_COLUMNS[19] == "version" and RESULT_COLUMNS[20:] == ["kernels", "exact_batch_limit", "bytes_per_token"]
+    assert len(set(RESULT_COLUMNS)) == 23
 
 
 def test_append_writes_header_once(tmp_path):
@@ -55,6 +55,17 @@ def test_unknown_key_rejected(tmp_path):
     with pytest.raises(ValueError, match="bogus"):
         append_result(path, {"mode": "single", "bogus": 1})
     assert not path.exists()
+
+
+def test_an_older_file_is_upgraded_when_appended_to(tmp_path):
+    path = tmp_path / "old.csv"
+    old = RESULT_COLUMNS[:20]
+    path.write_text(",".join(old) + "\n" + ",".join(["2026-01-01T00:00:00", "iterative"] + [""] * 18) + "\n")
+    append_result(path, {"mode": "pipeinfer", "kernels": "repack", "exact_batch_limit": 3, "bytes_per_token": [19111, 36]})
+    rows = read_results(path)
+    assert [r["mode"] for r in rows] == ["iterative", "pipeinfer"]
+    assert rows[0]["kernels"] is None and rows[1]["kernels"] == "repack" and rows[1]["exact_batch_limit"] == 3
+    assert rows[1]["bytes_per_token"] == "19111,36"
 
 
 def test_foreign_header_rejected(tmp_path):
