@@ -73,6 +73,7 @@ def plot(rows: list[dict], out: Path) -> None:
         labels.append(f"{s}\nMPI ping-pong {r['pingpong_mbit_s']:.0f} Mbit/s\n{r['pingpong_latency_us']:.0f} us")
     ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(settings))], labels, fontsize=8)
     ax.set_ylabel("generation tokens/s")
+    ax.set_ylim(0, 1.25 * max(r["gen_tokens_per_s"] for r in rows))  # room for the legend above the bars
     ax.set_title("Qwen2.5-Coder-1.5B on 2 ranks x 1 thread: local vs emulated Ethernet links", fontsize=9)
     ax.legend()
     fig.tight_layout()
