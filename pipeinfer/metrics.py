@@ -100,8 +100,8 @@ class Stats:
         if self.kernels:
             lines.append(f"kernels           = {self.kernels}, exact batch limit {self._exact_text()}")
         if len(self.stage_stats) > 1 and self.n_generated:
-            links = [f"{s['rank']}->{(s['rank'] + 1) % len(self.stage_stats)} {s.get('bytes_sent', 0) / self.n_generated:,.0f}"
-                     for s in self.stage_stats]
+            links = [f"{s['rank']}->{(s['rank'] + 1) % len(self.stage_stats)} {b:,.0f}"
+                     for s, b in zip(self.stage_stats, self.bytes_per_token())]
             lines.append(f"bytes/token sent  = {', '.join(links)} (per link)")
         for s in self.stage_stats[1:]:
             lines.append(f"rank {s['rank']}: decoded {s['n_decoded']} runs / {s['n_tokens']} tokens, "

@@ -26,11 +26,10 @@ class Result:
 
 
 class Pipeline:
-    def __init__(self, topo: Topology, engine: StageEngine, n_vocab: int,
-                 embedder: TokenEmbedder | None = None, transport: Transport | None = None):
+    def __init__(self, topo: Topology, engine: StageEngine, embedder: TokenEmbedder | None = None,
+                 transport: Transport | None = None):
         self.topo = topo
         self.engine = engine
-        self.n_vocab = n_vocab
         self.embedder = embedder
         self.tx = transport
         self.in_flight: deque[int] = deque()  # run ids in launch order
@@ -47,7 +46,7 @@ class Pipeline:
         self.engine.apply_kv_ops(batch.prefix_ops)
         if not self.distributed:
             logits = self.engine.decode(batch)
-            self._local.append(Result(run_id, False, row_tokens(logits, batch.pos[batch.output != 0], self.sampling)))
+            self._local.append(Result(run_id, False, row_tokens(logits, batch.output_pos, self.sampling)))
         else:
             meta = batch.pack_meta()
             hidden = self.engine.decode(batch, self.embedder(batch.tokens))

@@ -119,6 +119,11 @@ class Batch:
     def n_outputs(self) -> int:
         return int(self.output.sum())
 
+    @property
+    def output_pos(self) -> np.ndarray:
+        """Positions of the output rows, in row order: i32[n_outputs]."""
+        return self.pos[self.output != 0]
+
     # META: | n i32 | n_ops i32 | tokens[n] | pos[n] | output[n] | n_seq[n] | seq_ids[sum n_seq] | ops[n_ops*5] |
     def pack_meta(self) -> np.ndarray:
         n = self.n_tokens

@@ -205,8 +205,7 @@ def open_session(opts: RunOptions, comm=None) -> HeadSession | None:
         return None
 
     from .pipeline import Pipeline
-    pipe = Pipeline(topo, engine, n_vocab=info.n_vocab,
-                    embedder=TokenEmbedder(opts.model) if size > 1 else None, transport=transport)
+    pipe = Pipeline(topo, engine, embedder=TokenEmbedder(opts.model) if size > 1 else None, transport=transport)
     drafter_for = pool = None
     if cfg.mode != "iterative":
         pool = PartitionPool(n_part, cfg.cut.max_branches, n_seq_max)

@@ -115,7 +115,7 @@ def row_tokens(logits: np.ndarray, row_pos: np.ndarray, sp: SamplingParams) -> n
     return np.array([sample_at(row, int(p) + 1, sp) for row, p in zip(logits, row_pos)], dtype=np.int32)
 
 
-def verify(run: TreeRun, targets: np.ndarray, accepted: list[int], sp: SamplingParams | None = None) -> Verdict:
+def verify(run: TreeRun, targets: np.ndarray, accepted: list[int]) -> Verdict:
     """Extend `accepted` (in place) with every token the run's rows determine: targets i32[n_rows] holds the
     target's token after each output row (row_tokens), drawn per position, so the proposals do not matter."""
     new, n_draft = [], 0

@@ -2,9 +2,9 @@
 
 Handles transactions from the previous rank strictly in arrival order (which is the head's order,
 see protocol.py) and forwards each one to the next rank; the last stage sends DECODE results back to
-the head: one token id per output row (protocol.py). Cancellation arrives out of band from the next rank (the signal travels backwards:
-head -> last stage -> ... -> rank 1), is recorded in a bounded set, relayed, and checked before a run
-starts and by llama.cpp's abort callback while it decodes.
+the head: one token id per output row. Cancellation arrives out of band from the next rank (the signal
+travels backwards: head -> last stage -> ... -> rank 1), is recorded in a bounded set, relayed, and
+checked before a run starts and by llama.cpp's abort callback while it decodes.
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ class StageWorker:
                 out = self._run(hdr, batch, activ)
                 cancelled = out is None
                 if out is not None and self.topo.is_last:  # logits -> the token verification needs per row
-                    out = row_tokens(out, batch.pos[batch.output != 0], self.sampling)
+                    out = row_tokens(out, batch.output_pos, self.sampling)
         if cancelled:
             # pass an empty transaction on: later stages and the head's FIFO stay aligned
             self.cancelled.add(hdr.run_id)

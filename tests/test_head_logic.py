@@ -203,7 +203,7 @@ class FakePipeline:
 
     def _tokens(self, batch: Batch, logits: np.ndarray) -> np.ndarray:
         """What the last stage sends back: the token after each output row (protocol: RESULT)."""
-        return row_tokens(logits, batch.pos[batch.output != 0], self.sampling)
+        return row_tokens(logits, batch.output_pos, self.sampling)
 
     def launch(self, run_id: int, batch: Batch, speculative: bool, parent_id: int = NO_RUN) -> None:
         assert run_id not in self.speculative, f"run id {run_id} reused"
