@@ -16,7 +16,7 @@ import click
 from . import __version__
 from .drafter import Cutoffs
 from .head import MODES, GenConfig
-from .kernels import DEFAULT_KERNELS, KERNELS
+from .kernels import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, KERNELS
 from .status import StatusLine
 from .verify import SamplingParams
 
@@ -85,7 +85,8 @@ PIPELINE_OPTIONS = [
     click.option("--draft-vocab", type=click.Choice(["auto", "same", "translate"]), default="auto", show_default=True,
                   help="draft model vocabulary: same as the target (checked), or translate through text; auto picks"),
     click.option("--draft-max", default=None, type=click.IntRange(1, 64),
-                  help="max draft tokens per speculative micro-batch [default: up to 4, within the exact batch limit]"),
+                  help=f"max draft tokens per speculative micro-batch [default: up to {DEFAULT_DRAFT_MAX}, within the exact "
+                       f"batch limit]"),
     click.option("-pa", "--p-accept", default=0.5, show_default=True, type=click.FloatRange(0, 1), help="draft confidence cutoff"),
     click.option("-ps", "--p-split", default=0.1, show_default=True, type=click.FloatRange(0, 1), help="confidence to open a tree branch"),
     click.option("-pr", "--p-recovery", default="auto", show_default=True, callback=lambda c, p, v: _auto_or_float(v, p),
@@ -206,8 +207,7 @@ def _generate(kw) -> None:
         print(f"\n[pipeinfer] mode {gen.mode}{cutoff}, {len(res.ranges)} rank(s): {ranges}", file=sys.stderr)
         print(res.stats.report(), file=sys.stderr)
     if kw["results"]:
-        label = {"ngram": "ngram", "replay": f"replay@{kw['replay_accuracy']}"}.get(drafter, Path(draft or "").name)
-        _append_csv(kw, res, model, label, prompt_name)
+        _append_csv(kw, _draft_label(kw, drafter, draft), model, res.ranges, prompt_name, res.stats, res.peak_rss_mb)
 
 
 def _pipeline_config(kw, *, n_predict: int, sampling: SamplingParams, stop_at_eos: bool):
@@ -235,10 +235,10 @@ def _run_options(kw, model, draft, drafter, gen, **more):
 
 
 def _cells_reserve(kw) -> int:
-    """KV cells the runs in flight may take beyond the prompt and the answer (auto --draft-max: at most 4)."""
+    """KV cells the runs in flight may take beyond the prompt and the answer (auto --draft-max: at most the default)."""
     from .kvplan import cells_reserve, plan_partitions
     n_part = 0 if kw["mode"] == "iterative" else plan_partitions(kw["max_branches"], kw["max_in_flight"])[0]
-    return cells_reserve(n_part, kw["draft_max"] or 4)
+    return cells_reserve(n_part, kw["draft_max"] or DEFAULT_DRAFT_MAX)
 
 
 @main.command()
@@ -266,18 +266,15 @@ def _serve(kw) -> None:
     model, draft, drafter, gen = _pipeline_config(kw, n_predict=kw["n_predict"], sampling=SamplingParams(),
                                                   stop_at_eos=True)
     if rank == 0:
-        from .stagefile import read_info
-        read_info(model)  # a clear error for a non-GGUF before llama.cpp sees it
-        _check_port_free(kw["host"], kw["port"])
+        _check_port_free(kw["host"], kw["port"])  # before the models load
     else:  # a stage rank ends when the head shuts the pipeline down, not on the terminal's Ctrl-C
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     session = open_session(_run_options(kw, model, draft, drafter, gen))
     if session is None:
         return
     from .server import Generator, ServeConfig, create_app
-    from .tokenizer import Tokenizer
     import uvicorn
-    tok = Tokenizer(model)
+    tok = session.tok
     from .models import DEFAULT_TARGET
     name = kw["model"] or DEFAULT_TARGET
     is_file = Path(name).suffix.lower() == ".gguf" or Path(name).exists()
@@ -285,9 +282,12 @@ def _serve(kw) -> None:
 
     def on_done(job, stats, finish):
         if kw["results"]:
-            _append_serve_row(kw, model, draft, drafter, len(session.ranges), len(job.prompt_tokens), stats, finish)
+            try:
+                _append_csv(kw, _draft_label(kw, drafter, draft), model, session.ranges, f"serve:{finish}", stats)
+            except UserError as e:  # the answer went out; a row that cannot be written must not stop the server
+                print(f"[serve] {job.request_id}: {e}", file=sys.stderr, flush=True)
 
-    generator = Generator(session, tok, kw["max_queue"], on_done=on_done)
+    generator = Generator(session, kw["max_queue"], on_done=on_done)
     app = create_app(ServeConfig(model_id, kw["ctx_size"], _cells_reserve(kw), kw["n_predict"]), generator, tok,
                      lambda messages: apply_chat(tok, messages))
     generator.start()
@@ -304,7 +304,6 @@ def _serve(kw) -> None:
               file=sys.stderr, flush=True)
         generator.stop()
         session.close()
-        tok.close()
     if generator.fatal:
         raise UserError(f"the pipeline failed: {generator.fatal}")
 
@@ -318,20 +317,6 @@ def _check_port_free(host: str, port: int) -> None:
             s.bind((host, port))
         except OSError as e:
             raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-
-
-def _append_serve_row(kw, model, draft, drafter, n_ranks, n_prompt, s, finish) -> None:
-    from .results import append_result
-    append_result(kw["results"], {
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "mode": kw["mode"], "target_model": Path(model).name,
-        "draft_model": (drafter if drafter == "ngram" else Path(draft or "").name) if kw["mode"] != "iterative" else "",
-        "ranks": n_ranks, "layer_split": kw["layer_split"] or "", "threads": kw["threads"] or "",
-        "prompt_name": f"serve:{finish}", "n_prompt_tokens": n_prompt, "n_generated": s.n_generated,
-        "pp_tokens_per_s": round(s.pp_tokens_per_s, 3), "gen_tokens_per_s": round(s.gen_tokens_per_s, 3),
-        "ttft_s": round(s.ttft_s, 4), "itl_mean_s": round(s.itl_s, 4), "acceptance_rate": round(s.acceptance_rate, 4),
-        "n_runs": s.n_runs, "n_cancelled": s.n_cancelled, "peak_rss_max_mb": "", "peak_rss_sum_mb": "",
-        "version": __version__, **_kernel_and_link_columns(s),
-    })
 
 
 def _auto_or_float(value: str, param) -> float | None:
@@ -360,19 +345,27 @@ def _prompt_path(name: str) -> str:
     return str(here / f"{name}.txt")
 
 
-def _append_csv(kw, res, model, draft, prompt_name) -> None:
+def _draft_label(kw, drafter: str, draft: str | None) -> str:
+    """The draft_model column: the drafter for the model-free ones, else the draft file's name."""
+    if kw["mode"] == "iterative":
+        return ""
+    return {"ngram": "ngram", "replay": f"replay@{kw.get('replay_accuracy')}"}.get(drafter, Path(draft or "").name)
+
+
+def _append_csv(kw, draft_label: str, model: str, ranges, prompt_name: str, s, peak_rss_mb=None) -> None:
+    """One --results row for a generation (peak RSS per rank when known: generate has it, a served request not)."""
     from .results import append_result
     from .runner import UserError
-    s = res.stats
     row = {
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "mode": kw["mode"], "target_model": Path(model).name,
-        "draft_model": draft if kw["mode"] != "iterative" else "", "ranks": len(res.ranges),
-        "layer_split": ",".join(str(r.n_layers) for r in res.ranges), "threads": kw["threads"] or "",
+        "draft_model": draft_label, "ranks": len(ranges),
+        "layer_split": ",".join(str(r.n_layers) for r in ranges), "threads": kw["threads"] or "",
         "prompt_name": prompt_name, "n_prompt_tokens": s.n_prompt, "n_generated": s.n_generated,
         "pp_tokens_per_s": round(s.pp_tokens_per_s, 3), "gen_tokens_per_s": round(s.gen_tokens_per_s, 3),
         "ttft_s": round(s.ttft_s, 4), "itl_mean_s": round(s.itl_s, 4),
         "acceptance_rate": round(s.acceptance_rate, 4), "n_runs": s.n_runs, "n_cancelled": s.n_cancelled,
-        "peak_rss_max_mb": round(max(res.peak_rss_mb), 1), "peak_rss_sum_mb": round(sum(res.peak_rss_mb), 1),
+        "peak_rss_max_mb": round(max(peak_rss_mb), 1) if peak_rss_mb else None,
+        "peak_rss_sum_mb": round(sum(peak_rss_mb), 1) if peak_rss_mb else None,
         "version": __version__, **_kernel_and_link_columns(s),
     }
     try:

@@ -4,13 +4,14 @@ bit-for-bit the output it gets when decoded alone.
 Verification decodes micro-batches of drafted tokens while the target alone decodes one token at a
 time, so greedy output is exact only where both give identical logits. Which batch sizes do depends on
 the weights' layout, the attention kernel, the quantization, the CPU's SIMD kernels and the build
-(measured on Qwen2.5-Coder-1.5B Q4_K_M, llama-cpp-python 0.3.36, 1 and 2 threads):
+(measured on Qwen2.5-Coder-1.5B Q4_K_M, llama-cpp-python 0.3.36, 1 thread; one-token decode on the host
+issue 10 was measured on, and on this project's AVX2 host, results/bench_kernels.csv):
 
 | `--kernels` | weights | attention | exact batches | one-token decode, 1 thread |
 |---|---|---|---|---|
-| `repack` (default) | repacked (llama.cpp's CPU "extra buffer") | flash | 1-3 | 50.9 ms |
-| `no-repack` | as stored | flash | 1-7 | 75.9 ms |
-| `fast` | repacked | llama.cpp's default (off) | 1 | 61 ms |
+| `repack` (default) | repacked (llama.cpp's CPU "extra buffer") | flash | 1-3 | 50.9 ms / 90 ms |
+| `no-repack` | as stored | flash | 1-7 | 75.9 ms / 85 ms |
+| `fast` | repacked | llama.cpp's default (off) | 1 | 61 ms / 85 ms |
 
 The repacked gemm takes rows in blocks of 4 (rows outside a block go through the one-row gemv), and
 from 8 rows on ggml multiplies K-quants with its tiled kernel; non-flash attention runs f16 matmuls
@@ -30,6 +31,7 @@ KERNELS = ("repack", "no-repack", "fast")
 DEFAULT_KERNELS = "repack"
 PROBE_MAX_BATCH = 8   # batch sizes probed: 1..8 (micro-batches on CPUs are 1-4 tokens; 8 shows the tiled kernel)
 PROBE_FORMAT = 1      # bump when the probe changes: invalidates cached limits
+DEFAULT_DRAFT_MAX = 4  # --draft-max when not given: at most this, within the exact batch limit
 
 
 def model_params(kernels: str):
@@ -126,7 +128,7 @@ def largest_draft(limit: int, lead: bool) -> int:
     return limit - (1 if lead else 0)
 
 
-def resolve_draft_max(requested: int | None, limit: int, lead: bool, default: int = 4) -> int:
+def resolve_draft_max(requested: int | None, limit: int, lead: bool, default: int = DEFAULT_DRAFT_MAX) -> int:
     """--draft-max for a run: `requested`, or (None) the largest exact value up to `default`.
 
     Raises ValueError (a user error) when the request, or any speculation at all, exceeds the limit."""

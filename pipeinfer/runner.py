@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from .head import GenConfig, Head, auto_p_recovery
-from .kernels import DEFAULT_KERNELS, resolve_draft_max
+from .kernels import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, resolve_draft_max
 from .kvplan import PartitionPool, garbage_seq, plan_partitions
 from .metrics import Stats
 from .protocol import PROTOCOL_VERSION, kv_ops, rm
@@ -224,7 +224,7 @@ def _draft_max(cfg: GenConfig, exact_per_rank: list[int | None]) -> int | None:
         return cfg.cut.n_max
     known = [x for x in exact_per_rank if x is not None]
     if not known:  # --kernels fast: no limit, no exactness
-        return cfg.cut.n_max or 4
+        return cfg.cut.n_max or DEFAULT_DRAFT_MAX
     limit = min(known)
     try:
         return resolve_draft_max(cfg.cut.n_max, limit, lead=cfg.mode == "speculative")

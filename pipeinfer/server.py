@@ -99,8 +99,8 @@ class Job:
 class Generator:
     """The generation thread: owns the head session; runs jobs in arrival order."""
 
-    def __init__(self, session, tokenizer, max_queue: int, log=None, on_done=None):
-        self.session, self.tok = session, tokenizer
+    def __init__(self, session, max_queue: int, log=None, on_done=None):
+        self.session, self.tok = session, session.tok
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.on_done = on_done  # callable(job, stats, finish_reason), e.g. a --results row

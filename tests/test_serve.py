@@ -263,3 +263,18 @@ def test_real_qwen_chat_equals_generate(tmp_path):
     assert r.usage.completion_tokens == 32
     log = srv.text()
     assert log.count("[serve]") == 2 and "acceptance" in log
+
+
+def test_a_results_row_that_cannot_be_written_is_logged_and_serving_goes_on(models, tmp_path):
+    other = tmp_path / "other.csv"
+    other.write_text("name,score\nx,1\n")
+    srv = Server(["-m", str(models["q8"]), "--mode", "iterative", "-c", "512", "--results", str(other)], 2,
+                 tmp_path / "server.log")
+    try:
+        c = client(srv)
+        for _ in range(2):  # the generation thread survives the first failed row
+            assert c.completions.create(model=srv_model(models), prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
+        assert srv.text().count("not a pipeinfer results file") == 2
+    finally:
+        assert srv.stop() == 0
+    assert other.read_text() == "name,score\nx,1\n"
