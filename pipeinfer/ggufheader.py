@@ -7,6 +7,7 @@ size and one tensor's location, so we walk the header once with struct and skip 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -26,6 +27,17 @@ class TensorInfo:
     shape: tuple[int, ...]  # ggml order: ne[0] (row length) first
     ggml_type: int
     offset: int             # absolute file offset of the data
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (ne[0] values); ValueError/KeyError for a ggml type the gguf package does not know."""
+        import gguf
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(self.ggml_type)]
+        return self.shape[0] // block * type_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.row_bytes * math.prod(self.shape[1:])
 
 
 @dataclass
@@ -117,7 +129,4 @@ def _read_header(path: str, size: int, mtime_ns: int, keep_arrays: tuple[str, ..
 
 def tensor_rows(path, info: TensorInfo) -> np.ndarray:
     """A 2-D tensor as a read-only memmap of raw rows: uint8[ne1, bytes_per_row]."""
-    import gguf
-    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
-    row_bytes = info.shape[0] // block * type_size
-    return np.memmap(path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.shape[1], row_bytes))
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.shape[1], info.row_bytes))

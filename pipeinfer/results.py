@@ -124,14 +124,16 @@ def append_result(path: str | os.PathLike, row: dict) -> None:
 
 def _upgrade(path: Path, n_new: int) -> None:
     """Extend an older file's header to RESULT_COLUMNS and pad its rows (columns are only ever added at the end)."""
+    from .stagefile import write_atomically
     with open(path, newline="", encoding="utf-8") as f:
         rows = list(csv.reader(f))
-    tmp = path.with_name(path.name + ".upgrade")
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(RESULT_COLUMNS)
-        w.writerows(r + [""] * n_new for r in rows[1:])
-    os.replace(tmp, path)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(RESULT_COLUMNS)
+            w.writerows(r + [""] * n_new for r in rows[1:])
+    write_atomically(path, write)
 
 
 def _convert(col: str, text: str):

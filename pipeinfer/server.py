@@ -140,10 +140,8 @@ class Generator:
                 self.log(f"[serve] {job.request_id}: cancelled while queued")
                 continue
             dec, stop = StreamDecoder(self.tok), StopMatcher(job.stops)
-            n_out = [0]
 
             def on_tokens(tokens: list[int]) -> None:
-                n_out[0] += len(tokens)
                 text = stop.feed(dec.feed(tokens))
                 if text:
                     job.push(("text", text))
@@ -165,15 +163,15 @@ class Generator:
             finish = "stop" if stop.hit or stats.n_generated < job.n_predict else "length"
             if job.cancelled.is_set():
                 finish = "cancelled"
-            info = {"finish_reason": finish, "prompt_tokens": len(job.prompt_tokens),
-                    "completion_tokens": stats.n_generated, "stats": stats}
-            job.push(("done", info))
             self.log(f"[serve] {job.request_id}: {len(job.prompt_tokens)} prompt + {stats.n_generated} tokens, "
                      f"queued {t_start - job.t_queued_s:.2f} s, prompt {stats.t_prompt_done_s - stats.t_start_s:.2f} s, "
                      f"ttft {stats.ttft_s:.3f} s, {stats.gen_tokens_per_s:.2f} tokens/s, "
                      f"acceptance {stats.acceptance_rate * 100:.0f}%, {finish}")
             if self.on_done is not None:
                 self.on_done(job, stats, finish)
+            # last: by the time a client has its whole answer, its log line and results row are written
+            job.push(("done", {"finish_reason": finish, "prompt_tokens": len(job.prompt_tokens),
+                               "completion_tokens": stats.n_generated, "stats": stats}))
 
 
 # ------------------------------------------------------------------------------------ request bodies

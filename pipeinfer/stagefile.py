@@ -10,7 +10,6 @@ identity (path, size, mtime) and the range.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import struct
 from dataclasses import dataclass
@@ -61,14 +60,12 @@ def read_info(path: str | os.PathLike) -> ModelInfo:
 
 def _check_tensor_data(path, tensors) -> None:
     """Every tensor's data lies inside the file (a truncated copy fails here, not inside llama.cpp)."""
-    import gguf
     size = os.path.getsize(path)
     for t in tensors.values():
         try:
-            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.ggml_type)]
+            end = t.offset + t.nbytes
         except (ValueError, KeyError):
             raise StageFileError(f"{path}: tensor {t.name} has ggml type {t.ggml_type}, unknown to this build") from None
-        end = t.offset + math.prod(t.shape) // block * type_size
         if end > size:
             raise StageFileError(f"{path}: truncated GGUF: tensor {t.name} needs bytes up to {end:,}, "
                                  f"the file has {size:,} (an incomplete download or copy?)")
