@@ -441,7 +441,12 @@ def _die(msg: str, code: int) -> None:
 def _register() -> None:
     from .launch import launch_cmd
     from .models import models_group
+    from .plan import plan_cmd, simulate_cmd
     from .plot import plot_cmd
+    from .profile import profile_cmd
+    main.add_command(simulate_cmd)
+    main.add_command(plan_cmd)
+    main.add_command(profile_cmd)
     main.add_command(models_group)
     main.add_command(launch_cmd)
     main.add_command(plot_cmd)

@@ -14,7 +14,6 @@ import numpy as np
 
 from .kernels import DEFAULT_KERNELS, exact_batch_limit
 from .protocol import Batch, cp, kv_ops, rm
-from .stage import StageEngine
 
 
 @dataclass
@@ -66,6 +65,7 @@ class ModelDrafter:
 
     def __init__(self, path, *, n_ctx: int, max_branches: int, n_threads: int, n_threads_batch: int,
                  kernels: str = DEFAULT_KERNELS):
+        from .stage import StageEngine  # llama.cpp: imported where a model is loaded, not by the twin
         self.engine = StageEngine(path, n_ctx=n_ctx, n_batch=max(64, max_branches), n_seq_max=max(1, max_branches),
                                   n_threads=n_threads, n_threads_batch=n_threads_batch,
                                   embd_input=False, capture_hidden=False, kernels=kernels)

@@ -94,7 +94,8 @@ class Head:
                  drafter: Drafter | None = None, eos: set[int] = frozenset(),
                  on_tokens: Callable[[list[int]], None] | None = None,
                  on_progress: Callable[[Stats, int], None] | None = None,
-                 should_stop: Callable[[], bool] | None = None, first_run_id: int = 0):
+                 should_stop: Callable[[], bool] | None = None, first_run_id: int = 0,
+                 clock: Callable[[], float] = time.perf_counter):
         if cfg.mode not in MODES:
             raise ValueError(f"unknown mode {cfg.mode!r}")
         if cfg.p_recovery is None:
@@ -106,6 +107,7 @@ class Head:
         self.on_tokens = on_tokens
         self.on_progress = on_progress      # (stats, runs in flight) after every emission, for a live status line
         self.should_stop = should_stop      # polled after every result: True ends the generation early
+        self.clock = clock                  # seconds; the digital twin (twin.py) passes its virtual clock
         self.accepted: list[int] = []
         self.n_kv0 = 0                      # positions in sequence 0 once every issued transaction is applied
         self.flights: dict[int, Flight] = {}  # in launch order
@@ -121,7 +123,7 @@ class Head:
     def generate(self, prompt: list[int]) -> list[int]:
         if not prompt:
             raise ValueError("empty prompt")
-        self.stats.t_start_s = time.perf_counter()
+        self.stats.t_start_s = self.clock()
         self.stats.n_prompt = self._n_prompt = len(prompt)
         self.pipe.set_sampling(self.cfg.sampling)
         self._launch_prompt(prompt)
@@ -302,7 +304,7 @@ class Head:
                     out = out[:i]
                     self.done = True
                     break
-        now = time.perf_counter()
+        now = self.clock()
         if out:
             if self.stats.n_generated == 0:
                 self.stats.t_prompt_done_s = now

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .protocol import Batch, Flag, Header, Kind, NO_RUN, Tag, pack_sampling
-from .stage import StageEngine, TokenEmbedder
 from .topology import Topology
-from .transport import Transport
 from .verify import SamplingParams, row_tokens
+
+if TYPE_CHECKING:  # llama.cpp and MPI stay unimported where only the interface is used (the twin, twin.py)
+    from .stage import StageEngine, TokenEmbedder
+    from .transport import Transport
 
 
 @dataclass

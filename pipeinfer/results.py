@@ -35,8 +35,10 @@ kernels           --kernels setting (repack, no-repack, fast)
 exact_batch_limit smallest exact batch limit of the stages (empty: fast kernels)
 bytes_per_token   bytes sent per generated token on each link, rank r -> r+1
                   (the last: -> rank 0), comma-separated, rank 0's link first
+simulated         "twin" for a row predicted by `pipeinfer simulate` (twin.py), empty
+                  for a measured run
 
-A file written before the last three columns existed is upgraded in place the
+A file written before the last columns existed is upgraded in place the
 next time a row is appended (its header extended, old rows padded with empty
 fields).
 
@@ -74,6 +76,7 @@ RESULT_COLUMNS: list[str] = [
     "prompt_name", "n_prompt_tokens", "n_generated", "pp_tokens_per_s", "gen_tokens_per_s",
     "ttft_s", "itl_mean_s", "acceptance_rate", "n_runs", "n_cancelled",
     "peak_rss_max_mb", "peak_rss_sum_mb", "version", "kernels", "exact_batch_limit", "bytes_per_token",
+    "simulated",
 ]
 INT_COLUMNS = frozenset({"ranks", "n_prompt_tokens", "n_generated", "n_runs", "n_cancelled", "exact_batch_limit"})
 FLOAT_COLUMNS = frozenset({"pp_tokens_per_s", "gen_tokens_per_s", "ttft_s", "itl_mean_s",

@@ -22,8 +22,9 @@ def _row(mode, draft, ranks, speed, **kw):
 
 def test_columns_as_specified():
     assert RESULT_COLUMNS[:4] == ["timestamp", "mode", "target_model", "draft_model"]
-    assert RESULT_COLUMNS[19] == "version" and RESULT_COLUMNS[20:] == ["kernels", "exact_batch_limit", "bytes_per_token"]
-    assert len(set(RESULT_COLUMNS)) == 23
+    assert RESULT_COLUMNS[19] == "version" and RESULT_COLUMNS[20:] == ["kernels", "exact_batch_limit", "bytes_per_token",
+                                                                     "simulated"]
+    assert len(set(RESULT_COLUMNS)) == 24
 
 
 def test_append_writes_header_once(tmp_path):

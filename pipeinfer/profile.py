@@ -1,0 +1,250 @@
+"""`pipeinfer profile`: measure what the digital twin (twin.py) needs, on the ranks that will run.
+
+Each rank, one at a time (the measurements must not compete for cores or memory bandwidth), times its
+own stage's decode for batch sizes 1..max_batch with a warm KV cache of `n_ctx_fill` positions, and a
+prompt-sized batch. Rank 0 also times (a) probe stages of k and 2k layers without the vocabulary and
+of k layers with it, which split a stage's cost into fixed + per-layer + output projection (so the
+twin can price any layer split, or a larger model), (b) the draft model's cost per drafted token and
+per prompt token, and (c) its own scheduling overhead per run. Neighbouring ranks ping-pong over MPI
+(netprobe.py) for each link's latency and bandwidth. The result is one JSON file.
+
+Run on one process (`pipeinfer profile --ranks 2`), every stage of the split is measured here in turn
+and the links are left out (the twin then uses whatever links you give it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import numpy as np
+
+from .kernels import DEFAULT_KERNELS, KERNELS
+
+PROFILE_FORMAT = 1
+N_CTX_FILL = 128       # KV positions already filled when a decode is timed (a short prompt's worth)
+N_PROMPT_PROBE = 64    # tokens in the prompt-sized probe batch
+N_REPEAT = 5           # timings per batch size; the median is kept
+
+
+@dataclass
+class ProfileOptions:
+    model: str
+    draft: str | None
+    ranks: int                 # stages of the split (= MPI ranks when run under mpiexec)
+    layer_split: str | None
+    threads: str | None
+    max_batch: int
+    kernels: str
+    probe_layers: int = 2
+
+
+def _time_stage(engine, n_tokens_list: list[int], n_repeat: int = N_REPEAT) -> list[float]:
+    """Median ms of a decode of n tokens on top of N_CTX_FILL filled positions, for each n."""
+    from .protocol import Batch, kv_ops, rm
+    rng = np.random.default_rng(0)
+
+    def batch(pos0: int, n: int) -> tuple[Batch, np.ndarray | None]:
+        toks = rng.integers(100, 1000, n).astype(np.int32)
+        b = Batch(toks, np.arange(pos0, pos0 + n, dtype=np.int32), [[0]] * n, np.ones(n, np.int32), kv_ops())
+        emb = rng.standard_normal((n, engine.n_embd), dtype=np.float32) * 0.1 if engine.embd_input else None
+        return b, emb
+
+    engine.apply_kv_ops(kv_ops(rm(-1)))
+    b, emb = batch(0, N_CTX_FILL)
+    engine.decode(b, emb)
+    out = []
+    for n in n_tokens_list:
+        times = []
+        for _ in range(n_repeat):
+            b, emb = batch(N_CTX_FILL, n)
+            t0 = time.perf_counter()
+            engine.decode(b, emb)
+            times.append((time.perf_counter() - t0) * 1e3)
+            engine.apply_kv_ops(kv_ops(rm(0, N_CTX_FILL, -1)))
+        out.append(statistics.median(times))
+    engine.apply_kv_ops(kv_ops(rm(-1)))
+    return out
+
+
+def measure_stage(path, *, embd_input: bool, last: bool, threads: int, max_batch: int, kernels: str,
+                  exact: bool = False) -> dict:
+    """ms_by_batch (1..max_batch) and prompt ms per token of one stage file (with `exact`: its exact batch
+    limit too, kernels.py)."""
+    from .kernels import exact_batch_limit
+    from .stage import StageEngine
+    n_ctx = N_CTX_FILL + max(max_batch, N_PROMPT_PROBE) + 16
+    with StageEngine(path, n_ctx=n_ctx, n_batch=max(max_batch, N_PROMPT_PROBE, N_CTX_FILL), n_seq_max=1, n_threads=threads,
+                     n_threads_batch=threads, embd_input=embd_input, capture_hidden=not last, kernels=kernels) as eng:
+        ms = _time_stage(eng, list(range(1, max_batch + 1)) + [N_PROMPT_PROBE])
+        limit = exact_batch_limit(eng, path, kernels, threads, threads) if exact and kernels != "fast" else None
+    out = {"ms_by_batch": [round(x, 3) for x in ms[:-1]], "prompt_ms_per_token": round(ms[-1] / N_PROMPT_PROBE, 4)}
+    if exact:
+        out["exact_batch"] = limit
+    return out
+
+
+def measure_layer_model(model: str, n_layer: int, k: int, threads: int, max_batch: int, kernels: str) -> dict:
+    """fixed + per-layer + output-projection costs by batch size, from probe stages of k, 2k and k+vocab
+    layers (middle-stage inputs: hidden states in, hidden states out)."""
+    from .stagefile import ensure_stage_file
+    k = max(1, min(k, n_layer // 2))
+    a = measure_stage(ensure_stage_file(model, 0, k, with_vocab=False), embd_input=True, last=False,
+                      threads=threads, max_batch=max_batch, kernels=kernels)
+    b = measure_stage(ensure_stage_file(model, 0, 2 * k, with_vocab=False), embd_input=True, last=False,
+                      threads=threads, max_batch=max_batch, kernels=kernels)
+    c = measure_stage(ensure_stage_file(model, n_layer - k, n_layer, with_vocab=True), embd_input=True, last=True,
+                      threads=threads, max_batch=max_batch, kernels=kernels)
+    layer = [max(0.0, (y - x) / k) for x, y in zip(a["ms_by_batch"], b["ms_by_batch"])]
+    fixed = [max(0.0, x - k * l) for x, l in zip(a["ms_by_batch"], layer)]
+    out = [max(0.0, z - x) for x, z in zip(a["ms_by_batch"], c["ms_by_batch"])]
+    p_layer = max(0.0, (b["prompt_ms_per_token"] - a["prompt_ms_per_token"]) / k)
+    return {"probe_layers": k, "fixed_ms": _r(fixed), "layer_ms": _r(layer), "out_ms": _r(out),
+            "prompt_fixed_ms_per_token": round(max(0.0, a["prompt_ms_per_token"] - k * p_layer), 4),
+            "prompt_layer_ms_per_token": round(p_layer, 4),
+            "prompt_out_ms_per_token": round(max(0.0, c["prompt_ms_per_token"] - a["prompt_ms_per_token"]), 4)}
+
+
+def _r(xs: list[float]) -> list[float]:
+    return [round(x, 3) for x in xs]
+
+
+def measure_draft(path, threads: int, kernels: str, n_max: int = 4) -> dict:
+    """The draft model's ms per drafted token (continuing its own chain, as continuous speculation does)
+    and per prompt token."""
+    from .drafter import Cutoffs, ModelDrafter
+    d = ModelDrafter(path, n_ctx=1024, max_branches=1, n_threads=threads, n_threads_batch=threads, kernels=kernels)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(100, 1000, N_CTX_FILL).tolist()
+    t0 = time.perf_counter()
+    d.prefill(prompt)
+    prefill_ms = (time.perf_counter() - t0) * 1e3
+    ctx, per_token = list(prompt), []
+    cut = Cutoffs(0.0, 1.0, n_max, 1)
+    for _ in range(N_REPEAT + 1):
+        t0 = time.perf_counter()
+        tree = d.draft(ctx, cut)
+        per_token.append((time.perf_counter() - t0) * 1e3 / max(1, len(tree)))
+        ctx += [n.token for n in tree]
+    d.engine.close()
+    return {"model": os.path.basename(str(path)), "ms_per_token": round(statistics.median(per_token[1:]), 3),
+            "prefill_ms_per_token": round(prefill_ms / len(prompt), 4)}
+
+
+def measure_head_overhead_ms() -> float:
+    """The head's scheduling per launch or result: the real Head on a twin whose compute costs nothing,
+    timed in wall-clock (the twin's own bookkeeping included, so a slight overestimate)."""
+    from .drafter import Cutoffs
+    from .head import GenConfig
+    from .twin import Cluster, Link, StageCost, simulate
+    zero = Cluster([StageCost([0.0] * 4, 0.0)] * 2, [Link(0.0, 1e15)] * 2, 1536)
+    gen = GenConfig(mode="pipeinfer", n_predict=128, cut=Cutoffs(n_max=3), p_recovery=0.5)
+    t0 = time.perf_counter()
+    res = simulate(zero, gen, agreement=0.7)
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    return round(wall_ms / max(1, 2 * res.stats.n_runs), 4)
+
+
+def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
+    """Measure; rank 0 returns the profile (a dict ready for JSON), other ranks None."""
+    from .kernels import build_id
+    from .netprobe import host_name, ping_pong
+    from .stagefile import ensure_stage_file, read_info
+    from .topology import layer_ranges, parse_per_rank_ints, parse_split
+    from .transport import polite_barrier
+
+    size = comm.Get_size() if comm is not None else 1
+    rank = comm.Get_rank() if comm is not None else 0
+    n_stages = size if size > 1 else opts.ranks
+    info = read_info(opts.model)
+    ranges = layer_ranges(info.n_layer, parse_split(opts.layer_split, n_stages))
+    threads = parse_per_rank_ints(opts.threads, n_stages, "--threads", default=1)
+    mine = range(n_stages) if size == 1 else [rank]
+    records: dict[int, dict] = {}
+    for r in range(n_stages):
+        if comm is not None and size > 1:
+            polite_barrier(comm)
+        if r not in mine:
+            continue
+        lr, last = ranges[r], r == n_stages - 1
+        path = opts.model if n_stages == 1 else ensure_stage_file(opts.model, lr.start, lr.end, with_vocab=last)
+        rec = measure_stage(path, embd_input=n_stages > 1, last=last, threads=threads[r], max_batch=opts.max_batch,
+                            kernels=opts.kernels, exact=True)
+        records[r] = {"rank": r, "host": host_name(), "threads": threads[r], "layers": [lr.start, lr.end],
+                      "last": last, **rec}
+    extra = {}
+    if rank == 0:  # the layer model, the draft and the head's overhead are measured on the head's host
+        extra["layer_model"] = measure_layer_model(opts.model, info.n_layer, opts.probe_layers, threads[0],
+                                                   opts.max_batch, opts.kernels)
+        if opts.draft:
+            extra["draft"] = measure_draft(opts.draft, threads[0], opts.kernels)
+        extra["head_overhead_ms"] = measure_head_overhead_ms()
+    links = []
+    if size > 1:
+        polite_barrier(comm)
+        all_records = comm.gather(records, root=0)
+        for a in range(size):  # a <-> a+1, and the last rank back to the head
+            b = (a + 1) % size
+            sub = comm.Split(0 if rank in (a, b) else 1, 0 if rank == a else 1)
+            if rank in (a, b):
+                pp = ping_pong(sub, 1 - sub.Get_rank())
+                if pp is not None:
+                    links.append({"from": a, "to": b, "latency_s": pp.latency_s,
+                                  "bandwidth_bps": pp.bandwidth_bit_s})
+            sub.Free()
+            polite_barrier(comm)
+        link_lists = comm.gather(links, root=0)
+        if rank != 0:
+            return None
+        records = {k: v for d in all_records for k, v in d.items()}
+        links = sorted((lk for ls in link_lists for lk in ls), key=lambda lk: lk["from"])
+    limits = [records[r]["exact_batch"] for r in range(n_stages) if records[r]["exact_batch"] is not None]
+    return {"format": PROFILE_FORMAT, "build": build_id(), "kernels": opts.kernels,
+            "exact_batch": min(limits) if limits else opts.max_batch,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "model": {"path": os.path.basename(opts.model), "n_layer": info.n_layer, "n_embd": info.n_embd,
+                      "n_vocab": info.n_vocab, "file_bytes": os.path.getsize(opts.model)},
+            "ranks": [records[r] for r in range(n_stages)], "links": links, **extra}
+
+
+@click.command("profile")
+@click.option("-m", "--model", default=None, help="target GGUF path or registry name [default: qwen2.5-coder-1.5b]")
+@click.option("--draft", default=None, help="draft GGUF to time [default: gemma3-270m when installed; 'none' to skip]")
+@click.option("--ranks", default=None, type=click.IntRange(1, 256),
+              help="stages to measure on this one process [default: the MPI ranks, or 2]")
+@click.option("--layer-split", default=None, help="fractions of layers per rank [default: even]")
+@click.option("-t", "--threads", default=None, help="threads per rank: one value or a,b,c [default: 1]")
+@click.option("--max-batch", default=4, show_default=True, type=click.IntRange(1, 64), help="batch sizes timed: 1..this")
+@click.option("--kernels", type=click.Choice(KERNELS), default=DEFAULT_KERNELS, show_default=True)
+@click.option("-o", "--output", default="profile.json", show_default=True, help="where rank 0 writes the profile")
+def profile_cmd(model, draft, ranks, layer_split, threads, max_batch, kernels, output) -> None:
+    """Measure this cluster for the digital twin: stage costs by batch size, the draft, the links."""
+    from .cli import _installed, _run_guarded
+    from .models import resolve_model
+
+    def body(_kw) -> None:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+        if comm.Get_size() > 1 and ranks not in (None, comm.Get_size()):
+            raise click.ClickException(f"--ranks {ranks} under {comm.Get_size()} MPI ranks: leave --ranks out")
+        from .models import DEFAULT_TARGET
+        target = resolve_model(model or DEFAULT_TARGET)
+        dft = None if draft == "none" else (resolve_model(draft) if draft else _installed("gemma3-270m"))
+        opts = ProfileOptions(str(target), str(dft) if dft else None, ranks or max(2, comm.Get_size()), layer_split,
+                              threads, max_batch, kernels)
+        try:
+            prof = run_profile(opts, comm if comm.Get_size() > 1 else None)
+        except ValueError as e:
+            from .runner import UserError
+            raise UserError(str(e)) from None
+        if prof is not None:
+            Path(output).write_text(json.dumps(prof, indent=1) + "\n")
+            r = prof["ranks"]
+            print(f"profile: {len(r)} stages, ms per 1-token decode " + ", ".join(f"{x['ms_by_batch'][0]:.1f}" for x in r)
+                  + (f"; draft {prof['draft']['ms_per_token']:.1f} ms/token" if "draft" in prof else "")
+                  + f"; exact batch limit {prof['exact_batch']}; written to {output}", flush=True)
+    _run_guarded(body, {})

@@ -1,0 +1,187 @@
+"""The digital twin (twin.py): hand-computable schedules, cancellation timing, the commands."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pipeinfer.drafter import Cutoffs
+from pipeinfer.head import GenConfig
+from pipeinfer.protocol import Batch, kv_ops
+from pipeinfer.twin import Cluster, Link, SimPipeline, StageCost, VirtualClock, reference_tokens, simulate
+
+from conftest import cli as run_cli
+
+
+def equal_stages(n: int, ms: float = 10.0, latency_s: float = 0.0, bandwidth_Bps: float = 1e18, draft_ms: float = 0.0,
+                 draft_on: str = "head", by_batch=None) -> Cluster:
+    link = Link(latency_s, bandwidth_Bps)
+    cost = StageCost(list(by_batch) if by_batch else [ms] * 4, 0.0)
+    return Cluster([cost] * n, [link] * n, 64, draft_ms, 0.0, draft_on, link, head_overhead_ms=0.0, abort_check_ms=0.0)
+
+
+def gen(mode: str, n: int = 64, draft_max: int = 1, p_recovery=0.0, p_accept=0.5) -> GenConfig:
+    return GenConfig(mode=mode, n_predict=n, cut=Cutoffs(p_accept, 0.1, draft_max, 1), p_recovery=p_recovery,
+                     stop_at_eos=False)
+
+
+@pytest.mark.parametrize("n_stages", [2, 3, 8, 32])
+def test_iterative_is_stages_times_cost_plus_links(n_stages):
+    # one token per pass: N stage decodes and N link hops (the last one back to the head)
+    res = simulate(equal_stages(n_stages, ms=10.0, latency_s=1e-3), gen("iterative"))
+    assert res.stats.itl_s == pytest.approx(n_stages * (0.010 + 1e-3), rel=1e-9)
+    assert res.stats.n_runs == 64  # the prompt's run gives the first token, then one run per token
+
+
+def test_bandwidth_adds_each_message_transfer_time():
+    # DECODE to the next stage: header 32 B + META + activations (1 token x 64 floats); RESULT: 32 + 4 bytes
+    bw = 1e6  # 1 MB/s: transfer times are milliseconds, well above float noise
+    res = simulate(equal_stages(2, ms=10.0, bandwidth_Bps=bw), gen("iterative"))
+    meta_bytes = 4 * len(Batch(np.zeros(1, np.int32), np.zeros(1, np.int32), [[0]], np.ones(1, np.int32), kv_ops()).pack_meta())
+    forward = 32 + meta_bytes + 4 * 64
+    back = 32 + 4
+    assert res.stats.itl_s == pytest.approx(2 * 0.010 + (forward + back) / bw, rel=1e-9)
+
+
+@pytest.mark.parametrize("n_stages", [2, 4, 8])
+@pytest.mark.parametrize("draft_max", [1, 2, 3])
+def test_perfect_free_draft_reaches_one_micro_batch_per_stage_cost(n_stages, draft_max):
+    # agreement 1, drafting free, a micro-batch costs what one token costs: the head launches a run every
+    # stage cost and every run is accepted whole, so ITL -> stage cost / draft_max (prompt ramp aside)
+    res = simulate(equal_stages(n_stages), gen("pipeinfer", 256, draft_max), agreement=1.0, max_in_flight=n_stages + 1)
+    assert res.stats.n_cancelled == 0 and res.stats.acceptance_rate > 0.98  # drafts past the last token go unused
+    assert res.stats.itl_s == pytest.approx(0.010 / draft_max, rel=0.02)
+
+
+def test_speculative_waits_a_whole_pass_per_tree():
+    # synchronous: [last token] + 2 drafts, all accepted -> 3 tokens per pass of N x cost
+    res = simulate(equal_stages(4), gen("speculative", 90, draft_max=2), agreement=1.0)
+    assert res.stats.itl_s == pytest.approx(4 * 0.010 / 3, rel=0.02)
+
+
+def test_draft_cost_on_the_head_delays_the_pipeline_and_own_host_hides_it():
+    on_head = simulate(equal_stages(4, draft_ms=5.0), gen("pipeinfer", 128, 1), agreement=1.0)
+    own = simulate(equal_stages(4, draft_ms=5.0, draft_on="own"), gen("pipeinfer", 128, 1), agreement=1.0)
+    # on the head every launch costs stage (10 ms) + draft (5 ms); a draft host drafting ahead costs nothing
+    assert on_head.stats.itl_s == pytest.approx(0.015, rel=0.02)
+    assert own.stats.itl_s == pytest.approx(0.010, rel=0.02)
+
+
+def test_cancel_aborts_a_decode_at_its_next_check():
+    # stage 1 decodes run 2 (100 ms); the head cancels it at t=30 ms; with 2 ms latency and a 1 ms check
+    # the stage is free at 33 ms and passes an empty result back (arriving at 35 ms)
+    c = VirtualClock()
+    cl = Cluster([StageCost([0.0], 0.0), StageCost([100.0], 0.0)], [Link(2e-3, 1e18)] * 2, 8,
+                 head_overhead_ms=0.0, abort_check_ms=1.0)
+    pipe = SimPipeline(cl, list(range(100)), c)
+    b = Batch(np.array([5], np.int32), np.array([10], np.int32), [[1]], np.ones(1, np.int32), kv_ops())
+    pipe.launch(2, b, speculative=True)
+    c.advance_to(0.030)
+    pipe.cancel([2])
+    res = pipe.next_result()
+    assert res.cancelled and res.run_id == 2
+    assert c() == pytest.approx(0.030 + 0.002 + 0.001 + 0.002, abs=1e-9)  # cancel hop, abort check, result hop
+    assert pipe.stages[1].trace.n_cancelled_mid == 1
+
+
+def test_non_speculative_runs_are_never_aborted():
+    c = VirtualClock()
+    cl = Cluster([StageCost([0.0], 0.0), StageCost([100.0], 0.0)], [Link(0.0, 1e18)] * 2, 8, head_overhead_ms=0.0)
+    pipe = SimPipeline(cl, list(range(100)), c)
+    b = Batch(np.array([5], np.int32), np.array([10], np.int32), [[0]], np.ones(1, np.int32), kv_ops())
+    pipe.launch(1, b, speculative=False)
+    c.advance_to(0.010)  # stage 1 has started it (a run cancelled before it starts is skipped, as worker.py does)
+    pipe.cancel([1])
+    res = pipe.next_result()
+    assert not res.cancelled and res.tokens.tolist() == [11] and c() == pytest.approx(0.100)
+
+
+def test_low_agreement_cancels_and_stays_exact():
+    # the Head checks the twin's output against its reference; here many runs are cancelled and compacted
+    res = simulate(equal_stages(4, by_batch=[10, 12, 14, 16]), replace_ctx(gen("pipeinfer", 400, 3, None, 0.3)),
+                   agreement=0.4)
+    assert res.stats.n_cancelled > 0 and res.stats.n_compactions > 0
+    assert res.tokens == reference_tokens(64, 400)[64:464]
+
+
+def replace_ctx(g: GenConfig) -> GenConfig:
+    from dataclasses import replace
+    return replace(g, n_ctx=600)  # 64 + 400 tokens and the runs' garbage: compacted now and then
+
+
+def test_the_twin_imports_neither_mpi_nor_llama_cpp():
+    code = ("import sys\nfrom pipeinfer.twin import *\nfrom pipeinfer.head import GenConfig\n"
+            "from pipeinfer.plan import search\n"
+            "c = Cluster([StageCost([10.0], 1.0)] * 3, [Link()] * 3, 64, 2.0)\n"
+            "simulate(c, GenConfig(mode='pipeinfer', n_predict=32, p_recovery=None))\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('llama_cpp', 'mpi4py')]\n"
+            "assert not bad, bad\nprint('clean')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "clean" in out.stdout, out.stderr
+
+
+# ---- the commands, on a profile written by hand (two hosts, the second twice as slow per layer)
+def hand_profile(tmp_path, slow: float = 2.0):
+    lm = {"probe_layers": 2, "fixed_ms": [1.0, 1.0, 1.0], "layer_ms": [2.0, 2.2, 2.4], "out_ms": [10.0, 11.0, 12.0],
+          "prompt_fixed_ms_per_token": 0.1, "prompt_layer_ms_per_token": 0.5, "prompt_out_ms_per_token": 2.0}
+
+    def stage(n_layers, last, factor):
+        return [factor * (lm["fixed_ms"][i] + n_layers * lm["layer_ms"][i] + (lm["out_ms"][i] if last else 0))
+                for i in range(3)]
+    prof = {"format": 1, "kernels": "repack", "exact_batch": 3,
+            "model": {"path": "m.gguf", "n_layer": 20, "n_embd": 64, "n_vocab": 1000, "file_bytes": 1},
+            "ranks": [{"rank": 0, "host": "a", "threads": 1, "layers": [0, 10], "last": False,
+                       "ms_by_batch": stage(10, False, 1.0), "prompt_ms_per_token": 5.0},
+                      {"rank": 1, "host": "b", "threads": 1, "layers": [10, 20], "last": True,
+                       "ms_by_batch": stage(10, True, slow), "prompt_ms_per_token": 10.0}],
+            "links": [{"from": 0, "to": 1, "latency_s": 1e-4, "bandwidth_bps": 1e9},
+                      {"from": 1, "to": 0, "latency_s": 1e-4, "bandwidth_bps": 1e9}],
+            "layer_model": lm, "draft": {"model": "d.gguf", "ms_per_token": 1.0, "prefill_ms_per_token": 0.1},
+            "head_overhead_ms": 0.1}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof))
+    return path
+
+
+def test_simulate_command_prints_stats_and_writes_a_twin_row(tmp_path):
+    from pipeinfer.results import read_results
+    prof = hand_profile(tmp_path)
+    csv = tmp_path / "r.csv"
+    out = run_cli(["simulate", "--profile", str(prof), "--mode", "pipeinfer", "-n", "64", "--agreement", "0.8",
+                   "--results", str(csv)])
+    assert out.returncode == 0, out.stderr
+    assert "generation speed" in out.stdout and "rank 1: busy" in out.stdout
+    rows = read_results(csv)
+    assert rows[0]["simulated"] == "twin" and rows[0]["n_generated"] == 64 and rows[0]["gen_tokens_per_s"] > 0
+    js = run_cli(["simulate", "--profile", str(prof), "--mode", "iterative", "-n", "16", "--json"])
+    stats = json.loads(js.stdout)["stats"]
+    # iterative on the profiled split: rank 0 (21 ms) + rank 1 (2 x 31 ms) + two links of 100 us + polling
+    assert stats["itl_s"] == pytest.approx(0.021 + 0.062 + 2 * (1e-4 + 0.00025) + 0.2 * (0.1 + 0.25) / 1e3, rel=0.02)
+
+
+def test_simulate_refuses_a_file_that_is_not_a_profile(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text("{}")
+    out = run_cli(["simulate", "--profile", str(bad)])
+    assert out.returncode != 0 and "not a pipeinfer profile" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_plan_moves_layers_off_the_slow_host(tmp_path):
+    prof = hand_profile(tmp_path, slow=2.0)
+    out = run_cli(["plan", "--profile", str(prof), "--agreement", "0.7", "-n", "48"])
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("pipeinfer launch --hostfile hosts.txt -- generate")
+    split = [float(x) for x in line.split("--layer-split ")[1].split()[0].split(",")]
+    assert split[0] > 0.5  # the head's (fast) host takes the larger share
+
+
+def test_scaled_cluster_prices_a_larger_model(tmp_path):
+    from pipeinfer.plan import Shape, build_cluster, load_profile
+    prof = load_profile(str(hand_profile(tmp_path, slow=1.0)))
+    small = build_cluster(prof, Shape(hosts=2))
+    big = build_cluster(prof, Shape(hosts=4, n_layer=80, layer_scale=10.0, out_scale=3.0))
+    assert small.stages[0].ms(1) == pytest.approx(21.0)          # 1 + 10 x 2
+    assert big.stages[0].ms(1) == pytest.approx(1 + 20 * 20.0)    # 80 layers over 4 hosts, 10x per layer
+    assert big.stages[-1].ms(1) == pytest.approx(1 + 20 * 20.0 + 30.0)
