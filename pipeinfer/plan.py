@@ -18,7 +18,7 @@ import click
 
 from .drafter import Cutoffs
 from .head import MODES, GenConfig
-from .twin import (Cluster, Link, SimResult, StageCost, cluster_from_profile, scaled_layer_model, simulate,
+from .twin import (Cluster, Link, SimResult, cluster_from_profile, scaled_layer_model, simulate,
                    stage_cost_from_model)
 
 PLAN_P_ACCEPT = (0.3, 0.5, 0.7)
