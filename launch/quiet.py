@@ -1,0 +1,101 @@
+"""Timing on a shared machine: run a benchmark command only while nothing else uses the CPU, and run it
+again when something else did during it (this project's machine has 2 cores, shared with other work).
+
+    from quiet import run_quietly
+    proc, foreign_pct = run_quietly(cmd, env=..., cwd=...)
+
+Foreign CPU is the CPU time of processes outside this script's process tree, sampled with psutil.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+
+import psutil
+
+QUIET_PCT = 5.0        # foreign CPU, in % of one core averaged over a run, that still counts as quiet
+MAX_WAIT_S = 900.0     # give up waiting for a quiet machine after this (then measure anyway, and say so)
+
+
+def _ours() -> set[int]:
+    me = psutil.Process(os.getpid())
+    return {me.pid} | {p.pid for p in me.children(recursive=True)}
+
+
+def _foreign_cpu_s() -> float:
+    ours, total = _ours(), 0.0
+    for p in psutil.process_iter(["pid", "cpu_times"]):
+        if p.info["pid"] in ours or p.info["cpu_times"] is None:
+            continue
+        total += p.info["cpu_times"].user + p.info["cpu_times"].system
+    return total
+
+
+class _Meter:
+    """Foreign CPU seconds over an interval; processes that start and end inside it are caught by sampling."""
+
+    def __init__(self, every_s: float = 0.5):
+        self.every_s, self.cpu_s, self._stop = every_s, 0.0, threading.Event()
+        self._seen: dict[int, float] = {}
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _sample(self) -> None:
+        ours = _ours()
+        for p in psutil.process_iter(["pid", "cpu_times"]):
+            pid, ct = p.info["pid"], p.info["cpu_times"]
+            if pid in ours or ct is None:
+                continue
+            now = ct.user + ct.system
+            before = self._seen.get(pid)
+            if before is not None:
+                self.cpu_s += max(0.0, now - before)
+            elif self._started:
+                self.cpu_s += now  # a process born during the interval: all of its time is in it
+            self._seen[pid] = now
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+    def __enter__(self):
+        self._started = False
+        self._sample()
+        self._started = True
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def wait_quiet(window_s: float = 3.0, log=print) -> bool:
+    """Wait until other processes used < QUIET_PCT of a core for window_s; False if MAX_WAIT_S passed."""
+    t_end, said = time.monotonic() + MAX_WAIT_S, False
+    while time.monotonic() < t_end:
+        with _Meter() as m:
+            time.sleep(window_s)
+        if 100 * m.cpu_s / window_s < QUIET_PCT:
+            return True
+        if not said:
+            log(f"  (waiting for other work on this machine to finish: {100 * m.cpu_s / window_s:.0f}% of a core)")
+            said = True
+    return False
+
+
+def run_quietly(cmd: list[str], tries: int = 6, log=print, **kw) -> tuple[subprocess.CompletedProcess, float]:
+    """Run cmd while the machine is quiet; again if other processes used > QUIET_PCT of a core during it.
+    Returns the process and the foreign CPU (% of one core) during the run that was kept."""
+    for attempt in range(tries):
+        wait_quiet(log=log)
+        t0 = time.monotonic()
+        with _Meter() as m:
+            proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+        pct = 100 * m.cpu_s / max(1e-9, time.monotonic() - t0)
+        if pct < QUIET_PCT or proc.returncode != 0 or attempt == tries - 1:
+            return proc, pct
+        log(f"  (other work used {pct:.0f}% of a core during the run: measuring again)")
+    raise AssertionError("unreachable")

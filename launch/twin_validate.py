@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Benchmark (not a test): the digital twin's predictions beside measured runs, in one script run.
+
+    python launch/twin_validate.py [-n 128] [--prompt-name code] [--netns] [--out results/twin_validation.csv]
+
+1. profiles this machine (`pipeinfer profile`, 2 ranks x 1 thread: stage costs by batch size, the Gemma
+   draft's cost per token, the link),
+2. measures iterative, speculative and pipeinfer on the real Qwen2.5-Coder-1.5B target, with the replay
+   drafter at agreement 0.5, 0.7, 0.9 (Gemma 3 270M's compute per draft token) and with the Gemma draft,
+3. simulates each run with the real scheduler on the profile (same reference tokens, same agreement
+   draws; the Gemma rows use the measured acceptance as the agreement) and writes predicted beside
+   measured tokens/s and the error.
+With --netns it repeats 1-3 on launch/netns-cluster.sh: 3 hosts, links shaped to 100 Mbit/s (root only).
+Timing runs keep ranks x threads within this machine's 2 cores (the 3-host cluster oversubscribes them:
+its rows say so).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "launch"))
+BIN = Path(sys.executable).parent
+MPIEXEC = str(BIN / "mpiexec")
+PI = [sys.executable, "-m", "mpi4py", "-m", "pipeinfer"]
+
+from pipeinfer.drafter import Cutoffs  # noqa: E402
+from pipeinfer.head import GenConfig  # noqa: E402
+from pipeinfer.plan import Shape, build_cluster, load_profile  # noqa: E402
+from pipeinfer.twin import simulate  # noqa: E402
+from quiet import run_quietly  # noqa: E402
+
+FIELDS = ["setup", "mode", "drafter", "agreement", "draft_max", "measured_tokens_per_s", "predicted_tokens_per_s",
+          "error_pct", "measured_acceptance", "predicted_acceptance", "measured_runs", "predicted_runs",
+          "measured_cancelled", "predicted_cancelled", "foreign_cpu_pct"]
+
+
+class Setup:
+    def __init__(self, name: str, n_ranks: int, netns_rate: str | None, threads: str):
+        self.name, self.n_ranks, self.rate, self.threads = name, n_ranks, netns_rate, threads
+
+    def run(self, args: list[str]) -> str:
+        """stdout of `pipeinfer ARGS` on this setup's ranks, measured while the machine is otherwise quiet
+        (quiet.py); self.foreign_pct: other processes' CPU during it."""
+        if self.rate is None:
+            cmd = [MPIEXEC, "-n", str(self.n_ranks)] + PI + args
+            env = None
+        else:
+            env = dict(os.environ, NETNS_RATE=self.rate, MPIEXEC=MPIEXEC, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+            cmd = ["bash", str(ROOT / "launch" / "netns-cluster.sh"), "run", str(self.n_ranks), "--"] + PI + args
+        p, self.foreign_pct = run_quietly(cmd, env=env, cwd=ROOT)
+        if p.returncode != 0:
+            raise SystemExit(f"[{self.name}] pipeinfer {' '.join(args)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+        return p.stdout
+
+
+def drafter_args(drafter: str, agreement: float | None, ref: Path) -> list[str]:
+    if drafter == "gemma":
+        return ["--draft", "gemma3-270m"]
+    return ["--drafter", "replay", "--replay-ref", str(ref), "--replay-accuracy", str(agreement),
+            "--draft", "gemma3-270m"]
+
+
+def measure(setup: Setup, n: int, prompt_name: str, tmp: Path, log, prof_path: Path, meas_path: Path) -> None:
+    """Profile, then every measured run; saved to prof_path and meas_path (predict() reads them)."""
+    log(f"[{setup.name}] profiling -> {prof_path}")
+    setup.run(["profile", "-t", "1", "-o", str(prof_path)])
+    base = ["generate", "--prompt-name", prompt_name, "-n", str(n), "-t", setup.threads, "--ignore-eos", "--json", "-q"]
+    ref = tmp / f"ref-{setup.name}.json"
+    log(f"[{setup.name}] iterative")
+    out = setup.run(base + ["--mode", "iterative"])
+    ref.write_text(out.strip().splitlines()[-1])
+    ref_data = json.loads(ref.read_text())
+    runs = [{"mode": "iterative", "drafter": "none", "agreement": None, "stats": ref_data["stats"],
+             "foreign_cpu_pct": setup.foreign_pct}]
+    for drafter, agreement in [("replay", 0.5), ("replay", 0.7), ("replay", 0.9), ("gemma", None)]:
+        for mode in ("speculative", "pipeinfer"):
+            log(f"[{setup.name}] {mode} {drafter} {agreement or ''}")
+            out = setup.run(base + ["--mode", mode] + drafter_args(drafter, agreement, ref))
+            runs.append({"mode": mode, "drafter": drafter, "agreement": agreement,
+                         "stats": json.loads(out.strip().splitlines()[-1])["stats"], "foreign_cpu_pct": setup.foreign_pct})
+    meas_path.write_text(json.dumps({"setup": setup.name, "n": n, "prompt_name": prompt_name,
+                                     "prompt_tokens": ref_data["prompt_tokens"], "tokens": ref_data["tokens"],
+                                     "runs": runs}, indent=0))
+
+
+def predict(prof_path: Path, meas_path: Path, log) -> list[dict]:
+    """The twin's prediction for every measured run, beside it."""
+    prof = load_profile(str(prof_path))
+    data = json.loads(meas_path.read_text())
+    reference = list(data["prompt_tokens"]) + list(data["tokens"])
+    limit = int(prof.get("exact_batch", 3))
+    rows = []
+    for run in data["runs"]:
+        mode, drafter, agreement, st = run["mode"], run["drafter"], run["agreement"], run["stats"]
+        draft_max = 1 if mode == "iterative" else (limit - 1 if mode == "speculative" else limit)
+        agree = agreement if agreement is not None else st["acceptance_rate"]
+        cluster = build_cluster(prof, Shape())
+        cluster.draft_resync_always = drafter == "replay"  # the replay burner re-syncs its context every call
+        gen = GenConfig(mode=mode, n_predict=data["n"], cut=Cutoffs(0.5, 0.1, draft_max, 1), p_recovery=None,
+                        stop_at_eos=False)
+        res = simulate(cluster, gen, agreement=agree, reference=reference, n_prompt=len(data["prompt_tokens"]))
+        meas, pred = st["gen_tokens_per_s"], res.stats.gen_tokens_per_s
+        rows.append({"setup": data["setup"], "mode": mode, "drafter": drafter, "agreement": agreement or "",
+                     "draft_max": draft_max if mode != "iterative" else "", "measured_tokens_per_s": round(meas, 3),
+                     "predicted_tokens_per_s": round(pred, 3), "error_pct": round(100 * (pred - meas) / meas, 1),
+                     "measured_acceptance": round(st["acceptance_rate"], 3),
+                     "predicted_acceptance": round(res.stats.acceptance_rate, 3),
+                     "measured_runs": st["n_runs"], "predicted_runs": res.stats.n_runs,
+                     "measured_cancelled": st["n_cancelled"], "predicted_cancelled": res.stats.n_cancelled,
+                     "foreign_cpu_pct": run["foreign_cpu_pct"]})
+        log(f"  {mode:<12} {drafter:<7} {agreement or '':<4} measured {meas:6.2f}  predicted {pred:6.2f} tokens/s "
+            f"({rows[-1]['error_pct']:+.1f}%)")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("--prompt-name", default="code")
+    ap.add_argument("--netns", action="store_true", help="also the 3-host cluster with 100 Mbit/s links (root)")
+    ap.add_argument("--netns-only", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "results" / "twin_validation.csv"))
+    ap.add_argument("--predict-only", action="store_true",
+                    help="no measuring: predict again from the profile and runs an earlier run saved beside --out")
+    args = ap.parse_args()
+    setups = []
+    if not args.netns_only:
+        setups.append(Setup("2 ranks local", 2, None, "1"))
+    if args.netns or args.netns_only:
+        setups.append(Setup("3 hosts 100 Mbit/s", 3, "100mbit", "1"))
+    t0 = time.time()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for s in setups:
+            slug = "2ranks" if s.rate is None else f"{s.n_ranks}hosts-{s.rate}"
+            prof = Path(args.out).with_name(f"twin_profile_{slug}.json")
+            meas = Path(args.out).with_name(f"twin_measured_{slug}.json")
+            if not args.predict_only:
+                measure(s, args.n, args.prompt_name, Path(tmp), lambda m: print(m, flush=True), prof, meas)
+            print(f"[{s.name}] the twin's predictions")
+            rows += predict(prof, meas, lambda m: print(m, flush=True))
+    out = Path(args.out)
+    keep = []
+    if out.exists():  # rows of the other setups from an earlier run stay
+        names = {s.name for s in setups}
+        keep = [r for r in csv.DictReader(out.open()) if r["setup"] not in names]
+    with out.open("w", newline="") as f:
+        w = csv.DictWriter(f, FIELDS)
+        w.writeheader()
+        w.writerows(keep + rows)
+    for s in setups:
+        errs = [abs(r["error_pct"]) for r in rows if r["setup"] == s.name]
+        print(f"{s.name}: largest error {max(errs):.1f}% over {len(errs)} rows")
+    print(f"wrote {out} ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
