@@ -1,9 +1,10 @@
-"""Prompt-lookup drafting (NgramDrafter) and main_chain; no model is loaded."""
+"""Prompt-lookup drafting (NgramDrafter), main_chain and top_candidates; no model is loaded."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from pipeinfer.drafter import Cutoffs, DraftNode, NgramDrafter, main_chain
+from pipeinfer.drafter import Cutoffs, DraftNode, NgramDrafter, main_chain, top_candidates
 
 
 def draft(context, p_accept=0.0, n_max=4, n_min=1, ngram_max=4):
@@ -97,3 +98,16 @@ def test_main_chain_of_a_tree():
 def test_main_chain_empty():
     assert main_chain([]) == []
     assert main_chain([DraftNode(1, -1, 0, {1})]) == []
+
+
+def test_top_candidates_match_a_full_softmax_and_sort():
+    rng = np.random.default_rng(3)
+    for n_vocab in (5, 1000, 262144):
+        logits = (rng.standard_normal(n_vocab) * 4).astype(np.float32)
+        top, p = top_candidates(logits, 8)
+        x = logits.astype(np.float64)
+        full = np.exp(x - x.max())
+        full /= full.sum()
+        order = np.argsort(-full, kind="stable")[:8]
+        assert top.tolist() == order.tolist()
+        assert p == pytest.approx(full[order], rel=1e-5)
