@@ -88,6 +88,24 @@ def measure_stage(path, *, embd_input: bool, last: bool, threads: int, max_batch
     return out
 
 
+def measure_shared_slowdown(comm, path, *, embd_input: bool, last: bool, threads: int, kernels: str) -> float:
+    """How much slower this rank's 1-token decode is while every rank decodes at once (ranks sharing a
+    machine share its memory bandwidth; on separate machines this is ~1)."""
+    from .stage import StageEngine
+    from .transport import polite_barrier
+    with StageEngine(path, n_ctx=N_CTX_FILL + 16, n_batch=N_CTX_FILL, n_seq_max=1, n_threads=threads,
+                     n_threads_batch=threads, embd_input=embd_input, capture_hidden=not last, kernels=kernels) as eng:
+        alone = _time_stage(eng, [1])[0] if comm.Get_rank() == 0 else None
+        polite_barrier(comm)
+        together = _time_stage(eng, [1], n_repeat=2 * N_REPEAT)[0]  # every rank at once
+        polite_barrier(comm)
+        for r in range(1, comm.Get_size()):  # the others alone, one at a time
+            if comm.Get_rank() == r:
+                alone = _time_stage(eng, [1])[0]
+            polite_barrier(comm)
+    return together / alone
+
+
 def measure_layer_model(model: str, n_layer: int, k: int, threads: int, max_batch: int, kernels: str) -> dict:
     """fixed + per-layer + output-projection costs by batch size, from probe stages of k, 2k and k+vocab
     layers (middle-stage inputs: hidden states in, hidden states out)."""
@@ -186,6 +204,11 @@ def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
     links = []
     if size > 1:
         polite_barrier(comm)
+        lr, last = ranges[rank], rank == size - 1
+        slow = measure_shared_slowdown(comm, ensure_stage_file(opts.model, lr.start, lr.end, with_vocab=last),
+                                       embd_input=True, last=last, threads=threads[rank], kernels=opts.kernels)
+        records[rank]["shared_slowdown"] = round(slow, 3)
+        polite_barrier(comm)
         all_records = comm.gather(records, root=0)
         for a in range(size):  # a <-> a+1, and the last rank back to the head
             b = (a + 1) % size
@@ -203,8 +226,13 @@ def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
         records = {k: v for d in all_records for k, v in d.items()}
         links = sorted((lk for ls in link_lists for lk in ls), key=lambda lk: lk["from"])
     limits = [records[r]["exact_batch"] for r in range(n_stages) if records[r]["exact_batch"] is not None]
+    hosts = [records[r]["host"] for r in range(n_stages)]
+    shared = [records[r]["shared_slowdown"] for r in range(n_stages)
+              if "shared_slowdown" in records[r] and hosts.count(hosts[r]) > 1]
     return {"format": PROFILE_FORMAT, "build": build_id(), "kernels": opts.kernels,
             "exact_batch": min(limits) if limits else opts.max_batch,
+            # ranks on one machine slow each other's decodes (memory bandwidth): the twin applies this
+            "shared_slowdown": round(statistics.median(shared), 3) if shared else 1.0,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "model": {"path": os.path.basename(opts.model), "n_layer": info.n_layer, "n_embd": info.n_embd,
                       "n_vocab": info.n_vocab, "file_bytes": os.path.getsize(opts.model)},

@@ -76,6 +76,10 @@ class Cluster:
     head_overhead_ms: float = 0.3
     abort_check_ms: float = 1.0
     draft_resync_always: bool = False        # the replay instrument's burner re-decodes its context every call
+    # ranks that share a machine (and its memory bandwidth): a decode that starts while another rank of the
+    # same machine computes takes `shared_slowdown` times as long (profile.py measures it; 1: no effect)
+    machine_of: list[str] | None = None
+    shared_slowdown: float = 1.0
 
     @property
     def n_ranks(self) -> int:
@@ -162,6 +166,9 @@ class SimPipeline:
         self._link_free_s = [0.0] * cluster.n_ranks
         self._arrived: deque[Result] = deque()
         self.t_head_wait_s = 0.0
+        self._head_busy_until_s = 0.0
+        m = cluster.machine_of or [f"host{r}" for r in range(cluster.n_ranks)]
+        self._neighbours = [[q for q in range(cluster.n_ranks) if q != r and m[q] == m[r]] for r in range(cluster.n_ranks)]
 
     # ---- the event queue
     def _post(self, t_s: float, fn, *args) -> None:
@@ -197,7 +204,7 @@ class SimPipeline:
                     st.cancelled.add(txn.run_id)
                     self._forward(t_s, st, txn)
                     continue
-                cost_s = self.c.stages[st.rank].ms(txn.n_tokens) / 1e3
+                cost_s = self.c.stages[st.rank].ms(txn.n_tokens) / 1e3 * self._sharing(st.rank, t_s)
             else:
                 cost_s = KV_OP_MS / 1e3
             st.current, st.t_start_s = txn, t_s
@@ -250,12 +257,26 @@ class SimPipeline:
         self._arrived.append(Result(txn.run_id, txn.cancelled, tokens))
 
     # ---- Pipeline's interface (the head's side)
-    def _head_work(self, ms: float) -> None:
+    def _sharing(self, rank: int, t_s: float) -> float:
+        """The slowdown of compute that starts on `rank` at t_s (another rank of its machine computing)."""
+        for q in self._neighbours[rank]:
+            if (q == 0 and self._head_busy_until_s > t_s) or (q > 0 and self.stages[q].current is not None
+                                                                and self.stages[q].current.kind == Kind.DECODE):
+                return self.c.shared_slowdown
+        return 1.0
+
+    def _head_work(self, ms: float, compute: bool = False) -> None:
+        """The head's thread works ms (compute: a decode, slowed by neighbours on its machine)."""
+        if compute:
+            self._run_until(self.clock())
+            ms *= self._sharing(0, self.clock())
+            self._head_busy_until_s = self.clock() + ms / 1e3
         self.clock.advance(ms / 1e3)
         self.stages[0].trace.t_busy_s += ms / 1e3
 
     def launch(self, run_id: int, batch: Batch, speculative: bool, parent_id: int = NO_RUN) -> None:
-        self._head_work(self.c.head_overhead_ms + self.c.stages[0].ms(batch.n_tokens))
+        self._head_work(self.c.head_overhead_ms)
+        self._head_work(self.c.stages[0].ms(batch.n_tokens), compute=True)
         self.stages[0].trace.n_decoded += 1
         self.stages[0].trace.n_tokens += batch.n_tokens
         txn = Txn(Kind.DECODE, run_id, parent_id, speculative, batch.n_tokens, batch.n_outputs, batch.output_pos,
@@ -359,8 +380,9 @@ class SimDraftCost:
         return []
 
     def _charge(self, ms: float) -> None:
-        self.clock.advance(ms / 1e3)
-        self.t_draft_s += ms / 1e3
+        t0 = self.clock()
+        self.pipe._head_work(ms, compute=True)
+        self.t_draft_s += self.clock() - t0
 
 
 class _ChainAwareReplay(ReplayDrafter):
@@ -478,4 +500,5 @@ def cluster_from_profile(profile: dict, *, fractions: list[float] | None = None,
     draft = profile.get("draft") or {}
     return Cluster(stages, links, profile["model"]["n_embd"], draft.get("ms_per_token", 0.0),
                    draft.get("prefill_ms_per_token", 0.0), draft_on, links[0],
-                   profile.get("head_overhead_ms", 0.3) + poll_s / 2)
+                   profile.get("head_overhead_ms", 0.3) + poll_s / 2,
+                   machine_of=[r["host"] for r in ranks], shared_slowdown=profile.get("shared_slowdown", 1.0))

@@ -185,3 +185,16 @@ def test_scaled_cluster_prices_a_larger_model(tmp_path):
     assert small.stages[0].ms(1) == pytest.approx(21.0)          # 1 + 10 x 2
     assert big.stages[0].ms(1) == pytest.approx(1 + 20 * 20.0)    # 80 layers over 4 hosts, 10x per layer
     assert big.stages[-1].ms(1) == pytest.approx(1 + 20 * 20.0 + 30.0)
+
+
+def test_ranks_sharing_a_machine_slow_each_other_only_when_they_overlap():
+    shared = equal_stages(2)
+    shared.machine_of, shared.shared_slowdown = ["m", "m"], 2.0
+    # iterative: one stage computes at a time, nothing overlaps
+    assert simulate(shared, gen("iterative")).stats.itl_s == pytest.approx(0.020, rel=1e-9)
+    # a perfect free draft keeps both busy: every decode overlaps the other rank's and takes twice as long
+    res = simulate(shared, gen("pipeinfer", 256, 1), agreement=1.0)
+    assert res.stats.itl_s == pytest.approx(0.020, rel=0.03)
+    apart = equal_stages(2)
+    apart.machine_of, apart.shared_slowdown = ["m", "n"], 2.0
+    assert simulate(apart, gen("pipeinfer", 256, 1), agreement=1.0).stats.itl_s == pytest.approx(0.010, rel=0.03)
