@@ -34,7 +34,7 @@ PI = [sys.executable, "-m", "mpi4py", "-m", "pipeinfer"]
 
 from pipeinfer.drafter import Cutoffs  # noqa: E402
 from pipeinfer.head import GenConfig  # noqa: E402
-from pipeinfer.plan import Shape, build_cluster, load_profile  # noqa: E402
+from pipeinfer.plan import Shape, build_cluster, launch_line, load_profile, search  # noqa: E402
 from pipeinfer.twin import simulate  # noqa: E402
 from quiet import run_quietly  # noqa: E402
 
@@ -122,6 +122,34 @@ def predict(prof_path: Path, meas_path: Path, log) -> list[dict]:
     return rows
 
 
+def check_plan(setup: Setup, prof_path: Path, meas_path: Path, log) -> dict:
+    """`pipeinfer plan` on the profile, at the Gemma draft's measured acceptance: measure what it recommends
+    and compare with the best configuration measured with the same draft (or none)."""
+    prof = load_profile(str(prof_path))
+    data = json.loads(meas_path.read_text())
+    gemma = [r for r in data["runs"] if r["drafter"] in ("gemma", "none")]
+    agreement = next(r["stats"]["acceptance_rate"] for r in gemma if r["mode"] == "pipeinfer")
+    best = search(prof, agreement=agreement, n_predict=data["n"], exact_limit=int(prof.get("exact_batch", 3)),
+                  draft_own_host=False, base=GenConfig(stop_at_eos=False))
+    win = max(best.values(), key=lambda c: c.tokens_per_s)
+    line = launch_line(prof, win)
+    log(f"[{setup.name}] plan at agreement {agreement:.2f} recommends: {line} ({win.tokens_per_s:.2f} tokens/s predicted)")
+    args = line.split(" -- ", 1)[1].split()
+    args += ["--prompt-name", data["prompt_name"], "-n", str(data["n"]), "--ignore-eos", "--json", "-q"]
+    if win.mode != "iterative":
+        args += ["--draft", "gemma3-270m"]
+    st = json.loads(setup.run(args).strip().splitlines()[-1])["stats"]
+    best_measured = max(gemma, key=lambda r: r["stats"]["gen_tokens_per_s"])
+    ratio = st["gen_tokens_per_s"] / best_measured["stats"]["gen_tokens_per_s"]
+    log(f"  measured {st['gen_tokens_per_s']:.2f} tokens/s; best measured with this draft: {best_measured['mode']} "
+        f"{best_measured['stats']['gen_tokens_per_s']:.2f} -> {ratio:.3f}")
+    return {"setup": setup.name, "agreement": round(agreement, 3), "recommended": line,
+            "predicted_tokens_per_s": round(win.tokens_per_s, 3), "measured_tokens_per_s": round(st["gen_tokens_per_s"], 3),
+            "best_measured_mode": best_measured["mode"],
+            "best_measured_tokens_per_s": round(best_measured["stats"]["gen_tokens_per_s"], 3),
+            "ratio_to_best": round(ratio, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-n", type=int, default=128)
@@ -131,6 +159,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "twin_validation.csv"))
     ap.add_argument("--predict-only", action="store_true",
                     help="no measuring: predict again from the profile and runs an earlier run saved beside --out")
+    ap.add_argument("--plan-check", choices=["yes", "no", "only"], default="yes",
+                    help="measure what `pipeinfer plan` recommends on the 2-rank profile (only: just that, on saved runs)")
     args = ap.parse_args()
     setups = []
     if not args.netns_only:
@@ -144,10 +174,13 @@ def main() -> None:
             slug = "2ranks" if s.rate is None else f"{s.n_ranks}hosts-{s.rate}"
             prof = Path(args.out).with_name(f"twin_profile_{slug}.json")
             meas = Path(args.out).with_name(f"twin_measured_{slug}.json")
-            if not args.predict_only:
+            if not args.predict_only and args.plan_check != "only":
                 measure(s, args.n, args.prompt_name, Path(tmp), lambda m: print(m, flush=True), prof, meas)
             print(f"[{s.name}] the twin's predictions")
             rows += predict(prof, meas, lambda m: print(m, flush=True))
+            if s.rate is None and (args.plan_check == "only" or (args.plan_check == "yes" and not args.predict_only)):
+                plan_row = check_plan(s, prof, meas, lambda m: print(m, flush=True))
+                Path(args.out).with_name("twin_plan_check.json").write_text(json.dumps(plan_row, indent=1) + "\n")
     out = Path(args.out)
     keep = []
     if out.exists():  # rows of the other setups from an earlier run stay
