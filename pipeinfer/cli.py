@@ -87,6 +87,9 @@ PIPELINE_OPTIONS = [
     click.option("--draft-max", default=None, type=click.IntRange(1, 64),
                   help=f"max draft tokens per speculative micro-batch [default: up to {DEFAULT_DRAFT_MAX}, within the exact "
                        f"batch limit]"),
+    click.option("--micro-batch", type=click.Choice(["auto", "fixed"]), default="auto", show_default=True,
+                  help="PipeInfer's draft tokens per micro-batch: auto picks 1..--draft-max from the decode costs measured "
+                       "at start-up and the running acceptance; fixed always asks for --draft-max"),
     click.option("-pa", "--p-accept", default=0.5, show_default=True, type=click.FloatRange(0, 1), help="draft confidence cutoff"),
     click.option("-ps", "--p-split", default=0.1, show_default=True, type=click.FloatRange(0, 1), help="confidence to open a tree branch"),
     click.option("-pr", "--p-recovery", default="auto", show_default=True, callback=lambda c, p, v: _auto_or_float(v, p),
@@ -222,7 +225,7 @@ def _pipeline_config(kw, *, n_predict: int, sampling: SamplingParams, stop_at_eo
         mode=kw["mode"], n_predict=n_predict, sampling=sampling,
         cut=Cutoffs(kw["p_accept"], kw["p_split"], kw["draft_max"], kw["max_branches"]),
         p_recovery=kw["p_recovery"], p_decay=kw["p_decay"], cancel=kw["cancel"], continuous=kw["continuous"],
-        n_batch=kw["batch_size"], stop_at_eos=stop_at_eos)
+        n_batch=kw["batch_size"], stop_at_eos=stop_at_eos, adaptive_draft=kw["micro_batch"] == "auto")
     return model, draft, drafter, gen
 
 

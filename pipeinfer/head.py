@@ -30,7 +30,7 @@ from .kvplan import CANONICAL, PartitionPool, cells_reserve, commit_ops, prefix_
 from .metrics import Stats
 from .pipeline import Pipeline
 from .protocol import NO_RUN, Batch, compact, kv_ops
-from .verify import Node, SamplingParams, TreeRun, consistent, is_useful, verify
+from .verify import Node, SamplingParams, TreeRun, chain_checks, consistent, is_useful, verify
 
 MODES = ("iterative", "speculative", "pipeinfer")
 
@@ -56,6 +56,29 @@ def auto_p_recovery(n_ranks: int) -> float:
     return 0.5 / max(1, n_ranks - 1)
 
 
+def choose_draft_len(acceptance: float, stage_ms: list[list[float]], draft_ms_per_token: float, cap: int) -> int:
+    """Draft tokens per PipeInfer micro-batch: the b in 1..cap that adds the most accepted tokens per unit
+    of the pipeline's bottleneck time.
+
+    A micro-batch of b draft tokens adds sum_{i=1..b} a^i accepted tokens in expectation (each token needs
+    every one before it accepted; a = acceptance); the pipeline runs one micro-batch per the slowest
+    stage's cost at batch b, where the head's stage (stage_ms[0]) also drafts the b tokens. On CPUs
+    where a 2-token decode costs nearly twice a 1-token one (this project's AVX2 host: 38 / 73 / 104 ms
+    for 1 / 2 / 3 tokens on half of Qwen2.5-1.5B) that is 1 unless the draft is nearly always right;
+    where batching is cheap it is the cap.
+    """
+    best, best_rate = 1, -1.0
+    for b in range(1, cap + 1):
+        if any(len(ms) < b for ms in stage_ms):
+            break
+        gain = sum(acceptance ** i for i in range(1, b + 1))
+        bottleneck = max([stage_ms[0][b - 1] + b * draft_ms_per_token] + [ms[b - 1] for ms in stage_ms[1:]])
+        rate = gain / bottleneck if bottleneck > 0 else float("inf")
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = b, rate
+    return best
+
+
 @dataclass(frozen=True)
 class GenConfig:
     mode: str = "iterative"
@@ -70,6 +93,10 @@ class GenConfig:
     n_batch: int = 512        # largest batch a stage decodes (prompt chunks)
     n_ctx: int = 4096
     stop_at_eos: bool = True
+    # each stage's decode time (ms) for 1..limit tokens, rank 0 first (runner.py measures it at start-up):
+    # with it PipeInfer sizes each micro-batch by choose_draft_len (cut.n_max is then the cap)
+    stage_ms: tuple[tuple[float, ...], ...] | None = None
+    adaptive_draft: bool = True  # --micro-batch auto: measure stage_ms at start-up and size micro-batches by it
 
 
 @dataclass
@@ -118,6 +145,9 @@ class Head:
         self._next_run = first_run_id       # run ids keep growing across generations on one pipeline
         self._n_prompt = 0
         self.n_cells_bound = 0              # cells any stage may hold: retired cells count until COMPACT
+        self._n_checked = 0                 # draft tokens verification reached (their predecessors accepted)
+        self._n_agreed = 0                  # ... and found right
+        self._draft_ms = 0.0                # the drafter's time per proposed token (running mean)
 
     # ================================================================ the algorithm
     def generate(self, prompt: list[int]) -> list[int]:
@@ -155,9 +185,13 @@ class Head:
             context = self._spec_context()
             if len(context) >= min(self._n_prompt + self.cfg.n_predict, self.cfg.n_ctx - cut.n_max):
                 return  # far enough ahead
+            t0 = self.clock()
             tree = self.drafter.draft(context, Cutoffs(p_accept, max(0.0, cut.p_split + self.adjust),
-                                                       cut.n_max, cut.max_branches))
+                                                       self._draft_len(), cut.max_branches))
             self.stats.n_draft_calls += 1
+            if tree:
+                per_token_ms = (self.clock() - t0) * 1e3 / len(tree)
+                self._draft_ms = per_token_ms if self.stats.n_spec_runs == 0 else 0.8 * self._draft_ms + 0.2 * per_token_ms
             if tree:
                 self._launch_spec(tree, context)
                 self.adjust += self.cfg.p_recovery
@@ -166,6 +200,18 @@ class Head:
             else:
                 return
 
+    def _draft_len(self) -> int:
+        """Draft tokens for the next micro-batch: choose_draft_len on the measured costs and the running
+        acceptance (with a prior of 0.6 weighing as 8 checks, so that a lucky start does not decide), or
+        --draft-max without stage costs."""
+        cut = self.cfg.cut
+        if self.cfg.stage_ms is None or self.cfg.mode != "pipeinfer":
+            return cut.n_max
+        acceptance = (self._n_agreed + 0.6 * 8) / (self._n_checked + 8)
+        n = choose_draft_len(acceptance, [list(ms) for ms in self.cfg.stage_ms], self._draft_ms, cut.n_max)
+        self.stats.draft_len_hist[n] = self.stats.draft_len_hist.get(n, 0) + 1
+        return n
+
     def _single_rank_turn(self) -> bool:
         # one rank: results are ready at once, so speculate one micro-batch per round instead of never
         return not self.pipe.distributed and not any(f.speculative for f in self.flights.values())
@@ -173,7 +219,7 @@ class Head:
     def _handle(self, res) -> None:
         """Verify the oldest run, commit what it proved, cancel what it made useless."""
         fl = self.flights.pop(res.run_id)
-        verdict = None
+        verdict, m_before = None, len(self.accepted)
         if not (fl.cancelled or res.cancelled):
             verdict = verify(fl.run, res.tokens, self.accepted)
         if fl.speculative:
@@ -186,6 +232,10 @@ class Head:
             self.pipe.kv(commit_ops(branch_seq, self.n_kv0, end, fl.seqs, starts, self.pool.garbage_seq))
             self.n_kv0 = end
             self.pool.give_back(fl.partition)
+        if len(self.accepted) > m_before:  # the chain's drafts these positions decided (before _prune_chain)
+            checked, agreed = chain_checks([(e.pos, e.token) for e in self.chain], self.accepted, m_before)
+            self._n_checked += checked
+            self._n_agreed += agreed
         if verdict is not None and verdict.new_tokens:
             self.stats.n_draft_accepted += verdict.n_draft_accepted
             n = len(verdict.new_tokens)

@@ -145,3 +145,38 @@ def resolve_draft_max(requested: int | None, limit: int, lead: bool, default: in
                          f"the exact batch limit of {limit} measured for these kernels: at most {most} keeps the output "
                          f"exact (--kernels no-repack allows more, --kernels fast has no limit but is not exact)")
     return requested
+
+
+def time_decodes(engine, sizes: list[int], n_fill: int = 128, n_repeat: int = 3) -> list[float]:
+    """Median ms of an engine's decode of n tokens (or hidden-state rows) for each n in sizes, on top of n_fill
+    positions already in its KV cache (a short prompt's worth); one untimed warm-up. The cache is cleared
+    before and after."""
+    import statistics
+    import time
+
+    from .protocol import Batch, kv_ops, rm
+    rng = np.random.default_rng(0)
+    n_fill = max(0, min(n_fill, engine.n_batch, engine.n_ctx - max(sizes) - 1))
+
+    def decode(pos0: int, n: int) -> float:
+        toks = rng.integers(100, 1000, n).astype(np.int32)
+        b = Batch(toks, np.arange(pos0, pos0 + n, dtype=np.int32), [[0]] * n, np.ones(n, np.int32), kv_ops())
+        emb = rng.standard_normal((n, engine.n_embd), dtype=np.float32) * 0.1 if engine.embd_input else None
+        t0 = time.perf_counter()
+        engine.decode(b, emb)
+        return (time.perf_counter() - t0) * 1e3
+
+    engine.apply_kv_ops(kv_ops(rm(-1)))
+    if n_fill:
+        decode(0, n_fill)
+    out = []
+    for n in sizes:
+        times = []
+        for k in range(n_repeat + (n == sizes[0])):
+            t = decode(n_fill, n)
+            engine.apply_kv_ops(kv_ops(rm(0, n_fill, -1)))
+            if k or n != sizes[0]:
+                times.append(t)
+        out.append(statistics.median(times))
+    engine.apply_kv_ops(kv_ops(rm(-1)))
+    return out

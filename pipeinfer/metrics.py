@@ -26,6 +26,7 @@ class Stats:
     n_draft_accepted: int = 0      # draft tokens the target agreed with
     n_draft_calls: int = 0         # drafter invocations (including ones that proposed nothing)
     accept_hist: dict[int, int] = field(default_factory=dict)  # tokens gained per verified run -> count
+    draft_len_hist: dict[int, int] = field(default_factory=dict)  # draft tokens asked per micro-batch -> count
     n_kv0: int = 0                 # positions in canonical sequence 0 at the end
     t_start_s: float = 0.0         # prompt processing starts
     t_prompt_done_s: float = 0.0   # the prompt's logits gave the first token
@@ -95,6 +96,8 @@ class Stats:
             f"drafted/accepted  = {self.n_drafted}/{self.n_draft_accepted} "
             f"(acceptance {self.acceptance_rate * 100:.1f}%)",
             f"tokens per run    = {self.mean_accepted_per_run:.2f}",
+            *([f"micro-batch sizes = " + ", ".join(f"{k} drafts x {v}" for k, v in sorted(self.draft_len_hist.items()))]
+              if self.draft_len_hist else []),
             f"KV compactions    = {self.n_compactions}",
         ]
         if self.kernels:

@@ -188,6 +188,8 @@ def open_session(opts: RunOptions, comm=None) -> HeadSession | None:
     exact_per_rank = comm.allgather(exact)
     cfg = replace(cfg, cut=replace(cfg.cut, n_max=_draft_max(cfg, exact_per_rank)), n_batch=n_batch, n_ctx=opts.n_ctx,
                   p_recovery=auto_p_recovery(size) if cfg.p_recovery is None else cfg.p_recovery)
+    if cfg.mode == "pipeinfer" and cfg.adaptive_draft and cfg.cut.n_max > 1:
+        cfg = replace(cfg, stage_ms=stage_costs(comm, engine, cfg.cut.n_max, opts.poll_s))
 
     transport = None
     if size > 1:
@@ -230,6 +232,18 @@ def _draft_max(cfg: GenConfig, exact_per_rank: list[int | None]) -> int | None:
         return resolve_draft_max(cfg.cut.n_max, limit, lead=cfg.mode == "speculative")
     except ValueError as e:
         raise UserError(f"{e} [limit measured on rank {exact_per_rank.index(limit)}]") from None
+
+
+def stage_costs(comm, engine, up_to: int, poll_s: float) -> tuple[tuple[float, ...], ...]:
+    """Every rank's decode time (ms) for 1..up_to tokens, rank 0 first; the ranks take turns, so the timings
+    do not compete for cores (--micro-batch auto sizes PipeInfer's micro-batches by them)."""
+    from .kernels import time_decodes
+    mine = None
+    for r in range(comm.Get_size()):
+        polite_barrier(comm, poll_s)
+        if r == comm.Get_rank():
+            mine = tuple(round(x, 3) for x in time_decodes(engine, list(range(1, up_to + 1))))
+    return tuple(comm.allgather(mine))
 
 
 def auto_split(comm, model: str, info, n_threads: int, n_threads_batch: int) -> list[float]:

@@ -416,9 +416,12 @@ def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prom
     clock = VirtualClock()
     ref = reference or reference_tokens(n_prompt, gen.n_predict, seed)
     n_prompt = min(n_prompt, len(ref) - 1)
+    from dataclasses import replace
     if gen.p_recovery is None:
-        from dataclasses import replace
         gen = replace(gen, p_recovery=auto_p_recovery(cluster.n_ranks))
+    if gen.mode == "pipeinfer" and gen.adaptive_draft and gen.stage_ms is None and gen.cut.n_max > 1:
+        # what runner.stage_costs measures at start-up: each stage's decode time for 1..cap tokens
+        gen = replace(gen, stage_ms=tuple(tuple(st.ms(b) for b in range(1, gen.cut.n_max + 1)) for st in cluster.stages))
     pipe = SimPipeline(cluster, ref, clock)
     pool = drafter = None
     if gen.mode != "iterative":

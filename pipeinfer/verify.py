@@ -100,6 +100,24 @@ def is_useful(run: TreeRun, accepted: list[int]) -> bool:
     return any(n.pos >= m - 1 and consistent(run, i, accepted) for i, n in enumerate(run.nodes))
 
 
+def chain_checks(chain: list[tuple[int, int]], accepted: list[int], m_before: int) -> tuple[int, int]:
+    """(checked, agreed) for the speculation chain's (position, token) entries, in position order, that the
+    last verification decided (positions m_before..len(accepted)-1): every entry up to and including the first
+    wrong one was checked. Counting here, not per verified run, sees the wrong drafts too: a run whose
+    first draft is wrong is cancelled before its own result comes back."""
+    checked = agreed = 0
+    for pos, tok in chain:
+        if pos < m_before:
+            continue
+        if pos >= len(accepted):
+            break
+        checked += 1
+        if accepted[pos] != tok:
+            break
+        agreed += 1
+    return checked, agreed
+
+
 @dataclass
 class Verdict:
     new_tokens: list[int]      # tokens appended to the accepted sequence

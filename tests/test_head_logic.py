@@ -663,3 +663,43 @@ def test_fake_pipeline_rejects_freeing_a_cell():
     pipe.launch(2, _one(ref[10], 10, [3], [cp(0, 3, 0, 10)]), True)
     with pytest.raises(KvError, match="freed a cell"):
         pipe.kv(kv_ops(rm(3)))                                 # the run's own cell would become a hole
+
+
+# ---- micro-batch size from measured costs (choose_draft_len) and the acceptance it runs on (draft_checks)
+def test_draft_len_is_one_where_batching_costs_as_much_as_separate_decodes():
+    from pipeinfer.head import choose_draft_len
+    costly = [[38.0, 73.0, 104.0], [52.0, 100.0, 129.0]]   # this project's AVX2 host, 2 ranks x 1 thread
+    assert choose_draft_len(0.7, costly, 20.0, 3) == 1
+    assert choose_draft_len(0.9, costly, 20.0, 3) == 1
+    cheap = [[38.0, 40.0, 42.0], [52.0, 54.0, 56.0]]        # batching nearly free (memory-bound kernels)
+    assert choose_draft_len(0.7, cheap, 1.0, 3) == 3
+    assert choose_draft_len(0.7, cheap, 1.0, 2) == 2        # --draft-max is the cap
+    assert choose_draft_len(0.05, [[38.0, 60.0], [52.0, 70.0]], 1.0, 2) == 1  # rarely right: not worth a row
+    # the rate it maximises: sum a^i / bottleneck, the head's stage paying for the drafts
+    a, ms = 0.8, [[10.0, 12.0], [30.0, 31.0]]
+    rates = [a / 30.0, (a + a * a) / 31.0]
+    assert choose_draft_len(a, ms, 5.0, 2) == 1 + rates.index(max(rates))
+    assert choose_draft_len(0.5, ms, 25.0, 2) == 1           # drafting on the head makes it the bottleneck
+
+
+def test_chain_checks_count_drafts_up_to_the_first_wrong_one():
+    from pipeinfer.verify import chain_checks
+    chain = [(5, 50), (6, 60), (7, 70)]
+    base = [0, 1, 2, 3, 4]
+    assert chain_checks(chain, base + [50, 60, 71], 5) == (3, 2)   # 5, 6 right; 7 checked and wrong
+    assert chain_checks(chain, base + [51, 60, 70], 5) == (1, 0)   # 5 wrong: 6 and 7 never reached
+    assert chain_checks(chain, base + [50], 5) == (1, 1)           # 6 and 7 not decided yet
+    assert chain_checks(chain, base + [50, 60], 6) == (1, 1)       # 5 was counted by an earlier verification
+    assert chain_checks([], base + [50], 5) == (0, 0)              # nothing drafted for it (a cover run)
+
+
+def test_twin_sizes_micro_batches_by_its_costs():
+    from pipeinfer.twin import Cluster, Link, StageCost, simulate
+    costly = Cluster([StageCost([38.0, 73.0, 104.0], 20.0), StageCost([52.0, 100.0, 129.0], 25.0)], [Link()] * 2, 64,
+                     20.0)
+    res = simulate(costly, GenConfig(mode="pipeinfer", n_predict=96, cut=Cutoffs(0.5, 0.1, 3, 1), p_recovery=None,
+                                     stop_at_eos=False), agreement=0.6)
+    assert set(res.stats.draft_len_hist) == {1}  # (a streak of right drafts, near 0.95, would make it 3)
+    fixed = simulate(costly, GenConfig(mode="pipeinfer", n_predict=96, cut=Cutoffs(0.5, 0.1, 3, 1), p_recovery=None,
+                                       stop_at_eos=False, adaptive_draft=False), agreement=0.6)
+    assert not fixed.stats.draft_len_hist and fixed.stats.n_drafted > res.stats.n_drafted
