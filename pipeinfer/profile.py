@@ -24,11 +24,13 @@ import click
 import numpy as np
 
 from .kernels import DEFAULT_KERNELS, KERNELS
+from .kvplan import plan_partitions
 
 PROFILE_FORMAT = 1
 N_CTX_FILL = 128       # KV positions already filled when a decode is timed (a short prompt's worth)
 N_PROMPT_PROBE = 64    # tokens in the prompt-sized probe batch
 N_REPEAT = 5           # timings per batch size; the median is kept
+RUN_N_CTX, RUN_N_BATCH = 4096, 512   # engines are loaded as `pipeinfer generate` loads them by default
 
 
 @dataclass
@@ -77,8 +79,9 @@ def measure_stage(path, *, embd_input: bool, last: bool, threads: int, max_batch
     limit too, kernels.py)."""
     from .kernels import exact_batch_limit
     from .stage import StageEngine
-    n_ctx = N_CTX_FILL + max(max_batch, N_PROMPT_PROBE) + 16
-    with StageEngine(path, n_ctx=n_ctx, n_batch=max(max_batch, N_PROMPT_PROBE, N_CTX_FILL), n_seq_max=1, n_threads=threads,
+    # the context a generation uses (cache size and sequences change llama.cpp's buffers and kernels' timings)
+    n_seq_max = plan_partitions(1, 8)[1]
+    with StageEngine(path, n_ctx=RUN_N_CTX, n_batch=RUN_N_BATCH, n_seq_max=n_seq_max, n_threads=threads,
                      n_threads_batch=threads, embd_input=embd_input, capture_hidden=not last, kernels=kernels) as eng:
         ms = _time_stage(eng, list(range(1, max_batch + 1)) + [N_PROMPT_PROBE])
         limit = exact_batch_limit(eng, path, kernels, threads, threads) if exact and kernels != "fast" else None
@@ -93,7 +96,7 @@ def measure_shared_slowdown(comm, path, *, embd_input: bool, last: bool, threads
     machine share its memory bandwidth; on separate machines this is ~1)."""
     from .stage import StageEngine
     from .transport import polite_barrier
-    with StageEngine(path, n_ctx=N_CTX_FILL + 16, n_batch=N_CTX_FILL, n_seq_max=1, n_threads=threads,
+    with StageEngine(path, n_ctx=RUN_N_CTX, n_batch=RUN_N_BATCH, n_seq_max=plan_partitions(1, 8)[1], n_threads=threads,
                      n_threads_batch=threads, embd_input=embd_input, capture_hidden=not last, kernels=kernels) as eng:
         alone = _time_stage(eng, [1])[0] if comm.Get_rank() == 0 else None
         polite_barrier(comm)
@@ -135,7 +138,7 @@ def measure_draft(path, threads: int, kernels: str, n_max: int = 4) -> dict:
     """The draft model's ms per drafted token (continuing its own chain, as continuous speculation does)
     and per prompt token."""
     from .drafter import Cutoffs, ModelDrafter
-    d = ModelDrafter(path, n_ctx=1024, max_branches=1, n_threads=threads, n_threads_batch=threads, kernels=kernels)
+    d = ModelDrafter(path, n_ctx=RUN_N_CTX, max_branches=1, n_threads=threads, n_threads_batch=threads, kernels=kernels)
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, 1000, N_CTX_FILL).tolist()
     t0 = time.perf_counter()
