@@ -91,6 +91,16 @@ def measure_stage(path, *, embd_input: bool, last: bool, threads: int, max_batch
     return out
 
 
+def machine_id() -> str:
+    """Which physical machine this rank runs on: the kernel's boot id (network namespaces, as in
+    launch/netns-cluster.sh, give one machine several host names), else the host name."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        from .netprobe import host_name
+        return host_name()
+
+
 def measure_shared_slowdown(comm, path, *, embd_input: bool, last: bool, threads: int, kernels: str) -> float:
     """How much slower this rank's 1-token decode is while every rank decodes at once (ranks sharing a
     machine share its memory bandwidth; on separate machines this is ~1)."""
@@ -195,8 +205,8 @@ def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
         path = opts.model if n_stages == 1 else ensure_stage_file(opts.model, lr.start, lr.end, with_vocab=last)
         rec = measure_stage(path, embd_input=n_stages > 1, last=last, threads=threads[r], max_batch=opts.max_batch,
                             kernels=opts.kernels, exact=True)
-        records[r] = {"rank": r, "host": host_name(), "threads": threads[r], "layers": [lr.start, lr.end],
-                      "last": last, **rec}
+        records[r] = {"rank": r, "host": host_name(), "machine": machine_id(), "cores": os.cpu_count() or 1,
+                      "threads": threads[r], "layers": [lr.start, lr.end], "last": last, **rec}
     extra = {}
     if rank == 0:  # the layer model, the draft and the head's overhead are measured on the head's host
         extra["layer_model"] = measure_layer_model(opts.model, info.n_layer, opts.probe_layers, threads[0],
@@ -229,9 +239,11 @@ def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
         records = {k: v for d in all_records for k, v in d.items()}
         links = sorted((lk for ls in link_lists for lk in ls), key=lambda lk: lk["from"])
     limits = [records[r]["exact_batch"] for r in range(n_stages) if records[r]["exact_batch"] is not None]
-    hosts = [records[r]["host"] for r in range(n_stages)]
-    shared = [records[r]["shared_slowdown"] for r in range(n_stages)
-              if "shared_slowdown" in records[r] and hosts.count(hosts[r]) > 1]
+    machines = [records[r]["machine"] for r in range(n_stages)]
+    # with every rank decoding at once, a machine running more ranks than it has cores time-shares them;
+    # what remains of the slowdown is the shared memory bandwidth
+    shared = [records[r]["shared_slowdown"] / max(1.0, machines.count(machines[r]) / records[r]["cores"])
+              for r in range(n_stages) if "shared_slowdown" in records[r] and machines.count(machines[r]) > 1]
     return {"format": PROFILE_FORMAT, "build": build_id(), "kernels": opts.kernels,
             "exact_batch": min(limits) if limits else opts.max_batch,
             # ranks on one machine slow each other's decodes (memory bandwidth): the twin applies this

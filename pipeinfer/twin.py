@@ -76,10 +76,11 @@ class Cluster:
     head_overhead_ms: float = 0.3
     abort_check_ms: float = 1.0
     draft_resync_always: bool = False        # the replay instrument's burner re-decodes its context every call
-    # ranks that share a machine (and its memory bandwidth): a decode that starts while another rank of the
-    # same machine computes takes `shared_slowdown` times as long (profile.py measures it; 1: no effect)
+    # ranks that share a machine: a decode that starts while k other ranks of the machine compute takes
+    # shared_slowdown (memory bandwidth) x max(1, (k + 1) / its cores) times as long (profile.py measures it)
     machine_of: list[str] | None = None
     shared_slowdown: float = 1.0
+    cores_of: list[int] | None = None
 
     @property
     def n_ranks(self) -> int:
@@ -258,12 +259,14 @@ class SimPipeline:
 
     # ---- Pipeline's interface (the head's side)
     def _sharing(self, rank: int, t_s: float) -> float:
-        """The slowdown of compute that starts on `rank` at t_s (another rank of its machine computing)."""
-        for q in self._neighbours[rank]:
-            if (q == 0 and self._head_busy_until_s > t_s) or (q > 0 and self.stages[q].current is not None
-                                                                and self.stages[q].current.kind == Kind.DECODE):
-                return self.c.shared_slowdown
-        return 1.0
+        """The slowdown of compute that starts on `rank` at t_s (other ranks of its machine computing)."""
+        k = sum(1 for q in self._neighbours[rank]
+                if (q == 0 and self._head_busy_until_s > t_s) or (q > 0 and self.stages[q].current is not None
+                                                                 and self.stages[q].current.kind == Kind.DECODE))
+        if k == 0:
+            return 1.0
+        cores = self.c.cores_of[rank] if self.c.cores_of else k + 1
+        return self.c.shared_slowdown * max(1.0, (k + 1) / cores)
 
     def _head_work(self, ms: float, compute: bool = False) -> None:
         """The head's thread works ms (compute: a decode, slowed by neighbours on its machine)."""
@@ -504,4 +507,5 @@ def cluster_from_profile(profile: dict, *, fractions: list[float] | None = None,
     return Cluster(stages, links, profile["model"]["n_embd"], draft.get("ms_per_token", 0.0),
                    draft.get("prefill_ms_per_token", 0.0), draft_on, links[0],
                    profile.get("head_overhead_ms", 0.3) + poll_s / 2,
-                   machine_of=[r["host"] for r in ranks], shared_slowdown=profile.get("shared_slowdown", 1.0))
+                   machine_of=[r.get("machine", r["host"]) for r in ranks],
+                   shared_slowdown=profile.get("shared_slowdown", 1.0), cores_of=[r.get("cores", 1) for r in ranks])

@@ -198,3 +198,16 @@ def test_ranks_sharing_a_machine_slow_each_other_only_when_they_overlap():
     apart = equal_stages(2)
     apart.machine_of, apart.shared_slowdown = ["m", "n"], 2.0
     assert simulate(apart, gen("pipeinfer", 256, 1), agreement=1.0).stats.itl_s == pytest.approx(0.010, rel=0.03)
+
+
+def test_more_busy_ranks_than_cores_time_share_the_machine():
+    # three ranks on a 2-core machine, no bandwidth effect: a decode that starts while both others compute
+    # runs at 2/3 speed (3 busy / 2 cores); with 3 cores it would not slow down
+    def cl(cores):
+        c = equal_stages(3)
+        c.machine_of, c.cores_of, c.shared_slowdown = ["m"] * 3, [cores] * 3, 1.0
+        return c
+    busy = simulate(cl(2), gen("pipeinfer", 256, 1), agreement=1.0).stats.itl_s
+    roomy = simulate(cl(3), gen("pipeinfer", 256, 1), agreement=1.0).stats.itl_s
+    assert roomy == pytest.approx(0.010, rel=0.03)
+    assert busy == pytest.approx(0.015, rel=0.05)
