@@ -94,23 +94,40 @@ def wait_quiet(window_s: float = 3.0, log=print) -> bool:
 PAUSABLE = ("python", "mpiexec", "hydra_pmi_proxy", "pytest")
 
 
-@contextlib.contextmanager
-def _others_paused():
-    """SIGSTOP other Python/MPI processes (not ours, not our ancestors) for the block; SIGCONT after."""
+PAUSE_SLICE_S, BREATHE_S = 40.0, 1.0  # paused jobs run 1 s in every 41: their own watchdogs see no long silence
+
+
+def _signal_others(sig: int) -> None:
     me = psutil.Process(os.getpid())
     keep = _ours() | {p.pid for p in me.parents()}
-    paused = []
+    for p in psutil.process_iter(["pid", "name"]):
+        if p.info["pid"] not in keep and (p.info["name"] or "").startswith(PAUSABLE):
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
+
+
+@contextlib.contextmanager
+def _others_paused():
+    """SIGSTOP other Python/MPI processes (not ours, not our ancestors) for the block, letting them breathe
+    for BREATHE_S every PAUSE_SLICE_S; SIGCONT after."""
+    done = threading.Event()
+
+    def slices() -> None:
+        while True:
+            _signal_others(signal.SIGSTOP)
+            if done.wait(PAUSE_SLICE_S):
+                return
+            _signal_others(signal.SIGCONT)
+            time.sleep(BREATHE_S)
+
+    t = threading.Thread(target=slices, daemon=True)
+    t.start()
     try:
-        for p in psutil.process_iter(["pid", "name"]):
-            if p.info["pid"] not in keep and (p.info["name"] or "").startswith(PAUSABLE):
-                with contextlib.suppress(psutil.Error):
-                    p.send_signal(signal.SIGSTOP)
-                    paused.append(p)
         yield
     finally:
-        for p in paused:
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(signal.SIGCONT)
+        done.set()
+        t.join()
+        _signal_others(signal.SIGCONT)
 
 
 def run_quietly(cmd: list[str], tries: int = 6, log=print, **kw) -> tuple[subprocess.CompletedProcess, float]:

@@ -2,7 +2,7 @@
 
 simulate: one generation of the real Head scheduler on a cluster described by a profile (profile.py),
           optionally re-split, scaled to another model or to more hosts, with other links.
-plan:     searches layer split, draft placement, micro-batch cap, -pa and -pr on a profile's cluster
+plan:     searches layer split, draft placement, micro-batch cap and -pr on a profile's cluster
           for the fastest simulated configuration, and prints the `pipeinfer launch` line that runs it
           beside the predicted tokens/s of iterative, speculative and pipeinfer.
 """
@@ -21,7 +21,6 @@ from .head import MODES, GenConfig
 from .twin import (Cluster, Link, SimResult, cluster_from_profile, scaled_layer_model, simulate,
                    stage_cost_from_model)
 
-PLAN_P_ACCEPT = (0.3, 0.5, 0.7)
 PLAN_P_RECOVERY = (None, 0.1, 0.25, 0.5)   # None: auto (0.5 / (ranks - 1))
 
 
@@ -130,8 +129,10 @@ def search(prof: dict, *, agreement: float, n_predict: int, exact_limit: int, dr
         lead = mode == "speculative"
         caps = range(1, max(1, exact_limit - lead) + 1)
         p_recs = PLAN_P_RECOVERY if mode == "pipeinfer" else (0.0,)
-        for fr, place, cap, pa, pr in itertools.product(fr_splits, places, caps, PLAN_P_ACCEPT, p_recs):
-            cand = Candidate(mode, list(fr) if fr else None, place, cap, pa, pr)
+        # -pa stays the user's: the twin's draft agrees with a fixed probability whatever its confidence, so it
+        # cannot say what another cutoff would do to the acceptance
+        for fr, place, cap, pr in itertools.product(fr_splits, places, caps, p_recs):
+            cand = Candidate(mode, list(fr) if fr else None, place, cap, base.cut.p_accept, pr)
             cand.tokens_per_s = run(cand)
             if mode not in best or cand.tokens_per_s > best[mode].tokens_per_s:
                 best[mode] = cand
