@@ -101,21 +101,37 @@ def machine_id() -> str:
         return host_name()
 
 
-def measure_shared_slowdown(comm, path, *, embd_input: bool, last: bool, threads: int, kernels: str) -> float:
-    """How much slower this rank's 1-token decode is while every rank decodes at once (ranks sharing a
-    machine share its memory bandwidth; on separate machines this is ~1)."""
+def measure_shared_slowdown(comm, path, *, embd_input: bool, last: bool, threads: int, kernels: str,
+                            window_s: float = 4.0) -> float:
+    """How much slower this rank's 1-token decode is while every rank decodes (ranks on one machine share
+    its cores and memory bandwidth; on separate machines this is ~1): the mean decode time while all ranks
+    decode in a loop for the same window_s, over the median time alone (ranks in turn)."""
+    from .protocol import Batch, kv_ops, rm
     from .stage import StageEngine
     from .transport import polite_barrier
+    rng = np.random.default_rng(comm.Get_rank())
     with StageEngine(path, n_ctx=RUN_N_CTX, n_batch=RUN_N_BATCH, n_seq_max=plan_partitions(1, 8)[1], n_threads=threads,
                      n_threads_batch=threads, embd_input=embd_input, capture_hidden=not last, kernels=kernels) as eng:
-        alone = _time_stage(eng, [1])[0] if comm.Get_rank() == 0 else None
-        polite_barrier(comm)
-        together = _time_stage(eng, [1], n_repeat=2 * N_REPEAT)[0]  # every rank at once
-        polite_barrier(comm)
-        for r in range(1, comm.Get_size()):  # the others alone, one at a time
+        alone = None
+        for r in range(comm.Get_size()):
+            polite_barrier(comm)
             if comm.Get_rank() == r:
                 alone = _time_stage(eng, [1])[0]
-            polite_barrier(comm)
+        polite_barrier(comm)
+        def batch(pos0: int, n: int):
+            b = Batch(np.full(n, 500, np.int32), np.arange(pos0, pos0 + n, dtype=np.int32), [[0]] * n,
+                      np.ones(n, np.int32), kv_ops())
+            return b, rng.standard_normal((n, eng.n_embd), dtype=np.float32) * 0.1 if eng.embd_input else None
+        eng.decode(*batch(0, N_CTX_FILL))  # the same warm cache the timings alone had
+        b, emb = batch(N_CTX_FILL, 1)
+        t0, n = time.perf_counter(), 0
+        while time.perf_counter() - t0 < window_s:  # every rank at once, for the same window
+            eng.decode(b, emb)
+            eng.apply_kv_ops(kv_ops(rm(0, N_CTX_FILL, -1)))
+            n += 1
+        together = (time.perf_counter() - t0) * 1e3 / n
+        eng.apply_kv_ops(kv_ops(rm(-1)))
+        polite_barrier(comm)
     return together / alone
 
 

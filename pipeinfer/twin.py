@@ -167,9 +167,9 @@ class SimPipeline:
         self._link_free_s = [0.0] * cluster.n_ranks
         self._arrived: deque[Result] = deque()
         self.t_head_wait_s = 0.0
-        self._head_busy_until_s = 0.0
-        m = cluster.machine_of or [f"host{r}" for r in range(cluster.n_ranks)]
-        self._neighbours = [[q for q in range(cluster.n_ranks) if q != r and m[q] == m[r]] for r in range(cluster.n_ranks)]
+        self._machine = cluster.machine_of or [f"host{r}" for r in range(cluster.n_ranks)]
+        # compute in progress, by rank (0: the head's thread): [work left in seconds alone, slowdown, since]
+        self._active: dict[int, list[float]] = {}
 
     # ---- the event queue
     def _post(self, t_s: float, fn, *args) -> None:
@@ -205,12 +205,12 @@ class SimPipeline:
                     st.cancelled.add(txn.run_id)
                     self._forward(t_s, st, txn)
                     continue
-                cost_s = self.c.stages[st.rank].ms(txn.n_tokens) / 1e3 * self._sharing(st.rank, t_s)
+                st.current, st.t_start_s = txn, t_s
+                self._compute_starts(st.rank, self.c.stages[st.rank].ms(txn.n_tokens) / 1e3, t_s)
             else:
-                cost_s = KV_OP_MS / 1e3
-            st.current, st.t_start_s = txn, t_s
-            st.version += 1
-            self._post(t_s + cost_s, self._end, st.rank, st.version)
+                st.current, st.t_start_s = txn, t_s
+                st.version += 1
+                self._post(t_s + KV_OP_MS / 1e3, self._end, st.rank, st.version)
 
     def _end(self, t_s: float, rank: int, version: int) -> None:
         st = self.stages[rank]
@@ -218,6 +218,7 @@ class SimPipeline:
             return  # aborted: a later end was scheduled
         txn, st.current = st.current, None
         if txn.kind == Kind.DECODE:
+            self._compute_ends(rank, t_s)
             st.trace.t_busy_s += t_s - st.t_start_s
             if txn.cancelled:
                 st.trace.n_cancelled_mid += 1
@@ -245,8 +246,9 @@ class SimPipeline:
         if (cur is not None and cur.kind == Kind.DECODE and cur.speculative and not cur.cancelled
                 and (cur.run_id in st.cancelled or cur.parent_id in st.cancelled)):
             cur.cancelled = True
-            st.version += 1
-            self._post(t_s + self.c.abort_check_ms / 1e3, self._end, rank, st.version)
+            self._settle(rank, t_s)
+            self._active[rank][0] = self.c.abort_check_ms / 1e3  # stops at the abort callback's next check
+            self._reschedule(rank, t_s)
         if rank > 1:  # relayed backwards, never to the head
             lk = self.c.links[rank - 1]
             self._post(t_s + lk.latency_s + lk.transfer_s(4 * len(run_ids)), self._cancel_arrives, rank - 1, run_ids)
@@ -257,25 +259,66 @@ class SimPipeline:
             tokens = np.array([self.ref[p + 1] if p + 1 < len(self.ref) else 0 for p in txn.output_pos], dtype=np.int32)
         self._arrived.append(Result(txn.run_id, txn.cancelled, tokens))
 
-    # ---- Pipeline's interface (the head's side)
-    def _sharing(self, rank: int, t_s: float) -> float:
-        """The slowdown of compute that starts on `rank` at t_s (other ranks of its machine computing)."""
-        k = sum(1 for q in self._neighbours[rank]
-                if (q == 0 and self._head_busy_until_s > t_s) or (q > 0 and self.stages[q].current is not None
-                                                                 and self.stages[q].current.kind == Kind.DECODE))
-        if k == 0:
+    # ---- compute that shares a machine (processor sharing: every rank of a machine that computes slows down)
+    def _slowdown(self, k: int, rank: int) -> float:
+        """The slowdown of each of k computations running at once on rank's machine."""
+        if k <= 1:
             return 1.0
-        cores = self.c.cores_of[rank] if self.c.cores_of else k + 1
-        return self.c.shared_slowdown * max(1.0, (k + 1) / cores)
+        cores = self.c.cores_of[rank] if self.c.cores_of else k
+        return self.c.shared_slowdown * max(1.0, k / cores)
 
+    def _peers(self, rank: int) -> list[int]:
+        return [q for q in self._active if self._machine[q] == self._machine[rank]]
+
+    def _settle(self, rank: int, t_s: float) -> None:
+        """Charge the work done until t_s to every computation on rank's machine."""
+        for q in self._peers(rank):
+            a = self._active[q]
+            a[0] = max(0.0, a[0] - (t_s - a[2]) / a[1])
+            a[2] = t_s
+
+    def _reschedule(self, rank: int, t_s: float) -> None:
+        """New slowdowns on rank's machine; the stage ranks' ends move accordingly (the head's loop reads its own)."""
+        peers = self._peers(rank)
+        for q in peers:
+            a = self._active[q]
+            a[1] = self._slowdown(len(peers), q)
+            if q > 0:
+                st = self.stages[q]
+                st.version += 1
+                self._post(t_s + a[0] * a[1], self._end, q, st.version)
+
+    def _compute_starts(self, rank: int, work_s: float, t_s: float) -> None:
+        self._settle(rank, t_s)
+        self._active[rank] = [work_s, 1.0, t_s]
+        self._reschedule(rank, t_s)
+
+    def _compute_ends(self, rank: int, t_s: float) -> None:
+        self._settle(rank, t_s)
+        del self._active[rank]
+        self._reschedule(rank, t_s)
+
+    # ---- Pipeline's interface (the head's side)
     def _head_work(self, ms: float, compute: bool = False) -> None:
-        """The head's thread works ms (compute: a decode, slowed by neighbours on its machine)."""
-        if compute:
-            self._run_until(self.clock())
-            ms *= self._sharing(0, self.clock())
-            self._head_busy_until_s = self.clock() + ms / 1e3
-        self.clock.advance(ms / 1e3)
-        self.stages[0].trace.t_busy_s += ms / 1e3
+        """The head's thread works ms (compute: a decode, slowed while other ranks of its machine compute)."""
+        t0 = self.clock()
+        if not compute:
+            self.clock.advance(ms / 1e3)
+        else:
+            self._run_until(t0)
+            self._compute_starts(0, ms / 1e3, t0)
+            while True:
+                work, slow, since = self._active[0]
+                t_end = since + work * slow
+                if self._events and self._events[0][0] < t_end:  # something changes before it finishes
+                    t_next = self._events[0][0]
+                    self.clock.advance_to(t_next)
+                    self._run_until(t_next)
+                    continue
+                self.clock.advance_to(t_end)
+                self._compute_ends(0, t_end)
+                break
+        self.stages[0].trace.t_busy_s += self.clock() - t0
 
     def launch(self, run_id: int, batch: Batch, speculative: bool, parent_id: int = NO_RUN) -> None:
         self._head_work(self.c.head_overhead_ms)
