@@ -69,10 +69,13 @@ def drafter_args(drafter: str, agreement: float | None, ref: Path) -> list[str]:
             "--draft", "gemma3-270m"]
 
 
-def measure(setup: Setup, n: int, prompt_name: str, tmp: Path, log, prof_path: Path, meas_path: Path) -> None:
+def measure(setup: Setup, n: int, prompt_name: str, tmp: Path, log, prof_path: Path, meas_path: Path,
+            runs_too: bool = True) -> None:
     """Profile, then every measured run; saved to prof_path and meas_path (predict() reads them)."""
     log(f"[{setup.name}] profiling -> {prof_path}")
     setup.run(["profile", "-t", "1", "-o", str(prof_path)])
+    if not runs_too:
+        return
     base = ["generate", "--prompt-name", prompt_name, "-n", str(n), "-t", setup.threads, "--ignore-eos", "--json", "-q"]
     ref = tmp / f"ref-{setup.name}.json"
     log(f"[{setup.name}] iterative")
@@ -107,7 +110,10 @@ def predict(prof_path: Path, meas_path: Path, log) -> list[dict]:
         cluster.draft_resync_always = drafter == "replay"  # the replay burner re-syncs its context every call
         gen = GenConfig(mode=mode, n_predict=data["n"], cut=Cutoffs(0.5, 0.1, draft_max, 1), p_recovery=None,
                         stop_at_eos=False)
-        res = simulate(cluster, gen, agreement=agree, reference=reference, n_prompt=len(data["prompt_tokens"]))
+        # the replay drafter always proposes; a model draft proposes when confident: give the twin its rate
+        propose = 1.0 if drafter != "gemma" else st["n_spec_runs"] / max(1, st["n_draft_calls"])
+        res = simulate(cluster, gen, agreement=agree, reference=reference, n_prompt=len(data["prompt_tokens"]),
+                       propose=propose)
         meas, pred = st["gen_tokens_per_s"], res.stats.gen_tokens_per_s
         rows.append({"setup": data["setup"], "mode": mode, "drafter": drafter, "agreement": agreement or "",
                      "draft_max": draft_max if mode != "iterative" else "", "measured_tokens_per_s": round(meas, 3),
@@ -159,6 +165,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "twin_validation.csv"))
     ap.add_argument("--predict-only", action="store_true",
                     help="no measuring: predict again from the profile and runs an earlier run saved beside --out")
+    ap.add_argument("--profile-only", action="store_true", help="profile again, then predict the saved runs")
     ap.add_argument("--plan-check", choices=["yes", "no", "only"], default="yes",
                     help="measure what `pipeinfer plan` recommends on the 2-rank profile (only: just that, on saved runs)")
     args = ap.parse_args()
@@ -175,7 +182,8 @@ def main() -> None:
             prof = Path(args.out).with_name(f"twin_profile_{slug}.json")
             meas = Path(args.out).with_name(f"twin_measured_{slug}.json")
             if not args.predict_only and args.plan_check != "only":
-                measure(s, args.n, args.prompt_name, Path(tmp), lambda m: print(m, flush=True), prof, meas)
+                measure(s, args.n, args.prompt_name, Path(tmp), lambda m: print(m, flush=True), prof, meas,
+                        runs_too=not args.profile_only)
             print(f"[{s.name}] the twin's predictions")
             rows += predict(prof, meas, lambda m: print(m, flush=True))
             if s.rate is None and (args.plan_check == "only" or (args.plan_check == "yes" and not args.predict_only)):

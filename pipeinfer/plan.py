@@ -198,6 +198,8 @@ CLUSTER_OPTIONS = [
     click.option("-n", "--n-predict", default=128, show_default=True, type=click.IntRange(1)),
     click.option("--agreement", default=0.7, show_default=True, type=click.FloatRange(0, 1),
                  help="probability that each draft token is the target's"),
+    click.option("--propose", default=1.0, show_default=True, type=click.FloatRange(0, 1),
+                 help="probability that the draft proposes at all when asked (a model draft is not always confident)"),
 ]
 
 
@@ -241,7 +243,8 @@ def simulate_cmd(**kw) -> None:
         ref = list(data["prompt_tokens"]) + list(data["tokens"])
         n_prompt = len(data["prompt_tokens"])
     t0 = time.perf_counter()
-    res = simulate(cluster, gen, agreement=kw["agreement"], reference=ref, n_prompt=n_prompt, seed=kw["seed"])
+    res = simulate(cluster, gen, agreement=kw["agreement"], reference=ref, n_prompt=n_prompt, seed=kw["seed"],
+                   propose=kw["propose"])
     wall_s = time.perf_counter() - t0
     s = res.stats
     if kw["results"]:

@@ -263,7 +263,7 @@ def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
     return {"format": PROFILE_FORMAT, "build": build_id(), "kernels": opts.kernels,
             "exact_batch": min(limits) if limits else opts.max_batch,
             # ranks on one machine slow each other's decodes (memory bandwidth): the twin applies this
-            "shared_slowdown": round(statistics.median(shared), 3) if shared else 1.0,
+            "shared_slowdown": round(max(1.0, statistics.median(shared)), 3) if shared else 1.0,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "model": {"path": os.path.basename(opts.model), "n_layer": info.n_layer, "n_embd": info.n_embd,
                       "n_vocab": info.n_vocab, "file_bytes": os.path.getsize(opts.model)},

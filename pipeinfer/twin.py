@@ -432,9 +432,17 @@ class SimDraftCost:
 
 
 class _ChainAwareReplay(ReplayDrafter):
-    """ReplayDrafter whose burner sees the real context and proposals (so continuation is detected)."""
+    """ReplayDrafter whose burner sees the real context and proposals (so continuation is detected), and
+    which proposes at a call only with probability `propose` (a draft model is not always confident: the
+    Gemma draft proposed at about half of its calls); an unconfident call costs one draft token."""
+
+    propose = 1.0
 
     def draft(self, context, cut):
+        if self.propose < 1.0 and np.random.default_rng([self.seed, len(context), 1]).random() >= self.propose:
+            if self.burner is not None:
+                self.burner.draft(context, Cutoffs(0.0, 1.0, 1, 1))
+            return []
         tree = super().draft(context, cut)
         if self.burner is not None and tree:
             self.burner._last = list(context) + [n.token for n in tree]
@@ -457,7 +465,8 @@ def reference_tokens(n_prompt: int, n_predict: int, seed: int = 0) -> list[int]:
 
 
 def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prompt: int = 64,
-             reference: list[int] | None = None, max_in_flight: int = 8, seed: int = 0) -> SimResult:
+             reference: list[int] | None = None, max_in_flight: int = 8, seed: int = 0,
+             propose: float = 1.0) -> SimResult:
     """Run the real Head on the twin: one generation of gen.n_predict tokens in virtual time."""
     clock = VirtualClock()
     ref = reference or reference_tokens(n_prompt, gen.n_predict, seed)
@@ -475,6 +484,7 @@ def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prom
         pool = PartitionPool(n_part, gen.cut.max_branches, n_seq_max)
         cost = SimDraftCost(cluster, clock, pipe)
         drafter = _ChainAwareReplay(ref, agreement, n_vocab=30000, seed=seed, burner=cost)
+        drafter.propose = propose
     head = Head(pipe, gen, pool, drafter, clock=clock)
     tokens = head.generate(ref[:n_prompt])
     expect = ref[n_prompt:n_prompt + len(tokens)]
