@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -56,13 +57,14 @@ def auto_p_recovery(n_ranks: int) -> float:
     return 0.5 / max(1, n_ranks - 1)
 
 
-def choose_draft_len(acceptance: float, stage_ms: list[list[float]], draft_ms_per_token: float, cap: int) -> int:
+def choose_draft_len(acceptance: float, stage_ms: list[list[float]], draft_ms: tuple[float, float], cap: int) -> int:
     """Draft tokens per PipeInfer micro-batch: the b in 1..cap that adds the most accepted tokens per unit
     of the pipeline's bottleneck time.
 
     A micro-batch of b draft tokens adds sum_{i=1..b} a^i accepted tokens in expectation (each token needs
     every one before it accepted; a = acceptance); the pipeline runs one micro-batch per the slowest
-    stage's cost at batch b, where the head's stage (stage_ms[0]) also drafts the b tokens. On CPUs
+    stage's cost at batch b, where the head's stage (stage_ms[0]) also drafts the b tokens, at draft_ms =
+    (per call, per token) ms. On CPUs
     where a 2-token decode costs nearly twice a 1-token one (this project's AVX2 host: 38 / 73 / 104 ms
     for 1 / 2 / 3 tokens on half of Qwen2.5-1.5B) that is 1 unless the draft is nearly always right;
     where batching is cheap it is the cap.
@@ -72,11 +74,26 @@ def choose_draft_len(acceptance: float, stage_ms: list[list[float]], draft_ms_pe
         if any(len(ms) < b for ms in stage_ms):
             break
         gain = sum(acceptance ** i for i in range(1, b + 1))
-        bottleneck = max([stage_ms[0][b - 1] + b * draft_ms_per_token] + [ms[b - 1] for ms in stage_ms[1:]])
+        bottleneck = max([stage_ms[0][b - 1] + draft_ms[0] + b * draft_ms[1]] + [ms[b - 1] for ms in stage_ms[1:]])
         rate = gain / bottleneck if bottleneck > 0 else float("inf")
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = b, rate
     return best
+
+
+def draft_cost_fit(calls) -> tuple[float, float]:
+    """(ms per call, ms per token) of recent draft calls [(tokens, ms)] by least squares; with one size seen
+    so far, half each (a drafter that re-syncs its context pays about one decode per call), which also
+    makes the other sizes worth a try."""
+    if not calls:
+        return 0.0, 0.0
+    n = np.array([c[0] for c in calls], dtype=np.float64)
+    ms = np.array([c[1] for c in calls], dtype=np.float64)
+    if np.ptp(n) == 0:
+        per = float(ms.mean() / (n[0] + 1))
+        return per, per
+    slope, icept = np.polyfit(n, ms, 1)
+    return max(0.0, float(icept)), max(0.0, float(slope))
 
 
 @dataclass(frozen=True)
@@ -147,7 +164,7 @@ class Head:
         self.n_cells_bound = 0              # cells any stage may hold: retired cells count until COMPACT
         self._n_checked = 0                 # draft tokens verification reached (their predecessors accepted)
         self._n_agreed = 0                  # ... and found right
-        self._draft_ms = 0.0                # the drafter's time per proposed token (running mean)
+        self._draft_obs: deque[tuple[int, float]] = deque(maxlen=32)  # recent (tokens proposed, ms) draft calls
 
     # ================================================================ the algorithm
     def generate(self, prompt: list[int]) -> list[int]:
@@ -190,8 +207,7 @@ class Head:
                                                        self._draft_len(), cut.max_branches))
             self.stats.n_draft_calls += 1
             if tree:
-                per_token_ms = (self.clock() - t0) * 1e3 / len(tree)
-                self._draft_ms = per_token_ms if self.stats.n_spec_runs == 0 else 0.8 * self._draft_ms + 0.2 * per_token_ms
+                self._draft_obs.append((len(tree), (self.clock() - t0) * 1e3))
             if tree:
                 self._launch_spec(tree, context)
                 self.adjust += self.cfg.p_recovery
@@ -208,7 +224,8 @@ class Head:
         if self.cfg.stage_ms is None or self.cfg.mode != "pipeinfer":
             return cut.n_max
         acceptance = (self._n_agreed + 0.6 * 8) / (self._n_checked + 8)
-        n = choose_draft_len(acceptance, [list(ms) for ms in self.cfg.stage_ms], self._draft_ms, cut.n_max)
+        n = choose_draft_len(acceptance, [list(ms) for ms in self.cfg.stage_ms], draft_cost_fit(self._draft_obs),
+                             cut.n_max)
         self.stats.draft_len_hist[n] = self.stats.draft_len_hist.get(n, 0) + 1
         return n
 

@@ -669,17 +669,26 @@ def test_fake_pipeline_rejects_freeing_a_cell():
 def test_draft_len_is_one_where_batching_costs_as_much_as_separate_decodes():
     from pipeinfer.head import choose_draft_len
     costly = [[38.0, 73.0, 104.0], [52.0, 100.0, 129.0]]   # this project's AVX2 host, 2 ranks x 1 thread
-    assert choose_draft_len(0.7, costly, 20.0, 3) == 1
-    assert choose_draft_len(0.9, costly, 20.0, 3) == 1
+    assert choose_draft_len(0.7, costly, (0.0, 20.0), 3) == 1
+    assert choose_draft_len(0.9, costly, (0.0, 20.0), 3) == 1
+    assert choose_draft_len(0.95, costly, (30.0, 10.0), 3) == 3  # a costly call, cheap tokens: fill it
     cheap = [[38.0, 40.0, 42.0], [52.0, 54.0, 56.0]]        # batching nearly free (memory-bound kernels)
-    assert choose_draft_len(0.7, cheap, 1.0, 3) == 3
-    assert choose_draft_len(0.7, cheap, 1.0, 2) == 2        # --draft-max is the cap
-    assert choose_draft_len(0.05, [[38.0, 60.0], [52.0, 70.0]], 1.0, 2) == 1  # rarely right: not worth a row
+    assert choose_draft_len(0.7, cheap, (0.0, 1.0), 3) == 3
+    assert choose_draft_len(0.7, cheap, (0.0, 1.0), 2) == 2  # --draft-max is the cap
+    assert choose_draft_len(0.05, [[38.0, 60.0], [52.0, 70.0]], (0.0, 1.0), 2) == 1  # rarely right: not worth a row
     # the rate it maximises: sum a^i / bottleneck, the head's stage paying for the drafts
     a, ms = 0.8, [[10.0, 12.0], [30.0, 31.0]]
     rates = [a / 30.0, (a + a * a) / 31.0]
-    assert choose_draft_len(a, ms, 5.0, 2) == 1 + rates.index(max(rates))
-    assert choose_draft_len(0.5, ms, 25.0, 2) == 1           # drafting on the head makes it the bottleneck
+    assert choose_draft_len(a, ms, (0.0, 5.0), 2) == 1 + rates.index(max(rates))
+    assert choose_draft_len(0.5, ms, (0.0, 25.0), 2) == 1    # drafting on the head makes it the bottleneck
+
+
+def test_draft_cost_fit_separates_per_call_and_per_token_costs():
+    from pipeinfer.head import draft_cost_fit
+    assert draft_cost_fit([]) == (0.0, 0.0)
+    assert draft_cost_fit([(1, 60.0), (1, 60.0)]) == (30.0, 30.0)  # one size seen: half each
+    c0, c1 = draft_cost_fit([(1, 50.0), (3, 90.0), (2, 70.0)])
+    assert c0 == pytest.approx(30.0) and c1 == pytest.approx(20.0)
 
 
 def test_chain_checks_count_drafts_up_to_the_first_wrong_one():
