@@ -77,7 +77,7 @@ def measure(setup: Setup, n: int, prompt_name: str, tmp: Path, log, prof_path: P
     if not runs_too:
         return
     base = ["generate", "--prompt-name", prompt_name, "-n", str(n), "-t", setup.threads, "--ignore-eos", "--json", "-q"]
-    ref = tmp / f"ref-{setup.name}.json"
+    ref = tmp / f"ref-{meas_path.stem}.json"
     log(f"[{setup.name}] iterative")
     out = setup.run(base + ["--mode", "iterative"])
     ref.write_text(out.strip().splitlines()[-1])
