@@ -58,24 +58,29 @@ def auto_p_recovery(n_ranks: int) -> float:
 
 
 def choose_draft_len(acceptance: float, stage_ms: list[list[float]], draft_ms: tuple[float, float], cap: int) -> int:
-    """Draft tokens per PipeInfer micro-batch: the b in 1..cap that adds the most accepted tokens per unit
-    of the pipeline's bottleneck time.
+    """Draft tokens per PipeInfer micro-batch: the b in 1..cap that adds the most accepted tokens per unit of
+    time, counting the refills that wrong drafts cause.
 
     A micro-batch of b draft tokens adds sum_{i=1..b} a^i accepted tokens in expectation (each token needs
-    every one before it accepted; a = acceptance); the pipeline runs one micro-batch per the slowest
-    stage's cost at batch b, where the head's stage (stage_ms[0]) also drafts the b tokens, at draft_ms =
-    (per call, per token) ms. On CPUs
-    where a 2-token decode costs nearly twice a 1-token one (this project's AVX2 host: 38 / 73 / 104 ms
-    for 1 / 2 / 3 tokens on half of Qwen2.5-1.5B) that is 1 unless the draft is nearly always right;
-    where batching is cheap it is the cap.
+    every one before it accepted; a = acceptance). The pipeline runs one micro-batch per the slowest stage's
+    cost at batch b (the head's stage, stage_ms[0], also drafts the b tokens at draft_ms = (per call, per
+    token) ms), and with probability 1 - a^b the micro-batch breaks the speculation chain: everything
+    launched after it is cancelled and the pipeline refills, which costs one pass through every stage at
+    batch b. So the rate is gain / (bottleneck + (1 - a^b) x pass). Larger micro-batches pay off where
+    batching is cheap and the pipeline is short; on CPUs where a 2-token decode costs nearly twice a 1-token
+    one (this project's AVX2 host: 42 / 74 / 122 ms for 1 / 2 / 3 tokens on half of Qwen2.5-1.5B), and on
+    deep pipelines, the answer is 1 unless the draft is nearly always right.
     """
     best, best_rate = 1, -1.0
     for b in range(1, cap + 1):
         if any(len(ms) < b for ms in stage_ms):
             break
         gain = sum(acceptance ** i for i in range(1, b + 1))
-        bottleneck = max([stage_ms[0][b - 1] + draft_ms[0] + b * draft_ms[1]] + [ms[b - 1] for ms in stage_ms[1:]])
-        rate = gain / bottleneck if bottleneck > 0 else float("inf")
+        head = stage_ms[0][b - 1] + draft_ms[0] + b * draft_ms[1]
+        bottleneck = max([head] + [ms[b - 1] for ms in stage_ms[1:]])
+        refill = head + sum(ms[b - 1] for ms in stage_ms[1:])
+        time = bottleneck + (1 - acceptance ** b) * refill
+        rate = gain / time if time > 0 else float("inf")
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = b, rate
     return best

@@ -676,11 +676,16 @@ def test_draft_len_is_one_where_batching_costs_as_much_as_separate_decodes():
     assert choose_draft_len(0.7, cheap, (0.0, 1.0), 3) == 3
     assert choose_draft_len(0.7, cheap, (0.0, 1.0), 2) == 2  # --draft-max is the cap
     assert choose_draft_len(0.05, [[38.0, 60.0], [52.0, 70.0]], (0.0, 1.0), 2) == 1  # rarely right: not worth a row
-    # the rate it maximises: sum a^i / bottleneck, the head's stage paying for the drafts
+    # the rate it maximises: sum a^i / (bottleneck + P(chain breaks) x one pass), the head paying for drafts
     a, ms = 0.8, [[10.0, 12.0], [30.0, 31.0]]
-    rates = [a / 30.0, (a + a * a) / 31.0]
+    rates = [a / (max(15.0, 30.0) + (1 - a) * (15.0 + 30.0)),
+             (a + a * a) / (max(22.0, 31.0) + (1 - a * a) * (22.0 + 31.0))]
     assert choose_draft_len(a, ms, (0.0, 5.0), 2) == 1 + rates.index(max(rates))
     assert choose_draft_len(0.5, ms, (0.0, 25.0), 2) == 1    # drafting on the head makes it the bottleneck
+    # a deep pipeline: a wrong draft in a big micro-batch costs a long refill, so smaller batches win
+    deep = [[40.0, 55.0, 70.0]] * 8
+    assert choose_draft_len(0.9, deep, (0.0, 0.0), 3) == 1
+    assert choose_draft_len(0.9, deep[:2], (0.0, 0.0), 3) == 3
 
 
 def test_draft_cost_fit_separates_per_call_and_per_token_costs():
