@@ -97,28 +97,36 @@ PAUSABLE = ("python", "mpiexec", "hydra_pmi_proxy", "pytest")
 PAUSE_SLICE_S, BREATHE_S = 40.0, 1.0  # paused jobs run 1 s in every 41: their own watchdogs see no long silence
 
 
-def _signal_others(sig: int) -> None:
+def _others_now() -> list[psutil.Process]:
+    """Other Python/MPI processes (not ours, not our ancestors), listed before our run starts: a process
+    our run starts is never among them."""
     me = psutil.Process(os.getpid())
     keep = _ours() | {p.pid for p in me.parents()}
-    for p in psutil.process_iter(["pid", "name"]):
-        if p.info["pid"] not in keep and (p.info["name"] or "").startswith(PAUSABLE):
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(sig)
+    return [p for p in psutil.process_iter(["pid", "name"])
+            if p.info["pid"] not in keep and (p.info["name"] or "").startswith(PAUSABLE)]
+
+
+def _signal(procs: list[psutil.Process], sig: int) -> None:
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(sig)
 
 
 @contextlib.contextmanager
 def _others_paused():
-    """SIGSTOP other Python/MPI processes (not ours, not our ancestors) for the block, letting them breathe
-    for BREATHE_S every PAUSE_SLICE_S; SIGCONT after."""
+    """SIGSTOP the other Python/MPI processes that exist now for the block, letting them breathe for
+    BREATHE_S every PAUSE_SLICE_S; SIGCONT them after. (Ones started during the block are not paused: the
+    meter sees them, and the run is measured again.)"""
+    others = _others_now()
     done = threading.Event()
+    _signal(others, signal.SIGSTOP)
 
     def slices() -> None:
-        while True:
-            _signal_others(signal.SIGSTOP)
-            if done.wait(PAUSE_SLICE_S):
-                return
-            _signal_others(signal.SIGCONT)
+        while not done.wait(PAUSE_SLICE_S):
+            _signal(others, signal.SIGCONT)
             time.sleep(BREATHE_S)
+            if not done.is_set():
+                _signal(others, signal.SIGSTOP)
 
     t = threading.Thread(target=slices, daemon=True)
     t.start()
@@ -127,7 +135,7 @@ def _others_paused():
     finally:
         done.set()
         t.join()
-        _signal_others(signal.SIGCONT)
+        _signal(others, signal.SIGCONT)
 
 
 def run_quietly(cmd: list[str], tries: int = 6, log=print, **kw) -> tuple[subprocess.CompletedProcess, float]:
