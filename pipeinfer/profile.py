@@ -53,7 +53,7 @@ def _time_stage(engine, n_tokens_list: list[int], n_repeat: int = N_REPEAT) -> l
     rng = np.random.default_rng(0)
 
     def batch(pos0: int, n: int) -> tuple[Batch, np.ndarray | None]:
-        toks = rng.integers(100, 1000, n).astype(np.int32)
+        toks = rng.integers(0, engine.n_vocab, n).astype(np.int32)
         b = Batch(toks, np.arange(pos0, pos0 + n, dtype=np.int32), [[0]] * n, np.ones(n, np.int32), kv_ops())
         emb = rng.standard_normal((n, engine.n_embd), dtype=np.float32) * 0.1 if engine.embd_input else None
         return b, emb
@@ -121,7 +121,7 @@ def measure_shared_slowdown(comm, path, *, embd_input: bool, last: bool, threads
                 alone = _time_stage(eng, [1])[0]
         polite_barrier(comm)
         def batch(pos0: int, n: int):
-            b = Batch(np.full(n, 500, np.int32), np.arange(pos0, pos0 + n, dtype=np.int32), [[0]] * n,
+            b = Batch(np.full(n, min(500, eng.n_vocab - 1), np.int32), np.arange(pos0, pos0 + n, dtype=np.int32), [[0]] * n,
                       np.ones(n, np.int32), kv_ops())
             return b, rng.standard_normal((n, eng.n_embd), dtype=np.float32) * 0.1 if eng.embd_input else None
         eng.decode(*batch(0, N_CTX_FILL))  # the same warm cache the timings alone had
@@ -168,7 +168,7 @@ def measure_draft(path, threads: int, kernels: str, n_max: int = 4) -> dict:
     from .drafter import Cutoffs, ModelDrafter
     d = ModelDrafter(path, n_ctx=RUN_N_CTX, max_branches=1, n_threads=threads, n_threads_batch=threads, kernels=kernels)
     rng = np.random.default_rng(0)
-    prompt = rng.integers(100, 1000, N_CTX_FILL).tolist()
+    prompt = rng.integers(0, d.n_vocab, N_CTX_FILL).tolist()
     t0 = time.perf_counter()
     d.prefill(prompt)
     prefill_ms = (time.perf_counter() - t0) * 1e3
@@ -201,12 +201,12 @@ def measure_head_overhead_ms() -> float:
 N_CALIBRATION_TOKENS = 32
 
 
-def measure_in_pipeline(comm, opts: ProfileOptions) -> dict | None:
+def measure_in_pipeline(comm, opts: ProfileOptions, n_vocab: int) -> dict | None:
     """Each stage's 1-token decode time inside a short real iterative generation (rank 0 gets a dict:
     ms per stage rank >= 1 from its statistics, and the generation's ITL; None elsewhere)."""
     from .head import GenConfig
     from .runner import RunOptions, run
-    res = run(RunOptions(opts.model, prompt_tokens=[9707], layer_split=opts.layer_split, threads=opts.threads,
+    res = run(RunOptions(opts.model, prompt_tokens=[min(9707, n_vocab - 1)], layer_split=opts.layer_split, threads=opts.threads,
                          gen=GenConfig(mode="iterative", n_predict=N_CALIBRATION_TOKENS, stop_at_eos=False,
                                        p_recovery=0.0), kernels=opts.kernels), comm)
     if res is None:
@@ -284,7 +284,7 @@ def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
             sub.Free()
             polite_barrier(comm)
         link_lists = comm.gather(links, root=0)
-        in_pipeline = measure_in_pipeline(comm, opts)
+        in_pipeline = measure_in_pipeline(comm, opts, info.n_vocab)
         if rank != 0:
             return None
         records = {k: v for d in all_records for k, v in d.items()}

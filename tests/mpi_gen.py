@@ -19,7 +19,8 @@ gen = GenConfig(mode=cfg.get("mode", "iterative"), n_predict=cfg["n"],
                             cfg.get("max_branches", 1)),
                 p_recovery=cfg.get("p_recovery", 0.0), p_decay=cfg.get("p_decay", 0.0),
                 cancel=cfg.get("cancel", True), continuous=cfg.get("continuous", True),
-                n_batch=cfg.get("n_batch", 512), stop_at_eos=False)
+                n_batch=cfg.get("n_batch", 512), stop_at_eos=False,
+                adaptive_draft=cfg.get("micro_batch", "auto") == "auto")
 res = run(RunOptions(model=cfg["model"], prompt_tokens=cfg["prompt"], gen=gen, layer_split=cfg.get("split"),
                      threads=cfg.get("threads", "1"), n_ctx=cfg.get("n_ctx", 1024), draft=cfg.get("draft"),
                      drafter=cfg.get("drafter", "model"), replay_ref=cfg.get("replay_ref"),

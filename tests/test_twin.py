@@ -211,3 +211,26 @@ def test_more_busy_ranks_than_cores_time_share_the_machine():
     roomy = simulate(cl(3), gen("pipeinfer", 256, 1), agreement=1.0).stats.itl_s
     assert roomy == pytest.approx(0.010, rel=0.03)
     assert busy == pytest.approx(0.015, rel=0.05)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n_ranks", [None, 2])
+def test_profile_writes_what_simulate_needs(models, tmp_path, n_ranks):
+    # one process measuring a 2-stage split in turn, and 2 MPI ranks (links, shared slowdown, calibration)
+    out = tmp_path / "p.json"
+    args = ["profile", "-m", str(models["q8"]), "--draft", str(models["draft90"]), "--max-batch", "3", "-o", str(out)]
+    p = run_cli(args + (["--ranks", "2"] if n_ranks is None else []), n=n_ranks, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    prof = json.loads(out.read_text())
+    assert [r["layers"] for r in prof["ranks"]] == [[0, 2], [2, 4]] and prof["ranks"][1]["last"]
+    assert all(len(r["ms_by_batch"]) == 3 and min(r["ms_by_batch"]) > 0 for r in prof["ranks"])
+    assert len(prof["layer_model"]["layer_ms"]) == 3 and prof["draft"]["ms_per_token"] > 0
+    assert prof["exact_batch"] >= 1 and prof["head_overhead_ms"] > 0
+    if n_ranks:
+        assert [(lk["from"], lk["to"]) for lk in prof["links"]] == [(0, 1), (1, 0)]
+        assert all(lk["bandwidth_bps"] > 0 for lk in prof["links"])
+        assert all(r["in_pipeline_factor"] > 0 for r in prof["ranks"])
+    sim = run_cli(["simulate", "--profile", str(out), "-n", "16", "--json"]
+                  + (["--bandwidth-mbit", "1000"] if n_ranks is None else []))
+    assert sim.returncode == 0, sim.stderr
+    assert json.loads(sim.stdout)["stats"]["n_generated"] == 16
