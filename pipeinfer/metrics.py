@@ -96,7 +96,7 @@ class Stats:
             f"drafted/accepted  = {self.n_drafted}/{self.n_draft_accepted} "
             f"(acceptance {self.acceptance_rate * 100:.1f}%)",
             f"tokens per run    = {self.mean_accepted_per_run:.2f}",
-            *([f"micro-batch sizes = " + ", ".join(f"{k} drafts x {v}" for k, v in sorted(self.draft_len_hist.items()))]
+            *(["micro-batch sizes = " + ", ".join(f"{k} drafts x {v}" for k, v in sorted(self.draft_len_hist.items()))]
               if self.draft_len_hist else []),
             f"KV compactions    = {self.n_compactions}",
         ]
