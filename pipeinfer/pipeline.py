@@ -80,7 +80,7 @@ class Pipeline:
         """The oldest run's result, waiting politely for it."""
         if not self.in_flight:
             raise RuntimeError("no run in flight")
-        expected = self.in_flight.popleft()
+        expected = self.in_flight[0]  # stays counted as in flight while we wait for it (liveness.py reports it)
         if not self.distributed:
             res = self._local.popleft()
         else:
@@ -90,6 +90,7 @@ class Pipeline:
             cancelled = bool(hdr.flags & Flag.CANCELLED)
             tokens = None if cancelled else self.tx.recv_array(self.last, Tag.TOKENS, (hdr.n_outputs,), np.int32)
             res = Result(hdr.run_id, cancelled, tokens)
+        self.in_flight.popleft()
         if res.run_id != expected:
             raise RuntimeError(f"results out of order: expected run {expected}, got {res.run_id}")
         return res

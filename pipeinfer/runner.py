@@ -43,6 +43,7 @@ class RunOptions:
     max_in_flight: int = 8
     poll_s: float = 0.0005
     kernels: str = DEFAULT_KERNELS            # kernels.py: repack | no-repack | fast (not batch-invariant)
+    stall_timeout: float = 60.0               # liveness.py: a rank silent this long ends the job (0: only losses)
     on_tokens: object = None                  # callable(list of new token ids), rank 0
     on_progress: object = None                # callable(Stats, runs in flight), rank 0
 
@@ -93,6 +94,7 @@ class HeadSession:
     exact_per_rank: list[int | None]
     n_seq_max: int
     probe_ms: list[float] | None = None
+    live: object = None                 # liveness.Liveness (several ranks)
     last_tokens: list[int] = field(default_factory=list)
     n_generations: int = 0
     _next_run: int = 0
@@ -132,6 +134,8 @@ class HeadSession:
         polite_barrier(self.comm, self.opts.poll_s)
         stage_stats = self.comm.gather(None, root=0)[1:]
         rss = self.comm.gather(_peak_rss_mb(), root=0)
+        if self.live is not None:
+            self.live.close()
         self.tok.close()
         self.engine.close()
         return [vars(head_stage)] + stage_stats, rss
@@ -146,6 +150,10 @@ def open_session(opts: RunOptions, comm=None) -> HeadSession | None:
     versions = comm.allgather(PROTOCOL_VERSION)
     if len(set(versions)) != 1:
         raise UserError(f"ranks run different pipeinfer protocol versions: {versions}")
+    live = None
+    if size > 1:  # from here on, a rank that dies or goes silent is named and ends the job (liveness.py)
+        from .liveness import Liveness
+        live = Liveness(comm, opts.stall_timeout)
 
     info = read_info(opts.model)
     if opts.draft and opts.gen.mode != "iterative":
@@ -201,6 +209,7 @@ def open_session(opts: RunOptions, comm=None) -> HeadSession | None:
         polite_barrier(comm, opts.poll_s)
         comm.gather(vars(stats), root=0)
         comm.gather(_peak_rss_mb(), root=0)
+        live.close()
         engine.close()
         return None
 
@@ -213,8 +222,10 @@ def open_session(opts: RunOptions, comm=None) -> HeadSession | None:
     from .tokenizer import Tokenizer
     tok = Tokenizer(opts.model)
     eos = set() if not cfg.stop_at_eos else {t for t in tok.eos}
+    if live is not None:
+        live.in_flight = lambda: len(pipe.in_flight)
     return HeadSession(opts, cfg, comm, engine, transport, pipe, pool, drafter_for, tok, eos, ranges, exact_per_rank,
-                       n_seq_max, probe_ms)
+                       n_seq_max, probe_ms, live)
 
 
 def _draft_max(cfg: GenConfig, exact_per_rank: list[int | None]) -> int | None:
