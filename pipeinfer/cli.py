@@ -418,12 +418,13 @@ def _kernel_and_link_columns(s) -> dict:
 def _run_guarded(fn, kw) -> None:
     """User errors: one line, exit 1 on every rank (MPI_Abort under mpiexec, so no rank hangs)."""
     from .models import ModelError
+    from .protocol import ProtocolError
     from .runner import UserError
     from .stagefile import StageFileError
     try:
         fn(kw)
         return
-    except (UserError, StageFileError, ModelError, click.ClickException) as e:
+    except (UserError, StageFileError, ModelError, ProtocolError, click.ClickException) as e:
         msg = e.format_message() if isinstance(e, click.ClickException) else str(e)
         code = 1
     except KeyboardInterrupt:
@@ -466,10 +467,16 @@ def _die(msg: str, code: int) -> None:
     size = _mpi_size()
     rank = _mpi_rank()
     where = f" (rank {rank})" if rank else ""
-    print(f"pipeinfer: error{where}: {msg}", file=sys.stderr, flush=True)
     if size > 1:
         from .liveness import announce_abort
         announce_abort()  # the peers' liveness threads stay quiet: this line says why the job ends
+        if rank:
+            # most bad input fails on every rank alike: rank 0's line (and its MPI_Abort) comes first, so the
+            # user reads one line; an error of this rank alone still comes out, 2 s later
+            time.sleep(2)
+    print(f"pipeinfer: error{where}: {msg}", file=sys.stderr, flush=True)
+    if size > 1:
+        time.sleep(0.3)  # let mpiexec forward the line: MPI_Abort's clean-up can drop what is still in the pipe
         from mpi4py import MPI
         MPI.COMM_WORLD.Abort(code)
     sys.exit(code)

@@ -49,6 +49,11 @@ def host_name() -> str:
     return os.environ.get("PIPEINFER_HOST") or socket.gethostname()
 
 
+def name_of(rank: int) -> str:
+    """'rank R (host H, pid P)' when the liveness channel knows the hosts, else 'rank R'."""
+    return _current.who(rank) if _current is not None else f"rank {rank}"
+
+
 def set_failure_hook(fn: Callable[[str], None] | None) -> None:
     """fn(message) runs (once, on the reporting rank, in the liveness thread) before the job is aborted."""
     global _failure_hook
@@ -219,6 +224,7 @@ class Liveness:
                 _warn(f"pipeinfer: while reporting the failure: {e!r}")
         print(f"pipeinfer: error{f' (rank {self.rank})' if self.rank else ''}: {msg}", file=sys.stderr, flush=True)
         self.close(ABORTING)
+        time.sleep(0.3)  # let mpiexec forward the line: MPI_Abort's clean-up can drop what is still in the pipe
         from mpi4py import MPI
         MPI.COMM_WORLD.Abort(FAILURE_EXIT_CODE)
 

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .protocol import Batch, Flag, Header, Kind, NO_RUN, Tag, pack_sampling
+from .protocol import (HEAD_KINDS, NO_RUN, Batch, Flag, Header, Kind, Limits, ProtocolError, Tag, check_header,
+                       check_tokens, pack_sampling)
 from .stage import StageEngine, TokenEmbedder
 from .topology import Topology
-from .transport import Transport
+from .transport import Transport, bad_message
 from .verify import SamplingParams, row_tokens
 
 
@@ -27,8 +28,10 @@ class Result:
 
 class Pipeline:
     def __init__(self, topo: Topology, engine: StageEngine, embedder: TokenEmbedder | None = None,
-                 transport: Transport | None = None):
+                 transport: Transport | None = None, limits: Limits | None = None):
         self.topo = topo
+        self.limits = limits          # every RESULT is checked against these before its payload (protocol.py)
+        self._last_result = NO_RUN
         self.engine = engine
         self.embedder = embedder
         self.tx = transport
@@ -85,10 +88,18 @@ class Pipeline:
             res = self._local.popleft()
         else:
             hdr = self.tx.wait_header(self.last)
-            if hdr.kind != Kind.RESULT:
-                raise RuntimeError(f"head expected a RESULT from rank {self.last}, got {hdr.kind.name}")
-            cancelled = bool(hdr.flags & Flag.CANCELLED)
-            tokens = None if cancelled else self.tx.recv_array(self.last, Tag.TOKENS, (hdr.n_outputs,), np.int32)
+            try:
+                if self.limits is not None:
+                    check_header(hdr, self.limits, HEAD_KINDS, self._last_result)
+                elif hdr.kind != Kind.RESULT:
+                    raise ProtocolError(f"unexpected transaction {hdr.kind.name} (the head takes RESULT)")
+                self._last_result = hdr.run_id
+                cancelled = bool(hdr.flags & Flag.CANCELLED)
+                tokens = None if cancelled else self.tx.recv_array(self.last, Tag.TOKENS, (hdr.n_outputs,), np.int32)
+                if tokens is not None and self.limits is not None:
+                    check_tokens(tokens, self.limits)
+            except ProtocolError as e:
+                raise bad_message(self.last, e) from None
             res = Result(hdr.run_id, cancelled, tokens)
         self.in_flight.popleft()
         if res.run_id != expected:
