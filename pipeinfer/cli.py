@@ -166,9 +166,10 @@ def _generate(kw) -> None:
     user_text = text
     so_far = {"tokens": [], "stats": None}  # rank 0: what a failure report needs (liveness hook below)
     if rank == 0:
-        from .stagefile import read_info
+        from .stagefile import check_splittable, read_info
         from .tokenizer import StreamDecoder, Tokenizer
-        read_info(model)  # a clear error for a non-GGUF before llama.cpp sees it
+        check_splittable(read_info(model), _mpi_size())  # clear errors for a non-GGUF or a foreign architecture
+                                                         # before llama.cpp sees the file
         tok = Tokenizer(model)
         if chat:
             text = apply_chat(tok, text)
@@ -194,7 +195,12 @@ def _generate(kw) -> None:
         if progress is not None:
             progress(stats, n_in_flight)
     if rank == 0 and _mpi_size() > 1:
-        from .liveness import set_failure_hook
+        from .liveness import set_failure_hook, set_row_provider
+        from .metrics import Stats
+
+        def row_so_far(status: str = "ok") -> dict:
+            return _row(kw, _draft_label(kw, drafter, draft), model, [None] * _mpi_size(), prompt_name,
+                        so_far["stats"] or Stats(n_prompt=len(prompt_tokens)), status=status)
 
         def on_failure(reason: str) -> None:
             """A rank was lost or went silent: the text so far ends its line, the --results row says so."""
@@ -207,11 +213,10 @@ def _generate(kw) -> None:
                 sys.stdout.write(dec.flush() + "\n")
             sys.stdout.flush()
             if kw["results"]:
-                from .metrics import Stats
-                ranks = _mpi_size()
-                _append_csv(kw, _draft_label(kw, drafter, draft), model, [None] * ranks, prompt_name,
-                            so_far["stats"] or Stats(n_prompt=len(prompt_tokens)), status=f"failed: {reason}")
+                _write_row(kw, row_so_far(f"failed: {reason}"))
         set_failure_hook(on_failure)
+        # the liveness hub writes this row itself when rank 0 cannot (mpiexec killed it, or it is the silent one)
+        set_row_provider(lambda: (kw["results"], row_so_far()) if kw["results"] else None)
     opts = _run_options(kw, model, draft, drafter, gen, on_progress=on_progress, prompt_tokens=prompt_tokens,
                         replay_ref=kw["replay_ref"], replay_accuracy=kw["replay_accuracy"], prompt_text=user_text,
                         chat=bool(chat), on_tokens=stream)
@@ -382,13 +387,14 @@ def _draft_label(kw, drafter: str, draft: str | None) -> str:
     return {"ngram": "ngram", "replay": f"replay@{kw.get('replay_accuracy')}"}.get(drafter, Path(draft or "").name)
 
 
-def _append_csv(kw, draft_label: str, model: str, ranges, prompt_name: str, s, peak_rss_mb=None,
-                status: str = "ok") -> None:
-    """One --results row for a generation (peak RSS per rank when known: generate has it, a served request not);
-    `status` is "ok" or "failed: REASON" (ranges may then be unknown: None per rank)."""
-    from .results import append_result
-    from .runner import UserError
-    row = {
+def _append_csv(kw, draft_label: str, model: str, ranges, prompt_name: str, s, peak_rss_mb=None) -> None:
+    """One --results row for a generation (peak RSS per rank when known: generate has it, a served request not)."""
+    _write_row(kw, _row(kw, draft_label, model, ranges, prompt_name, s, peak_rss_mb))
+
+
+def _row(kw, draft_label: str, model: str, ranges, prompt_name: str, s, peak_rss_mb=None, status: str = "ok") -> dict:
+    """A --results row; `status` is "ok" or "failed: REASON" (ranges may then be unknown: None per rank)."""
+    return {
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "mode": kw["mode"], "target_model": Path(model).name,
         "draft_model": draft_label, "ranks": len(ranges),
         "layer_split": ",".join(str(r.n_layers) for r in ranges if r is not None), "threads": kw["threads"] or "",
@@ -400,6 +406,11 @@ def _append_csv(kw, draft_label: str, model: str, ranges, prompt_name: str, s, p
         "peak_rss_sum_mb": round(sum(peak_rss_mb), 1) if peak_rss_mb else None,
         "version": __version__, **_kernel_and_link_columns(s), "status": status,
     }
+
+
+def _write_row(kw, row: dict) -> None:
+    from .results import append_result
+    from .runner import UserError
     try:
         append_result(kw["results"], row)
     except (ValueError, OSError) as e:  # the text is out already; only the row could not be written
