@@ -99,6 +99,11 @@ CASES: list[Case] = [
     Case("model-differs", "a rank with another model file at the same path", 2,
          GEN + ["-m", "{tmp}/per-rank.gguf"], "rank 1 (host", 1, prep="per-rank",
          extra={"env_per_rank": True}),
+    Case("build-differs", "a rank running another build (an edited copy of pipeinfer)", 2, GEN + ["-m", "{q8}"],
+         "rank 1 (host", 1, prep="build", extra={"build_per_rank": True}),
+    Case("bad-header", "a header announcing a 4 EiB payload (tests/mpi_badmsg.py)", 2, [],
+         "rank 1 refused a message from rank 0 (host", 1,
+         extra={"cmd": ["{python}", "-m", "mpi4py", "{root}/tests/mpi_badmsg.py", "huge", "--as-cli"]}),
 ]
 
 
@@ -122,6 +127,12 @@ def _prepare(kind: str, tmp: Path, models: dict) -> None:
         (tmp / "hosts-bad").write_text("node1:2\nnode2:two\n")
     elif kind == "hosts-role":
         (tmp / "hosts-role").write_text("node1:1 # pipeinfer: threads=2\nnode2:1 # pipeinfer: role=draft\n")
+    elif kind == "build":
+        # rank 1's host has another build: the package copied and one source file edited
+        dst = tmp / "build1" / "pipeinfer"
+        shutil.copytree(ROOT / "pipeinfer", dst, ignore=shutil.ignore_patterns("__pycache__"))
+        with open(dst / "__init__.py", "a") as f:
+            f.write("# a local edit on this host\n")
     elif kind == "per-rank":
         # the same path names a different file on rank 1's "host": PIPEINFER_MODEL_ROOT differs per rank
         for r, m in ((0, models["q8"]), (1, models["q8b"])):
@@ -189,7 +200,13 @@ def run_case(case: Case, models: dict, tmp: Path, timeout: float = 120) -> dict:
     base = [sys.executable, "-m", "mpi4py", "-m", "pipeinfer"]
     tag = uuid.uuid4().hex
     env = dict(os.environ, PIPEINFER_FAULT_TAG=tag)
-    if case.extra.get("env_per_rank"):
+    if case.extra.get("cmd"):
+        cmd = [MPIEXEC, "-n", str(case.n)] + [a.format(python=sys.executable, root=ROOT) for a in case.extra["cmd"]]
+    elif case.extra.get("build_per_rank"):
+        pp = f'{tmp}/build1:{os.environ.get("PYTHONPATH", "")}'
+        cmd = [MPIEXEC, "-n", str(case.n), "bash", "-c",
+               f'if [ "$PMI_RANK" = 1 ]; then export PYTHONPATH={pp}; fi; exec "$@"', "rank"] + base + args
+    elif case.extra.get("env_per_rank"):
         # one model path, two files: each rank reads it from its own "host" directory (what another
         # host's copy would be): a wrapper runs the rank in host{PMI_RANK}/
         args = [a.replace(str(tmp / "per-rank.gguf"), "per-rank.gguf") for a in args]
@@ -231,7 +248,7 @@ def run_case(case: Case, models: dict, tmp: Path, timeout: float = 120) -> dict:
     t_end = time.monotonic()
     for t in threads:
         t.join(timeout=5)
-    stderr = err.decode(errors="replace")
+    stderr = err.decode(errors="replace").replace(f"{tmp}/", "")  # file names as the user gave them
     errors = [l for l in stderr.splitlines() if l.startswith("pipeinfer: error")]
     status = None
     if case.results_status is not None or case.fault:

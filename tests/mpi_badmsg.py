@@ -1,7 +1,8 @@
 """Rank 0 sends rank 1 one crafted transaction through the real Transport; rank 1's StageWorker must refuse
 it with a ProtocolError before receiving (or allocating) its payload. Prints REFUSED <message> on rank 1.
 
-Usage: mpiexec -n 2 python -m mpi4py tests/mpi_badmsg.py huge|wrong-size|bad-kind|bad-meta
+Usage: mpiexec -n 2 python -m mpi4py tests/mpi_badmsg.py huge|wrong-size|bad-kind|bad-meta [--as-cli]
+With --as-cli, rank 1 ends the job as the CLI does on a ProtocolError (one line, MPI_Abort) instead.
 """
 import sys
 
@@ -18,6 +19,8 @@ rank = comm.Get_rank()
 case = sys.argv[1]
 lim = Limits(n_batch=64, n_embd=32, n_vocab=100, n_seq_max=4, n_ctx=256)
 tx = Transport(comm.Dup(), comm.Dup())
+from pipeinfer.liveness import Liveness  # noqa: E402  (names the sender's host, as in a real run)
+live = Liveness(comm, 30.0)
 if rank == 0:
     if case == "huge":        # 2**30 x 2**30 floats announced: must be refused from the header alone
         tx.send(1, Header(Kind.DECODE, 1, 2**30, 2**31 - 1, Flag.NONE, -1, 1, 2**30))
@@ -40,5 +43,9 @@ else:
         StageWorker(topo, None, tx, lim).serve()  # no engine: nothing may reach a decode
         print("ACCEPTED", flush=True)
     except ProtocolError as e:
+        if "--as-cli" in sys.argv:
+            from pipeinfer.cli import _die
+            _die(str(e), 1)
         print(f"REFUSED {e}", flush=True)
 polite_barrier(comm)
+live.close()

@@ -240,4 +240,4 @@ def test_a_stage_refuses_a_bad_message_before_its_payload(case, match):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr[-2000:]
     line = next(l for l in p.stdout.splitlines() if l.startswith(("REFUSED", "ACCEPTED")))
-    assert line.startswith("REFUSED rank 1 refused a message from rank 0") and match in line, line
+    assert line.startswith("REFUSED rank 1 refused a message from rank 0 (host") and match in line, line
