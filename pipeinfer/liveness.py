@@ -134,10 +134,17 @@ class Liveness:
         next_beat = next_row = 0.0
         last_row = None
         buf = b""
-        last_rx = time.monotonic()
+        last_rx = prev = time.monotonic()
         while True:
             now = time.monotonic()
+            if now - prev > max(5.0, self.stall / 2):
+                # this thread itself did not run for a while (the machine or VM was paused, or the process was
+                # starved): what it did not see says nothing about the hub; measure silence afresh
+                _log(f"rank {self.rank}: liveness thread did not run for {now - prev:.1f} s")
+                last_rx = now
+            prev = now
             if self.stall > 0 and now - last_rx > self.stall + 2 * self.interval:
+                _log(f"rank {self.rank}: nothing from the hub for {now - last_rx:.1f} s")
                 self._hub_gone()  # rank 0's host is down or cut off (no FIN arrives from a dead host)
                 return
             with self._lock:
@@ -169,6 +176,7 @@ class Liveness:
                 except OSError:
                     data = b""
             if not data:
+                _log(f"rank {self.rank}: EOF from the hub")
                 self._hub_gone()
                 return
             last_rx = time.monotonic()
@@ -290,6 +298,14 @@ def _warn(msg: str) -> None:
     _line(f"[pipeinfer] warning: {msg}")
 
 
+def _log(msg: str) -> None:
+    """Debugging aid: PIPEINFER_LIVENESS_LOG=FILE appends what the hub and the rank threads decide."""
+    path = os.environ.get("PIPEINFER_LIVENESS_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{time.time():.3f} pid {os.getpid()}: {msg}\n")
+
+
 # ==================================================================== the hub process
 class Hub:
     def __init__(self, cfg: dict):
@@ -316,8 +332,16 @@ class Hub:
     def serve(self) -> None:
         pending: list[socket.socket] = []
         next_beat = 0.0
+        prev = time.monotonic()
         while True:
             now = time.monotonic()
+            if now - prev > max(5.0, self.stall / 2):
+                # the hub itself did not run for a while (the machine or VM was paused): the ranks' silence
+                # over that time says nothing about them; measure afresh
+                _log(f"hub: did not run for {now - prev:.1f} s")
+                for r in self.last:
+                    self.last[r] = now
+            prev = now
             if now >= next_beat:
                 for s in list(self.conns.values()):
                     _hub_send(s, "h\n")
@@ -476,8 +500,10 @@ def hub_main(argv: list[str]) -> None:
     sys.stdout.close()
     try:
         hub.serve()
-    except KeyboardInterrupt:
-        pass
+        _log(f"hub: serve returned; state {hub.state}, connections {sorted(hub.conns)}, quiet {hub.quiet}")
+    except BaseException as e:
+        _log(f"hub: {e!r}")
+        raise
 
 
 if __name__ == "__main__":

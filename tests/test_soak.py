@@ -19,8 +19,8 @@ N = 4096
 @pytest.fixture(scope="module")
 def soak_models(tmp_path_factory):
     d = tmp_path_factory.mktemp("soak")
-    target = make_llama_gguf(d / "t.gguf", n_layer=6, n_ctx_train=8192, qtype="q8_0")
-    draft = make_llama_gguf(d / "d.gguf", n_layer=6, n_ctx_train=8192, perturb=PERTURB_FOR_AGREEMENT[6][0.3])
+    target = make_llama_gguf(d / "t.gguf", n_layer=4, n_ctx_train=8192, qtype="q8_0")
+    draft = make_llama_gguf(d / "d.gguf", n_layer=4, n_ctx_train=8192, perturb=PERTURB_FOR_AGREEMENT[4][0.3])
     return target, draft, reference_greedy(target, PROMPT, N)
 
 
@@ -28,7 +28,11 @@ def soak_models(tmp_path_factory):
 def test_soak_4096_tokens(soak_models, n_ranks):
     target, draft, ref = soak_models
     out = mpirun(n_ranks, {"model": str(target), "prompt": PROMPT, "n": N, "n_ctx": N + 256, "mode": "pipeinfer",
-                           "draft": str(draft), "max_branches": 2, "p_split": 0.05, "max_in_flight": 6}, timeout=1800)
+                           "draft": str(draft), "max_branches": 2, "p_split": 0.05, "max_in_flight": 6,
+                           # this shared VM pauses its processes for minutes at a time (measured: up to 283 s);
+                           # the liveness watchers skip what they did not see, but a long stall timeout keeps a
+                           # pause of the ranks alone from ending the soak
+                           "stall_timeout": 900}, timeout=3600)
     s = out["stats"]
     assert out["tokens"] == ref
     assert s["n_generated"] == N and s["n_cancelled"] > 0
