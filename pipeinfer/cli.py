@@ -105,6 +105,9 @@ PIPELINE_OPTIONS = [
                        "(README, Exactness)"),
     click.option("--fast-kernels", is_flag=True, help="same as --kernels fast"),
     click.option("--poll-us", default=500, show_default=True, type=click.IntRange(0), help="sleep between message probes while waiting"),
+    click.option("--stall-timeout", default=60.0, show_default=True, type=click.FloatRange(0),
+                  help="seconds without a heartbeat from a rank before the job ends naming it (0: only lost ranks "
+                       "are detected; README, Failure behaviour)"),
 ]
 
 
@@ -164,10 +167,12 @@ def _generate(kw) -> None:
         prompt_name = prompt_name or Path(path).stem
     stream = None
     user_text = text
+    so_far = {"tokens": [], "stats": None}  # rank 0: what a failure report needs (liveness hook below)
     if rank == 0:
-        from .stagefile import read_info
+        from .stagefile import check_splittable, read_info
         from .tokenizer import StreamDecoder, Tokenizer
-        read_info(model)  # a clear error for a non-GGUF before llama.cpp sees it
+        check_splittable(read_info(model), _mpi_size())  # clear errors for a non-GGUF or a foreign architecture
+                                                         # before llama.cpp sees the file
         tok = Tokenizer(model)
         if chat:
             text = apply_chat(tok, text)
@@ -177,16 +182,45 @@ def _generate(kw) -> None:
         if need > kw["ctx_size"]:
             raise UserError(f"prompt of {len(prompt_tokens)} tokens + {kw['n_predict']} to generate + {reserve} for "
                             f"runs in flight does not fit the context of {kw['ctx_size']} tokens (-c/--ctx-size)")
-        if not kw["as_json"]:
-            dec = StreamDecoder(tok)
+        dec = StreamDecoder(tok)
 
-            def stream(tokens):
+        def stream(tokens):
+            so_far["tokens"] += tokens
+            if not kw["as_json"]:
                 sys.stdout.write(dec.feed(tokens))
                 sys.stdout.flush()
     progress = None
     if rank == 0 and not kw["quiet"] and not kw["as_json"]:
         progress = StatusLine.for_streams(sys.stdout, sys.stderr, under_mpiexec=_mpi_size() > 1)
-    opts = _run_options(kw, model, draft, drafter, gen, on_progress=progress, prompt_tokens=prompt_tokens,
+
+    def on_progress(stats, n_in_flight):
+        so_far["stats"] = stats
+        if progress is not None:
+            progress(stats, n_in_flight)
+    if rank == 0 and _mpi_size() > 1:
+        from .liveness import set_failure_hook, set_row_provider
+        from .metrics import Stats
+
+        def row_so_far(status: str = "ok") -> dict:
+            return _row(kw, _draft_label(kw, drafter, draft), model, [None] * _mpi_size(), prompt_name,
+                        so_far["stats"] or Stats(n_prompt=len(prompt_tokens)), status=status)
+
+        def on_failure(reason: str) -> None:
+            """A rank was lost or went silent: the text so far ends its line, the --results row says so."""
+            if progress is not None:
+                progress.close()
+            if kw["as_json"]:
+                print(json.dumps({"text": tok.decode(so_far["tokens"]), "tokens": so_far["tokens"],
+                                  "prompt_tokens": prompt_tokens, "status": f"failed: {reason}"}))
+            else:
+                sys.stdout.write(dec.flush() + "\n")
+            sys.stdout.flush()
+            if kw["results"]:
+                _write_row(kw, row_so_far(f"failed: {reason}"))
+        set_failure_hook(on_failure)
+        # the liveness hub writes this row itself when rank 0 cannot (mpiexec killed it, or it is the silent one)
+        set_row_provider(lambda: (kw["results"], row_so_far()) if kw["results"] else None)
+    opts = _run_options(kw, model, draft, drafter, gen, on_progress=on_progress, prompt_tokens=prompt_tokens,
                         replay_ref=kw["replay_ref"], replay_accuracy=kw["replay_accuracy"], prompt_text=user_text,
                         chat=bool(chat), on_tokens=stream)
     try:
@@ -234,7 +268,8 @@ def _run_options(kw, model, draft, drafter, gen, **more):
     return RunOptions(model=model, gen=gen, layer_split=kw["layer_split"], threads=kw["threads"],
                       threads_batch=kw["threads_batch"], n_ctx=kw["ctx_size"], draft=draft, drafter=drafter,
                       max_in_flight=kw["max_in_flight"], poll_s=kw["poll_us"] / 1e6,
-                      kernels="fast" if kw["fast_kernels"] else kw["kernels"], draft_vocab=kw["draft_vocab"], **more)
+                      kernels="fast" if kw["fast_kernels"] else kw["kernels"], draft_vocab=kw["draft_vocab"],
+                      stall_timeout=kw["stall_timeout"], **more)
 
 
 def _cells_reserve(kw) -> int:
@@ -357,20 +392,28 @@ def _draft_label(kw, drafter: str, draft: str | None) -> str:
 
 def _append_csv(kw, draft_label: str, model: str, ranges, prompt_name: str, s, peak_rss_mb=None) -> None:
     """One --results row for a generation (peak RSS per rank when known: generate has it, a served request not)."""
-    from .results import append_result
-    from .runner import UserError
-    row = {
+    _write_row(kw, _row(kw, draft_label, model, ranges, prompt_name, s, peak_rss_mb))
+
+
+def _row(kw, draft_label: str, model: str, ranges, prompt_name: str, s, peak_rss_mb=None, status: str = "ok") -> dict:
+    """A --results row; `status` is "ok" or "failed: REASON" (ranges may then be unknown: None per rank)."""
+    return {
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "mode": kw["mode"], "target_model": Path(model).name,
         "draft_model": draft_label, "ranks": len(ranges),
-        "layer_split": ",".join(str(r.n_layers) for r in ranges), "threads": kw["threads"] or "",
+        "layer_split": ",".join(str(r.n_layers) for r in ranges if r is not None), "threads": kw["threads"] or "",
         "prompt_name": prompt_name, "n_prompt_tokens": s.n_prompt, "n_generated": s.n_generated,
         "pp_tokens_per_s": round(s.pp_tokens_per_s, 3), "gen_tokens_per_s": round(s.gen_tokens_per_s, 3),
         "ttft_s": round(s.ttft_s, 4), "itl_mean_s": round(s.itl_s, 4),
         "acceptance_rate": round(s.acceptance_rate, 4), "n_runs": s.n_runs, "n_cancelled": s.n_cancelled,
         "peak_rss_max_mb": round(max(peak_rss_mb), 1) if peak_rss_mb else None,
         "peak_rss_sum_mb": round(sum(peak_rss_mb), 1) if peak_rss_mb else None,
-        "version": __version__, **_kernel_and_link_columns(s),
+        "version": __version__, **_kernel_and_link_columns(s), "status": status,
     }
+
+
+def _write_row(kw, row: dict) -> None:
+    from .results import append_result
+    from .runner import UserError
     try:
         append_result(kw["results"], row)
     except (ValueError, OSError) as e:  # the text is out already; only the row could not be written
@@ -378,20 +421,24 @@ def _append_csv(kw, draft_label: str, model: str, ranges, prompt_name: str, s, p
 
 
 def _kernel_and_link_columns(s) -> dict:
-    known = [x for x in s.exact_batch if x is not None]
-    return {"kernels": s.kernels, "exact_batch_limit": min(known) if known else None,
-            "bytes_per_token": [round(b) for b in s.bytes_per_token()]}
+    known = [x for x in (s.exact_batch or []) if x is not None]
+    try:
+        per_token = [round(b) for b in s.bytes_per_token()]
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError):  # a generation cut short: unknown
+        per_token = None
+    return {"kernels": s.kernels, "exact_batch_limit": min(known) if known else None, "bytes_per_token": per_token}
 
 
 def _run_guarded(fn, kw) -> None:
     """User errors: one line, exit 1 on every rank (MPI_Abort under mpiexec, so no rank hangs)."""
     from .models import ModelError
+    from .protocol import ProtocolError
     from .runner import UserError
     from .stagefile import StageFileError
     try:
         fn(kw)
         return
-    except (UserError, StageFileError, ModelError, click.ClickException) as e:
+    except (UserError, StageFileError, ModelError, ProtocolError, click.ClickException) as e:
         msg = e.format_message() if isinstance(e, click.ClickException) else str(e)
         code = 1
     except KeyboardInterrupt:
@@ -434,8 +481,16 @@ def _die(msg: str, code: int) -> None:
     size = _mpi_size()
     rank = _mpi_rank()
     where = f" (rank {rank})" if rank else ""
+    if size > 1:
+        from .liveness import announce_abort
+        announce_abort()  # the peers' liveness threads stay quiet: this line says why the job ends
+        if rank:
+            # most bad input fails on every rank alike: rank 0's line (and its MPI_Abort) comes first, so the
+            # user reads one line; an error of this rank alone still comes out, 2 s later
+            time.sleep(2)
     print(f"pipeinfer: error{where}: {msg}", file=sys.stderr, flush=True)
     if size > 1:
+        time.sleep(0.3)  # let mpiexec forward the line: MPI_Abort's clean-up can drop what is still in the pipe
         from mpi4py import MPI
         MPI.COMM_WORLD.Abort(code)
     sys.exit(code)

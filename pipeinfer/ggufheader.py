@@ -69,9 +69,10 @@ def _read_header(path: str, size: int, mtime_ns: int, keep_arrays: tuple[str, ..
                 base[0] += pos
                 pos = 0
                 if n > len(buf):
-                    raise NotGGUF("truncated GGUF header")
+                    raise NotGGUF(f"truncated GGUF header: the file ends in its {phase[0]}")
 
         base = [0]
+        phase = ["fixed header"]
 
         def unpack(fmt):
             nonlocal pos
@@ -111,11 +112,13 @@ def _read_header(path: str, size: int, mtime_ns: int, keep_arrays: tuple[str, ..
         if version < 2 or n_kv > 1 << 20 or n_tensors > 1 << 24:
             raise NotGGUF(f"unsupported GGUF version {version} or corrupt counts")
         fields = {}
-        for _ in range(n_kv):
+        for i in range(n_kv):
+            phase[0] = f"metadata (key {i + 1} of {n_kv})"
             key = string().decode()
             fields[key] = value(unpack("<I"), key in keep_arrays)
         infos = []
-        for _ in range(n_tensors):
+        for i in range(n_tensors):
+            phase[0] = f"tensor infos ({i + 1} of {n_tensors})"
             name = string().decode()
             n_dims = unpack("<I")
             shape = tuple(unpack("<Q") for _ in range(n_dims))

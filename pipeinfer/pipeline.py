@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .protocol import Batch, Flag, Header, Kind, NO_RUN, Tag, pack_sampling
+from .protocol import (HEAD_KINDS, NO_RUN, Batch, Flag, Header, Kind, Limits, ProtocolError, Tag, check_header,
+                       check_tokens, pack_sampling)
 from .topology import Topology
 from .verify import SamplingParams, row_tokens
 
@@ -30,8 +31,10 @@ class Result:
 
 class Pipeline:
     def __init__(self, topo: Topology, engine: StageEngine, embedder: TokenEmbedder | None = None,
-                 transport: Transport | None = None):
+                 transport: Transport | None = None, limits: Limits | None = None):
         self.topo = topo
+        self.limits = limits          # every RESULT is checked against these before its payload (protocol.py)
+        self._last_result = NO_RUN
         self.engine = engine
         self.embedder = embedder
         self.tx = transport
@@ -83,16 +86,26 @@ class Pipeline:
         """The oldest run's result, waiting politely for it."""
         if not self.in_flight:
             raise RuntimeError("no run in flight")
-        expected = self.in_flight.popleft()
+        expected = self.in_flight[0]  # stays counted as in flight while we wait for it (liveness.py reports it)
         if not self.distributed:
             res = self._local.popleft()
         else:
             hdr = self.tx.wait_header(self.last)
-            if hdr.kind != Kind.RESULT:
-                raise RuntimeError(f"head expected a RESULT from rank {self.last}, got {hdr.kind.name}")
-            cancelled = bool(hdr.flags & Flag.CANCELLED)
-            tokens = None if cancelled else self.tx.recv_array(self.last, Tag.TOKENS, (hdr.n_outputs,), np.int32)
+            try:
+                if self.limits is not None:
+                    check_header(hdr, self.limits, HEAD_KINDS, self._last_result)
+                elif hdr.kind != Kind.RESULT:
+                    raise ProtocolError(f"unexpected transaction {hdr.kind.name} (the head takes RESULT)")
+                self._last_result = hdr.run_id
+                cancelled = bool(hdr.flags & Flag.CANCELLED)
+                tokens = None if cancelled else self.tx.recv_array(self.last, Tag.TOKENS, (hdr.n_outputs,), np.int32)
+                if tokens is not None and self.limits is not None:
+                    check_tokens(tokens, self.limits)
+            except ProtocolError as e:
+                from .transport import bad_message  # mpi4py: not imported where the twin runs
+                raise bad_message(self.last, e) from None
             res = Result(hdr.run_id, cancelled, tokens)
+        self.in_flight.popleft()
         if res.run_id != expected:
             raise RuntimeError(f"results out of order: expected run {expected}, got {res.run_id}")
         return res

@@ -34,6 +34,10 @@ import numpy as np
 PROTOCOL_VERSION = 3
 
 
+class ProtocolError(ValueError):
+    """A message that breaks the protocol (a bug, another build, or a corrupted link): refused before use."""
+
+
 class Tag(enum.IntEnum):
     BEGIN = 1      # transaction header, HEADER layout
     META = 2       # DECODE metadata, META layout
@@ -88,13 +92,109 @@ class Header:
 
     @classmethod
     def unpack(cls, buf: np.ndarray) -> "Header":
-        if buf.shape != (HEADER_LEN,) or buf.dtype != np.int32:
-            raise ValueError(f"malformed header: shape {buf.shape} dtype {buf.dtype}")
+        if not isinstance(buf, np.ndarray) or buf.shape != (HEADER_LEN,) or buf.dtype != np.int32:
+            raise ProtocolError(f"malformed header: {getattr(buf, 'shape', None)} {getattr(buf, 'dtype', type(buf))}")
         kind = int(buf[H_KIND])
         if kind not in Kind._value2member_map_:
-            raise ValueError(f"unknown transaction kind {kind}")
-        return cls(Kind(kind), int(buf[H_RUN]), int(buf[H_N_TOKENS]), int(buf[H_N_META]), Flag(int(buf[H_FLAGS])),
+            raise ProtocolError(f"unknown transaction kind {kind}")
+        flags = int(buf[H_FLAGS])
+        if flags & ~int(Flag.SPECULATIVE | Flag.CANCELLED):
+            raise ProtocolError(f"unknown flags {flags:#x}")
+        return cls(Kind(kind), int(buf[H_RUN]), int(buf[H_N_TOKENS]), int(buf[H_N_META]), Flag(flags),
                    int(buf[H_PARENT]), int(buf[H_N_OUTPUTS]), int(buf[H_N_EMBD]))
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a rank accepts: every header is checked against these before any payload is received, so the
+    buffers a header makes us allocate are bounded (`payload_bytes`)."""
+    n_batch: int      # tokens per run
+    n_embd: int       # width of ACTIV (every stage of one model has the same)
+    n_vocab: int      # token ids are in [0, n_vocab)
+    n_seq_max: int    # sequence ids are in [0, n_seq_max)
+    n_ctx: int        # positions are in [0, n_ctx)
+
+    @property
+    def max_ops(self) -> int:
+        """KV ops in one transaction or one run's prefix (kvplan: a few per sequence and per retired node)."""
+        return 8 * (self.n_seq_max + self.n_batch) + 16
+
+    @property
+    def max_meta(self) -> int:
+        n = self.n_batch
+        return 2 + 4 * n + n * self.n_seq_max + 5 * self.max_ops
+
+
+WORKER_KINDS = frozenset({Kind.DECODE, Kind.KV, Kind.SAMPLING, Kind.SHUTDOWN})  # what a stage takes from rank - 1
+HEAD_KINDS = frozenset({Kind.RESULT})                                            # what the head takes from the last
+
+
+def check_header(hdr: Header, lim: Limits, kinds: frozenset, last_run: int) -> None:
+    """Refuse a header that this rank cannot take (kind, sizes, run id order), before its payload is received.
+    last_run: the newest DECODE/RESULT run id this rank took from the same sender (NO_RUN before the first)."""
+    def bad(why: str):
+        raise ProtocolError(f"{hdr.kind.name} header {why}")
+    if hdr.kind not in kinds:
+        raise ProtocolError(f"unexpected transaction {hdr.kind.name} (this rank takes {sorted(k.name for k in kinds)})")
+    if hdr.kind in (Kind.DECODE, Kind.RESULT):
+        if hdr.run_id <= last_run:
+            bad(f"with run id {hdr.run_id} after run {last_run}: runs arrive in launch order")
+        if not 1 <= hdr.n_tokens <= lim.n_batch:
+            bad(f"with n_tokens {hdr.n_tokens}, outside 1..{lim.n_batch} (n_batch)")
+        if not 0 <= hdr.n_outputs <= hdr.n_tokens:
+            bad(f"with n_outputs {hdr.n_outputs}, outside 0..{hdr.n_tokens} (n_tokens)")
+        if not (hdr.parent_id == NO_RUN or 0 <= hdr.parent_id < hdr.run_id):
+            bad(f"with parent run {hdr.parent_id}, not an earlier run than {hdr.run_id}")
+    if hdr.kind == Kind.DECODE and not hdr.flags & Flag.CANCELLED:
+        if hdr.n_embd != lim.n_embd:
+            bad(f"with n_embd {hdr.n_embd}, the model's is {lim.n_embd}")
+        lo = 2 + 5 * hdr.n_tokens
+        if not lo <= hdr.n_meta <= lim.max_meta:
+            bad(f"with n_meta {hdr.n_meta}, outside {lo}..{lim.max_meta}")
+    if hdr.kind == Kind.KV and not 1 <= hdr.n_tokens <= lim.max_ops:
+        bad(f"with {hdr.n_tokens} ops, outside 1..{lim.max_ops}")
+
+
+def payload_shapes(hdr: Header) -> list[tuple[Tag, tuple[int, ...], type]]:
+    """The payloads a (checked) header announces, in the order they follow it."""
+    if hdr.flags & Flag.CANCELLED or hdr.kind == Kind.SHUTDOWN:
+        return []
+    if hdr.kind == Kind.DECODE:
+        return [(Tag.META, (hdr.n_meta,), np.int32), (Tag.ACTIV, (hdr.n_tokens, hdr.n_embd), np.float32)]
+    if hdr.kind == Kind.RESULT:
+        return [(Tag.TOKENS, (hdr.n_outputs,), np.int32)]
+    if hdr.kind == Kind.KV:
+        return [(Tag.KV, (hdr.n_tokens, 5), np.int32)]
+    return [(Tag.SAMPLING, (4,), np.int64)]
+
+
+def payload_bytes(hdr: Header) -> int:
+    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for _, shape, dt in payload_shapes(hdr))
+
+
+def check_kv_ops(ops: np.ndarray, lim: Limits) -> None:
+    """KV ops i32[k, 5] a stage may apply: known op, sequence ids in range (-1: every sequence, where llama.cpp
+    allows it), positions >= -1 (-1: open end)."""
+    if not isinstance(ops, np.ndarray) or ops.ndim != 2 or ops.shape[1] != 5 or ops.dtype != np.int32:
+        raise ProtocolError(f"malformed KV ops: {getattr(ops, 'shape', None)} {getattr(ops, 'dtype', type(ops))}")
+    if len(ops) > lim.max_ops:
+        raise ProtocolError(f"{len(ops)} KV ops, more than {lim.max_ops}")
+    for op, src, dst, p0, p1 in ops.tolist():
+        if op not in KvOp._value2member_map_:
+            raise ProtocolError(f"unknown KV op {op}")
+        lo_src = -1 if op == KvOp.RM else 0
+        if not lo_src <= src < lim.n_seq_max:
+            raise ProtocolError(f"KV op {KvOp(op).name} on sequence {src}, outside {lo_src}..{lim.n_seq_max - 1}")
+        if op == KvOp.CP and not 0 <= dst < lim.n_seq_max:
+            raise ProtocolError(f"KV op CP to sequence {dst}, outside 0..{lim.n_seq_max - 1}")
+        if p0 < -1 or p1 < -1 or (p1 >= 0 and p0 > p1):
+            raise ProtocolError(f"KV op {KvOp(op).name} with positions [{p0}, {p1})")
+
+
+def check_tokens(tokens: np.ndarray, lim: Limits) -> None:
+    """A RESULT's token ids: one per output row, each in the vocabulary."""
+    if len(tokens) and not ((tokens >= 0) & (tokens < lim.n_vocab)).all():
+        raise ProtocolError(f"RESULT token id outside 0..{lim.n_vocab - 1}: {tokens.tolist()[:8]}")
 
 
 @dataclass
@@ -135,25 +235,50 @@ class Batch:
                                ops.ravel()]).astype(np.int32, copy=False)
 
     @classmethod
-    def unpack_meta(cls, meta: np.ndarray) -> "Batch":
+    def unpack_meta(cls, meta: np.ndarray, lim: Limits | None = None, hdr: Header | None = None) -> "Batch":
+        """The batch from a META payload; ProtocolError for anything malformed. With `lim` (and the DECODE
+        `hdr` it came with), every value is checked: what a stage then hands to llama.cpp is in range."""
+        if not isinstance(meta, np.ndarray) or meta.ndim != 1 or meta.dtype != np.int32:
+            raise ProtocolError(f"malformed META: {getattr(meta, 'shape', None)} {getattr(meta, 'dtype', type(meta))}")
         if len(meta) < 2:
-            raise ValueError(f"malformed META: {len(meta)} ints, need at least 2")
+            raise ProtocolError(f"malformed META: {len(meta)} ints, need at least 2")
         n, n_ops = int(meta[0]), int(meta[1])
         if n < 0 or n_ops < 0 or len(meta) < 2 + 4 * n:
-            raise ValueError(f"malformed META: n={n} n_ops={n_ops} len={len(meta)}")
+            raise ProtocolError(f"malformed META: n={n} n_ops={n_ops} len={len(meta)}")
         o = 2
         tokens, pos, output, n_seq = (meta[o + k * n:o + (k + 1) * n] for k in range(4))
         o += 4 * n
         if (n_seq < 1).any():
-            raise ValueError("malformed META: a token without sequence ids")
-        flat = meta[o:o + int(n_seq.sum())]
-        o += int(n_seq.sum())
-        if len(meta) != o + 5 * n_ops:
-            raise ValueError(f"malformed META: expected {o + 5 * n_ops} ints, got {len(meta)}")
+            raise ProtocolError("malformed META: a token without sequence ids")
+        n_ids = int(n_seq.astype(np.int64).sum())
+        if len(meta) != o + n_ids + 5 * n_ops:
+            raise ProtocolError(f"malformed META: expected {o + n_ids + 5 * n_ops} ints, got {len(meta)}")
+        flat = meta[o:o + n_ids]
+        o += n_ids
         ops = meta[o:].reshape(n_ops, 5)
-        bounds = np.concatenate([[0], np.cumsum(n_seq)])
+        if lim is not None:
+            _check_meta(n, tokens, pos, output, n_seq, flat, ops, lim, hdr)
+        bounds = np.concatenate([[0], np.cumsum(n_seq, dtype=np.int64)])
         seq_ids = [flat[bounds[i]:bounds[i + 1]].tolist() for i in range(n)]
         return cls(tokens.copy(), pos.copy(), seq_ids, output.copy(), ops.copy())
+
+
+def _check_meta(n, tokens, pos, output, n_seq, flat, ops, lim: Limits, hdr: Header | None) -> None:
+    if hdr is not None and n != hdr.n_tokens:
+        raise ProtocolError(f"META of {n} tokens under a header of {hdr.n_tokens}")
+    if not 1 <= n <= lim.n_batch:
+        raise ProtocolError(f"META of {n} tokens, outside 1..{lim.n_batch}")
+    if not ((tokens >= 0) & (tokens < lim.n_vocab)).all():
+        raise ProtocolError(f"META token id outside 0..{lim.n_vocab - 1}")
+    if not ((pos >= 0) & (pos < lim.n_ctx)).all():
+        raise ProtocolError(f"META position outside 0..{lim.n_ctx - 1}")
+    if not ((output == 0) | (output == 1)).all():
+        raise ProtocolError("META output flags other than 0/1")
+    if hdr is not None and int(output.sum()) != hdr.n_outputs:
+        raise ProtocolError(f"META marks {int(output.sum())} output rows, the header {hdr.n_outputs}")
+    if (n_seq > lim.n_seq_max).any() or not ((flat >= 0) & (flat < lim.n_seq_max)).all():
+        raise ProtocolError(f"META sequence id outside 0..{lim.n_seq_max - 1}")
+    check_kv_ops(ops, lim)
 
 
 # SAMPLING: i64[4] | temp (f64 bits) | top_p (f64 bits) | top_k | seed mod 2**63 |
@@ -164,10 +289,13 @@ def pack_sampling(sp) -> np.ndarray:
 
 def unpack_sampling(buf: np.ndarray):
     from .verify import SamplingParams
-    if buf.shape != (4,) or buf.dtype != np.int64:
-        raise ValueError(f"malformed SAMPLING: shape {buf.shape} dtype {buf.dtype}")
+    if not isinstance(buf, np.ndarray) or buf.shape != (4,) or buf.dtype != np.int64:
+        raise ProtocolError(f"malformed SAMPLING: {getattr(buf, 'shape', None)} {getattr(buf, 'dtype', type(buf))}")
     temp, top_p = buf[:2].view(np.float64).tolist()
-    return SamplingParams(temp, int(buf[2]), top_p, int(buf[3]))
+    top_k, seed = int(buf[2]), int(buf[3])
+    if not (np.isfinite(temp) and temp >= 0 and 0 < top_p <= 1 and top_k >= 0 and seed >= 0):
+        raise ProtocolError(f"SAMPLING out of range: temp {temp} top_p {top_p} top_k {top_k} seed {seed}")
+    return SamplingParams(temp, top_k, top_p, seed)
 
 
 def kv_ops(*ops: tuple[int, int, int, int, int]) -> np.ndarray:

@@ -37,10 +37,14 @@ bytes_per_token   bytes sent per generated token on each link, rank r -> r+1
                   (the last: -> rank 0), comma-separated, rank 0's link first
 simulated         "twin" for a row predicted by `pipeinfer simulate` (twin.py), empty
                   for a measured run
+status            "ok", or "failed: REASON" for a generation that a lost or
+                  silent rank ended (its counts and times are those reached
+                  before the failure; README, Failure behaviour)
 
-A file written before the last columns existed is upgraded in place the
-next time a row is appended (its header extended, old rows padded with empty
-fields).
+A file written before the last columns existed is upgraded in place the next
+time a row is appended (its header extended, old rows padded with empty
+fields; an old row's empty status means "ok": only successful runs were
+written then).
 
 Timing definitions (after the PipeInfer paper, section V.A)
 -----------------------------------------------------------
@@ -76,7 +80,7 @@ RESULT_COLUMNS: list[str] = [
     "prompt_name", "n_prompt_tokens", "n_generated", "pp_tokens_per_s", "gen_tokens_per_s",
     "ttft_s", "itl_mean_s", "acceptance_rate", "n_runs", "n_cancelled",
     "peak_rss_max_mb", "peak_rss_sum_mb", "version", "kernels", "exact_batch_limit", "bytes_per_token",
-    "simulated",
+    "simulated", "status",
 ]
 INT_COLUMNS = frozenset({"ranks", "n_prompt_tokens", "n_generated", "n_runs", "n_cancelled", "exact_batch_limit"})
 FLOAT_COLUMNS = frozenset({"pp_tokens_per_s", "gen_tokens_per_s", "ttft_s", "itl_mean_s",

@@ -14,7 +14,8 @@ from .head import GenConfig, Head, auto_p_recovery
 from .kernels import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, resolve_draft_max
 from .kvplan import PartitionPool, garbage_seq, plan_partitions
 from .metrics import Stats
-from .protocol import PROTOCOL_VERSION, kv_ops, rm
+from .agree import build_id, model_fingerprint
+from .protocol import PROTOCOL_VERSION, Limits, kv_ops, rm
 from .stagefile import check_splittable, ensure_stage_file, read_info
 from .transport import polite_barrier
 from .topology import LayerRange, Topology, layer_ranges, parse_per_rank_ints, parse_split, split_from_speeds
@@ -43,6 +44,7 @@ class RunOptions:
     max_in_flight: int = 8
     poll_s: float = 0.0005
     kernels: str = DEFAULT_KERNELS            # kernels.py: repack | no-repack | fast (not batch-invariant)
+    stall_timeout: float = 60.0               # liveness.py: a rank silent this long ends the job (0: only losses)
     on_tokens: object = None                  # callable(list of new token ids), rank 0
     on_progress: object = None                # callable(Stats, runs in flight), rank 0
 
@@ -93,6 +95,7 @@ class HeadSession:
     exact_per_rank: list[int | None]
     n_seq_max: int
     probe_ms: list[float] | None = None
+    live: object = None                 # liveness.Liveness (several ranks)
     last_tokens: list[int] = field(default_factory=list)
     n_generations: int = 0
     _next_run: int = 0
@@ -132,6 +135,8 @@ class HeadSession:
         polite_barrier(self.comm, self.opts.poll_s)
         stage_stats = self.comm.gather(None, root=0)[1:]
         rss = self.comm.gather(_peak_rss_mb(), root=0)
+        if self.live is not None:
+            self.live.close()
         self.tok.close()
         self.engine.close()
         return [vars(head_stage)] + stage_stats, rss
@@ -146,8 +151,16 @@ def open_session(opts: RunOptions, comm=None) -> HeadSession | None:
     versions = comm.allgather(PROTOCOL_VERSION)
     if len(set(versions)) != 1:
         raise UserError(f"ranks run different pipeinfer protocol versions: {versions}")
+    live = None
+    if size > 1:  # from here on, a rank that dies or goes silent is named and ends the job (liveness.py)
+        from .liveness import Liveness
+        live = Liveness(comm, opts.stall_timeout)
+        _agree(comm, live, build_id(), "runs another build")
 
     info = read_info(opts.model)
+    if live is not None:
+        _agree(comm, live, model_fingerprint(opts.model), f"has another model file at {opts.model} (size:sha256 of "
+                                                          f"header, first and last MiB)")
     if opts.draft and opts.gen.mode != "iterative":
         read_info(opts.draft)  # a missing, foreign or truncated draft fails here, before any model loads
     try:
@@ -166,6 +179,8 @@ def open_session(opts: RunOptions, comm=None) -> HeadSession | None:
         raise UserError(str(e)) from None
     if any(r.n_layers == 0 for r in ranges):
         raise UserError("every rank needs at least one layer: a fraction of 0 in --layer-split is not supported")
+    if live is not None:
+        _agree(comm, live, ",".join(str(r) for r in ranges), "computed another layer plan")
     topo = Topology(rank, size, tuple(ranges))
     cfg = opts.gen
     if cfg.mode == "iterative":
@@ -197,17 +212,21 @@ def open_session(opts: RunOptions, comm=None) -> HeadSession | None:
         transport = Transport(comm.Dup(), comm.Dup(), poll_s=opts.poll_s)
     polite_barrier(comm, opts.poll_s)  # every stage loaded before the clock starts
 
+    limits = Limits(n_batch=n_batch, n_embd=info.n_embd, n_vocab=_vocab_bound(opts.model, info), n_seq_max=n_seq_max,
+                    n_ctx=opts.n_ctx)
     if rank != 0:
         from .worker import StageWorker
-        stats = StageWorker(topo, engine, transport).serve()
+        stats = StageWorker(topo, engine, transport, limits).serve()
         polite_barrier(comm, opts.poll_s)
         comm.gather(vars(stats), root=0)
         comm.gather(_peak_rss_mb(), root=0)
+        live.close()
         engine.close()
         return None
 
     from .pipeline import Pipeline
-    pipe = Pipeline(topo, engine, embedder=TokenEmbedder(opts.model) if size > 1 else None, transport=transport)
+    pipe = Pipeline(topo, engine, embedder=TokenEmbedder(opts.model) if size > 1 else None, transport=transport,
+                    limits=limits)
     drafter_for = pool = None
     if cfg.mode != "iterative":
         pool = PartitionPool(n_part, cfg.cut.max_branches, n_seq_max)
@@ -215,8 +234,26 @@ def open_session(opts: RunOptions, comm=None) -> HeadSession | None:
     from .tokenizer import Tokenizer
     tok = Tokenizer(opts.model)
     eos = set() if not cfg.stop_at_eos else {t for t in tok.eos}
+    if live is not None:
+        live.in_flight = lambda: len(pipe.in_flight)
     return HeadSession(opts, cfg, comm, engine, transport, pipe, pool, drafter_for, tok, eos, ranges, exact_per_rank,
-                       n_seq_max, probe_ms)
+                       n_seq_max, probe_ms, live)
+
+
+def _vocab_bound(model: str, info) -> int:
+    """Token ids on the wire are below this: the vocabulary, or the embedding/output rows when padded beyond it."""
+    from .ggufheader import read_header
+    rows = [t.shape[1] for name, t in read_header(model).tensors.items()
+            if name in ("token_embd.weight", "output.weight") and len(t.shape) == 2]
+    return max([info.n_vocab, *rows]) or 2**31 - 1
+
+
+def _agree(comm, live, mine, what: str) -> None:
+    """Every rank's value equals rank 0's, or a UserError naming the first rank (and host) that differs."""
+    from .agree import first_disagreement
+    msg = first_disagreement(comm.allgather(mine), what, live.who)
+    if msg:
+        raise UserError(msg)
 
 
 def _draft_max(cfg: GenConfig, exact_per_rank: list[int | None]) -> int | None:

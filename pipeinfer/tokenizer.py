@@ -15,8 +15,9 @@ class Tokenizer:
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
-        if not self.model:
-            raise RuntimeError(f"llama.cpp could not load the vocabulary of {path}")
+        if not self.model:  # bad input, not a bug: one line (llama.cpp logged why just above)
+            from .stagefile import StageFileError
+            raise StageFileError(f"{path}: llama.cpp could not load its vocabulary (see its message above)")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.bos = llama_cpp.llama_vocab_bos(self.vocab)

@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-from .protocol import HEADER_LEN, Header, Tag
+from .protocol import HEADER_LEN, Header, ProtocolError, Tag
 
 MAX_PENDING_SENDS = 64  # bound on in-flight Isends before we wait for the oldest
 
@@ -73,7 +73,10 @@ class Transport:
     def recv_header(self, source: int) -> Header:
         buf = np.empty(HEADER_LEN, dtype=np.int32)
         self._recv(self.pipe, buf, source, Tag.BEGIN)
-        return Header.unpack(buf)
+        try:
+            return Header.unpack(buf)
+        except ProtocolError as e:
+            raise bad_message(source, e) from None
 
     def recv_array(self, source: int, tag: Tag, shape: tuple[int, ...], dtype) -> np.ndarray:
         """The next payload on `tag` from `source`; its size must match what the header announced."""
@@ -88,7 +91,7 @@ class Transport:
             time.sleep(self.poll_s)
         n = status.Get_count(MPI.BYTE)
         if n != buf.nbytes:
-            raise RuntimeError(f"message on tag {Tag(tag).name} from rank {source}: {n} bytes, expected {buf.nbytes}")
+            raise bad_message(source, f"{n} bytes on tag {Tag(tag).name}, its header announced {buf.nbytes}")
         comm.Recv(buf, source=source, tag=tag)
 
     def poll_cancel(self, source: int) -> list[int]:
@@ -100,6 +103,18 @@ class Transport:
             self.cancel_comm.Recv(buf, source=source, tag=Tag.CANCEL)
             ids.extend(buf.tolist())
         return ids
+
+
+def bad_message(source: int, why) -> ProtocolError:
+    """The one-line error for a message from `source` that breaks the protocol (naming its host)."""
+    if getattr(why, "named", False):
+        return why
+    from mpi4py import MPI
+    from .liveness import name_of
+    err = ProtocolError(f"rank {MPI.COMM_WORLD.Get_rank()} refused a message from {name_of(source)}: {why} "
+                        f"(another build on that host, or a corrupted link?)")
+    err.named = True
+    return err
 
 
 def polite_barrier(comm: MPI.Comm, poll_s: float = 0.0005) -> None:

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kvplan import garbage_seq
-from .protocol import Batch, Flag, Header, Kind, Tag, unpack_sampling
+from .protocol import (NO_RUN, WORKER_KINDS, Batch, Flag, Header, Kind, Limits, ProtocolError, Tag, check_header,
+                       check_kv_ops, payload_shapes, unpack_sampling)
 from .stage import DecodeAborted, StageEngine
 from .topology import Topology
-from .transport import Transport
+from .transport import Transport, bad_message
 from .verify import SamplingParams, row_tokens
 
 CANCEL_WINDOW = 4096  # cancelled ids older than the newest handled run by this much are forgotten
@@ -38,10 +39,12 @@ class StageStats:
 
 
 class StageWorker:
-    def __init__(self, topo: Topology, engine: StageEngine, transport: Transport):
+    def __init__(self, topo: Topology, engine: StageEngine, transport: Transport, limits: Limits | None = None):
         self.topo = topo
         self.engine = engine
         self.tx = transport
+        self.limits = limits          # every header and payload is checked against these (protocol.py)
+        self._last_run_in = NO_RUN    # run ids arrive in launch order
         self.cancelled: set[int] = set()
         self.stats = StageStats(rank=topo.rank)
         self._newest_run = -1
@@ -58,6 +61,7 @@ class StageWorker:
         prev, nxt = self.topo.prev_rank, self.topo.next_rank
         while True:
             hdr = self.tx.wait_header(prev, while_idle=self._take_cancels)
+            self._check(hdr)
             self._take_cancels()
             if hdr.kind == Kind.SHUTDOWN:
                 if not self.topo.is_last:
@@ -65,6 +69,7 @@ class StageWorker:
                 break
             if hdr.kind == Kind.KV:
                 ops = self.tx.recv_array(prev, Tag.KV, (hdr.n_tokens, 5), np.int32)
+                self._valid(check_kv_ops, ops)
                 self.engine.apply_kv_ops(ops)
                 self.stats.n_kv_txns += 1
                 if not self.topo.is_last:
@@ -73,7 +78,7 @@ class StageWorker:
                 self._decode(hdr)
             elif hdr.kind == Kind.SAMPLING:
                 buf = self.tx.recv_array(prev, Tag.SAMPLING, (4,), np.int64)
-                self.sampling = unpack_sampling(buf)
+                self.sampling = self._valid(lambda b, lim: unpack_sampling(b), buf)
                 if not self.topo.is_last:
                     self.tx.send(nxt, hdr, (Tag.SAMPLING, buf))
             else:
@@ -84,6 +89,26 @@ class StageWorker:
         self.tx.flush()
         return self.stats
 
+    def _check(self, hdr: Header) -> None:
+        """Refuse a header before its payload is received (sizes bounded: protocol.Limits)."""
+        if self.limits is None:
+            return
+        try:
+            check_header(hdr, self.limits, WORKER_KINDS, self._last_run_in)
+        except ProtocolError as e:
+            raise bad_message(self.topo.prev_rank, e) from None
+        if hdr.kind == Kind.DECODE:
+            self._last_run_in = hdr.run_id
+
+    def _valid(self, check, payload, *more):
+        """check(payload, limits, *more), a bad payload refused with one line naming its sender."""
+        if self.limits is None and check is check_kv_ops:
+            return None
+        try:
+            return check(payload, self.limits, *more)
+        except ProtocolError as e:
+            raise bad_message(self.topo.prev_rank, e) from None
+
     def _decode(self, hdr: Header) -> None:
         prev = self.topo.prev_rank
         self._newest_run = max(self._newest_run, hdr.run_id)
@@ -92,11 +117,12 @@ class StageWorker:
         out, started = None, False
         cancelled = bool(hdr.flags & Flag.CANCELLED) or hdr.run_id in self.cancelled or hdr.parent_id in self.cancelled
         if not hdr.flags & Flag.CANCELLED:
-            meta = self.tx.recv_array(prev, Tag.META, (hdr.n_meta,), np.int32)
-            activ = self.tx.recv_array(prev, Tag.ACTIV, (hdr.n_tokens, hdr.n_embd), np.float32)
+            (_, meta_shape, _), (_, activ_shape, _) = payload_shapes(hdr)
+            meta = self.tx.recv_array(prev, Tag.META, meta_shape, np.int32)
+            activ = self.tx.recv_array(prev, Tag.ACTIV, activ_shape, np.float32)
             if not cancelled:
                 started = True
-                batch = Batch.unpack_meta(meta)
+                batch = self._valid(Batch.unpack_meta, meta, hdr)
                 out = self._run(hdr, batch, activ)
                 cancelled = out is None
                 if out is not None and self.topo.is_last:  # logits -> the token verification needs per row

@@ -23,8 +23,8 @@ def _row(mode, draft, ranks, speed, **kw):
 def test_columns_as_specified():
     assert RESULT_COLUMNS[:4] == ["timestamp", "mode", "target_model", "draft_model"]
     assert RESULT_COLUMNS[19] == "version" and RESULT_COLUMNS[20:] == ["kernels", "exact_batch_limit", "bytes_per_token",
-                                                                     "simulated"]
-    assert len(set(RESULT_COLUMNS)) == 24
+                                                                     "simulated", "status"]
+    assert len(set(RESULT_COLUMNS)) == 25
 
 
 def test_append_writes_header_once(tmp_path):
@@ -67,6 +67,16 @@ def test_an_older_file_is_upgraded_when_appended_to(tmp_path):
     assert [r["mode"] for r in rows] == ["iterative", "pipeinfer"]
     assert rows[0]["kernels"] is None and rows[1]["kernels"] == "repack" and rows[1]["exact_batch_limit"] == 3
     assert rows[1]["bytes_per_token"] == "19111,36"
+
+
+def test_a_file_without_the_simulated_and_status_columns_gets_them(tmp_path):
+    path = tmp_path / "old.csv"
+    old = RESULT_COLUMNS[:23]  # written before issue 13: every row was a successful run
+    path.write_text(",".join(old) + "\n" + ",".join(["2026-01-01T00:00:00", "iterative"] + [""] * 21) + "\n")
+    append_result(path, {"mode": "pipeinfer", "status": "failed: rank 1 (host h1, pid 7) went silent"})
+    rows = read_results(path)
+    assert [r["status"] for r in rows] == [None, "failed: rank 1 (host h1, pid 7) went silent"]
+    assert path.read_text().splitlines()[0].endswith(",bytes_per_token,simulated,status")
 
 
 def test_foreign_header_rejected(tmp_path):

@@ -1,0 +1,315 @@
+#!/usr/bin/env python
+"""What the user sees for each fault and bad input: the README's "Failure behaviour" table, measured.
+
+    python launch/failures.py [--out results/failures] [--only NAME ...]
+
+Each case runs the real CLI under mpiexec on small synthetic GGUFs (tests/synth.py) and records the exit
+code, the seconds from the fault (or from the start, for bad input) to the end of mpiexec, the first
+`pipeinfer: error` line, whether the text generated before the fault was on stdout and what --results
+got. Faults are injected from outside, as a user would: `kill -STOP` / `kill -9` of one rank's process,
+found through a tag in its environment. Writes OUT.csv and OUT.md (a markdown table) and prints the table.
+tests/test_failures.py runs the same cases (CASES) and checks each row's expectation.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec") or "mpiexec"
+STALL = 3.0  # --stall-timeout of the fault cases (seconds)
+
+
+@dataclass
+class Case:
+    name: str                 # short id (tests refer to it)
+    what: str                 # the row's first column
+    n: int                    # ranks
+    args: list[str]           # after `pipeinfer`; {model}, {q8}, {draft_other}, {tmp}, {arch}, ... are filled in
+    match: str                # expected in the first error line
+    exit_code: int | tuple    # expected exit code(s) of mpiexec
+    fault: tuple | None = None  # (signal, rank) sent once the text has started
+    test: str = "tests/test_failures.py"  # where the row is tested
+    prep: str | None = None   # a bad input file to make (see _prepare)
+    results_status: str | None = None  # expected start of the --results row's status (faults)
+    extra: dict = field(default_factory=dict)
+
+
+GEN = ["generate", "-p", "hi", "--ignore-eos", "-t", "1"]
+LONG = GEN + ["-m", "{big}", "-n", "3000", "-c", "4096", "--mode", "pipeinfer", "--drafter", "ngram",
+              "--stall-timeout", str(STALL), "--results", "{tmp}/results.csv"]
+
+CASES: list[Case] = [
+    # ---- faults (3 ranks, PipeInfer, a 3,000-token generation; the fault comes once text is streaming)
+    Case("stop-worker", "rank 1 of 3 stopped (`kill -STOP`)", 3, LONG, "rank 1 (host", 3,
+         fault=(signal.SIGSTOP, 1), results_status="failed: rank 1 (host"),
+    Case("stop-last", "last rank (2 of 3) stopped", 3, LONG, "rank 2 (host", 3,
+         fault=(signal.SIGSTOP, 2), results_status="failed: rank 2 (host"),
+    Case("stop-head", "rank 0 (the head) stopped", 3, LONG, "rank 0 (host", 3, fault=(signal.SIGSTOP, 0)),
+    Case("kill-worker", "rank 1 of 3 killed (`kill -9`)", 3, LONG, "rank 1 (host", (9, 3),
+         fault=(signal.SIGKILL, 1), results_status="failed: rank 1 (host"),
+    Case("kill-head", "rank 0 killed (`kill -9`)", 3, LONG, "", (9, 3), fault=(signal.SIGKILL, 0)),
+    # ---- bad input (2 ranks unless said)
+    Case("gguf-cut-header", "GGUF truncated in its header", 2, GEN + ["-m", "{tmp}/cut-header.gguf"],
+         "truncated GGUF header: the file ends in its fixed header", 1, prep="cut-header"),
+    Case("gguf-cut-metadata", "GGUF truncated in its metadata", 2, GEN + ["-m", "{tmp}/cut-meta.gguf"],
+         "truncated GGUF header: the file ends in its metadata (key", 1, prep="cut-meta"),
+    Case("gguf-cut-data", "GGUF truncated in its tensor data", 2, GEN + ["-m", "{tmp}/cut-data.gguf"],
+         "truncated GGUF: tensor", 1, prep="cut-data", test="tests/test_cli.py::test_truncated_gguf"),
+    Case("gguf-magic", "wrong magic (not a GGUF)", 2, GEN + ["-m", "{tmp}/magic.gguf"], "GGUF magic missing", 1,
+         prep="magic"),
+    Case("arch", "unsupported architecture (split over ranks)", 2, GEN + ["-m", "{tmp}/mamba.gguf"],
+         "architecture 'mamba' is not verified for layer splitting", 1, prep="arch"),
+    Case("draft-vocab", "draft with an incompatible vocabulary (`--draft-vocab same`)", 2,
+         GEN + ["-m", "{q8}", "--mode", "speculative", "--draft", "{tmp}/v600.gguf", "--draft-vocab", "same"],
+         "first mismatch at token id", 1, prep="v600", test="tests/test_cli.py::test_draft_vocabulary_mismatch"),
+    Case("split-negative", "`--layer-split` with a negative part", 2, GEN + ["-m", "{q8}", "--layer-split", "1.5,-0.5"],
+         "must be finite and >= 0", 1),
+    Case("split-zero", "`--layer-split` with a zero part", 2, GEN + ["-m", "{q8}", "--layer-split", "1,0"],
+         "every rank needs at least one layer", 1),
+    Case("split-count", "`--layer-split` with more parts than ranks", 2,
+         GEN + ["-m", "{q8}", "--layer-split", "0.5,0.3,0.2"], "3 fractions but there are 2 target ranks", 1,
+         test="tests/test_cli.py::test_split_count_mismatch"),
+    Case("ranks-layers", "more ranks than layers (5 ranks, 4 layers)", 5, GEN + ["-m", "{q8}"], "only 4 layers", 1,
+         test="tests/test_cli.py::test_more_ranks_than_layers"),
+    Case("threads-long", "`-t` list longer than the ranks", 2, ["generate", "-p", "hi", "-m", "{q8}", "-t", "1,1,1"],
+         "--threads needs one positive value or 2 (one per rank)", 1),
+    Case("threads-short", "`-t` list shorter than the ranks", 3, ["generate", "-p", "hi", "-m", "{q8}", "-t", "1,1"],
+         "--threads needs one positive value or 3 (one per rank)", 1),
+    Case("prompt-ctx", "prompt longer than the context", 2, GEN + ["-m", "{q8}", "-p", "ba " * 400, "-c", "64"],
+         "does not fit the context", 1, test="tests/test_cli.py::test_prompt_longer_than_context"),
+    Case("hostfile-line", "hostfile with a bad line", 0, ["launch", "--hostfile", "{tmp}/hosts-bad", "--dry-run", "--",
+                                                           "generate", "-p", "hi"], ":2: bad host entry", 1,
+         prep="hosts-bad"),
+    Case("hostfile-role", "hostfile with an unknown role (`role=draft`)", 0,
+         ["launch", "--hostfile", "{tmp}/hosts-role", "--dry-run", "--", "generate", "-p", "hi"],
+         "unknown pipeinfer setting 'role'", 1, prep="hosts-role"),
+    Case("model-differs", "a rank with another model file at the same path", 2,
+         GEN + ["-m", "{tmp}/per-rank.gguf"], "rank 1 (host", 1, prep="per-rank",
+         extra={"env_per_rank": True}),
+    Case("build-differs", "a rank running another build (an edited copy of pipeinfer)", 2, GEN + ["-m", "{q8}"],
+         "rank 1 (host", 1, prep="build", extra={"build_per_rank": True}),
+    Case("bad-header", "a header announcing a 4 EiB payload (tests/mpi_badmsg.py)", 2, [],
+         "rank 1 refused a message from rank 0 (host", 1,
+         extra={"cmd": ["{python}", "-m", "mpi4py", "{root}/tests/mpi_badmsg.py", "huge", "--as-cli"]}),
+]
+
+
+def _prepare(kind: str, tmp: Path, models: dict) -> None:
+    """The bad input files (synthetic models from tests/synth.py)."""
+    from synth import make_llama_gguf
+    data = models["q8"].read_bytes()
+    if kind == "cut-header":
+        (tmp / "cut-header.gguf").write_bytes(data[:16])
+    elif kind == "cut-meta":
+        (tmp / "cut-meta.gguf").write_bytes(data[:_metadata_midpoint(models["q8"])])
+    elif kind == "cut-data":
+        (tmp / "cut-data.gguf").write_bytes(data[:len(data) // 2])
+    elif kind == "magic":
+        (tmp / "magic.gguf").write_bytes(b"GGUX" + data[4:])
+    elif kind == "arch":
+        _write_arch(tmp / "mamba.gguf", "mamba")
+    elif kind == "v600":
+        make_llama_gguf(tmp / "v600.gguf", n_layer=2, n_vocab=600)
+    elif kind == "hosts-bad":
+        (tmp / "hosts-bad").write_text("node1:2\nnode2:two\n")
+    elif kind == "hosts-role":
+        (tmp / "hosts-role").write_text("node1:1 # pipeinfer: threads=2\nnode2:1 # pipeinfer: role=draft\n")
+    elif kind == "build":
+        # rank 1's host has another build: the package copied and one source file edited
+        dst = tmp / "build1" / "pipeinfer"
+        shutil.copytree(ROOT / "pipeinfer", dst, ignore=shutil.ignore_patterns("__pycache__"))
+        with open(dst / "__init__.py", "a") as f:
+            f.write("# a local edit on this host\n")
+    elif kind == "per-rank":
+        # the same path names a different file on rank 1's "host": PIPEINFER_MODEL_ROOT differs per rank
+        for r, m in ((0, models["q8"]), (1, models["q8b"])):
+            d = tmp / f"host{r}"
+            d.mkdir(exist_ok=True)
+            shutil.copy(m, d / "per-rank.gguf")
+
+
+def _metadata_midpoint(path: Path) -> int:
+    """A byte offset inside the key-value metadata (after the 24-byte fixed header, before the tensor infos)."""
+    from pipeinfer.ggufheader import read_header
+    h = read_header(path)
+    start = min(t.offset for t in h.tensors.values())
+    return 24 + (start - 24) // 4  # metadata comes first and is most of a synthetic header
+
+
+def _write_arch(path: Path, arch: str) -> None:
+    import gguf
+    import numpy as np
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(4)
+    w.add_embedding_length(64)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def make_models(d: Path) -> dict:
+    from synth import make_llama_gguf
+    d.mkdir(parents=True, exist_ok=True)
+    return {
+        "q8": make_llama_gguf(d / "t-q8.gguf", n_layer=4, qtype="q8_0"),
+        "q8b": make_llama_gguf(d / "t-q8b.gguf", n_layer=4, qtype="q8_0", seed=5),
+        # big enough that 3,000 tokens take a while on 3 ranks (about 100 tokens/s here)
+        "big": make_llama_gguf(d / "big.gguf", n_layer=6, n_embd=256, n_head=4, n_head_kv=4, n_ff=1024,
+                               n_ctx_train=8192),
+    }
+
+
+def _rank_pids(tag: str) -> dict[int, int]:
+    """pid of each rank of the job whose environment carries PIPEINFER_FAULT_TAG=tag."""
+    out = {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            env = dict(kv.split("=", 1) for kv in (p / "environ").read_bytes().decode(errors="replace").split("\0")
+                       if "=" in kv)
+            cmd = (p / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if env.get("PIPEINFER_FAULT_TAG") == tag and "PMI_RANK" in env and b"pipeinfer" in cmd:
+            out[int(env["PMI_RANK"])] = int(p.name)
+    return out
+
+
+def run_case(case: Case, models: dict, tmp: Path, timeout: float = 120) -> dict:
+    """Run one case; a dict of what the user saw."""
+    fill = {"q8": models["q8"], "big": models["big"], "tmp": tmp}
+    if case.prep:
+        _prepare(case.prep, tmp, models)
+    args = [a.format(**fill) for a in case.args]
+    base = [sys.executable, "-m", "mpi4py", "-m", "pipeinfer"]
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, PIPEINFER_FAULT_TAG=tag)
+    if case.extra.get("cmd"):
+        cmd = [MPIEXEC, "-n", str(case.n)] + [a.format(python=sys.executable, root=ROOT) for a in case.extra["cmd"]]
+    elif case.extra.get("build_per_rank"):
+        pp = f'{tmp}/build1:{os.environ.get("PYTHONPATH", "")}'
+        cmd = [MPIEXEC, "-n", str(case.n), "bash", "-c",
+               f'if [ "$PMI_RANK" = 1 ]; then export PYTHONPATH={pp}; fi; exec "$@"', "rank"] + base + args
+    elif case.extra.get("env_per_rank"):
+        # one model path, two files: each rank reads it from its own "host" directory (what another
+        # host's copy would be): a wrapper runs the rank in host{PMI_RANK}/
+        args = [a.replace(str(tmp / "per-rank.gguf"), "per-rank.gguf") for a in args]
+        cmd = [MPIEXEC, "-n", str(case.n), "bash", "-c", f'cd {tmp}/host$PMI_RANK && exec "$@"', "rank"] + base + args
+    elif case.n:
+        cmd = [MPIEXEC, "-n", str(case.n)] + base + args
+    else:
+        cmd = base + args
+    if os.path.exists(tmp / "results.csv"):
+        os.unlink(tmp / "results.csv")
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp)
+    out, err = bytearray(), bytearray()
+
+    def pump(src, dst):
+        for chunk in iter(lambda: src.read1(4096), b""):
+            dst += chunk
+    threads = [threading.Thread(target=pump, args=(p.stdout, out), daemon=True),
+               threading.Thread(target=pump, args=(p.stderr, err), daemon=True)]
+    for t in threads:
+        t.start()
+    t_fault, text_before = None, 0
+    if case.fault:
+        sig, rank = case.fault
+        while len(out) < 200 and p.poll() is None and time.monotonic() - t0 < timeout:  # the text is streaming
+            time.sleep(0.05)
+        pids = _rank_pids(tag)
+        if rank in pids:
+            text_before = len(out)
+            os.kill(pids[rank], sig)
+            t_fault = time.monotonic()
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in _rank_pids(tag).values():
+            os.kill(pid, signal.SIGKILL)
+        p.kill()
+        p.wait()
+    t_end = time.monotonic()
+    for t in threads:
+        t.join(timeout=5)
+    stderr = err.decode(errors="replace").replace(f"{tmp}/", "")  # file names as the user gave them
+    errors = [l for l in stderr.splitlines() if l.startswith("pipeinfer: error")]
+    status = None
+    if case.results_status is not None or case.fault:
+        from pipeinfer.results import read_results
+        rows = read_results(tmp / "results.csv")
+        status = rows[-1]["status"] if rows else None
+    return {
+        "case": case.name, "what": case.what, "exit_code": p.returncode,
+        "seconds": round(t_end - (t_fault or t0), 1), "from": "fault" if t_fault else "start",
+        "error": errors[0] if errors else "", "n_error_lines": len(errors), "traceback": "Traceback" in stderr,
+        "stdout_bytes_at_fault": text_before if t_fault else None, "stdout_bytes": len(out),
+        "results_status": status, "stderr_tail": stderr[-1500:],
+    }
+
+
+def _table(rows: list[dict]) -> str:
+    lines = ["| fault or input | what the user sees (first error line) | exit code | time to exit (s) | text and --results row |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        kept = ""
+        if r["from"] == "fault":
+            kept = (f"{r['stdout_bytes']} bytes of text on stdout; row: " +
+                    (f"`{r['results_status'][:24]}...`" if r["results_status"] else "none"))
+        when = f"{r['seconds']} after the fault" if r["from"] == "fault" else f"{r['seconds']} from start"
+        err = r["error"].replace("|", "\\|") or "(none: mpiexec's BAD TERMINATION notice)"
+        lines.append(f"| {r['what']} | `{err}` | {r['exit_code']} | {when} | {kept} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "results" / "failures"))
+    ap.add_argument("--only", nargs="*", default=None)
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="pipeinfer-failures-"))
+    os.environ.setdefault("PIPEINFER_STAGE_CACHE", str(work / "stages"))
+    try:
+        models = make_models(work / "models")
+        rows = []
+        for case in CASES:
+            if a.only and case.name not in a.only:
+                continue
+            tmp = work / case.name
+            tmp.mkdir()
+            r = run_case(case, models, tmp)
+            r["test"] = case.test
+            print(f"{case.name}: exit {r['exit_code']} in {r['seconds']} s: {r['error'][:150]}", file=sys.stderr,
+                  flush=True)
+            rows.append(r)
+        cols = ["case", "what", "exit_code", "seconds", "from", "error", "n_error_lines", "traceback",
+                "stdout_bytes_at_fault", "stdout_bytes", "results_status", "test"]
+        with open(a.out + ".csv", "w", newline="") as f:
+            w = csv.DictWriter(f, cols, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+        table = _table(rows)
+        Path(a.out + ".md").write_text(table + "\n")
+        print(table)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
