@@ -111,6 +111,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     styles = {"iterative": ":", "speculative": "--", "pipeinfer": "-"}
     for agreement, color in zip(AGREEMENTS, ("tab:red", "tab:orange", "tab:green")):
@@ -133,6 +134,7 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax in axes:
         ax.set(xlabel="hosts (pipeline stages)", xscale="log")
         ax.set_xticks(HOSTS, [str(h) for h in HOSTS])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("Digital twin: hosts like this machine's core, 1 Gbit/s links, draft on its own host", fontsize=10)
