@@ -213,7 +213,6 @@ class Head:
             self.stats.n_draft_calls += 1
             if tree:
                 self._draft_obs.append((len(tree), (self.clock() - t0) * 1e3))
-            if tree:
                 self._launch_spec(tree, context)
                 self.adjust += self.cfg.p_recovery
             elif self.cfg.p_decay > 0 and p_accept > 0:

@@ -19,7 +19,7 @@ import click
 from .drafter import Cutoffs
 from .head import MODES, GenConfig
 from .twin import (Cluster, Link, SimResult, cluster_from_profile, scaled_layer_model, simulate,
-                   stage_cost_from_model)
+                   speed_factor, stage_cost_from_model)
 
 PLAN_P_RECOVERY = (None, 0.1, 0.25, 0.5)   # None: auto (0.5 / (ranks - 1))
 
@@ -55,10 +55,7 @@ def build_cluster(prof: dict, shape: Shape) -> Cluster:
         n_hosts = shape.hosts or len(prof["ranks"])
         n_layer = shape.n_layer or prof["model"]["n_layer"]
         lm = scaled_layer_model(prof["layer_model"], shape.layer_scale, shape.out_scale)
-        r0 = prof["ranks"][0]
-        from .twin import layer_model_ms
-        modelled = layer_model_ms(prof["layer_model"], r0["layers"][1] - r0["layers"][0], r0["last"], 1)
-        factor = r0["ms_by_batch"][0] / modelled if modelled > 0 else 1.0
+        factor = speed_factor(prof["layer_model"], prof["ranks"][0])
         ranges = layer_ranges(n_layer, shape.fractions or [1.0] * n_hosts)
         stages = [stage_cost_from_model(lm, rr.n_layers, i == n_hosts - 1, factor) for i, rr in enumerate(ranges)]
         link = shape.link or Link()

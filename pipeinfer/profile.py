@@ -47,45 +47,22 @@ class ProfileOptions:
     probe_layers: int = 2
 
 
-def _time_stage(engine, n_tokens_list: list[int], n_repeat: int = N_REPEAT) -> list[float]:
-    """Median ms of a decode of n tokens on top of N_CTX_FILL filled positions, for each n."""
-    from .protocol import Batch, kv_ops, rm
-    rng = np.random.default_rng(0)
-
-    def batch(pos0: int, n: int) -> tuple[Batch, np.ndarray | None]:
-        toks = rng.integers(0, engine.n_vocab, n).astype(np.int32)
-        b = Batch(toks, np.arange(pos0, pos0 + n, dtype=np.int32), [[0]] * n, np.ones(n, np.int32), kv_ops())
-        emb = rng.standard_normal((n, engine.n_embd), dtype=np.float32) * 0.1 if engine.embd_input else None
-        return b, emb
-
-    engine.apply_kv_ops(kv_ops(rm(-1)))
-    b, emb = batch(0, N_CTX_FILL)
-    engine.decode(b, emb)
-    out = []
-    for n in n_tokens_list:
-        times = []
-        for _ in range(n_repeat):
-            b, emb = batch(N_CTX_FILL, n)
-            t0 = time.perf_counter()
-            engine.decode(b, emb)
-            times.append((time.perf_counter() - t0) * 1e3)
-            engine.apply_kv_ops(kv_ops(rm(0, N_CTX_FILL, -1)))
-        out.append(statistics.median(times))
-    engine.apply_kv_ops(kv_ops(rm(-1)))
-    return out
+def _engine(path, *, embd_input: bool, last: bool, threads: int, kernels: str):
+    """A stage engine loaded as a generation loads it (cache size and sequences change llama.cpp's buffers
+    and its kernels' timings: a 208-cell, 1-sequence context measured ~10 ms faster per stage)."""
+    from .stage import StageEngine
+    return StageEngine(path, n_ctx=RUN_N_CTX, n_batch=RUN_N_BATCH, n_seq_max=plan_partitions(1, 8)[1],
+                       n_threads=threads, n_threads_batch=threads, embd_input=embd_input, capture_hidden=not last,
+                       kernels=kernels)
 
 
 def measure_stage(path, *, embd_input: bool, last: bool, threads: int, max_batch: int, kernels: str,
                   exact: bool = False) -> dict:
     """ms_by_batch (1..max_batch) and prompt ms per token of one stage file (with `exact`: its exact batch
     limit too, kernels.py)."""
-    from .kernels import exact_batch_limit
-    from .stage import StageEngine
-    # the context a generation uses (cache size and sequences change llama.cpp's buffers and kernels' timings)
-    n_seq_max = plan_partitions(1, 8)[1]
-    with StageEngine(path, n_ctx=RUN_N_CTX, n_batch=RUN_N_BATCH, n_seq_max=n_seq_max, n_threads=threads,
-                     n_threads_batch=threads, embd_input=embd_input, capture_hidden=not last, kernels=kernels) as eng:
-        ms = _time_stage(eng, list(range(1, max_batch + 1)) + [N_PROMPT_PROBE])
+    from .kernels import exact_batch_limit, time_decodes
+    with _engine(path, embd_input=embd_input, last=last, threads=threads, kernels=kernels) as eng:
+        ms = time_decodes(eng, list(range(1, max_batch + 1)) + [N_PROMPT_PROBE], N_CTX_FILL, N_REPEAT)
         limit = exact_batch_limit(eng, path, kernels, threads, threads) if exact and kernels != "fast" else None
     out = {"ms_by_batch": [round(x, 3) for x in ms[:-1]], "prompt_ms_per_token": round(ms[-1] / N_PROMPT_PROBE, 4)}
     if exact:
@@ -108,17 +85,16 @@ def measure_shared_slowdown(comm, path, *, embd_input: bool, last: bool, threads
     """How much slower this rank's 1-token decode is while every rank decodes (ranks on one machine share
     its cores and memory bandwidth; on separate machines this is ~1): the mean decode time while all ranks
     decode in a loop for the same window_s, over the median time alone (ranks in turn)."""
+    from .kernels import time_decodes
     from .protocol import Batch, kv_ops, rm
-    from .stage import StageEngine
     from .transport import polite_barrier
     rng = np.random.default_rng(comm.Get_rank())
-    with StageEngine(path, n_ctx=RUN_N_CTX, n_batch=RUN_N_BATCH, n_seq_max=plan_partitions(1, 8)[1], n_threads=threads,
-                     n_threads_batch=threads, embd_input=embd_input, capture_hidden=not last, kernels=kernels) as eng:
+    with _engine(path, embd_input=embd_input, last=last, threads=threads, kernels=kernels) as eng:
         alone = None
         for r in range(comm.Get_size()):
             polite_barrier(comm)
             if comm.Get_rank() == r:
-                alone = _time_stage(eng, [1])[0]
+                alone = time_decodes(eng, [1], N_CTX_FILL, N_REPEAT)[0]
         polite_barrier(comm)
         def batch(pos0: int, n: int):
             b = Batch(np.full(n, min(500, eng.n_vocab - 1), np.int32), np.arange(pos0, pos0 + n, dtype=np.int32), [[0]] * n,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -403,12 +403,11 @@ class SimDraftCost:
         self.c, self.clock, self.pipe = cluster, clock, pipe
         self._last: list[int] = []
         self._ready_s = 0.0      # when the draft host finished its last draft
-        self.t_draft_s = 0.0     # draft compute charged to the head (draft_on="head")
 
     def prefill(self, prompt: list[int]) -> None:
         ms = len(prompt) * self.c.draft_prefill_ms_per_token
         if self.c.draft_on == "head":
-            self._charge(ms)
+            self.pipe._head_work(ms, compute=True)
         else:
             self._ready_s = self.clock() + self.c.draft_link.latency_s + ms / 1e3
         self._last = list(prompt)
@@ -418,17 +417,12 @@ class SimDraftCost:
         continues = len(context) >= len(self._last) and context[:len(self._last)] == self._last
         ms = (n + (0 if continues and not self.c.draft_resync_always else 1)) * self.c.draft_ms_per_token
         if self.c.draft_on == "head":
-            self._charge(ms)
+            self.pipe._head_work(ms, compute=True)
         else:
             start = self._ready_s if continues else max(self._ready_s, self.clock() + self.c.draft_link.latency_s)
             self._ready_s = start + ms / 1e3
             self.clock.advance_to(self._ready_s + self.c.draft_link.latency_s)
         return []
-
-    def _charge(self, ms: float) -> None:
-        t0 = self.clock()
-        self.pipe._head_work(ms, compute=True)
-        self.t_draft_s += self.clock() - t0
 
 
 class _ChainAwareReplay(ReplayDrafter):
@@ -471,7 +465,6 @@ def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prom
     clock = VirtualClock()
     ref = reference or reference_tokens(n_prompt, gen.n_predict, seed)
     n_prompt = min(n_prompt, len(ref) - 1)
-    from dataclasses import replace
     if gen.p_recovery is None:
         gen = replace(gen, p_recovery=auto_p_recovery(cluster.n_ranks))
     if gen.mode == "pipeinfer" and gen.adaptive_draft and gen.stage_ms is None and gen.cut.n_max > 1:
@@ -520,6 +513,13 @@ def scaled_layer_model(lm: dict, layer_scale: float, out_scale: float) -> dict:
     return out
 
 
+def speed_factor(lm: dict, rank: dict) -> float:
+    """A profiled rank's measured 1-token decode over what the layer model gives for its layers: how much
+    slower (or faster) its host is than the one the layer model was measured on."""
+    modelled = layer_model_ms(lm, rank["layers"][1] - rank["layers"][0], rank["last"], 1)
+    return rank["ms_by_batch"][0] / modelled if modelled > 0 else 1.0
+
+
 def stage_cost_from_model(lm: dict, n_layers: int, last: bool, factor: float = 1.0) -> StageCost:
     b = len(lm["layer_ms"])
     ms = [factor * layer_model_ms(lm, n_layers, last, n) for n in range(1, b + 1)]
@@ -534,7 +534,7 @@ def profile_links(profile: dict, n_ranks: int, poll_s: float = 0.0005) -> list[L
     for r in range(n_ranks):
         lk = measured.get(r)
         if lk is None:
-            raise ValueError(f"the profile has no link from rank {r}: give --bandwidth and --latency-us")
+            raise ValueError(f"the profile has no link from rank {r}: give --bandwidth-mbit and --latency-us")
         out.append(Link(lk["latency_s"] + poll_s / 2, lk["bandwidth_bps"] / 8))
     return out
 
@@ -550,11 +550,8 @@ def cluster_from_profile(profile: dict, *, fractions: list[float] | None = None,
         stages = [StageCost(list(r["ms_by_batch"]), r["prompt_ms_per_token"]) for r in ranks]
     else:
         ranges = layer_ranges(profile["model"]["n_layer"], fractions)
-        stages = []
-        for r, rr in zip(ranks, ranges):
-            modelled = layer_model_ms(lm, r["layers"][1] - r["layers"][0], r["last"], 1)
-            factor = r["ms_by_batch"][0] / modelled if modelled > 0 else 1.0
-            stages.append(stage_cost_from_model(lm, rr.n_layers, rr is ranges[-1], factor))
+        stages = [stage_cost_from_model(lm, rr.n_layers, rr is ranges[-1], speed_factor(lm, r))
+                  for r, rr in zip(ranks, ranges)]
     links = [link] * n if link is not None else profile_links(profile, n, poll_s)
     draft = profile.get("draft") or {}
     return Cluster(stages, links, profile["model"]["n_embd"], draft.get("ms_per_token", 0.0),
