@@ -170,6 +170,10 @@ class Head:
         self._n_checked = 0                 # draft tokens verification reached (their predecessors accepted)
         self._n_agreed = 0                  # ... and found right
         self._draft_obs: deque[tuple[int, float]] = deque(maxlen=32)  # recent (tokens proposed, ms) draft calls
+        # a drafter beside the pipeline (draftahead.DraftClient) drafts ahead by itself: the head only reads it
+        self.asynchronous = bool(getattr(drafter, "asynchronous", False))
+        self._n_draft = cfg.cut.n_max                # the last micro-batch size asked for
+        self._n_stale0 = drafter.n_stale if self.asynchronous else 0
 
     # ================================================================ the algorithm
     def generate(self, prompt: list[int]) -> list[int]:
@@ -187,12 +191,20 @@ class Head:
                 continue
             if self.cfg.mode == "pipeinfer":
                 self._speculate()
+                if self.asynchronous and not self.pipe.result_ready():
+                    self.drafter.wait(self.pipe.result_ready)  # a draft or a result, whichever comes first
+                    if not self.pipe.result_ready():
+                        continue
             self._handle(self.pipe.next_result())
+            if self.asynchronous and self.cfg.mode == "pipeinfer":
+                self._steer_drafter()  # re-root it now, before this rank's next decode
             if self.should_stop is not None and self.should_stop():
                 self.done = True  # a client left or a stop string matched: cancel what is in flight
             if not self.done:
                 self._cover_last_token()
         self._drain()
+        if self.asynchronous:
+            self.stats.n_draft_stale = self.drafter.n_stale - self._n_stale0
         return self.accepted[self._n_prompt:self._n_prompt + self.stats.n_generated]
 
     def _speculate(self) -> None:
@@ -208,14 +220,20 @@ class Head:
             if len(context) >= min(self._n_prompt + self.cfg.n_predict, self.cfg.n_ctx - cut.n_max):
                 return  # far enough ahead
             t0 = self.clock()
-            tree = self.drafter.draft(context, Cutoffs(p_accept, max(0.0, cut.p_split + self.adjust),
-                                                       self._draft_len(), cut.max_branches))
-            self.stats.n_draft_calls += 1
+            self._n_draft = self._draft_len()
+            if self.asynchronous:  # what the drafter beside us has drafted on this chain so far
+                tree, unconfident = self._steer_drafter(context).ready(context, p_accept, self._n_draft)
+            else:
+                tree = self.drafter.draft(context, Cutoffs(p_accept, max(0.0, cut.p_split + self.adjust),
+                                                           self._n_draft, cut.max_branches))
+                unconfident = not tree
+                self.stats.n_draft_calls += 1
             if tree:
-                self._draft_obs.append((len(tree), (self.clock() - t0) * 1e3))
+                if not self.asynchronous:
+                    self._draft_obs.append((len(tree), (self.clock() - t0) * 1e3))
                 self._launch_spec(tree, context)
                 self.adjust += self.cfg.p_recovery
-            elif self.cfg.p_decay > 0 and p_accept > 0:
+            elif unconfident and self.cfg.p_decay > 0 and p_accept > 0:
                 self.adjust -= self.cfg.p_decay
             else:
                 return
@@ -228,10 +246,21 @@ class Head:
         if self.cfg.stage_ms is None or self.cfg.mode != "pipeinfer":
             return cut.n_max
         acceptance = (self._n_agreed + 0.6 * 8) / (self._n_checked + 8)
+        # a drafter beside the pipeline costs the head nothing per draft token (_draft_obs stays empty)
         n = choose_draft_len(acceptance, [list(ms) for ms in self.cfg.stage_ms], draft_cost_fit(self._draft_obs),
                              cut.n_max)
         self.stats.draft_len_hist[n] = self.stats.draft_len_hist.get(n, 0) + 1
         return n
+
+    def _steer_drafter(self, context: list[int] | None = None):
+        """Point the drafter beside the pipeline at the chain the next micro-batches build on: the speculation
+        context, or the accepted tokens when they reach further (a correction verification just made), up to
+        a micro-batch per free partition ahead, with the current cutoff."""
+        context = self._spec_context() if context is None else context
+        target = context if len(context) >= len(self.accepted) else self.accepted
+        p_min = min(1.0, max(0.0, self.cfg.cut.p_accept + self.adjust))
+        self.drafter.steer(target, len(context) + self._n_draft * max(1, self.pool.n_free), p_min, self._n_draft)
+        return self.drafter
 
     def _single_rank_turn(self) -> bool:
         # one rank: results are ready at once, so speculate one micro-batch per round instead of never

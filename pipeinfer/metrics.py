@@ -25,6 +25,8 @@ class Stats:
     n_drafted: int = 0             # draft tokens sent to the target
     n_draft_accepted: int = 0      # draft tokens the target agreed with
     n_draft_calls: int = 0         # drafter invocations (including ones that proposed nothing)
+    draft_at: str = "head"         # where the draft runs: head (in series) | thread | rank (draftahead.py)
+    n_draft_stale: int = 0         # drafted beside the pipeline for a chain that no longer existed: dropped
     accept_hist: dict[int, int] = field(default_factory=dict)  # tokens gained per verified run -> count
     draft_len_hist: dict[int, int] = field(default_factory=dict)  # draft tokens asked per micro-batch -> count
     n_kv0: int = 0                 # positions in canonical sequence 0 at the end
@@ -96,6 +98,8 @@ class Stats:
             f"drafted/accepted  = {self.n_drafted}/{self.n_draft_accepted} "
             f"(acceptance {self.acceptance_rate * 100:.1f}%)",
             f"tokens per run    = {self.mean_accepted_per_run:.2f}",
+            *([f"draft beside     = {self.draft_at}: {self.n_draft_stale} drafted tokens dropped (stale chain)"]
+              if self.draft_at != "head" else []),
             *(["micro-batch sizes = " + ", ".join(f"{k} drafts x {v}" for k, v in sorted(self.draft_len_hist.items()))]
               if self.draft_len_hist else []),
             f"KV compactions    = {self.n_compactions}",

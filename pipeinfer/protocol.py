@@ -23,6 +23,12 @@ A RESULT carries one token id per output row, not the row's logits: the target's
 drawn by the last stage exactly as verification draws it (verify.sample_at: arg-max, or a sample seeded
 by (seed, position) with the generation's SAMPLING parameters, which the head sends before its prompt).
 That is 4 bytes per row instead of n_vocab x 4 (607,744 bytes for Qwen2.5's 151,936-token vocabulary).
+
+The draft beside the pipeline (draftahead.py) talks to the head on a communicator of its own, one
+message per operation, each one i32 array (so a thread drafter uses the same packing):
+
+    DRAFT_CTRL (head -> drafter, TAG_DRAFT_CTRL):  | CTRL i32[CTRL_LEN] | tokens i32[n_new] | text bytes, padded |
+    PROPOSAL   (drafter -> head, TAG_PROPOSAL):    | PROP i32[PROP_LEN] | tokens i32[n] | probs f32[n] (as i32) |
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class ProtocolError(ValueError):
@@ -46,6 +52,8 @@ class Tag(enum.IntEnum):
     CANCEL = 6     # i32[k] run ids (on comm_cancel)
     SAMPLING = 7   # i64[4]: SAMPLING layout
     TOKENS = 8     # i32[n_outputs]: the target's token after each output row (4 was LOGITS, protocol 2)
+    DRAFT_CTRL = 9  # head -> drafter: DRAFT_CTRL layout
+    PROPOSAL = 10  # drafter -> head: PROPOSAL layout
 
 
 class Kind(enum.IntEnum):
@@ -313,3 +321,91 @@ def cp(src: int, dst: int, p0: int = -1, p1: int = -1) -> tuple[int, int, int, i
 
 def compact(seq: int) -> tuple[int, int, int, int, int]:
     return (KvOp.COMPACT, seq, -1, -1, -1)
+
+
+# ---------------------------------------------------------------- the draft beside the pipeline (draftahead.py)
+class Ctrl(enum.IntEnum):
+    BEGIN = 1  # a new generation: tokens = the prompt, text = the user's prompt text, aux = chat flag
+    STEER = 2  # draft on context[:n_keep] + tokens (n_keep = KEEP_ALL: the context as it is) up to `horizon`
+    END = 3    # the session ends
+
+
+KEEP_ALL = -1
+# DRAFT_CTRL header: i32[CTRL_LEN]
+CTRL_LEN = 9
+C_KIND, C_EPOCH, C_KEEP, C_NEW, C_HORIZON, C_CHUNK, C_PMIN, C_AUX, C_TEXT = range(CTRL_LEN)
+PPM = 1_000_000  # probabilities travel as integer parts per million
+
+
+@dataclass
+class DraftCtrl:
+    kind: Ctrl
+    epoch: int = 0         # the context's version: proposals of an older epoch are stale
+    n_keep: int = KEEP_ALL
+    tokens: list[int] = None
+    horizon: int = 0       # draft up to this position (exclusive)
+    n_chunk: int = 1       # draft tokens per drafter call (the head's micro-batch size)
+    p_min: float = 0.0     # stop a chain at a token below this confidence (the head's cutoff)
+    aux: int = 0
+    text: str = ""
+
+    def pack(self) -> np.ndarray:
+        toks = np.asarray(self.tokens or [], dtype=np.int32)
+        raw = self.text.encode()
+        text = np.frombuffer(raw + b"\0" * (-len(raw) % 4), dtype=np.int32)
+        head = np.array([self.kind, self.epoch, self.n_keep, len(toks), self.horizon, self.n_chunk,
+                         round(self.p_min * PPM), self.aux, len(raw)], dtype=np.int32)
+        return np.concatenate([head, toks, text])
+
+    @classmethod
+    def unpack(cls, buf: np.ndarray, n_ctx: int, n_vocab: int) -> "DraftCtrl":
+        if not isinstance(buf, np.ndarray) or buf.ndim != 1 or buf.dtype != np.int32 or len(buf) < CTRL_LEN:
+            raise ProtocolError(f"malformed DRAFT_CTRL: {getattr(buf, 'shape', None)} {getattr(buf, 'dtype', None)}")
+        kind, epoch, n_keep, n_new, horizon, n_chunk, p_ppm, aux, n_text = (int(x) for x in buf[:CTRL_LEN])
+        if kind not in Ctrl._value2member_map_:
+            raise ProtocolError(f"unknown DRAFT_CTRL kind {kind}")
+        if not (0 <= n_new <= n_ctx and 0 <= n_text <= 4 * n_ctx * 16 and
+                len(buf) == CTRL_LEN + n_new + (n_text + 3) // 4):
+            raise ProtocolError(f"DRAFT_CTRL sizes: {n_new} tokens, {n_text} text bytes in {len(buf)} ints")
+        if not (epoch >= 0 and KEEP_ALL <= n_keep <= n_ctx and 0 <= horizon <= n_ctx and 1 <= n_chunk <= n_ctx
+                and 0 <= p_ppm <= PPM):
+            raise ProtocolError(f"DRAFT_CTRL out of range: epoch {epoch} keep {n_keep} horizon {horizon} "
+                                f"chunk {n_chunk} p_min {p_ppm}ppm")
+        toks = buf[CTRL_LEN:CTRL_LEN + n_new]
+        if not ((toks >= 0) & (toks < n_vocab)).all():
+            raise ProtocolError(f"DRAFT_CTRL token id outside 0..{n_vocab - 1}")
+        text = buf[CTRL_LEN + n_new:].tobytes()[:n_text].decode(errors="replace")
+        return cls(Ctrl(kind), epoch, n_keep, toks.tolist(), horizon, n_chunk, p_ppm / PPM, aux, text)
+
+
+# PROPOSAL header: i32[PROP_LEN]
+PROP_LEN = 4
+P_EPOCH, P_POS, P_N, P_STOPPED = range(PROP_LEN)
+
+
+@dataclass
+class Proposal:
+    epoch: int
+    pos: int               # position of tokens[0]
+    tokens: list[int]
+    probs: list[float]
+    stopped: bool = False  # the chain ends here: the next token was below p_min (or nothing to propose)
+
+    def pack(self) -> np.ndarray:
+        head = np.array([self.epoch, self.pos, len(self.tokens), int(self.stopped)], dtype=np.int32)
+        return np.concatenate([head, np.asarray(self.tokens, dtype=np.int32),
+                               np.asarray(self.probs, dtype=np.float32).view(np.int32)])
+
+    @classmethod
+    def unpack(cls, buf: np.ndarray, n_ctx: int, n_vocab: int) -> "Proposal":
+        if not isinstance(buf, np.ndarray) or buf.ndim != 1 or buf.dtype != np.int32 or len(buf) < PROP_LEN:
+            raise ProtocolError(f"malformed PROPOSAL: {getattr(buf, 'shape', None)} {getattr(buf, 'dtype', None)}")
+        epoch, pos, n, stopped = (int(x) for x in buf[:PROP_LEN])
+        if not (epoch >= 0 and 0 <= pos <= n_ctx and 0 <= n <= n_ctx and stopped in (0, 1)
+                and len(buf) == PROP_LEN + 2 * n):
+            raise ProtocolError(f"PROPOSAL out of range: epoch {epoch} pos {pos} n {n} in {len(buf)} ints")
+        toks = buf[PROP_LEN:PROP_LEN + n]
+        probs = buf[PROP_LEN + n:].view(np.float32)
+        if not ((toks >= 0) & (toks < n_vocab)).all() or not (np.isfinite(probs) & (probs >= 0) & (probs <= 1)).all():
+            raise ProtocolError("PROPOSAL token id or probability out of range")
+        return cls(epoch, pos, toks.tolist(), probs.astype(np.float64).tolist(), bool(stopped))

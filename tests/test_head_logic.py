@@ -11,6 +11,8 @@ StageWorker does), so several speculative runs are in flight and cancellations r
 """
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from types import SimpleNamespace
 
@@ -162,8 +164,11 @@ class FakePipeline:
     """What Head uses of Pipeline: launch, kv, cancel, result_ready, next_result, distributed, in_flight."""
 
     def __init__(self, reference: list[int], logits_fn=logits_greedy, distributed: bool = True,
-                 poll_every: int = 3, abort_mid: bool = False, cancel_lag: int = 0, garbage: int | None = None):
+                 poll_every: int = 3, abort_mid: bool = False, cancel_lag: int = 0, garbage: int | None = None,
+                 step_s: float = 0.0):
         self.distributed = distributed
+        self.step_s = step_s          # > 0: the last stage takes this much real time per transaction (a drafter
+        self._next_step_t = 0.0       # in a thread then has time to draft, as beside a real pipeline)
         self.cancel_lag = cancel_lag  # the cancel signal reaches the last stage after this many of its steps
         self.poll_every = poll_every
         self.abort_mid = abort_mid  # a cancelled run was aborted mid-decode: its prefix copies happened
@@ -260,9 +265,18 @@ class FakePipeline:
         else:
             self.results.append(Result(run_id, False, self._tokens(batch, self._run_on(last, batch))))
 
+    def _due(self) -> bool:
+        if self.step_s <= 0:
+            return True
+        now = time.perf_counter()
+        if now < self._next_step_t:
+            return False
+        self._next_step_t = now + self.step_s
+        return True
+
     def result_ready(self) -> bool:
         self.polls += 1
-        if self.queue and self.polls % self.poll_every == 0:
+        if self.queue and self.polls % self.poll_every == 0 and self._due():
             self._step()
         return bool(self.results)
 
@@ -273,6 +287,8 @@ class FakePipeline:
         while not self.results:
             if not self.queue:
                 raise RuntimeError("deadlock: waiting for a result nobody computes")
+            while not self._due():
+                time.sleep(self.step_s / 10)
             self._step()
         res = self.results.popleft()
         assert res.run_id == expected, (res.run_id, expected)
@@ -331,10 +347,11 @@ def run_head(mode: str, *, n_predict: int = 40, error_rate: float = 0.0, seed: i
              max_branches: int = 1, max_in_flight: int = 6, distributed: bool = True, poll_every: int = 3,
              abort_mid: bool = False, cancel_lag: int = 0, sampling: SamplingParams = SamplingParams(),
              logits_fn=logits_greedy, eos: frozenset = frozenset(), drafter_prob: float = 0.9,
-             drafter=None, **cfg_kw) -> SimpleNamespace:
+             drafter=None, step_s: float = 0.0, **cfg_kw) -> SimpleNamespace:
     reference = target_alone(PROMPT, n_predict + 64, logits_fn, sampling)
     n_part, n_seq = plan_partitions(max_branches, max_in_flight)
-    pipe = FakePipeline(reference, logits_fn, distributed, poll_every, abort_mid, cancel_lag, garbage=n_seq - 1)
+    pipe = FakePipeline(reference, logits_fn, distributed, poll_every, abort_mid, cancel_lag, garbage=n_seq - 1,
+                        step_s=step_s)
     pool = PartitionPool(n_part, max_branches, n_seq) if mode != "iterative" else None
     if drafter is None and mode != "iterative":
         drafter = ToyDrafter(error_rate, seed, drafter_prob)

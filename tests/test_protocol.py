@@ -16,7 +16,16 @@ from pipeinfer.verify import SamplingParams
 # A new member needs a new number (and PROTOCOL_VERSION + 1), never a reused one.
 def test_frozen_tags():
     assert {m.name: int(m) for m in Tag} == {"BEGIN": 1, "META": 2, "ACTIV": 3, "KV": 5, "CANCEL": 6,
-                                             "SAMPLING": 7, "TOKENS": 8}  # 4 (LOGITS, protocol 2) is retired
+                                             "SAMPLING": 7, "TOKENS": 8, "DRAFT_CTRL": 9,
+                                             "PROPOSAL": 10}  # 4 (LOGITS, protocol 2) is retired
+
+
+def test_frozen_draft_layouts():
+    assert {m.name: int(m) for m in protocol.Ctrl} == {"BEGIN": 1, "STEER": 2, "END": 3}
+    assert (protocol.CTRL_LEN, protocol.PROP_LEN, protocol.KEEP_ALL, protocol.PPM) == (9, 4, -1, 1_000_000)
+    assert (protocol.C_KIND, protocol.C_EPOCH, protocol.C_KEEP, protocol.C_NEW, protocol.C_HORIZON, protocol.C_CHUNK,
+            protocol.C_PMIN, protocol.C_AUX, protocol.C_TEXT) == tuple(range(9))
+    assert (protocol.P_EPOCH, protocol.P_POS, protocol.P_N, protocol.P_STOPPED) == (0, 1, 2, 3)
 
 
 def test_frozen_kinds():
@@ -33,7 +42,7 @@ def test_frozen_kv_ops():
 
 
 def test_frozen_header_layout():
-    assert protocol.PROTOCOL_VERSION == 3
+    assert protocol.PROTOCOL_VERSION == 4
     assert HEADER_LEN == 8 and NO_RUN == -1
     assert (protocol.H_KIND, protocol.H_RUN, protocol.H_N_TOKENS, protocol.H_N_META, protocol.H_FLAGS,
             protocol.H_PARENT, protocol.H_N_OUTPUTS, protocol.H_N_EMBD) == (0, 1, 2, 3, 4, 5, 6, 7)

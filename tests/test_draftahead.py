@@ -1,0 +1,208 @@
+"""The draft beside the pipeline (draftahead.py): message layouts, re-rooting, stale drafts, and the real Head
+scheduling with a drafter in a thread (exact output, cutoffs kept)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeinfer.draftahead import DraftClient, DraftService, ThreadDrafter, common_prefix, queue_pair
+from pipeinfer.drafter import Cutoffs, DraftNode
+from pipeinfer.protocol import KEEP_ALL, Ctrl, DraftCtrl, Proposal, ProtocolError
+from test_head_logic import ToyDrafter, assert_clean_end, run_head
+
+N_CTX, N_VOCAB = 4096, 1000
+
+
+class CountingDrafter:
+    """Proposes (last token + 1) % 100 with confidence conf(pos); records every context it was asked about."""
+
+    def __init__(self, conf=lambda pos: 0.9):
+        self.conf = conf
+        self.calls: list[tuple[list[int], Cutoffs]] = []
+        self.prefilled: list[list[int]] = []
+
+    def prefill(self, prompt):
+        self.prefilled.append(list(prompt))
+
+    def draft(self, context, cut):
+        self.calls.append((list(context), cut))
+        out, last = [], context[-1]
+        for k in range(cut.n_max):
+            p = self.conf(len(context) + k)
+            if p < cut.p_accept:
+                break
+            last = (last + 1) % 100
+            out.append(DraftNode(last, k - 1, k, {0}, p))
+        return out
+
+
+def pump(service: DraftService) -> None:
+    """Run the service by hand until it has nothing to do (no thread: the test decides the interleaving)."""
+    while True:
+        buf = service.end.recv(block=False)
+        while buf is not None:
+            service.apply(DraftCtrl.unpack(buf, N_CTX, N_VOCAB))
+            buf = service.end.recv(block=False)
+        if not service.has_work():
+            return
+        service.step()
+
+
+def pair(drafter):
+    head_end, service_end = queue_pair()
+    return DraftClient(head_end, N_CTX, N_VOCAB), DraftService(lambda p, t, c: drafter, service_end, N_CTX, N_VOCAB)
+
+
+# ---------------------------------------------------------------- layouts
+def test_ctrl_and_proposal_round_trip():
+    msg = DraftCtrl(Ctrl.STEER, 7, 12, [5, 6, 999], 40, 3, 0.625, 0, "héllo")
+    back = DraftCtrl.unpack(msg.pack(), N_CTX, N_VOCAB)
+    assert (back.kind, back.epoch, back.n_keep, back.tokens, back.horizon, back.n_chunk, back.text) == \
+           (Ctrl.STEER, 7, 12, [5, 6, 999], 40, 3, "héllo")
+    assert back.p_min == pytest.approx(0.625)
+    p = Proposal(3, 100, [1, 2], [0.5, 0.25], stopped=True)
+    q = Proposal.unpack(p.pack(), N_CTX, N_VOCAB)
+    assert (q.epoch, q.pos, q.tokens, q.probs, q.stopped) == (3, 100, [1, 2], [0.5, 0.25], True)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda b: b[:5],                                   # shorter than the header
+    lambda b: np.concatenate([b, [1]]).astype(np.int32),  # a payload the header does not announce
+    lambda b: b.astype(np.int64),                      # wrong dtype
+])
+def test_malformed_draft_messages_are_refused(mutate):
+    with pytest.raises(ProtocolError):
+        DraftCtrl.unpack(mutate(DraftCtrl(Ctrl.STEER, 1, 0, [1, 2], 9, 1, 0.5).pack()), N_CTX, N_VOCAB)
+    with pytest.raises(ProtocolError):
+        Proposal.unpack(mutate(Proposal(1, 4, [1, 2], [0.5, 0.5]).pack()), N_CTX, N_VOCAB)
+
+
+def test_out_of_range_draft_messages_are_refused():
+    bad_token = DraftCtrl(Ctrl.STEER, 1, 0, [N_VOCAB], 9, 1, 0.5).pack()
+    bad_prob = Proposal(1, 4, [1], [0.5]).pack()
+    bad_prob[-1] = np.float32(1.5).view(np.int32)
+    for buf, unpack in ((bad_token, DraftCtrl.unpack), (bad_prob, Proposal.unpack)):
+        with pytest.raises(ProtocolError):
+            unpack(buf, N_CTX, N_VOCAB)
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
+    assert common_prefix([], [1]) == 0
+
+
+# ---------------------------------------------------------------- steering, re-rooting, stale drafts
+def test_drafts_ahead_to_the_horizon_and_no_further():
+    d = CountingDrafter()
+    client, service = pair(d)
+    client.begin([10, 11, 12])
+    client.steer([10, 11, 12], horizon=7, p_min=0.5, n_chunk=2)
+    pump(service)
+    assert d.prefilled == [[10, 11, 12]]
+    assert [len(c) for c, _ in d.calls] == [3, 5]                # chunks of 2 up to the horizon
+    assert service.ctx == [10, 11, 12, 13, 14, 15, 16]          # 2 + 2 tokens, then the horizon
+    client.poll()
+    nodes, unconfident = client.ready([10, 11, 12], 0.5, 3)
+    assert [n.token for n in nodes] == [13, 14, 15] and not unconfident
+    nodes, _ = client.ready([10, 11, 12, 13, 14], 0.5, 3)       # continuing the head's own chain
+    assert [n.token for n in nodes] == [15, 16]
+
+
+def take_ctrl(service: DraftService) -> None:
+    """The service reads the messages waiting for it, without drafting."""
+    while (buf := service.end.recv(block=False)) is not None:
+        service.apply(DraftCtrl.unpack(buf, N_CTX, N_VOCAB))
+
+
+def test_reroot_keeps_the_shared_prefix_and_drops_stale_drafts():
+    d = CountingDrafter()
+    client, service = pair(d)
+    client.begin([1, 2, 3])
+    client.steer([1, 2, 3], horizon=8, p_min=0.5, n_chunk=1)
+    take_ctrl(service)
+    service.step()                                              # drafts 4
+    client.steer([1, 2, 3, 4, 9], horizon=8, p_min=0.5, n_chunk=1)  # verification: position 4 is 9
+    service.step()                                              # drafts 5 before it reads the re-root: stale
+    pump(service)
+    assert service.ctx[:5] == [1, 2, 3, 4, 9] and service.stats.n_reroots == 1
+    assert d.calls[2][0] == [1, 2, 3, 4, 9]                    # the drafter drafts on the corrected chain
+    client.poll()
+    assert client.n_stale == 1
+    nodes, _ = client.ready([1, 2, 3, 4, 9], 0.5, 4)
+    assert [n.token for n in nodes] == [10, 11, 12]
+    nodes, _ = client.ready([1, 2, 3, 4, 5], 0.5, 4)           # a chain the drafter no longer follows
+    assert nodes == []
+
+
+def test_unconfident_chain_stops_until_the_cutoff_falls():
+    d = CountingDrafter(conf=lambda pos: 0.9 if pos < 5 else 0.4)
+    client, service = pair(d)
+    client.begin([1, 2, 3])
+    client.steer([1, 2, 3], horizon=10, p_min=0.5, n_chunk=1)
+    pump(service)
+    assert service.ctx == [1, 2, 3, 4, 5] and service.stopped  # position 5 is below 0.5: the drafter waits
+    n_calls = len(d.calls)
+    client.poll()
+    assert client.ready([1, 2, 3, 4, 5], 0.5, 1) == ([], True)  # the head sees it is unconfident (p_decay)
+    client.steer([1, 2, 3, 4, 5], horizon=10, p_min=0.5, n_chunk=1)
+    pump(service)
+    assert len(d.calls) == n_calls                              # nothing changed: no new call
+    client.steer([1, 2, 3, 4, 5], horizon=10, p_min=0.3, n_chunk=1)  # the cutoff decays below 0.4
+    pump(service)
+    client.poll()
+    nodes, _ = client.ready([1, 2, 3, 4, 5], 0.3, 2)
+    assert [n.token for n in nodes] == [6, 7] and nodes[0].prob == pytest.approx(0.4)
+
+
+def test_synchronous_draft_through_a_thread():
+    td = ThreadDrafter(lambda p, t, c: CountingDrafter(conf=lambda pos: 0.9 if pos < 8 else 0.2), N_CTX, N_VOCAB)
+    try:
+        td.client.begin([1, 2, 3])
+        nodes = td.client.draft([1, 2, 3], Cutoffs(0.5, 1.0, 3, 1))
+        assert [n.token for n in nodes] == [4, 5, 6]
+        nodes = td.client.draft([1, 2, 3, 4, 5, 6, 7], Cutoffs(0.5, 1.0, 4, 1))  # stops at position 8
+        assert [n.token for n in nodes] == [8]
+    finally:
+        td.close()
+
+
+def test_thread_drafter_error_reaches_the_head():
+    class Broken(CountingDrafter):
+        def draft(self, context, cut):
+            raise RuntimeError("draft model failed")
+    td = ThreadDrafter(lambda p, t, c: Broken(), N_CTX, N_VOCAB)
+    try:
+        td.client.begin([1, 2])
+        with pytest.raises(RuntimeError, match="draft model failed"):
+            td.client.draft([1, 2], Cutoffs(0.5, 1.0, 2, 1))
+    finally:
+        td.close()
+
+
+# ---------------------------------------------------------------- the real Head with a drafter beside it
+def thread_head(mode: str, error_rate: float, seed: int, **kw):
+    td = ThreadDrafter(lambda p, t, c: ToyDrafter(error_rate, seed), N_CTX, 10**6)
+    try:
+        return run_head(mode, drafter=td.client, error_rate=error_rate, seed=seed, **kw), td
+    finally:
+        td.close()
+
+
+@pytest.mark.parametrize("error_rate, seed, poll_every", [(0.0, 0, 3), (0.2, 1, 3), (0.5, 2, 2), (1.0, 3, 4)])
+def test_pipeinfer_with_the_draft_beside_equals_target(error_rate, seed, poll_every):
+    r, td = thread_head("pipeinfer", error_rate, seed, poll_every=poll_every, n_max=2, step_s=0.002)
+    assert r.out == r.expected and r.streamed == r.out
+    assert_clean_end(r)
+    assert r.stats.n_draft_accepted <= r.stats.n_drafted
+    if error_rate == 0.0:
+        assert r.stats.n_cancelled == 0 and r.stats.n_draft_accepted > 20
+    if 0 < error_rate < 1:
+        assert r.stats.n_cancelled > 0 and td.service.stats.n_reroots > 0
+
+
+def test_speculative_with_the_draft_beside_equals_target():
+    r, _ = thread_head("speculative", 0.3, 5, step_s=0.002)
+    assert r.out == r.expected
+    assert r.pipe.max_in_flight == 1 and r.stats.n_spec_runs > 0
+    assert_clean_end(r)
