@@ -84,6 +84,11 @@ PIPELINE_OPTIONS = [
                        "replay is a benchmark instrument (see README)"),
     click.option("--draft-vocab", type=click.Choice(["auto", "same", "translate"]), default="auto", show_default=True,
                   help="draft model vocabulary: same as the target (checked), or translate through text; auto picks"),
+    click.option("--draft-at", type=click.Choice(["head", "thread", "rank"]), default="head", show_default=True,
+                  help="where the draft runs: head (in series with rank 0's stage), thread (beside it, in rank 0), rank "
+                       "(an MPI rank of its own: the last; start one more rank than the target's stages)"),
+    click.option("--draft-threads", default=None, type=click.IntRange(1),
+                  help="threads of the draft model [default: rank 0's --threads; on its own rank: cores / ranks]"),
     click.option("--draft-max", default=None, type=click.IntRange(1, 64),
                   help=f"max draft tokens per speculative micro-batch [default: up to {DEFAULT_DRAFT_MAX}, within the exact "
                        f"batch limit]"),
@@ -249,12 +254,18 @@ def _generate(kw) -> None:
 
 def _pipeline_config(kw, *, n_predict: int, sampling: SamplingParams, stop_at_eos: bool):
     """(target path, draft path or None, drafter kind, GenConfig) from the pipeline options."""
+    from .runner import UserError
     from .models import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_model
     model = str(resolve_model(kw["model"] or DEFAULT_TARGET))
     draft = str(resolve_model(kw["draft"])) if kw["draft"] else None
     if draft is None and kw["drafter"] is None and kw["model"] in (None, DEFAULT_TARGET) and kw["mode"] != "iterative":
         draft = _installed(DEFAULT_DRAFT)  # the default demo: Qwen target, Gemma draft through text translation
     drafter = kw["drafter"] or ("model" if draft else "ngram")
+    if kw["draft_at"] != "head" and kw["max_branches"] > 1:
+        raise UserError(f"--draft-at {kw['draft_at']} drafts chains: -np/--max-branches must be 1")
+    if kw["draft_at"] == "rank" and drafter == "ngram" and kw["mode"] != "iterative":
+        raise UserError("--draft-at rank: the draft rank has no draft model (give --draft MODEL.gguf; the n-gram "
+                        "drafter costs nothing and runs on the head)")
     gen = GenConfig(
         mode=kw["mode"], n_predict=n_predict, sampling=sampling,
         cut=Cutoffs(kw["p_accept"], kw["p_split"], kw["draft_max"], kw["max_branches"]),
@@ -269,7 +280,8 @@ def _run_options(kw, model, draft, drafter, gen, **more):
                       threads_batch=kw["threads_batch"], n_ctx=kw["ctx_size"], draft=draft, drafter=drafter,
                       max_in_flight=kw["max_in_flight"], poll_s=kw["poll_us"] / 1e6,
                       kernels="fast" if kw["fast_kernels"] else kw["kernels"], draft_vocab=kw["draft_vocab"],
-                      stall_timeout=kw["stall_timeout"], **more)
+                      stall_timeout=kw["stall_timeout"], draft_at=kw["draft_at"], draft_threads=kw["draft_threads"],
+                      **more)
 
 
 def _cells_reserve(kw) -> int:
@@ -387,7 +399,8 @@ def _draft_label(kw, drafter: str, draft: str | None) -> str:
     """The draft_model column: the drafter for the model-free ones, else the draft file's name."""
     if kw["mode"] == "iterative":
         return ""
-    return {"ngram": "ngram", "replay": f"replay@{kw.get('replay_accuracy')}"}.get(drafter, Path(draft or "").name)
+    label = {"ngram": "ngram", "replay": f"replay@{kw.get('replay_accuracy')}"}.get(drafter, Path(draft or "").name)
+    return label if kw.get("draft_at", "head") == "head" else f"{label} ({kw['draft_at']})"
 
 
 def _append_csv(kw, draft_label: str, model: str, ranges, prompt_name: str, s, peak_rss_mb=None) -> None:

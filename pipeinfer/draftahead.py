@@ -227,6 +227,8 @@ class DraftClient:
 
     def close(self) -> None:
         self.end.send(DraftCtrl(Ctrl.END).pack())
+        if hasattr(self.end, "flush"):
+            self.end.flush()
 
     # ---- reading
     def poll(self) -> int:

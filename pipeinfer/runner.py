@@ -45,6 +45,8 @@ class RunOptions:
     poll_s: float = 0.0005
     kernels: str = DEFAULT_KERNELS            # kernels.py: repack | no-repack | fast (not batch-invariant)
     stall_timeout: float = 60.0               # liveness.py: a rank silent this long ends the job (0: only losses)
+    draft_at: str = "head"                    # draftahead.py: head (in series) | thread (beside, rank 0) | rank (own)
+    draft_threads: int | None = None          # the draft model's threads (None: see draft_thread_count)
     on_tokens: object = None                  # callable(list of new token ids), rank 0
     on_progress: object = None                # callable(Stats, runs in flight), rank 0
 
@@ -96,6 +98,7 @@ class HeadSession:
     n_seq_max: int
     probe_ms: list[float] | None = None
     live: object = None                 # liveness.Liveness (several ranks)
+    beside: object = None               # the drafter beside the pipeline (ThreadDrafter, or the draft rank's client)
     last_tokens: list[int] = field(default_factory=list)
     n_generations: int = 0
     _next_run: int = 0
@@ -122,6 +125,7 @@ class HeadSession:
         head.stats.kernels = self.opts.kernels
         head.stats.exact_batch = self.exact_per_rank
         head.stats.exact_batch_draft = getattr(drafter, "exact_batch", None)
+        head.stats.draft_at = self.opts.draft_at
         return head.stats
 
     def close(self) -> tuple[list[dict], list[float]]:
@@ -132,6 +136,8 @@ class HeadSession:
                                 kv=self.engine.kv_summary(exclude=garbage_seq(self.n_seq_max)),
                                 bytes_sent=self.transport.bytes_sent if self.transport else 0)
         self.pipe.shutdown()
+        if self.beside is not None:
+            self.beside.close()
         polite_barrier(self.comm, self.opts.poll_s)
         stage_stats = self.comm.gather(None, root=0)[1:]
         rss = self.comm.gather(_peak_rss_mb(), root=0)
@@ -146,16 +152,28 @@ def open_session(opts: RunOptions, comm=None) -> HeadSession | None:
     """Load every rank's stage. Rank 0 gets a HeadSession; the other ranks serve the pipeline until the head
     shuts it down, and get None."""
     from mpi4py import MPI
-    comm = comm or MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    versions = comm.allgather(PROTOCOL_VERSION)
+    world = comm or MPI.COMM_WORLD
+    versions = world.allgather(PROTOCOL_VERSION)
     if len(set(versions)) != 1:
         raise UserError(f"ranks run different pipeinfer protocol versions: {versions}")
     live = None
-    if size > 1:  # from here on, a rank that dies or goes silent is named and ends the job (liveness.py)
+    if world.Get_size() > 1:  # from here on, a rank that dies or goes silent is named and ends the job (liveness.py)
         from .liveness import Liveness
-        live = Liveness(comm, opts.stall_timeout)
-        _agree(comm, live, build_id(), "runs another build")
+        live = Liveness(world, opts.stall_timeout)
+        _agree(world, live, build_id(), "runs another build")
+    comm, draft_comm = world, None
+    if opts.draft_at == "rank":  # the world's last rank drafts; the others are the target's stages
+        if world.Get_size() < 2:
+            raise UserError("--draft-at rank needs a rank of its own for the draft: start one more rank than the "
+                            "target's stages (mpiexec -n N+1)")
+        is_draft = world.Get_rank() == world.Get_size() - 1
+        comm = world.Split(1 if is_draft else 0, world.Get_rank())
+        draft_comm = world.Dup()
+        if is_draft:
+            serve_draft_rank(opts, draft_comm, world.Get_size())
+            live.close()
+            return None
+    rank, size = comm.Get_rank(), comm.Get_size()
 
     info = read_info(opts.model)
     if live is not None:
@@ -227,17 +245,59 @@ def open_session(opts: RunOptions, comm=None) -> HeadSession | None:
     from .pipeline import Pipeline
     pipe = Pipeline(topo, engine, embedder=TokenEmbedder(opts.model) if size > 1 else None, transport=transport,
                     limits=limits)
-    drafter_for = pool = None
+    drafter_for = pool = beside = None
     if cfg.mode != "iterative":
         pool = PartitionPool(n_part, cfg.cut.max_branches, n_seq_max)
-        drafter_for = make_drafter(opts, info, threads[0], threads_b[0])
+    if opts.draft_at == "rank":
+        from .draftahead import DraftClient, MpiEnd
+        from .protocol import Tag
+        beside = DraftClient(MpiEnd(draft_comm, draft_comm.Get_size() - 1, Tag.DRAFT_CTRL, Tag.PROPOSAL, opts.poll_s),
+                             opts.n_ctx, limits.n_vocab, opts.poll_s)
+        drafter_for = _begin_each(beside)
+    elif cfg.mode != "iterative":
+        n_dft = draft_thread_count(opts, threads[0], size)
+        drafter_for = make_drafter(opts, info, n_dft, n_dft if opts.draft_threads else threads_b[0])
+        if opts.draft_at == "thread":
+            from .draftahead import ThreadDrafter
+            beside = ThreadDrafter(drafter_for, opts.n_ctx, limits.n_vocab, opts.poll_s)
+            drafter_for = _begin_each(beside.client)
     from .tokenizer import Tokenizer
     tok = Tokenizer(opts.model)
     eos = set() if not cfg.stop_at_eos else {t for t in tok.eos}
     if live is not None:
         live.in_flight = lambda: len(pipe.in_flight)
     return HeadSession(opts, cfg, comm, engine, transport, pipe, pool, drafter_for, tok, eos, ranges, exact_per_rank,
-                       n_seq_max, probe_ms, live)
+                       n_seq_max, probe_ms, live, beside)
+
+
+def _begin_each(client):
+    """drafter_for of a drafter beside the pipeline: each generation begins on it (prompt, text, chat)."""
+    def begin(prompt, text, chat):
+        client.begin(prompt, text or "", chat)
+        return client
+    return begin
+
+
+def draft_thread_count(opts: RunOptions, threads_rank0: int, n_world: int) -> int:
+    """--draft-threads, else rank 0's threads beside its stage (head, thread), or the cores shared by the ranks
+    on its own rank (the target's default: cores / ranks)."""
+    if opts.draft_threads:
+        return opts.draft_threads
+    return threads_rank0 if opts.draft_at != "rank" else max(1, (os.cpu_count() or 2) // n_world)
+
+
+def serve_draft_rank(opts: RunOptions, draft_comm, n_world: int) -> None:
+    """The draft rank (--draft-at rank): load the draft, then draft ahead for the head until it ends the session."""
+    from .draftahead import DraftService, MpiEnd
+    from .protocol import Tag
+    info = read_info(opts.model)  # the target's vocabulary: token ids, and a translating drafter's tokenizer
+    drafter_for = None
+    if opts.gen.mode != "iterative":
+        n = draft_thread_count(opts, 0, n_world)
+        drafter_for = make_drafter(opts, info, n, n)
+    end = MpiEnd(draft_comm, 0, Tag.PROPOSAL, Tag.DRAFT_CTRL, opts.poll_s)
+    DraftService(drafter_for, end, opts.n_ctx, _vocab_bound(opts.model, info)).serve()
+    end.flush()
 
 
 def _vocab_bound(model: str, info) -> int:

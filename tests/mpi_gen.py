@@ -26,7 +26,7 @@ res = run(RunOptions(model=cfg["model"], prompt_tokens=cfg["prompt"], gen=gen, l
                      drafter=cfg.get("drafter", "model"), replay_ref=cfg.get("replay_ref"),
                      replay_accuracy=cfg.get("replay_accuracy", 0.8), draft_vocab=cfg.get("draft_vocab", "auto"),
                      prompt_text=cfg.get("prompt_text"), chat=cfg.get("chat", False), max_in_flight=cfg.get("max_in_flight", 8),
-                     stall_timeout=cfg.get("stall_timeout", 60.0)))
+                     stall_timeout=cfg.get("stall_timeout", 60.0), draft_at=cfg.get("draft_at", "head")))
 if res is not None:
     print("RESULT " + json.dumps({"tokens": res.tokens, "stats": res.stats.to_dict(),
                                   "ranges": [[r.start, r.end] for r in res.ranges], "rss_mb": res.peak_rss_mb,

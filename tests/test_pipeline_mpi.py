@@ -184,3 +184,20 @@ def test_the_last_stage_sends_token_ids_not_logits(models, ref):
     forward, back = out["stats"]["bytes_per_token"]
     assert back <= 32 + 4 + 1, back       # HEADER i32[8] + TOKENS i32[1] per run (+ the prompt's run, amortised)
     assert forward >= 4 * 64, forward     # hidden states f32[1, n_embd] and META per run go forward
+
+
+@pytest.mark.parametrize("mode", ["speculative", "pipeinfer"])
+@pytest.mark.parametrize("draft_at, n_world", [("thread", 2), ("rank", 3), ("rank", 2)])
+def test_draft_beside_the_pipeline_matches(models, ref, mode, draft_at, n_world):
+    """The drafter in a thread of rank 0, or on a rank of its own (the last: 2 target ranks + 1, or 1 + 1)."""
+    out = mpirun(n_world, {"model": str(models["q8"]), "prompt": PROMPT, "n": N, "mode": mode,
+                           "draft": str(models["draft60"]), "draft_at": draft_at})
+    assert out["tokens"] == ref["q8"]
+    s = out["stats"]
+    assert len(out["ranges"]) == n_world - (draft_at == "rank")  # the draft rank holds no target layer
+    assert s["draft_at"] == draft_at
+    if len(out["ranges"]) > 1 or mode == "speculative":
+        # (one target rank decodes as fast as this draft, a perturbed copy of it: the draft never gets ahead)
+        assert s["n_spec_runs"] > 0 and 0 < s["n_draft_accepted"] < s["n_drafted"]
+    for st in s["stage_stats"]:
+        assert st["kv"] == [[0, 0, s["n_kv0"] - 1]], st
