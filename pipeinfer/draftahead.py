@@ -12,9 +12,10 @@ drafted so far:
                                                 <-   PROPOSAL(epoch, pos, tokens, probs, stopped) per call
     END                                         ->   the session is over
 
-The drafter keeps drafting its own main chain, `n_chunk` tokens per call, until it reaches `horizon` or a
-token falls below `p_min` (the head's current cutoff: -pa plus the recovery/decay adjustment; a stopped
-chain resumes when the cutoff falls or the context moves). When verification moves the speculation chain
+The drafter keeps drafting its own main chain, `n_chunk` tokens per call, until it reaches `horizon` or
+it has nothing to propose above `p_min` (the floor of the head's cutoff: -pa, lowered by -pd's decay but
+not raised by -pr's recovery, which the next acceptance resets; the head applies its current cutoff when it
+launches). A stopped chain resumes when the cutoff falls or the context moves. When verification moves the speculation chain
 somewhere the drafter did not go (a rejected draft, a cancelled run), the head re-roots it: a new epoch,
 the length of the context both still share (`n_keep`: the drafter rolls its KV back to it, ModelDrafter's
 prefix reuse) and the tokens after it. Proposals of an older epoch, or for positions the head no longer
@@ -26,6 +27,7 @@ through queues, so both placements run the same code.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -38,6 +40,7 @@ from .drafter import Cutoffs, Drafter, DraftNode, main_chain
 from .protocol import KEEP_ALL, Ctrl, DraftCtrl, Proposal, Tag
 
 PLACEMENTS = ("head", "thread", "rank")
+RETRY_CHUNK = 4  # draft tokens asked for when a shorter chunk proposed nothing (DraftService.step)
 
 
 # ================================================================ channels: one end of a two-way link
@@ -155,18 +158,28 @@ class DraftService:
         self.epoch, self.horizon, self.n_chunk, self.p_min = msg.epoch, msg.horizon, msg.n_chunk, msg.p_min
 
     def step(self) -> None:
-        """One drafter call: up to n_chunk tokens of the main chain after ctx, sent as one PROPOSAL."""
+        """One drafter call: up to n_chunk tokens of the main chain after ctx, sent as one PROPOSAL.
+
+        A drafter that proposes nothing for a short chunk is asked once more for RETRY_CHUNK tokens: a
+        translating drafter (xvocab.py) often cannot propose the last token of what it drafted (the next one
+        may merge with it), so it needs to draft further to propose anything. When even that gives nothing,
+        the chain is stopped until the head moves the context or lowers the cutoff."""
         t0 = time.perf_counter()
-        n = min(self.n_chunk, self.horizon - len(self.ctx))
-        tree = self.drafter.draft(self.ctx, Cutoffs(self.p_min, 1.0, n, 1))
-        chain = [tree[i] for i in main_chain(tree)][:n]
-        self.stopped = len(chain) < n  # unconfident, or nothing it can propose here
+        n = max(1, min(max(self.n_chunk, getattr(self.drafter, "ahead_chunk", 1)), self.horizon - len(self.ctx)))
+        chain = self._draft(n)
+        if not chain and n < RETRY_CHUNK:
+            chain = self._draft(RETRY_CHUNK)
+        self.stopped = not chain
         self.end.send(Proposal(self.epoch, len(self.ctx), [d.token for d in chain], [d.prob for d in chain],
                                self.stopped).pack())
         self.ctx += [d.token for d in chain]
-        self.stats.n_calls += 1
         self.stats.n_proposed += len(chain)
         self.stats.t_busy_s += time.perf_counter() - t0
+
+    def _draft(self, n: int) -> list[DraftNode]:
+        self.stats.n_calls += 1
+        tree = self.drafter.draft(self.ctx, Cutoffs(self.p_min, 1.0, n, 1))
+        return [tree[i] for i in main_chain(tree)][:n]
 
 
 # ================================================================ the head's side
@@ -214,7 +227,11 @@ class DraftClient:
         self.poll()
         c = common_prefix(target, self.seq)
         horizon = min(horizon, self.n_ctx)
-        if c < len(target):
+        # re-root where the drafter went another way, or stopped short of target; where it is only behind (seq a
+        # prefix of target), let it go on: its next proposal most likely is target's next token, and drafting
+        # that again from a new root would cost the same time. A wrong proposal diverges, and re-roots then.
+        behind = c == len(self.seq) and self.stopped_at != len(self.seq)
+        if c < len(target) and not behind:
             self.epoch += 1
             self.end.send(DraftCtrl(Ctrl.STEER, self.epoch, c, target[c:], horizon, n_chunk, p_min).pack())
             self.seq, self.probs = list(target), self.probs[:c] + [1.0] * (len(target) - c)
@@ -275,8 +292,8 @@ class DraftClient:
     def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
         """Synchronous use (speculative mode, tests): steer to context, wait for cut.n_max tokens or the end of
         the confident chain. Chains only (the drafter beside the pipeline does not draft trees)."""
-        self.steer(context, len(context) + cut.n_max, cut.p_accept, cut.n_max)
         while True:
+            self.steer(context, len(context) + cut.n_max, cut.p_accept, cut.n_max)  # again: re-roots a divergence
             nodes, unconfident = self.ready(context, cut.p_accept, cut.n_max)
             end = len(context) + len(nodes)
             if len(nodes) == cut.n_max or unconfident or self.stopped_at == end or \
@@ -286,6 +303,22 @@ class DraftClient:
 
 
 # ================================================================ placements
+DRAFT_NICE = 19
+
+
+def lower_priority() -> None:
+    """Run the calling thread (and the llama.cpp threads it starts) at the lowest CPU priority.
+
+    Beside the pipeline on a host whose cores the stages use, the draft should take only the cycles the stages
+    leave idle: measured on 2 cores with 2 stages of Qwen2.5-1.5B, a draft thread at normal priority slowed
+    every stage's decode while it drafted. On a host of its own it changes nothing. Linux sets the nice value
+    per thread (a thread id is a PRIO_PROCESS target); elsewhere this is a no-op."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), DRAFT_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
 class ThreadDrafter:
     """--draft-at thread: a DraftService in a daemon thread of rank 0, behind a DraftClient."""
 
@@ -299,6 +332,7 @@ class ThreadDrafter:
         self._thread.start()
 
     def _run(self) -> None:
+        lower_priority()
         try:
             self.service.serve()
         except BaseException as e:  # re-raised on the head's thread (check), which reports it

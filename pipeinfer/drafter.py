@@ -223,6 +223,10 @@ class ReplayDrafter:
             right = np.random.default_rng([self.seed, pos]).random() < self.accuracy
             tokens.append(self.ref[pos] if right else (self.ref[pos] + 1 + pos % 7) % self.n_vocab)
         if self.burner is not None and tokens:
+            # a draft model's compute: one single-token decode per proposed token (as it drafts them one by one),
+            # nothing more when the call continues the last one's chain, one re-decode after a rejected token
             v = self.burner.n_vocab
-            self.burner.draft([t % v for t in context], Cutoffs(0.0, 1.0, len(tokens), 1))
+            ctx = [t % v for t in context]
+            for k in range(1, len(tokens) + 1):
+                self.burner._sync(ctx + [t % v for t in tokens[:k]])
         return [DraftNode(t, k - 1, k, {0}, self.accuracy) for k, t in enumerate(tokens)]

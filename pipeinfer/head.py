@@ -255,10 +255,12 @@ class Head:
     def _steer_drafter(self, context: list[int] | None = None):
         """Point the drafter beside the pipeline at the chain the next micro-batches build on: the speculation
         context, or the accepted tokens when they reach further (a correction verification just made), up to
-        a micro-batch per free partition ahead, with the current cutoff."""
+        a micro-batch per free partition ahead."""
         context = self._spec_context() if context is None else context
         target = context if len(context) >= len(self.accepted) else self.accepted
-        p_min = min(1.0, max(0.0, self.cfg.cut.p_accept + self.adjust))
+        # the drafter stops at the cutoff's floor, not at today's raised one: the recovery adjustment falls back
+        # to 0 at the next acceptance, and the tokens drafted meanwhile are then ready to launch
+        p_min = min(1.0, max(0.0, self.cfg.cut.p_accept + min(0.0, self.adjust)))
         self.drafter.steer(target, len(context) + self._n_draft * max(1, self.pool.n_free), p_min, self._n_draft)
         return self.drafter
 

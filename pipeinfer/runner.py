@@ -288,8 +288,9 @@ def draft_thread_count(opts: RunOptions, threads_rank0: int, n_world: int) -> in
 
 def serve_draft_rank(opts: RunOptions, draft_comm, n_world: int) -> None:
     """The draft rank (--draft-at rank): load the draft, then draft ahead for the head until it ends the session."""
-    from .draftahead import DraftService, MpiEnd
+    from .draftahead import DraftService, MpiEnd, lower_priority
     from .protocol import Tag
+    lower_priority()  # this thread: the draft's decodes; the liveness thread keeps its priority
     info = read_info(opts.model)  # the target's vocabulary: token ids, and a translating drafter's tokenizer
     drafter_for = None
     if opts.gen.mode != "iterative":

@@ -299,6 +299,10 @@ class TranslatingDrafter:
     heal: token healing of the draft context's last token.
     """
 
+    # beside the pipeline (draftahead.py), draft this many draft tokens per call: each call re-decodes the
+    # healed token and often cannot propose its last one, so short calls cost 2-3 decodes and propose little
+    ahead_chunk = 4
+
     def __init__(self, drafter, target_tok, draft_tok, *, n_prompt: int, prompt_text: str, chat: bool,
                  draft_chat: bool | None = None, draft_template: str | None = None, window: int = 4,
                  heal: bool = True):

@@ -123,16 +123,35 @@ def test_reroot_keeps_the_shared_prefix_and_drops_stale_drafts():
     take_ctrl(service)
     service.step()                                              # drafts 4
     client.steer([1, 2, 3, 4, 9], horizon=8, p_min=0.5, n_chunk=1)  # verification: position 4 is 9
-    service.step()                                              # drafts 5 before it reads the re-root: stale
+    assert client.epoch == 1                                    # the drafter is only behind: no re-root yet
+    service.step()                                              # drafts 5: now it went another way
+    client.steer([1, 2, 3, 4, 9], horizon=8, p_min=0.5, n_chunk=1)
+    assert client.epoch == 2 and client.seq == [1, 2, 3, 4, 9]  # re-rooted after the shared 1, 2, 3, 4
+    service.step()                                              # drafts 6 before it reads the re-root: stale
     pump(service)
     assert service.ctx[:5] == [1, 2, 3, 4, 9] and service.stats.n_reroots == 1
-    assert d.calls[2][0] == [1, 2, 3, 4, 9]                    # the drafter drafts on the corrected chain
+    assert d.calls[3][0] == [1, 2, 3, 4, 9]                    # the drafter drafts on the corrected chain
     client.poll()
     assert client.n_stale == 1
     nodes, _ = client.ready([1, 2, 3, 4, 9], 0.5, 4)
     assert [n.token for n in nodes] == [10, 11, 12]
     nodes, _ = client.ready([1, 2, 3, 4, 5], 0.5, 4)           # a chain the drafter no longer follows
     assert nodes == []
+
+
+def test_a_stopped_drafter_is_re_rooted_on_the_tokens_it_lacks():
+    d = CountingDrafter(conf=lambda pos: 0.9 if pos != 4 else 0.1)
+    client, service = pair(d)
+    client.begin([1, 2, 3])
+    client.steer([1, 2, 3], horizon=8, p_min=0.5, n_chunk=1)
+    pump(service)                                               # 4, then nothing above 0.5 at position 4
+    client.poll()
+    assert service.stopped and client.stopped_at == 4
+    client.steer([1, 2, 3, 4, 7], horizon=8, p_min=0.5, n_chunk=1)  # the target's token at 4: re-root on it
+    assert client.epoch == 2
+    pump(service)
+    client.poll()
+    assert client.ready([1, 2, 3, 4, 7], 0.5, 2)[0][0].token == 8
 
 
 def test_unconfident_chain_stops_until_the_cutoff_falls():
