@@ -42,6 +42,7 @@ FAILURE_EXIT_CODE = 3  # a rank was lost or went silent (1: bad input, 2: intern
 CONNECT_TIMEOUT_S = 20.0
 ROW_EVERY_S = 0.5      # rank 0's --results snapshot to the hub
 ROW_WAIT_S = 5.0       # how long the hub waits for rank 0 to write the row itself
+ABORT_GRACE_S = 2.0    # after MPI_Abort returns, how long the proxy has to end the job before the rank exits itself
 
 _current: "Liveness | None" = None
 _failure_hook: Callable[[str], None] | None = None
@@ -213,6 +214,10 @@ class Liveness:
         time.sleep(0.3)  # let mpiexec forward what was written before MPI_Abort's clean-up
         from mpi4py import MPI
         MPI.COMM_WORLD.Abort(FAILURE_EXIT_CODE)
+        # MPICH's MPI_Abort returns when called from this thread and leaves the killing to its proxy; a proxy cut
+        # off from mpiexec (this host's link is down) never kills, and the rank would run on forever
+        time.sleep(ABORT_GRACE_S)
+        os._exit(FAILURE_EXIT_CODE)
 
     def _send(self, text: str) -> None:
         try:
