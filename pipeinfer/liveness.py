@@ -20,7 +20,8 @@ writes that row itself from the last snapshot when rank 0 cannot (it is the lost
 mpiexec killed it first), then tells every rank still connected to end the job (MPI_Abort, exit code
 FAILURE_EXIT_CODE; when a rank died, MPICH's mpiexec may end the job first with its own code, 9 for
 `kill -9`). The hub's line reaches the user through rank 0's stderr, which mpiexec keeps reading until the
-hub exits. A worker that loses the hub (rank 0's host went down) ends the job itself.
+hub exits. A worker that loses the hub (rank 0's host went down, or its own link) ends the job itself, and
+exits itself when its proxy, cut off from mpiexec, does not kill it.
 
 The hub listens on an ephemeral port (PIPEINFER_LIVENESS_PORT fixes it, for firewalls); a rank that cannot
 connect within CONNECT_TIMEOUT_S prints a warning and is not watched.
