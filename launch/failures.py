@@ -5,9 +5,12 @@
 
 Each case runs the real CLI under mpiexec on small synthetic GGUFs (tests/synth.py) and records the exit
 code, the seconds from the fault (or from the start, for bad input) to the end of mpiexec, the first
-`pipeinfer: error` line, whether the text generated before the fault was on stdout and what --results
-got. Faults are injected from outside, as a user would: `kill -STOP` / `kill -9` of one rank's process,
-found through a tag in its environment. Writes OUT.csv and OUT.md (a markdown table) and prints the table.
+`pipeinfer: error` line, whether the text generated before the fault was on stdout, what --results
+got and when the last rank process of the job was gone. Faults are injected from outside, as a user
+would: `kill -STOP` / `kill -9` of one rank's process, found through a tag in its environment, or
+`ip link set pi-hI down`, which cuts host hI of the emulated cluster (launch/netns-cluster.sh, root
+only; skipped with a note elsewhere) off the network. Writes OUT.csv and OUT.md (a markdown table) and
+prints the table; with --only, the named rows are measured again and the others kept from OUT.csv.
 tests/test_failures.py runs the same cases (CASES) and checks each row's expectation.
 """
 from __future__ import annotations
@@ -29,7 +32,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec") or "mpiexec"
+NETNS = ROOT / "launch" / "netns-cluster.sh"
 STALL = 3.0  # --stall-timeout of the fault cases (seconds)
+# the network cut's --stall-timeout: what a user would set on a real network, where a few seconds without
+# a packet must not end the job
+NET_STALL = 10.0
+CUT = "link-down"  # a fault that takes a host's link down instead of sending a signal
 
 
 @dataclass
@@ -40,7 +48,7 @@ class Case:
     args: list[str]           # after `pipeinfer`; {model}, {q8}, {draft_other}, {tmp}, {arch}, ... are filled in
     match: str                # expected in the first error line
     exit_code: int | tuple    # expected exit code(s) of mpiexec
-    fault: tuple | None = None  # (signal, rank) sent once the text has started
+    fault: tuple | None = None  # (signal, rank) sent once the text has started, or (CUT, rank): its host cut off
     test: str = "tests/test_failures.py"  # where the row is tested
     prep: str | None = None   # a bad input file to make (see _prepare)
     results_status: str | None = None  # expected start of the --results row's status (faults)
@@ -48,8 +56,14 @@ class Case:
 
 
 GEN = ["generate", "-p", "hi", "--ignore-eos", "-t", "1"]
-LONG = GEN + ["-m", "{big}", "-n", "3000", "-c", "4096", "--mode", "pipeinfer", "--drafter", "ngram",
-              "--stall-timeout", str(STALL), "--results", "{tmp}/results.csv"]
+
+
+def _long(stall: float) -> list[str]:
+    return GEN + ["-m", "{big}", "-n", "3000", "-c", "4096", "--mode", "pipeinfer", "--drafter", "ngram",
+                  "--stall-timeout", f"{stall:g}", "--results", "{tmp}/results.csv"]
+
+
+LONG = _long(STALL)
 
 CASES: list[Case] = [
     # ---- faults (3 ranks, PipeInfer, a 3,000-token generation; the fault comes once text is streaming)
@@ -61,6 +75,9 @@ CASES: list[Case] = [
     Case("kill-worker", "rank 1 of 3 killed (`kill -9`)", 3, LONG, "rank 1 (host", (9, 3),
          fault=(signal.SIGKILL, 1), results_status="failed: rank 1 (host"),
     Case("kill-head", "rank 0 killed (`kill -9`)", 3, LONG, "", (9, 3), fault=(signal.SIGKILL, 0)),
+    Case("netcut-worker", "network cut to a worker host (h2 of 3 emulated hosts, `ip link set pi-h2 down`)", 3,
+         _long(NET_STALL), "rank 2 (host h2", 3, fault=(CUT, 2), results_status="failed: rank 2 (host h2",
+         test="tests/test_netns.py::test_network_cut_to_a_worker_host", extra={"netns": True}),
     # ---- bad input (2 ranks unless said)
     Case("gguf-cut-header", "GGUF truncated in its header", 2, GEN + ["-m", "{tmp}/cut-header.gguf"],
          "truncated GGUF header: the file ends in its fixed header", 1, prep="cut-header"),
@@ -191,63 +208,126 @@ def _rank_pids(tag: str) -> dict[int, int]:
     return out
 
 
+def netns_unavailable() -> str | None:
+    """Why the emulated cluster (launch/netns-cluster.sh) cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if not shutil.which("ip") or not shutil.which("tc"):
+        return "needs iproute2 (ip, tc)"
+    probe = subprocess.run(["ip", "netns", "add", "pipeinfer-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot create a network namespace here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "pipeinfer-probe"], capture_output=True)
+    return None
+
+
+def _command(case: Case, args: list[str], tmp: Path) -> list[str]:
+    base = [sys.executable, "-m", "mpi4py", "-m", "pipeinfer"]
+    if case.extra.get("cmd"):
+        return [MPIEXEC, "-n", str(case.n)] + [a.format(python=sys.executable, root=ROOT) for a in case.extra["cmd"]]
+    if case.extra.get("netns"):
+        # one rank per emulated host: rank I runs in namespace hI
+        return ["bash", str(NETNS), "run", str(case.n), "--"] + base + args
+    if case.extra.get("build_per_rank"):
+        pp = f'{tmp}/build1:{os.environ.get("PYTHONPATH", "")}'
+        return [MPIEXEC, "-n", str(case.n), "bash", "-c",
+                f'if [ "$PMI_RANK" = 1 ]; then export PYTHONPATH={pp}; fi; exec "$@"', "rank"] + base + args
+    if case.extra.get("env_per_rank"):
+        # one model path, two files: each rank reads it from its own "host" directory (what another
+        # host's copy would be): a wrapper runs the rank in host{PMI_RANK}/
+        args = [a.replace(str(tmp / "per-rank.gguf"), "per-rank.gguf") for a in args]
+        return [MPIEXEC, "-n", str(case.n), "bash", "-c", f'cd {tmp}/host$PMI_RANK && exec "$@"', "rank"] + base + args
+    if case.n:
+        return [MPIEXEC, "-n", str(case.n)] + base + args
+    return base + args
+
+
+def _inject(fault: tuple, tag: str) -> bool:
+    """Inject the fault into the running job; False when its target was not found."""
+    kind, rank = fault
+    if kind == CUT:
+        # the root side of host hI's veth pair: the host and its processes run on, nothing crosses its link
+        return subprocess.run(["ip", "link", "set", f"pi-h{rank}", "down"]).returncode == 0
+    pids = _rank_pids(tag)
+    if rank not in pids:
+        return False
+    os.kill(pids[rank], kind)
+    return True
+
+
+def _stall(case: Case) -> float:
+    return float(case.args[case.args.index("--stall-timeout") + 1]) if "--stall-timeout" in case.args else STALL
+
+
+def _ranks_gone(tag: str, deadline: float) -> float | None:
+    """Wait until no rank process of the job is left (a host cut off from mpiexec ends its ranks itself);
+    the time then, or None at the deadline, when the ones left are killed (they are this script's)."""
+    while time.monotonic() < deadline:
+        if not _rank_pids(tag):
+            return time.monotonic()
+        time.sleep(0.1)
+    for pid in _rank_pids(tag).values():
+        os.kill(pid, signal.SIGKILL)
+    return None
+
+
+def _netns_down(stderr: str) -> None:
+    """Remove the emulated hosts if this run made them and could not remove them itself (it was killed)."""
+    if "netns-cluster: up:" in stderr and "netns-cluster: down:" not in stderr:
+        subprocess.run(["bash", str(NETNS), "down"], capture_output=True)
+
+
 def run_case(case: Case, models: dict, tmp: Path, timeout: float = 120) -> dict:
     """Run one case; a dict of what the user saw."""
     fill = {"q8": models["q8"], "big": models["big"], "tmp": tmp}
     if case.prep:
         _prepare(case.prep, tmp, models)
-    args = [a.format(**fill) for a in case.args]
-    base = [sys.executable, "-m", "mpi4py", "-m", "pipeinfer"]
+    cmd = _command(case, [a.format(**fill) for a in case.args], tmp)
     tag = uuid.uuid4().hex
-    env = dict(os.environ, PIPEINFER_FAULT_TAG=tag)
-    if case.extra.get("cmd"):
-        cmd = [MPIEXEC, "-n", str(case.n)] + [a.format(python=sys.executable, root=ROOT) for a in case.extra["cmd"]]
-    elif case.extra.get("build_per_rank"):
-        pp = f'{tmp}/build1:{os.environ.get("PYTHONPATH", "")}'
-        cmd = [MPIEXEC, "-n", str(case.n), "bash", "-c",
-               f'if [ "$PMI_RANK" = 1 ]; then export PYTHONPATH={pp}; fi; exec "$@"', "rank"] + base + args
-    elif case.extra.get("env_per_rank"):
-        # one model path, two files: each rank reads it from its own "host" directory (what another
-        # host's copy would be): a wrapper runs the rank in host{PMI_RANK}/
-        args = [a.replace(str(tmp / "per-rank.gguf"), "per-rank.gguf") for a in args]
-        cmd = [MPIEXEC, "-n", str(case.n), "bash", "-c", f'cd {tmp}/host$PMI_RANK && exec "$@"', "rank"] + base + args
-    elif case.n:
-        cmd = [MPIEXEC, "-n", str(case.n)] + base + args
-    else:
-        cmd = base + args
+    env = dict(os.environ, PIPEINFER_FAULT_TAG=tag, MPIEXEC=MPIEXEC)  # netns-cluster.sh runs this mpiexec
     if os.path.exists(tmp / "results.csv"):
         os.unlink(tmp / "results.csv")
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp)
-    out, err = bytearray(), bytearray()
+    out, err, seen = bytearray(), bytearray(), {}
 
-    def pump(src, dst):
+    def pump(src, dst, mark=None):
         for chunk in iter(lambda: src.read1(4096), b""):
             dst += chunk
+            if mark and mark not in seen and mark in dst:
+                seen[mark] = time.monotonic()
+    # netns-cluster.sh's line marks the end of the user's job, before the emulated hosts are removed
+    end_mark = b"netns-cluster: mpiexec exited"
     threads = [threading.Thread(target=pump, args=(p.stdout, out), daemon=True),
-               threading.Thread(target=pump, args=(p.stderr, err), daemon=True)]
+               threading.Thread(target=pump, args=(p.stderr, err, end_mark), daemon=True)]
     for t in threads:
         t.start()
-    t_fault, text_before = None, 0
-    if case.fault:
-        sig, rank = case.fault
-        while len(out) < 200 and p.poll() is None and time.monotonic() - t0 < timeout:  # the text is streaming
-            time.sleep(0.05)
-        pids = _rank_pids(tag)
-        if rank in pids:
-            text_before = len(out)
-            os.kill(pids[rank], sig)
-            t_fault = time.monotonic()
+    t_fault, text_before, t_ranks = None, 0, None
     try:
-        p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for pid in _rank_pids(tag).values():
-            os.kill(pid, signal.SIGKILL)
-        p.kill()
-        p.wait()
-    t_end = time.monotonic()
-    for t in threads:
-        t.join(timeout=5)
+        if case.fault:
+            while len(out) < 200 and p.poll() is None and time.monotonic() - t0 < timeout:  # the text is streaming
+                time.sleep(0.05)
+            text_before = len(out)
+            if p.poll() is None and _inject(case.fault, tag):  # (a job that ended has no host left to cut)
+                t_fault = time.monotonic()
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for pid in _rank_pids(tag).values():
+                os.kill(pid, signal.SIGKILL)
+            p.terminate()  # netns-cluster.sh then removes its hosts
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        t_end = seen.get(end_mark, time.monotonic())
+        if t_fault:
+            t_ranks = _ranks_gone(tag, t_fault + _stall(case) + 10)
+        for t in threads:
+            t.join(timeout=5)
+    finally:
+        _netns_down(err.decode(errors="replace"))
     stderr = err.decode(errors="replace").replace(f"{tmp}/", "")  # file names as the user gave them
     errors = [l for l in stderr.splitlines() if l.startswith("pipeinfer: error")]
     status = None
@@ -258,10 +338,15 @@ def run_case(case: Case, models: dict, tmp: Path, timeout: float = 120) -> dict:
     return {
         "case": case.name, "what": case.what, "exit_code": p.returncode,
         "seconds": round(t_end - (t_fault or t0), 1), "from": "fault" if t_fault else "start",
+        "ranks_gone_s": round(t_ranks - t_fault, 1) if t_ranks else None,
         "error": errors[0] if errors else "", "n_error_lines": len(errors), "traceback": "Traceback" in stderr,
         "stdout_bytes_at_fault": text_before if t_fault else None, "stdout_bytes": len(out),
         "results_status": status, "stderr_tail": stderr[-1500:],
     }
+
+
+COLS = ["case", "what", "exit_code", "seconds", "from", "error", "n_error_lines", "traceback",
+        "stdout_bytes_at_fault", "stdout_bytes", "results_status", "ranks_gone_s", "test"]
 
 
 def _table(rows: list[dict]) -> str:
@@ -272,36 +357,53 @@ def _table(rows: list[dict]) -> str:
         if r["from"] == "fault":
             kept = (f"{r['stdout_bytes']} bytes of text on stdout; row: " +
                     (f"`{r['results_status'][:24]}...`" if r["results_status"] else "none"))
+            if r.get("ranks_gone_s"):
+                kept += f"; every rank process gone {r['ranks_gone_s']} s after the fault"
         when = f"{r['seconds']} after the fault" if r["from"] == "fault" else f"{r['seconds']} from start"
         err = r["error"].replace("|", "\\|") or "(none: mpiexec's BAD TERMINATION notice)"
         lines.append(f"| {r['what']} | `{err}` | {r['exit_code']} | {when} | {kept} |")
     return "\n".join(lines)
 
 
+def _old_rows(out: str) -> dict[str, dict]:
+    """OUT.csv's rows by case name: what a case not measured this time (--only, or skipped) keeps."""
+    try:
+        with open(out + ".csv", newline="") as f:
+            return {r["case"]: r for r in csv.DictReader(f)}
+    except FileNotFoundError:
+        return {}
+
+
+def _measure(case: Case, models: dict, work: Path) -> dict | None:
+    why = netns_unavailable() if case.extra.get("netns") else None
+    if why:
+        print(f"{case.name}: skipped ({why}); its row is kept from the last run", file=sys.stderr, flush=True)
+        return None
+    tmp = work / case.name
+    tmp.mkdir()
+    r = run_case(case, models, tmp)
+    r["test"] = case.test
+    print(f"{case.name}: exit {r['exit_code']} in {r['seconds']} s: {r['error'][:150]}", file=sys.stderr, flush=True)
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "results" / "failures"))
-    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--only", nargs="*", default=None, metavar="NAME", help="measure these cases only (CASES' names)")
     a = ap.parse_args()
+    unknown = set(a.only or []) - {c.name for c in CASES}
+    if unknown:
+        ap.error(f"no case named {', '.join(sorted(unknown))} (known: {', '.join(c.name for c in CASES)})")
     work = Path(tempfile.mkdtemp(prefix="pipeinfer-failures-"))
     os.environ.setdefault("PIPEINFER_STAGE_CACHE", str(work / "stages"))
     try:
         models = make_models(work / "models")
-        rows = []
-        for case in CASES:
-            if a.only and case.name not in a.only:
-                continue
-            tmp = work / case.name
-            tmp.mkdir()
-            r = run_case(case, models, tmp)
-            r["test"] = case.test
-            print(f"{case.name}: exit {r['exit_code']} in {r['seconds']} s: {r['error'][:150]}", file=sys.stderr,
-                  flush=True)
-            rows.append(r)
-        cols = ["case", "what", "exit_code", "seconds", "from", "error", "n_error_lines", "traceback",
-                "stdout_bytes_at_fault", "stdout_bytes", "results_status", "test"]
+        measured = {c.name: _measure(c, models, work) for c in CASES if not a.only or c.name in a.only}
+        old = _old_rows(a.out)
+        rows = [measured.get(c.name) or old[c.name] for c in CASES if measured.get(c.name) or c.name in old]
         with open(a.out + ".csv", "w", newline="") as f:
-            w = csv.DictWriter(f, cols, extrasaction="ignore")
+            w = csv.DictWriter(f, COLS, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
         table = _table(rows)

@@ -20,7 +20,8 @@ writes that row itself from the last snapshot when rank 0 cannot (it is the lost
 mpiexec killed it first), then tells every rank still connected to end the job (MPI_Abort, exit code
 FAILURE_EXIT_CODE; when a rank died, MPICH's mpiexec may end the job first with its own code, 9 for
 `kill -9`). The hub's line reaches the user through rank 0's stderr, which mpiexec keeps reading until the
-hub exits. A worker that loses the hub (rank 0's host went down) ends the job itself.
+hub exits. A worker that loses the hub (rank 0's host went down, or its own link) ends the job itself, and
+exits itself when its proxy, cut off from mpiexec, does not kill it.
 
 The hub listens on an ephemeral port (PIPEINFER_LIVENESS_PORT fixes it, for firewalls); a rank that cannot
 connect within CONNECT_TIMEOUT_S prints a warning and is not watched.
@@ -42,6 +43,7 @@ FAILURE_EXIT_CODE = 3  # a rank was lost or went silent (1: bad input, 2: intern
 CONNECT_TIMEOUT_S = 20.0
 ROW_EVERY_S = 0.5      # rank 0's --results snapshot to the hub
 ROW_WAIT_S = 5.0       # how long the hub waits for rank 0 to write the row itself
+ABORT_GRACE_S = 2.0    # after MPI_Abort returns, how long the proxy has to end the job before the rank exits itself
 
 _current: "Liveness | None" = None
 _failure_hook: Callable[[str], None] | None = None
@@ -213,6 +215,10 @@ class Liveness:
         time.sleep(0.3)  # let mpiexec forward what was written before MPI_Abort's clean-up
         from mpi4py import MPI
         MPI.COMM_WORLD.Abort(FAILURE_EXIT_CODE)
+        # MPICH's MPI_Abort returns when called from this thread and leaves the killing to its proxy; a proxy cut
+        # off from mpiexec (this host's link is down) never kills, and the rank would run on forever
+        time.sleep(ABORT_GRACE_S)
+        os._exit(FAILURE_EXIT_CODE)
 
     def _send(self, text: str) -> None:
         try:

@@ -3,7 +3,7 @@
 Faults: a rank stopped (`kill -STOP`) or killed (`kill -9`) while a 3-rank PipeInfer generation streams:
 one line naming the rank and its host, the job ends within --stall-timeout + 10 s, the text so far is on
 stdout and --results has the row, marked failed. Bad input: one line, non-zero exit, no traceback, < 30 s.
-Rows whose test lives elsewhere (tests/test_cli.py) name it in launch/failures.py's CASES.
+Rows whose test lives elsewhere (tests/test_cli.py, tests/test_netns.py) name it in launch/failures.py's CASES.
 """
 import sys
 from pathlib import Path

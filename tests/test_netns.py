@@ -1,9 +1,9 @@
 """The emulated Ethernet cluster (launch/netns-cluster.sh): real ranks in network namespaces joined by
-rate-limited veth links, with MPI traffic forced onto the links and measured."""
+rate-limited veth links, with MPI traffic forced onto the links and measured; and a host cut off from the
+network in the middle of a generation (the README's "Failure behaviour" row, launch/failures.py)."""
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -11,23 +11,14 @@ import pytest
 
 from conftest import PROMPT, ROOT, mpirun
 
+sys.path.insert(0, str(ROOT / "launch"))
+import failures as F  # noqa: E402
+
 pytestmark = pytest.mark.mpi
 
 
-def _can_make_namespaces() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    if not shutil.which("ip") or not shutil.which("tc"):
-        return "needs iproute2 (ip, tc)"
-    probe = subprocess.run(["ip", "netns", "add", "pipeinfer-probe"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"cannot create a network namespace here: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "pipeinfer-probe"], capture_output=True)
-    return None
-
-
 def _netns_run(args: list[str], timeout: float = 300, **env_extra) -> subprocess.CompletedProcess:
-    why = _can_make_namespaces()
+    why = F.netns_unavailable()
     if why:
         pytest.skip(why)
     env = dict(os.environ, MPIEXEC=str(os.path.join(os.path.dirname(sys.executable), "mpiexec")),
@@ -71,4 +62,25 @@ def test_run_refuses_when_mpi_bypasses_the_links():
     errors = [l for l in p.stderr.splitlines() if l.startswith("netns-cluster: MPI traffic")]
     assert len(errors) == 1 and "not crossing the emulated network" in errors[0], p.stderr[-2000:]
     assert _probe_mbit(p.stderr) > 200
+    _cleaned_up()
+
+
+def test_network_cut_to_a_worker_host(tmp_path):
+    """h2's link goes down while the text streams (launch/failures.py's netcut-worker): the job ends by itself
+    on every rank within --stall-timeout + 10 s, exit 3, one line naming rank 2 on h2, no traceback, the text
+    so far on stdout, the --results row marked failed; the emulated hosts are removed whatever happens."""
+    why = F.netns_unavailable()
+    if why:
+        pytest.skip(why)
+    case = next(c for c in F.CASES if c.name == "netcut-worker")
+    r = F.run_case(case, F.make_models(tmp_path / "models"), tmp_path)  # removes the hosts, kills ranks left
+    ctx = f"{r['error']}\n{r['stderr_tail']}"
+    assert r["from"] == "fault", "the link was not cut: " + ctx
+    assert r["exit_code"] == 3, ctx
+    assert not r["traceback"], ctx
+    assert r["n_error_lines"] == 1 and "rank 2 (host h2, pid" in r["error"] and "went silent" in r["error"], ctx
+    assert r["seconds"] < F.NET_STALL + 10, ctx
+    assert r["ranks_gone_s"] is not None and r["ranks_gone_s"] < F.NET_STALL + 10, "a rank outlived the job: " + ctx
+    assert r["stdout_bytes_at_fault"] > 0 and r["stdout_bytes"] >= r["stdout_bytes_at_fault"], ctx
+    assert (r["results_status"] or "").startswith(case.results_status), ctx
     _cleaned_up()
