@@ -110,9 +110,11 @@ CASES: list[Case] = [
     Case("hostfile-line", "hostfile with a bad line", 0, ["launch", "--hostfile", "{tmp}/hosts-bad", "--dry-run", "--",
                                                            "generate", "-p", "hi"], ":2: bad host entry", 1,
          prep="hosts-bad"),
-    Case("hostfile-role", "hostfile with an unknown role (`role=draft`)", 0,
+    Case("hostfile-role", "hostfile with an unknown role (`role=drafter`)", 0,
          ["launch", "--hostfile", "{tmp}/hosts-role", "--dry-run", "--", "generate", "-p", "hi"],
-         "unknown pipeinfer setting 'role'", 1, prep="hosts-role"),
+         ":2: unknown role 'drafter'", 1, prep="hosts-role"),
+    Case("draft-rank-no-model", "a draft rank without a draft model (`--draft-at rank`, n-gram drafter)", 3,
+         GEN + ["-m", "{q8}", "--drafter", "ngram", "--draft-at", "rank"], "the draft rank has no draft model", 1),
     Case("model-differs", "a rank with another model file at the same path", 2,
          GEN + ["-m", "{tmp}/per-rank.gguf"], "rank 1 (host", 1, prep="per-rank",
          extra={"env_per_rank": True}),
@@ -143,7 +145,7 @@ def _prepare(kind: str, tmp: Path, models: dict) -> None:
     elif kind == "hosts-bad":
         (tmp / "hosts-bad").write_text("node1:2\nnode2:two\n")
     elif kind == "hosts-role":
-        (tmp / "hosts-role").write_text("node1:1 # pipeinfer: threads=2\nnode2:1 # pipeinfer: role=draft\n")
+        (tmp / "hosts-role").write_text("node1:1 # pipeinfer: threads=2\nnode2:1 # pipeinfer: role=drafter\n")
     elif kind == "build":
         # rank 1's host has another build: the package copied and one source file edited
         dst = tmp / "build1" / "pipeinfer"

@@ -84,9 +84,10 @@ PIPELINE_OPTIONS = [
                        "replay is a benchmark instrument (see README)"),
     click.option("--draft-vocab", type=click.Choice(["auto", "same", "translate"]), default="auto", show_default=True,
                   help="draft model vocabulary: same as the target (checked), or translate through text; auto picks"),
-    click.option("--draft-at", type=click.Choice(["head", "thread", "rank"]), default="head", show_default=True,
+    click.option("--draft-at", type=click.Choice(["auto", "head", "thread", "rank"]), default="auto", show_default=True,
                   help="where the draft runs: head (in series with rank 0's stage), thread (beside it, in rank 0), rank "
-                       "(an MPI rank of its own: the last; start one more rank than the target's stages)"),
+                       "(an MPI rank of its own: the last; start one more rank than the target's stages); auto: thread "
+                       "for a draft model in pipeinfer mode with -np 1, else head"),
     click.option("--draft-threads", default=None, type=click.IntRange(1),
                   help="threads of the draft model [default: rank 0's --threads; on its own rank: cores / ranks]"),
     click.option("--draft-max", default=None, type=click.IntRange(1, 64),
@@ -261,6 +262,9 @@ def _pipeline_config(kw, *, n_predict: int, sampling: SamplingParams, stop_at_eo
     if draft is None and kw["drafter"] is None and kw["model"] in (None, DEFAULT_TARGET) and kw["mode"] != "iterative":
         draft = _installed(DEFAULT_DRAFT)  # the default demo: Qwen target, Gemma draft through text translation
     drafter = kw["drafter"] or ("model" if draft else "ngram")
+    if kw["draft_at"] == "auto":  # measured: results/bench_draft_layout.csv (README, The draft beside the pipeline)
+        beside = kw["mode"] == "pipeinfer" and drafter in ("model", "replay") and kw["max_branches"] == 1
+        kw["draft_at"] = "thread" if beside else "head"
     if kw["draft_at"] != "head" and kw["max_branches"] > 1:
         raise UserError(f"--draft-at {kw['draft_at']} drafts chains: -np/--max-branches must be 1")
     if kw["draft_at"] == "rank" and drafter == "ngram" and kw["mode"] != "iterative":

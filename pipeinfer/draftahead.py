@@ -207,6 +207,7 @@ class DraftClient:
         self._sent = (0, 0, 0.0)            # last (horizon, n_chunk, p_min) sent in this epoch
         self.n_stale = 0                    # proposed tokens dropped: their chain no longer existed
         self.n_received = 0
+        self.n_calls = 0                    # drafter calls (one PROPOSAL each, empty ones included)
         self.exact_batch = None
         self.check: Callable[[], None] | None = None  # raises the drafter's error (thread placement)
 
@@ -257,6 +258,7 @@ class DraftClient:
         while (buf := self.end.recv(block=False)) is not None:
             p = Proposal.unpack(buf, self.n_ctx, self.n_vocab)
             self.n_received += len(p.tokens)
+            self.n_calls += 1
             if p.epoch != self.epoch or p.pos != len(self.seq):
                 self.n_stale += len(p.tokens)
                 continue

@@ -174,6 +174,7 @@ class Head:
         self.asynchronous = bool(getattr(drafter, "asynchronous", False))
         self._n_draft = cfg.cut.n_max                # the last micro-batch size asked for
         self._n_stale0 = drafter.n_stale if self.asynchronous else 0
+        self._n_calls0 = drafter.n_calls if self.asynchronous else 0
 
     # ================================================================ the algorithm
     def generate(self, prompt: list[int]) -> list[int]:
@@ -205,6 +206,7 @@ class Head:
         self._drain()
         if self.asynchronous:
             self.stats.n_draft_stale = self.drafter.n_stale - self._n_stale0
+            self.stats.n_draft_calls = self.drafter.n_calls - self._n_calls0
         return self.accepted[self._n_prompt:self._n_prompt + self.stats.n_generated]
 
     def _speculate(self) -> None:

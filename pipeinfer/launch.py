@@ -14,8 +14,11 @@ hostfile for either MPI::
     node1:2 # pipeinfer: threads=8 threads_batch=16 weight=2.0
 
 Keys: ``threads`` and ``threads_batch`` (positive integers, per rank on that
-host) and ``weight`` (positive number, the relative share of layers each rank
-on that host gets). Blank lines, whole-line comments and trailing comments
+host), ``weight`` (positive number, the relative share of layers each rank
+on that host gets) and ``role`` (``stage``, the default, or ``draft``: the
+host that runs the draft model on a rank of its own, ``--draft-at rank``; at
+most one, with one slot; it becomes the last rank wherever its line is, and
+its ``threads`` become ``--draft-threads``). Blank lines, whole-line comments and trailing comments
 that do not start with ``pipeinfer:`` are ignored. Any other line is a
 ``ValueError`` naming the line number.
 
@@ -38,7 +41,8 @@ HOSTFILE is a translation of the user's hostfile into that MPI's own spelling
 (``write_hostfile``). Per-host settings become pipeinfer options, one value
 per rank, appended to ARGS unless ARGS already has them: ``--threads a,b,..``,
 ``--threads-batch a,b,..`` and ``--layer-split w0,w1,..`` (weights normalised
-to sum to 1; hosts without a weight count 1.0).
+to sum to 1; hosts without a weight count 1.0), over the target's ranks only;
+a draft host adds ``--draft-at rank`` and ``--draft-threads``.
 """
 from __future__ import annotations
 
@@ -64,6 +68,7 @@ __all__ = [
 ]
 
 MPI_KINDS = ("mpich", "openmpi")
+ROLES = ("stage", "draft")
 
 #: Environment variables forwarded to every rank (only those that are set; glob patterns allowed).
 DEFAULT_ENV_FORWARD: tuple[str, ...] = (
@@ -80,6 +85,7 @@ class Host:
     threads: int | None = None
     threads_batch: int | None = None
     weight: float | None = None
+    role: str = "stage"  # stage | draft
 
 
 _COLON = re.compile(r"^([A-Za-z0-9_.\-]+)(?::(\d+))?$")
@@ -112,9 +118,13 @@ def _parse_settings(text: str, where: str) -> dict:
             if not w > 0 or w == float("inf"):
                 raise ValueError(f"{where}: weight must be a positive finite number, got {value}")
             settings[key] = w
+        elif key == "role":
+            if value not in ROLES:
+                raise ValueError(f"{where}: unknown role {value!r} (known: {', '.join(ROLES)})")
+            settings[key] = value
         else:
             raise ValueError(f"{where}: unknown pipeinfer setting {key!r} "
-                             "(known: threads, threads_batch, weight)")
+                             "(known: threads, threads_batch, weight, role)")
     return settings
 
 
@@ -152,6 +162,14 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
         hosts.append(Host(name, slots, **settings))
     if not hosts:
         raise ValueError(f"{source}: no hosts")
+    drafts = [h for h in hosts if h.role == "draft"]
+    if len(drafts) > 1:
+        raise ValueError(f"{source}: {len(drafts)} hosts have role=draft ({', '.join(h.name for h in drafts)}); "
+                         f"the draft runs on one rank")
+    if drafts and drafts[0].slots != 1:
+        raise ValueError(f"{source}: the draft host {drafts[0].name} has {drafts[0].slots} slots; it runs one rank")
+    if drafts and len(drafts) == len(hosts):
+        raise ValueError(f"{source}: only a draft host; the target's stages need at least one host")
     return hosts
 
 
@@ -245,6 +263,28 @@ def settings_args(hosts: Sequence[Host], np: int, user_args: Sequence[str] = ())
     return out
 
 
+def with_draft_last(hosts: Sequence[Host], np: int, user_args: Sequence[str] = ()) -> tuple[list[Host], list[str]]:
+    """(hosts in rank order, options) for a hostfile with a draft host: the stage slots the first np - 1 ranks
+    fill, then the draft host (the world's last rank is the draft's, runner.py); options --draft-at rank and
+    --draft-threads (from its threads=) unless user_args set them. Without a draft host: (hosts, [])."""
+    draft = next((h for h in hosts if h.role == "draft"), None)
+    if draft is None:
+        return list(hosts), []
+    if np < 2:
+        raise ValueError(f"np={np}: a hostfile with a draft host needs at least 2 ranks (a stage and the draft)")
+    stages, left = [], np - 1
+    for h in hosts:
+        if h.role == "stage" and left > 0:
+            stages.append(Host(h.name, min(h.slots, left), h.threads, h.threads_batch, h.weight))
+            left -= stages[-1].slots
+    if left > 0:
+        raise ValueError(f"np={np} exceeds the {np - 1 - left} stage slots + 1 draft slot in the hostfile")
+    opts = [] if _has_option(user_args, "--draft-at") else ["--draft-at", "rank"]
+    if draft.threads and not _has_option(user_args, "--draft-threads"):
+        opts += ["--draft-threads", str(draft.threads)]
+    return stages + [draft], opts
+
+
 def _forwarded(env_forward: Iterable[str], environ: Mapping[str, str]) -> list[str]:
     names: list[str] = []
     for pat in env_forward:
@@ -277,7 +317,8 @@ def build_command(
     if mpi not in MPI_KINDS:
         raise ValueError(f"unknown MPI {mpi!r} (expected one of {MPI_KINDS})")
     args = list(pipeinfer_args)
-    added = settings_args(hosts, np, args)
+    hosts, added = with_draft_last(hosts, np, args)
+    added += settings_args(hosts, np - (hosts[-1].role == "draft"), args)
     if added:  # options must come before a literal "--" in the user's args
         cut = args.index("--") if "--" in args else len(args)
         args[cut:cut] = added

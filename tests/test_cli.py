@@ -118,6 +118,17 @@ def test_generate_json_on_two_ranks(models):
     single = cli(["generate", "-m", str(models["q8"]), "-p", "hi", "-n", "12", "--mode", "iterative",
                   "--ignore-eos", "--json", "-q"])
     assert json.loads(single.stdout.strip().splitlines()[-1])["tokens"] == out["tokens"]
+    assert out["stats"]["draft_at"] == "thread"  # --draft-at auto: a draft model in pipeinfer mode drafts beside
+
+
+@pytest.mark.parametrize("extra, where", [(["--mode", "speculative"], "head"), (["-np", "2"], "head"),
+                                          (["--drafter", "ngram"], "head"), (["--draft-at", "rank"], "rank")])
+def test_draft_at_auto_and_explicit(models, extra, where):
+    draft = [] if "ngram" in extra else ["--draft", str(models["draft90"])]
+    p = cli(["generate", "-m", str(models["q8"]), "-p", "hi", "-n", "8", "--mode", "pipeinfer", *draft,
+             "--ignore-eos", "--json", "-q", *extra], n=3 if where == "rank" else 2)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1])["stats"]["draft_at"] == where
 
 
 def test_results_csv_row(models, tmp_path):

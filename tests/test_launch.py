@@ -52,6 +52,7 @@ def test_parse_file(tmp_path):
     ("a # pipeinfer: weight=-1\n", 1, "weight"),
     ("a # pipeinfer: cores=3\n", 1, "unknown"),
     ("a # pipeinfer: threads\n", 1, "key=value"),
+    ("a\nb # pipeinfer: role=drafter\n", 2, "unknown role 'drafter'"),
 ])
 def test_parse_bad_lines(text, lineno, what):
     with pytest.raises(ValueError, match=rf"<hostfile>:{lineno}: .*{what}"):
@@ -205,3 +206,45 @@ def test_netns_exec_drops_ssh_options(tmp_path):
                                            "[-c]", "[/bin/proxy --arg a b]"]
     res = run("-x", "h7", "true")
     assert res.returncode == 255 and "no network namespace named 'h7'" in res.stderr
+
+
+# ---------------------------------------------------------------- the draft host (role=draft)
+DRAFT_HOSTS = """\
+weak-laptop   # pipeinfer: role=draft threads=2
+alpha:2       # pipeinfer: threads=4 weight=2
+beta          # pipeinfer: threads=8 weight=1
+"""
+
+
+def test_draft_host_becomes_the_last_rank(tmp_path):
+    hosts = parse_hostfile_text(DRAFT_HOSTS)
+    assert hosts[0] == Host("weak-laptop", 1, threads=2, role="draft")
+    hf = tmp_path / "h.txt"
+    cmd = build_command(hosts, 4, "mpich", ["generate"], python=PY, hostfile=hf, environ={})
+    assert hf.read_text() == "alpha:2\nbeta:1\nweak-laptop:1\n"  # the draft host last, wherever its line is
+    assert cmd[cmd.index(PY) + 5:] == ["generate", "--draft-at", "rank", "--draft-threads", "2",
+                                       "--threads", "4,4,8", "--layer-split", "0.4,0.4,0.2"]  # target ranks only
+
+
+def test_draft_host_with_fewer_ranks_trims_the_stage_slots(tmp_path):
+    hf = tmp_path / "h.txt"
+    cmd = build_command(parse_hostfile_text(DRAFT_HOSTS), 2, "mpich", ["generate", "--draft-threads", "1"],
+                        python=PY, hostfile=hf, environ={})
+    assert hf.read_text() == "alpha:1\nweak-laptop:1\n"  # rank 0 on alpha, rank 1 (the draft) on weak-laptop
+    assert cmd[cmd.index(PY) + 5:] == ["generate", "--draft-threads", "1", "--draft-at", "rank",
+                                       "--threads", "4", "--layer-split", "1"]
+
+
+@pytest.mark.parametrize("text, what", [
+    ("a # pipeinfer: role=draft\nb # pipeinfer: role=draft\nc\n", "2 hosts have role=draft"),
+    ("a:2 # pipeinfer: role=draft\nb\n", "has 2 slots"),
+    ("a # pipeinfer: role=draft\n", "only a draft host"),
+])
+def test_bad_draft_hosts(text, what):
+    with pytest.raises(ValueError, match=what):
+        parse_hostfile_text(text)
+
+
+def test_draft_host_needs_a_stage_rank(tmp_path):
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        build_command(parse_hostfile_text(DRAFT_HOSTS), 1, "mpich", ["generate"], python=PY, hostfile=tmp_path / "h")

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Benchmark (not a test): where the draft runs (in series on the head, beside it in a thread of rank 0, on a
+rank of its own) against iterative and synchronous speculative inference, side by side in one run.
+
+    BENCH_PAUSE_OTHERS=1 python launch/bench_draft_layout.py [-n 128] [--prompts code,story,encyclopedia]
+
+The default Qwen2.5-Coder-1.5B target on 2 ranks x 1 thread (this machine has 2 cores; --draft-at rank adds a
+third process, the draft's, at 1 thread and the lowest CPU priority). Drafters: the Gemma 3 270M draft (through
+text translation), and the replay instrument at agreement 0.9 and 0.3 (one Gemma 3 270M decode per proposed
+token). Each run is timed while the machine is otherwise quiet (launch/quiet.py). Writes
+results/bench_draft_layout.csv and .png; prints each speed as a ratio of the same prompt's iterative speed and
+of synchronous speculative with the same drafter, and TTFT as a ratio of iterative's.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "launch"))
+from quiet import run_quietly  # noqa: E402
+
+BIN = Path(sys.executable).parent
+LAYOUTS = ("head", "thread", "rank")
+
+
+def pipeinfer(n_ranks: int) -> list[str]:
+    return [str(BIN / "mpiexec"), "-n", str(n_ranks), sys.executable, "-m", "mpi4py", "-m", "pipeinfer"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("--prompts", default="code,story,encyclopedia")
+    ap.add_argument("--drafters", default="gemma,0.9,0.3")
+    ap.add_argument("--out", default=str(ROOT / "results" / "bench_draft_layout.csv"))
+    args = ap.parse_args()
+    rows: list[dict] = []
+
+    def run(prompt: str, label: str, mode: str, drafter: str, at: str, extra: list[str]) -> dict:
+        base = ["generate", "--prompt-name", prompt, "-n", str(args.n), "-t", "1", "--ignore-eos", "--json", "-q",
+                "--mode", mode, "--draft-at", at]
+        p, foreign = run_quietly(pipeinfer(3 if at == "rank" else 2) + base + extra, cwd=ROOT)
+        if p.returncode != 0:
+            raise SystemExit(f"{prompt} {label} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+        s = out["stats"]
+        rows.append({"prompt": prompt, "config": label, "mode": mode, "drafter": drafter, "draft_at": at,
+                     "tokens_per_s": round(s["gen_tokens_per_s"], 3), "ttft_s": round(s["ttft_s"], 4),
+                     "acceptance": round(s["acceptance_rate"], 3), "runs": s["n_runs"], "cancelled": s["n_cancelled"],
+                     "stale_drafts": s.get("n_draft_stale", 0),
+                     "micro_batch_sizes": json.dumps(s.get("draft_len_hist", {})), "foreign_cpu_pct": round(foreign, 1)})
+        print(f"{prompt:<13} {label:<28} {s['gen_tokens_per_s']:6.2f} tokens/s  ttft {s['ttft_s'] * 1e3:6.1f} ms  "
+              f"acceptance {s['acceptance_rate']:.2f}", flush=True)
+        return out
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for prompt in args.prompts.split(","):
+            ref = Path(tmp) / f"{prompt}.json"
+            ref.write_text(json.dumps(run(prompt, "iterative", "iterative", "", "head", [])))
+            for d in args.drafters.split(","):
+                drafter = (["--draft", "gemma3-270m"] if d == "gemma" else
+                           ["--drafter", "replay", "--replay-ref", str(ref), "--replay-accuracy", d,
+                            "--draft", "gemma3-270m"])
+                name = "gemma" if d == "gemma" else f"replay {d}"
+                if d != "0.3":  # the speculative baseline of the goals (gemma, 0.9)
+                    run(prompt, f"speculative {name}", "speculative", name, "head", drafter)
+                for at in LAYOUTS:
+                    run(prompt, f"pipeinfer {name} @{at}", "pipeinfer", name, at, drafter)
+    for r in rows:
+        it = next(x for x in rows if x["prompt"] == r["prompt"] and x["mode"] == "iterative")
+        r["vs_iterative"] = round(r["tokens_per_s"] / it["tokens_per_s"], 3)
+        r["ttft_vs_iterative"] = round(r["ttft_s"] / it["ttft_s"], 3) if it["ttft_s"] else ""
+        sp = [x for x in rows if x["prompt"] == r["prompt"] and x["mode"] == "speculative" and x["drafter"] == r["drafter"]]
+        r["vs_speculative"] = round(r["tokens_per_s"] / sp[0]["tokens_per_s"], 3) if sp else ""
+    out = Path(args.out)
+    with out.open("w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[-1]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"\n{'prompt':<13} {'config':<28} tokens/s  x iterative  x speculative  ttft x it.  stale")
+    for r in rows:
+        print(f"{r['prompt']:<13} {r['config']:<28} {r['tokens_per_s']:8.2f}  {r['vs_iterative']:11.2f}  "
+              f"{r['vs_speculative']!s:>13}  {r['ttft_vs_iterative']!s:>10}  {r['stale_drafts']:5}")
+    plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')} (2 target ranks x 1 thread; @rank: + the draft's rank)")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    configs = [r["config"] for r in rows if r["prompt"] == rows[0]["prompt"]]
+    prompts = list(dict.fromkeys(r["prompt"] for r in rows))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(prompts)
+    for k, prompt in enumerate(prompts):
+        ys = [next((r["vs_iterative"] for r in rows if r["prompt"] == prompt and r["config"] == c), 0) for c in configs]
+        ax.bar([i + k * width for i in range(len(configs))], ys, width, label=prompt)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + width * (len(prompts) - 1) / 2 for i in range(len(configs))], configs, rotation=35, ha="right")
+    ax.set_ylabel("tokens/s, x iterative (same prompt)")
+    ax.set_title("Where the draft runs: Qwen2.5-Coder-1.5B on 2 ranks x 1 thread, 2 cores")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
