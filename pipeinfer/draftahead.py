@@ -305,7 +305,7 @@ class DraftClient:
 
 
 # ================================================================ placements
-DRAFT_NICE = 19
+DRAFT_NICE = int(os.environ.get("PIPEINFER_DRAFT_NICE", "19"))  # 0: the draft competes with the stages as an equal
 
 
 def lower_priority() -> None:
@@ -315,6 +315,8 @@ def lower_priority() -> None:
     leave idle: measured on 2 cores with 2 stages of Qwen2.5-1.5B, a draft thread at normal priority slowed
     every stage's decode while it drafted. On a host of its own it changes nothing. Linux sets the nice value
     per thread (a thread id is a PRIO_PROCESS target); elsewhere this is a no-op."""
+    if DRAFT_NICE == 0:
+        return
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), DRAFT_NICE)
     except (AttributeError, OSError):

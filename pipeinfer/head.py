@@ -13,6 +13,10 @@ PipeInfer (paper, section IV), as the loop below runs it:
         cancel in-flight runs that can no longer add a token            # early inference cancellation
         if nothing in flight will predict the next token: launch the last token non-speculatively
 
+With a drafter beside the pipeline (draftahead.py: --draft-at thread|rank) "draft a micro-batch" only reads
+what it has drafted ahead on the chain; with nothing ready yet the head waits for a result or a draft,
+whichever comes first, never for the draft alone.
+
 `speculative` mode is the synchronous baseline: draft a tree after [last token], run it, wait, verify.
 `iterative` mode runs one token at a time through the pipeline.
 """
