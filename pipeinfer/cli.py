@@ -177,7 +177,7 @@ def _generate(kw) -> None:
     if rank == 0:
         from .stagefile import check_splittable, read_info
         from .tokenizer import StreamDecoder, Tokenizer
-        check_splittable(read_info(model), _mpi_size())  # clear errors for a non-GGUF or a foreign architecture
+        check_splittable(read_info(model), _n_target_ranks(kw))  # clear errors for a non-GGUF or a foreign architecture
                                                          # before llama.cpp sees the file
         tok = Tokenizer(model)
         if chat:
@@ -208,7 +208,7 @@ def _generate(kw) -> None:
         from .metrics import Stats
 
         def row_so_far(status: str = "ok") -> dict:
-            return _row(kw, _draft_label(kw, drafter, draft), model, [None] * _mpi_size(), prompt_name,
+            return _row(kw, _draft_label(kw, drafter, draft), model, [None] * _n_target_ranks(kw), prompt_name,
                         so_far["stats"] or Stats(n_prompt=len(prompt_tokens)), status=status)
 
         def on_failure(reason: str) -> None:
@@ -397,6 +397,11 @@ def _installed(name: str) -> str | None:
 def _prompt_path(name: str) -> str:
     here = Path(__file__).resolve().parent.parent / "prompts"
     return str(here / f"{name}.txt")
+
+
+def _n_target_ranks(kw) -> int:
+    """The ranks that hold the target's stages: every rank but the draft's (--draft-at rank)."""
+    return _mpi_size() - (kw.get("draft_at") == "rank")
 
 
 def _draft_label(kw, drafter: str, draft: str | None) -> str:

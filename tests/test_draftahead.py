@@ -7,7 +7,7 @@ import pytest
 
 from pipeinfer.draftahead import DraftClient, DraftService, ThreadDrafter, common_prefix, queue_pair
 from pipeinfer.drafter import Cutoffs, DraftNode
-from pipeinfer.protocol import KEEP_ALL, Ctrl, DraftCtrl, Proposal, ProtocolError
+from pipeinfer.protocol import Ctrl, DraftCtrl, Proposal, ProtocolError
 from test_head_logic import ToyDrafter, assert_clean_end, run_head
 
 N_CTX, N_VOCAB = 4096, 1000
