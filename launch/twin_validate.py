@@ -76,7 +76,9 @@ def measure(setup: Setup, n: int, prompt_name: str, tmp: Path, log, prof_path: P
     setup.run(["profile", "-t", "1", "-o", str(prof_path)])
     if not runs_too:
         return
-    base = ["generate", "--prompt-name", prompt_name, "-n", str(n), "-t", setup.threads, "--ignore-eos", "--json", "-q"]
+    # the twin's head placement is the draft in series with rank 0's stage (--draft-at head)
+    base = ["generate", "--prompt-name", prompt_name, "-n", str(n), "-t", setup.threads, "--ignore-eos", "--json", "-q",
+            "--draft-at", "head"]
     ref = tmp / f"ref-{meas_path.stem}.json"
     log(f"[{setup.name}] iterative")
     out = setup.run(base + ["--mode", "iterative"])

@@ -112,6 +112,13 @@ class ModelDrafter:
     def prefill(self, prompt: list[int]) -> None:
         self._sync(prompt)
 
+    def follow(self, context: list[int], tokens: list[int]) -> None:
+        """Decode `tokens` after `context` as drafting them would (the replay instrument's compute): one
+        single-token decode each, nothing more when context continues the last call's chain, one re-decode
+        after a rejected token."""
+        for k in range(1, len(tokens) + 1):
+            self._sync(context + tokens[:k])
+
     def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
         logits0 = self._sync(context)
         pos0 = len(context)
@@ -223,10 +230,6 @@ class ReplayDrafter:
             right = np.random.default_rng([self.seed, pos]).random() < self.accuracy
             tokens.append(self.ref[pos] if right else (self.ref[pos] + 1 + pos % 7) % self.n_vocab)
         if self.burner is not None and tokens:
-            # a draft model's compute: one single-token decode per proposed token (as it drafts them one by one),
-            # nothing more when the call continues the last one's chain, one re-decode after a rejected token
             v = self.burner.n_vocab
-            ctx = [t % v for t in context]
-            for k in range(1, len(tokens) + 1):
-                self.burner._sync(ctx + [t % v for t in tokens[:k]])
+            self.burner.follow([t % v for t in context], [t % v for t in tokens])
         return [DraftNode(t, k - 1, k, {0}, self.accuracy) for k, t in enumerate(tokens)]

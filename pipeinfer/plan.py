@@ -146,6 +146,8 @@ def launch_line(prof: dict, cand: Candidate, hostfile: str = "hosts.txt") -> str
         parts += [f"--draft-max {cand.draft_max}", f"-pa {cand.p_accept:g}"]
         if cand.mode == "pipeinfer":
             parts.append(f"-pr {'auto' if cand.p_recovery is None else f'{cand.p_recovery:g}'}")
+        # the twin's placements: in series on the head, or a host of its own (a hostfile line with role=draft)
+        parts.append("--draft-at rank" if cand.draft_on == "own" else "--draft-at head")
     return " ".join(parts)
 
 
@@ -288,4 +290,4 @@ def plan_cmd(profile_path: str, agreement: float, n_predict: int, draft_host: bo
                f"({win.tokens_per_s / best['iterative'].tokens_per_s:.2f}x iterative)")
     click.echo(launch_line(prof, win, hostfile))
     if win.draft_on == "own":
-        click.echo("note: the draft on a host of its own is a simulation only so far (pipeinfer runs the draft on rank 0)")
+        click.echo(f"note: the draft runs on a host of its own: give it a line '# pipeinfer: role=draft' in {hostfile}")

@@ -424,6 +424,11 @@ class SimDraftCost:
             self.clock.advance_to(self._ready_s + self.c.draft_link.latency_s)
         return []
 
+    def follow(self, context: list[int], tokens: list[int]) -> None:
+        """The replay instrument's compute for proposing `tokens` (ModelDrafter.follow's cost)."""
+        self.draft(context, Cutoffs(0.0, 1.0, len(tokens), 1))
+        self._last = list(context) + list(tokens)
+
 
 class _ChainAwareReplay(ReplayDrafter):
     """ReplayDrafter whose burner sees the real context and proposals (so continuation is detected), and
@@ -437,10 +442,7 @@ class _ChainAwareReplay(ReplayDrafter):
             if self.burner is not None:
                 self.burner.draft(context, Cutoffs(0.0, 1.0, 1, 1))
             return []
-        tree = super().draft(context, cut)
-        if self.burner is not None and tree:
-            self.burner._last = list(context) + [n.token for n in tree]
-        return tree
+        return super().draft(context, cut)
 
 
 # ==================================================================== one simulated generation
