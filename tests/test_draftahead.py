@@ -90,6 +90,13 @@ def test_common_prefix():
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert common_prefix([1, 2], [1, 2, 3]) == 2
     assert common_prefix([], [1]) == 0
+    assert common_prefix([7], [8]) == 0
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        a = rng.integers(0, 3, rng.integers(0, 40)).tolist()
+        b = a[:rng.integers(0, len(a) + 1)] + rng.integers(0, 3, rng.integers(0, 5)).tolist()
+        expect = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix(a, b) == expect
 
 
 # ---------------------------------------------------------------- steering, re-rooting, stale drafts
