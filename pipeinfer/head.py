@@ -22,7 +22,6 @@ whichever comes first, never for the draft alone.
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,21 +31,12 @@ import numpy as np
 
 from .drafter import Cutoffs, Drafter, DraftNode, main_chain
 from .kvplan import CANONICAL, PartitionPool, cells_reserve, commit_ops, prefix_ops, retire_starts
-from .metrics import Stats
+from .metrics import Stats, rss_mb
 from .pipeline import Pipeline
 from .protocol import NO_RUN, Batch, compact, kv_ops
 from .verify import Node, SamplingParams, TreeRun, chain_checks, consistent, is_useful, verify
 
 MODES = ("iterative", "speculative", "pipeinfer")
-
-
-def _rss_mb() -> float:
-    """Current resident set size of this process in MiB (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        return 0.0
 
 
 def auto_p_recovery(n_ranks: int) -> float:
@@ -424,7 +414,7 @@ class Head:
             before = self.stats.n_generated
             self.stats.n_generated += len(out)
             if self.stats.n_generated // 250 > before // 250:
-                self.stats.rss_trace_mb[self.stats.n_generated // 250 * 250] = _rss_mb()
+                self.stats.rss_trace_mb[self.stats.n_generated // 250 * 250] = rss_mb()
             if self.on_tokens:
                 self.on_tokens(out)
             if self.on_progress:

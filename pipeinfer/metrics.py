@@ -11,6 +11,7 @@ Timing definitions follow the paper's section V.A, with wall-clock time on the h
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 
 
@@ -115,3 +116,12 @@ class Stats:
                          f"cancelled {s['n_cancelled_before']} before start + {s['n_cancelled_mid']} mid-decode, "
                          f"busy {s['t_busy_s']:.2f} s, idle {s['t_idle_s']:.2f} s")
         return "\n".join(lines)
+
+
+def rss_mb() -> float:
+    """Current resident set size of this process in MiB (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return 0.0

@@ -9,11 +9,12 @@ checked before a run starts and by llama.cpp's abort callback while it decodes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .kvplan import garbage_seq
+from .metrics import rss_mb
 from .protocol import (NO_RUN, WORKER_KINDS, Batch, Flag, Header, Kind, Limits, ProtocolError, Tag, check_header,
                        check_kv_ops, payload_shapes, unpack_sampling)
 from .stage import DecodeAborted, StageEngine
@@ -36,6 +37,7 @@ class StageStats:
     t_idle_s: float = 0.0          # time waiting for a transaction
     bytes_sent: int = 0            # bytes this rank sent on (to the next rank; the last one: to the head)
     kv: list = None                # [seq, min pos, max pos] of non-empty sequences at shutdown
+    rss_trace_mb: dict = field(default_factory=dict)  # RSS (MiB) when decoding first reached position 250 k, by k x 250
 
 
 class StageWorker:
@@ -162,4 +164,7 @@ class StageWorker:
             self.stats.t_busy_s += time.perf_counter() - t0
         self.stats.n_decoded += 1
         self.stats.n_tokens += batch.n_tokens
+        mark = int(batch.pos.max()) // 250 * 250
+        if mark and mark not in self.stats.rss_trace_mb:  # memory over a long generation (the soak test reads it)
+            self.stats.rss_trace_mb[mark] = round(rss_mb(), 1)
         return out

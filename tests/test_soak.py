@@ -1,7 +1,8 @@
 """Soak (issue 13, opt-in: PIPEINFER_SLOW=1): 4,096 tokens of PipeInfer with a low-agreement draft on 2 and 3
 ranks. The output is the target's own greedy output (what iterative mode produces: test_pipeline_mpi checks
 iterative against the same reference), the head's RSS at token 4,000 is within 5% of its RSS at token 1,000
-(rss_trace_mb samples every 250 tokens), and no KV sequence is left on any stage: sequence 0 holds exactly the
+(rss_trace_mb samples every 250 tokens; every other rank samples when its decodes reach positions 1,000 and
+4,000), and no KV sequence is left on any stage: sequence 0 holds exactly the
 committed tokens, nothing else remains.
 """
 import os
@@ -39,8 +40,12 @@ def test_soak_4096_tokens(soak_models, n_ranks):
     assert s["acceptance_rate"] < 0.5, s["acceptance_rate"]  # a low-agreement draft: most speculation is wasted
     rss = {int(k): v for k, v in s["rss_trace_mb"].items()}
     assert rss[4000] <= 1.05 * rss[1000], rss
+    workers = [{int(k): v for k, v in st["rss_trace_mb"].items()} for st in s["stage_stats"][1:]]
+    for w in workers:  # every other rank: RSS when its decodes reached position 4,000 vs 1,000
+        assert w[4000] <= 1.05 * w[1000], w
     for st in s["stage_stats"]:
         assert st["kv"] == [[0, 0, s["n_kv0"] - 1]], st
     print(f"\n{n_ranks} ranks: acceptance {s['acceptance_rate']:.2f}, {s['n_runs']} runs ({s['n_cancelled']} cancelled), "
           f"{s['n_compactions']} compactions, head RSS MiB at 1000/4000 tokens: {rss[1000]:.1f}/{rss[4000]:.1f}, "
-          f"peak RSS per rank {out['rss_mb']}")
+          f"peak RSS per rank {out['rss_mb']}, other ranks' RSS MiB at position 1000/4000: "
+          f"{[(w[1000], w[4000]) for w in workers]}")
