@@ -70,36 +70,26 @@ def queue_pair() -> tuple[QueueEnd, QueueEnd]:
 
 
 class MpiEnd:
-    """One end of the head <-> draft rank link on a communicator of its own (tag-ordered, non-blocking sends,
-    polite waiting: see transport.py for why a blocking receive is never used)."""
+    """One end of the head <-> draft rank link: a Transport on a communicator of its own (tag-ordered,
+    bounded non-blocking sends, polite waiting: see transport.py for why a blocking receive is never used)."""
 
-    def __init__(self, comm, peer: int, tag_out: Tag, tag_in: Tag, poll_s: float = 0.0005):
-        self.comm, self.peer, self.tag_out, self.tag_in, self.poll_s = comm, peer, tag_out, tag_in, poll_s
-        self._pending: list = []
-        self.bytes_sent = 0
+    def __init__(self, tx, peer: int, tag_out: Tag, tag_in: Tag):
+        self.tx, self.peer, self.tag_out, self.tag_in = tx, peer, tag_out, tag_in
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.tx.bytes_sent
 
     def send(self, buf: np.ndarray) -> None:
-        buf = np.ascontiguousarray(buf, dtype=np.int32)
-        self.bytes_sent += buf.nbytes
-        self._pending = [(r, b) for r, b in self._pending if not r.Test()]
-        self._pending.append((self.comm.Isend(buf, dest=self.peer, tag=self.tag_out), buf))
+        self.tx.send_i32(self.peer, self.tag_out, buf)
 
     def recv(self, block: bool) -> np.ndarray | None:
-        from mpi4py import MPI
-        status = MPI.Status()
-        while not self.comm.Iprobe(source=self.peer, tag=self.tag_in, status=status):
-            if not block:
-                return None
-            time.sleep(self.poll_s)
-        buf = np.empty(status.Get_count(MPI.BYTE) // 4, dtype=np.int32)
-        self.comm.Recv(buf, source=self.peer, tag=self.tag_in)
+        while (buf := self.tx.try_recv_i32(self.tx.pipe, self.peer, self.tag_in)) is None and block:
+            time.sleep(self.tx.poll_s)
         return buf
 
     def flush(self) -> None:
-        for req, _ in self._pending:
-            while not req.Test():
-                time.sleep(self.poll_s)
-        self._pending.clear()
+        self.tx.flush()
 
 
 # ================================================================ the drafter's side

@@ -224,9 +224,9 @@ class Head:
                                                            self._n_draft, cut.max_branches))
                 unconfident = not tree
                 self.stats.n_draft_calls += 1
-            if tree:
-                if not self.asynchronous:
+                if tree:
                     self._draft_obs.append((len(tree), (self.clock() - t0) * 1e3))
+            if tree:
                 self._launch_spec(tree, context)
                 self.adjust += self.cfg.p_recovery
             elif unconfident and self.cfg.p_decay > 0 and p_accept > 0:

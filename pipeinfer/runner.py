@@ -251,8 +251,10 @@ def open_session(opts: RunOptions, comm=None) -> HeadSession | None:
     if opts.draft_at == "rank":
         from .draftahead import DraftClient, MpiEnd
         from .protocol import Tag
-        beside = DraftClient(MpiEnd(draft_comm, draft_comm.Get_size() - 1, Tag.DRAFT_CTRL, Tag.PROPOSAL, opts.poll_s),
-                             opts.n_ctx, limits.n_vocab, opts.poll_s)
+        from .transport import Transport
+        end = MpiEnd(Transport(draft_comm, draft_comm, opts.poll_s), draft_comm.Get_size() - 1, Tag.DRAFT_CTRL,
+                     Tag.PROPOSAL)
+        beside = DraftClient(end, opts.n_ctx, limits.n_vocab, opts.poll_s)
         drafter_for = _begin_each(beside)
     elif cfg.mode != "iterative":
         n_dft = draft_thread_count(opts, threads[0], size)
@@ -296,7 +298,8 @@ def serve_draft_rank(opts: RunOptions, draft_comm, n_world: int) -> None:
     if opts.gen.mode != "iterative":
         n = draft_thread_count(opts, 0, n_world)
         drafter_for = make_drafter(opts, info, n, n)
-    end = MpiEnd(draft_comm, 0, Tag.PROPOSAL, Tag.DRAFT_CTRL, opts.poll_s)
+    from .transport import Transport
+    end = MpiEnd(Transport(draft_comm, draft_comm, opts.poll_s), 0, Tag.PROPOSAL, Tag.DRAFT_CTRL)
     DraftService(drafter_for, end, opts.n_ctx, _vocab_bound(opts.model, info)).serve()
     end.flush()
 

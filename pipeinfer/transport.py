@@ -97,12 +97,22 @@ class Transport:
     def poll_cancel(self, source: int) -> list[int]:
         """Run ids cancelled by messages already waiting from `source` (never blocks)."""
         ids: list[int] = []
-        status = MPI.Status()
-        while self.cancel_comm.Iprobe(source=source, tag=Tag.CANCEL, status=status):
-            buf = np.empty(status.Get_count(MPI.INT32_T), dtype=np.int32)
-            self.cancel_comm.Recv(buf, source=source, tag=Tag.CANCEL)
+        while (buf := self.try_recv_i32(self.cancel_comm, source, Tag.CANCEL)) is not None:
             ids.extend(buf.tolist())
         return ids
+
+    def send_i32(self, dest: int, tag: Tag, buf: np.ndarray) -> None:
+        """One self-describing i32 message on the pipe communicator (its size is the message's)."""
+        self._isend(self.pipe, np.asarray(buf, dtype=np.int32), dest, tag)
+
+    def try_recv_i32(self, comm: MPI.Comm, source: int, tag: Tag) -> np.ndarray | None:
+        """The next i32 message of any size on `tag` from `source`, or None when none is waiting (never blocks)."""
+        status = MPI.Status()
+        if not comm.Iprobe(source=source, tag=tag, status=status):
+            return None
+        buf = np.empty(status.Get_count(MPI.BYTE) // 4, dtype=np.int32)
+        comm.Recv(buf, source=source, tag=tag)
+        return buf
 
 
 def bad_message(source: int, why) -> ProtocolError:
