@@ -108,8 +108,8 @@ def predict(prof_path: Path, meas_path: Path, log) -> list[dict]:
         mode, drafter, agreement, st = run["mode"], run["drafter"], run["agreement"], run["stats"]
         draft_max = 1 if mode == "iterative" else (limit - 1 if mode == "speculative" else limit)
         agree = agreement if agreement is not None else st["acceptance_rate"]
-        cluster = build_cluster(prof, Shape())
-        cluster.draft_resync_always = drafter == "replay"  # the replay burner re-syncs its context every call
+        # the replay instrument burns the draft model's plain decodes; the Gemma draft runs translated
+        cluster = build_cluster(prof, Shape(draft_ms=prof["draft"]["ms_per_token"] if drafter == "replay" else None))
         gen = GenConfig(mode=mode, n_predict=data["n"], cut=Cutoffs(0.5, 0.1, draft_max, 1), p_recovery=None,
                         stop_at_eos=False)
         # the replay drafter always proposes; a model draft proposes when confident: give the twin its rate

@@ -66,10 +66,15 @@ def main_chain(tree: list[DraftNode]) -> list[int]:
 class ModelDrafter:
     """A draft GGUF with the target's vocabulary, run whole on the head with its own KV sequences.
 
-    Draft sequence 0 holds the context the drafter last saw plus its last main chain (prefix-matched on
-    the next call, so continuing the previous speculation costs nothing extra); sequences 1.. are tree
-    branches, cleared after each call.
+    Draft sequence 0 holds the context the drafter last saw, then what it drafted after it; the logits
+    after each of its last KEEP_LOGITS positions are kept. A call whose context is a prefix of what seq 0
+    holds, or continues it, decodes only tokens seq 0 does not hold yet: continuing the previous
+    speculation costs no re-decode, and a chain re-drafted over tokens it already holds (the translating
+    drafter's healed token, a draft ahead re-rooted inside its own chain) costs nothing for those.
+    Sequences 1.. are tree branches, cleared after each call.
     """
+
+    KEEP_LOGITS = 32   # logits rows kept (a Gemma 3 row is 262,144 floats = 1 MB)
 
     def __init__(self, path, *, n_ctx: int, max_branches: int, n_threads: int, n_threads_batch: int,
                  kernels: str = DEFAULT_KERNELS):
@@ -81,21 +86,39 @@ class ModelDrafter:
         self.exact_batch = None if kernels == "fast" else exact_batch_limit(self.engine, path, kernels, n_threads,
                                                                               n_threads_batch)
         self.n_vocab = self.engine.n_vocab
-        self._kv: list[int] = []        # tokens in draft seq 0
-        self._logits: np.ndarray | None = None  # logits after self._kv[-1]
+        self._kv: list[int] = []                  # tokens in draft seq 0
+        self._out: dict[int, np.ndarray] = {}     # n -> logits after self._kv[:n] (the last KEEP_LOGITS n)
         self.n_decodes = 0
 
+    def _truncate(self, n: int) -> None:
+        """Seq 0 keeps its first n tokens."""
+        if n < len(self._kv):
+            self.engine.apply_kv_ops(kv_ops(rm(0, n, -1)))
+            del self._kv[n:]
+            for k in [k for k in self._out if k > n]:
+                del self._out[k]
+
+    def _record(self, tokens: list[int], logits: np.ndarray) -> None:
+        """tokens were decoded at the end of seq 0; logits: f32[len(tokens) or 1, n_vocab], the last row
+        after the last token."""
+        self._kv += tokens
+        self._out[len(self._kv)] = logits[-1]
+        if len(self._out) > self.KEEP_LOGITS:
+            del self._out[min(self._out)]
+
     def _sync(self, context: list[int]) -> np.ndarray:
-        """Make draft seq 0 hold exactly `context` and return the logits after its last token."""
+        """Make draft seq 0 start with `context` and return the logits after its last token (what seq 0
+        holds beyond the context stays, for step() to reuse)."""
         c = 0
         for a, b in zip(self._kv, context):
             if a != b:
                 break
             c += 1
-        if c == len(context) == len(self._kv) and self._logits is not None:
-            return self._logits
-        c = min(c, len(context) - 1)  # the last context token is re-decoded to get its logits
-        self.engine.apply_kv_ops(kv_ops(rm(0, c, -1)))
+        n = len(context)
+        if c == n and n in self._out:
+            return self._out[n]
+        c = min(c, n - 1)  # the last context token is re-decoded to get its logits
+        self._truncate(c)
         todo = context[c:]
         for start in range(0, len(todo), self.engine.n_batch):
             chunk = todo[start:start + self.engine.n_batch]
@@ -103,11 +126,21 @@ class ModelDrafter:
             out[-1] = 1
             batch = Batch(np.array(chunk, dtype=np.int32), np.arange(c + start, c + start + len(chunk), dtype=np.int32),
                           [[0]] * len(chunk), out, kv_ops())
-            logits = self.engine.decode(batch)
+            self._record(chunk, self.engine.decode(batch))
             self.n_decodes += 1
-        self._kv = list(context)
-        self._logits = logits[-1]
-        return self._logits
+        return self._out[n]
+
+    def step(self, n: int, token: int) -> np.ndarray:
+        """The logits after seq 0's first n tokens and `token` (decoded at position n unless seq 0 already
+        holds it there); afterwards seq 0 starts with those n + 1 tokens."""
+        if n < len(self._kv) and self._kv[n] == token and n + 1 in self._out:
+            return self._out[n + 1]
+        self._truncate(n)
+        batch = Batch(np.array([token], dtype=np.int32), np.array([n], dtype=np.int32), [[0]],
+                      np.ones(1, dtype=np.int32), kv_ops())
+        self._record([token], self.engine.decode(batch))
+        self.n_decodes += 1
+        return self._out[n + 1]
 
     def prefill(self, prompt: list[int]) -> None:
         self._sync(prompt)
@@ -116,17 +149,19 @@ class ModelDrafter:
         """Decode `tokens` after `context` as drafting them would (the replay instrument's compute): one
         single-token decode each, nothing more when context continues the last call's chain, one re-decode
         after a rejected token."""
-        for k in range(1, len(tokens) + 1):
-            self._sync(context + tokens[:k])
+        self._sync(context)
+        for k, t in enumerate(tokens):
+            self.step(len(context) + k, t)
 
     def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
+        if cut.max_branches > 1:
+            self._truncate(len(context))  # branches copy seq 0: nothing of it beyond the context
         logits0 = self._sync(context)
         pos0 = len(context)
         tree: list[DraftNode] = []
         # active branches: branch index -> (draft seq id, last node index, logits after it)
         active: dict[int, tuple[int, int, np.ndarray]] = {0: (0, -1, logits0)}
         n_branches = 1
-        main_logits = logits0  # logits after the main chain's last token
         for depth in range(cut.n_max):
             step: list[tuple[int, int]] = []  # (branch, node index) taken at this depth
             for b, (seq, last, logits) in list(active.items()):
@@ -152,23 +187,24 @@ class ModelDrafter:
                 step.append((b, len(tree) - 1))
             if not step:
                 break
-            # decode this depth's tokens, one per branch, each in its branch's draft sequence
-            toks = np.array([tree[i].token for _, i in step], dtype=np.int32)
-            batch = Batch(toks, np.full(len(step), pos0 + depth, dtype=np.int32),
-                          [[active[b][0]] for b, _ in step], np.ones(len(step), dtype=np.int32), kv_ops())
-            logits = self.engine.decode(batch)
-            self.n_decodes += 1
-            for k, (b, i) in enumerate(step):
-                active[b] = (active[b][0], i, logits[k])
-                if b == 0:
-                    main_logits = logits[k]
+            if len(step) == 1 and active[step[0][0]][0] == 0:   # the main chain alone: seq 0 may hold it
+                b, i = step[0]
+                active[b] = (0, i, self.step(pos0 + depth, tree[i].token))
+            else:
+                # this depth's tokens, one per branch, each in its branch's draft sequence
+                toks = np.array([tree[i].token for _, i in step], dtype=np.int32)
+                batch = Batch(toks, np.full(len(step), pos0 + depth, dtype=np.int32),
+                              [[active[b][0]] for b, _ in step], np.ones(len(step), dtype=np.int32), kv_ops())
+                logits = self.engine.decode(batch)
+                self.n_decodes += 1
+                for k, (b, i) in enumerate(step):
+                    active[b] = (active[b][0], i, logits[k])
+                    if active[b][0] == 0:
+                        self._record([tree[i].token], logits[k:k + 1])
             if len(tree) >= cut.n_max:
                 break
         # keep the main chain in seq 0 for the next call; drop the other branches
         self.engine.apply_kv_ops(kv_ops(*[rm(s) for s in range(1, n_branches)]))
-        chain = main_chain(tree)
-        self._kv = list(context) + [tree[i].token for i in chain]
-        self._logits = main_logits
         return tree
 
 

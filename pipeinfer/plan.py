@@ -18,7 +18,7 @@ import click
 
 from .drafter import Cutoffs
 from .head import MODES, GenConfig
-from .twin import (Cluster, Link, SimResult, cluster_from_profile, scaled_layer_model, simulate,
+from .twin import (Cluster, Link, SimResult, cluster_from_profile, draft_ms_per_proposal, scaled_layer_model, simulate,
                    speed_factor, stage_cost_from_model)
 
 PLAN_P_RECOVERY = (None, 0.1, 0.25, 0.5)   # None: auto (0.5 / (ranks - 1))
@@ -44,7 +44,7 @@ class Shape:
     out_scale: float = 1.0
     link: Link | None = None
     draft_on: str = "head"
-    draft_ms: float | None = None     # draft cost per token (default: the profile's)
+    draft_ms: float | None = None     # draft cost per proposed token (default: the profile's, translated if so)
 
 
 def build_cluster(prof: dict, shape: Shape) -> Cluster:
@@ -60,7 +60,7 @@ def build_cluster(prof: dict, shape: Shape) -> Cluster:
         stages = [stage_cost_from_model(lm, rr.n_layers, i == n_hosts - 1, factor) for i, rr in enumerate(ranges)]
         link = shape.link or Link()
         draft = prof.get("draft") or {}
-        c = Cluster(stages, [link] * n_hosts, shape.n_embd or prof["model"]["n_embd"], draft.get("ms_per_token", 0.0),
+        c = Cluster(stages, [link] * n_hosts, shape.n_embd or prof["model"]["n_embd"], draft_ms_per_proposal(prof),
                     draft.get("prefill_ms_per_token", 0.0), shape.draft_on, link, prof.get("head_overhead_ms", 0.3))
     if shape.draft_ms is not None:
         c.draft_ms_per_token = shape.draft_ms

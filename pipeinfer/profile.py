@@ -138,9 +138,10 @@ def _r(xs: list[float]) -> list[float]:
     return [round(x, 3) for x in xs]
 
 
-def measure_draft(path, threads: int, kernels: str, n_max: int = 4) -> dict:
+def measure_draft(path, threads: int, kernels: str, n_max: int = 4, target: str | None = None) -> dict:
     """The draft model's ms per drafted token (continuing its own chain, as continuous speculation does)
-    and per prompt token."""
+    and per prompt token; with the target's GGUF, and a draft of another vocabulary, the translating
+    drafter's cost too (measure_translating)."""
     from .drafter import Cutoffs, ModelDrafter
     d = ModelDrafter(path, n_ctx=RUN_N_CTX, max_branches=1, n_threads=threads, n_threads_batch=threads, kernels=kernels)
     rng = np.random.default_rng(0)
@@ -155,9 +156,45 @@ def measure_draft(path, threads: int, kernels: str, n_max: int = 4) -> dict:
         tree = d.draft(ctx, cut)
         per_token.append((time.perf_counter() - t0) * 1e3 / max(1, len(tree)))
         ctx += [n.token for n in tree]
+    out = {"model": os.path.basename(str(path)), "ms_per_token": round(statistics.median(per_token[1:]), 3),
+           "prefill_ms_per_token": round(prefill_ms / len(prompt), 4)}
+    if target is not None:
+        from .runner import UserError, check_vocab
+        try:
+            check_vocab(target, str(path))
+        except UserError:   # another vocabulary: the draft runs translated (xvocab.py), at another cost
+            out["translating"] = measure_translating(d, target, str(path))
     d.engine.close()
-    return {"model": os.path.basename(str(path)), "ms_per_token": round(statistics.median(per_token[1:]), 3),
-            "prefill_ms_per_token": round(prefill_ms / len(prompt), 4)}
+    return out
+
+
+TRANSLATE_TEXT = "Write a Python function that checks whether a number is prime, with a docstring and tests."
+N_TRANSLATED = 48      # target tokens proposed while the translating drafter's cost is timed
+
+
+def measure_translating(d, target: str, draft: str) -> dict:
+    """A draft with another vocabulary than the target's, drafting ahead along its own chain as it does
+    beside the pipeline (ahead_chunk draft tokens per call, no cutoff): ms per proposed target token,
+    proposals per call and draft decodes per proposal (re-tokenizing, translation and the tokens whose
+    boundary the look-ahead could not settle included)."""
+    from .drafter import Cutoffs
+    from .tokenizer import Tokenizer
+    from .xvocab import TranslatingDrafter
+    tt = Tokenizer(target)
+    prompt = tt.encode(TRANSLATE_TEXT, add_special=True, parse_special=False)
+    td = TranslatingDrafter(d, tt, Tokenizer(draft), n_prompt=len(prompt), prompt_text=TRANSLATE_TEXT, chat=True)
+    td.prefill(prompt)
+    ctx, n_calls, n_dec0 = list(prompt), 0, d.n_decodes
+    nudge = tt.encode(" and", add_special=False, parse_special=False)
+    t0 = time.perf_counter()
+    while len(ctx) - len(prompt) < N_TRANSLATED and n_calls < 4 * N_TRANSLATED:
+        tree = td.draft(ctx, Cutoffs(0.0, 1.0, TranslatingDrafter.ahead_chunk, 1))
+        n_calls += 1
+        ctx += [n.token for n in tree] or nudge   # nothing proposed (a boundary it cannot settle): move on
+    ms = (time.perf_counter() - t0) * 1e3
+    n_prop = max(1, td.n_proposed)
+    return {"ms_per_proposal": round(ms / n_prop, 3), "proposals_per_call": round(td.n_proposed / max(1, n_calls), 3),
+            "decodes_per_proposal": round((d.n_decodes - n_dec0) / n_prop, 3)}
 
 
 def measure_head_overhead_ms() -> float:
@@ -238,7 +275,7 @@ def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
         extra["layer_model"] = measure_layer_model(opts.model, info.n_layer, opts.probe_layers, threads[0],
                                                    opts.max_batch, opts.kernels)
         if opts.draft:
-            extra["draft"] = measure_draft(opts.draft, threads[0], opts.kernels)
+            extra["draft"] = measure_draft(opts.draft, threads[0], opts.kernels, target=opts.model)
         extra["head_overhead_ms"] = measure_head_overhead_ms()
     links = []
     if size > 1:

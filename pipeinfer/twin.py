@@ -75,7 +75,6 @@ class Cluster:
     draft_link: Link = field(default_factory=Link)
     head_overhead_ms: float = 0.3
     abort_check_ms: float = 1.0
-    draft_resync_always: bool = False        # the replay instrument's burner re-decodes its context every call
     # ranks that share a machine: a decode that starts while k other ranks of the machine compute takes
     # shared_slowdown (memory bandwidth) x max(1, (k + 1) / its cores) times as long (profile.py measures it)
     machine_of: list[str] | None = None
@@ -415,7 +414,7 @@ class SimDraftCost:
     def draft(self, context: list[int], cut: Cutoffs) -> list:
         n = cut.n_max
         continues = len(context) >= len(self._last) and context[:len(self._last)] == self._last
-        ms = (n + (0 if continues and not self.c.draft_resync_always else 1)) * self.c.draft_ms_per_token
+        ms = (n + (0 if continues else 1)) * self.c.draft_ms_per_token
         if self.c.draft_on == "head":
             self.pipe._head_work(ms, compute=True)
         else:
@@ -541,6 +540,14 @@ def profile_links(profile: dict, n_ranks: int, poll_s: float = 0.0005) -> list[L
     return out
 
 
+def draft_ms_per_proposal(profile: dict) -> float:
+    """The profiled draft's cost per proposed token: translated (another vocabulary than the target's) where
+    the profile measured it so, else its plain decode per token."""
+    draft = profile.get("draft") or {}
+    tr = draft.get("translating")
+    return tr["ms_per_proposal"] if tr else draft.get("ms_per_token", 0.0)
+
+
 def cluster_from_profile(profile: dict, *, fractions: list[float] | None = None, draft_on: str = "head",
                          link: Link | None = None, poll_s: float = 0.0005) -> Cluster:
     """The profiled cluster; with `fractions`, another layer split on the same hosts (each host's cost
@@ -556,7 +563,7 @@ def cluster_from_profile(profile: dict, *, fractions: list[float] | None = None,
                   for r, rr in zip(ranks, ranges)]
     links = [link] * n if link is not None else profile_links(profile, n, poll_s)
     draft = profile.get("draft") or {}
-    return Cluster(stages, links, profile["model"]["n_embd"], draft.get("ms_per_token", 0.0),
+    return Cluster(stages, links, profile["model"]["n_embd"], draft_ms_per_proposal(profile),
                    draft.get("prefill_ms_per_token", 0.0), draft_on, links[0],
                    profile.get("head_overhead_ms", 0.3) + poll_s / 2,
                    machine_of=[r.get("machine", r["host"]) for r in ranks],

@@ -10,10 +10,12 @@ The draft model (e.g. Gemma 3 270M, vocabulary 262,144) never sees target token 
    drafted token must start with its bytes (plus ``tail``), so the draft can continue a word or an
    indentation the way its own tokenizer would have split it, not only after the arbitrary boundary
    that the target's tokens left;
-3. the draft runs greedily for up to ``n_max`` tokens (not counting the healed one) while its top
-   probability is >= ``p_accept`` (the healed token: its probability among the allowed tokens); its
-   end-of-generation token ends the text (never proposed); draft seq 0 keeps what it decoded, so the
-   next call re-decodes only the tail that changed (ModelDrafter's prefix reuse);
+3. the draft runs greedily: first it re-emits the known text it must (the healed token, ``tail``),
+   then up to ``n_max`` tokens that start after it, while its top probability is >= ``p_accept`` (the
+   healed token: its probability among the allowed tokens); its end-of-generation token ends the text
+   (never proposed). Draft seq 0 keeps what it decoded, with the logits after each token, so a call
+   decodes only tokens seq 0 does not hold yet: continuing its own chain (drafting ahead beside the
+   pipeline) re-emits the healed token and the window's text at no cost (ModelDrafter.step);
 4. the drafted bytes beyond what the target already has are translated by tokenizing, in the target
    vocabulary, a *window*: the text of the last few target tokens + the new text. The window's tokens
    must reproduce those target tokens exactly (otherwise a smaller window is tried, and then nothing
@@ -46,7 +48,6 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .drafter import Cutoffs, DraftNode
-from .protocol import Batch, kv_ops
 
 _LETTERS = re.compile(r"[^\W\d_]+")
 _TRAILING_LETTERS = re.compile(r"[^\W\d_]+$")
@@ -299,8 +300,8 @@ class TranslatingDrafter:
     heal: token healing of the draft context's last token.
     """
 
-    # beside the pipeline (draftahead.py), draft this many draft tokens per call: each call re-decodes the
-    # healed token and often cannot propose its last one, so short calls cost 2-3 decodes and propose little
+    # beside the pipeline (draftahead.py), draft this many new draft tokens per call: the last one is often
+    # not proposed (the look-ahead cannot settle its boundary), so short calls propose little
     ahead_chunk = 4
 
     def __init__(self, drafter, target_tok, draft_tok, *, n_prompt: int, prompt_text: str, chat: bool,
@@ -357,20 +358,22 @@ class TranslatingDrafter:
                 return kept, need, allowed
         return dtoks, tail, None             # unconstrained; the draft must emit `tail` by itself
 
-    def _greedy(self, dctx: list[int], allowed: np.ndarray | None, cut: Cutoffs
+    def _greedy(self, dctx: list[int], allowed: np.ndarray | None, need: bytes, cut: Cutoffs
                 ) -> tuple[list[int], list[float], int | None]:
         """Greedy chain on draft seq 0 after `dctx`: (tokens, probabilities, look-ahead token or None).
 
-        Up to n_max tokens, plus the healed first token when `allowed` constrains it. An end-of-generation
-        token ends the chain (it is returned, not decoded); the look-ahead is the draft's arg-max after
-        the last token (also when it fell below the cutoff)."""
+        The chain first re-emits `need` (the healed token's and the window's known text: seq 0 usually
+        holds those tokens from an earlier call, so they cost no decode), the first token among `allowed`
+        when given, then up to n_max tokens that start after it. It stops at a token below the cutoff, at one
+        that contradicts `need`, and at an end-of-generation token (returned, not decoded); the look-ahead
+        is the draft's arg-max after the last token (also when it fell below the cutoff)."""
         d = self.drafter
         logits = d._sync(dctx)
         toks: list[int] = []
         probs: list[float] = []
         look = None
-        n_max = cut.n_max + (allowed is not None)   # the healed token re-emits known text: not counted
-        for depth in range(n_max + 1):
+        n_bytes = n_new = 0
+        for depth in range(len(need) + cut.n_max + 1):   # every token has text: a bound, not a budget
             if depth == 0 and allowed is not None:   # the arg-max among the allowed tokens, renormalised
                 x = logits[allowed]
                 i = int(np.argmax(x))
@@ -380,20 +383,20 @@ class TranslatingDrafter:
                 t = int(np.argmax(x))
                 i = t
             pt = float(1.0 / np.exp(x - x[i]).sum(dtype=np.float64))  # f32 exp: 262k-entry vocabularies
-            if depth == n_max or pt < cut.p_accept:
+            b = self.dpiece(t)
+            is_new = n_bytes >= len(need)            # starts after the known text (as before: not the healed one)
+            if pt < cut.p_accept or (is_new and n_new == cut.n_max):
                 look = t
                 break
             toks.append(t)
             probs.append(pt)
-            if self.dt.is_eog(t) or not self.dpiece(t):
+            if self.dt.is_eog(t) or not b:
                 break
-            pos = len(dctx) + len(toks) - 1
-            batch = Batch(np.array([t], dtype=np.int32), np.array([pos], dtype=np.int32), [[0]],
-                          np.ones(1, dtype=np.int32), kv_ops())
-            logits = d.engine.decode(batch)[0]
-            d.n_decodes += 1
-            d._kv = list(dctx) + list(toks)
-            d._logits = logits
+            if n_bytes < len(need) and b[:len(need) - n_bytes] != need[n_bytes:n_bytes + len(b)]:
+                break                                # left the known text: nothing of this call is proposed
+            n_bytes += len(b)
+            n_new += is_new
+            logits = d.step(len(dctx) + len(toks) - 1, t)   # free where seq 0 holds it from an earlier call
         return toks, probs, look
 
     def prefill(self, prompt: list[int]) -> None:
@@ -418,7 +421,7 @@ class TranslatingDrafter:
         dctx = self.prompt + kept
         if len(dctx) + cut.n_max + 2 > self.drafter.engine.n_ctx:
             return []
-        toks, probs, look = self._greedy(dctx, allowed, cut)
+        toks, probs, look = self._greedy(dctx, allowed, need, cut)
         dt = chain_text(toks, probs, self.dpiece, self.dt.is_eog)
         self.n_draft_tokens += dt.n_tokens
         if not dt.data.startswith(need) or len(dt.data) == len(need):

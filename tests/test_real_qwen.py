@@ -229,3 +229,14 @@ def test_kv_cell_order_and_batch_size_keep_logits_exact(qwen, code_prompt, refer
         assert np.array_equal(after_a_rejected_run(retire=True), single)
         freed = after_a_rejected_run(retire=False)
         assert np.abs(freed - single).max() > 1e-3  # the hole was refilled out of order: logits moved
+
+
+def test_profile_times_the_gemma_draft_translated(qwen, gemma):
+    """Gemma 3 has another vocabulary than Qwen: the profile times it as it runs, translated, drafting ahead."""
+    from pipeinfer.kernels import DEFAULT_KERNELS
+    from pipeinfer.profile import N_TRANSLATED, measure_draft
+    d = measure_draft(gemma, 1, DEFAULT_KERNELS, target=qwen)
+    tr = d["translating"]
+    assert tr["proposals_per_call"] * 4 * N_TRANSLATED >= N_TRANSLATED, "it proposed too little to be timed"
+    # each proposal costs about one draft decode: the healed token and the window's text are held in seq 0
+    assert 0.8 <= tr["decodes_per_proposal"] < 2.0, tr

@@ -248,12 +248,12 @@ def test_prefix_index_cache(tmp_path, monkeypatch):
 class OracleDraftModel:
     """Stands in for ModelDrafter: a 'model' that knows the text `script` and predicts its next draft token
     (the first token of the draft tokenization of the rest) with probability `p`, or its end of turn at the end;
-    off the script it is unsure. Implements the parts TranslatingDrafter uses (_sync, engine.decode)."""
+    off the script it is unsure. Implements the parts TranslatingDrafter uses (_sync, step)."""
 
     def __init__(self, tok: ToyTok, script: str, p: float = 0.9):
         self.tok, self.script, self.p = tok, script.encode(), p
         self.n_prompt = 0
-        self._kv, self._logits, self.n_decodes = [], None, 0
+        self._kv, self.n_decodes = [], 0
         self.engine = self
         self.n_ctx = 4096
         self.decoded_positions: list[int] = []
@@ -268,15 +268,16 @@ class OracleDraftModel:
         return x
 
     def _sync(self, ctx):
-        self._kv = list(ctx)
-        self._logits = self.logits_for(self._kv)
-        return self._logits
+        if self._kv[:len(ctx)] != list(ctx):   # seq 0 keeps what it holds beyond a context it starts with
+            self._kv = list(ctx)
+        return self.logits_for(list(ctx))
 
-    def decode(self, batch):
-        (t,), (pos,) = batch.tokens.tolist(), batch.pos.tolist()
-        assert pos == len(self._kv)
-        self.decoded_positions.append(pos)
-        return self.logits_for(self._kv + [t])[None]
+    def step(self, n, t):
+        if n >= len(self._kv) or self._kv[n] != t:   # else held from an earlier call, as ModelDrafter keeps it
+            self._kv = self._kv[:n] + [t]
+            self.decoded_positions.append(n)
+            self.n_decodes += 1
+        return self.logits_for(self._kv[:n + 1])
 
 
 SCRIPT = "hello world\n   def foo():\n   return 日本é " + EMOJI_SPLIT + " foo\n"
@@ -326,6 +327,26 @@ def test_end_of_generation_in_context_and_cutoffs():
 def test_off_script_context_proposes_nothing():
     td, _ = make_oracle_drafter()
     assert td.draft([7, 8, 9] + TARGET.enc("hello there"), Cutoffs(0.5, n_max=3)) == []
+
+
+def test_continuing_its_own_chain_decodes_only_new_draft_tokens():
+    """Drafting ahead: the next call's context is the last one's plus its proposals; the healed token and
+    the rest of the previous chain are held in seq 0 already, so only tokens beyond it are decoded."""
+    td, model = make_oracle_drafter()
+    ctx = [7, 8, 9] + TARGET.enc(SCRIPT)[:4]
+    n_calls = 0
+    while n_calls < 6:
+        held = len(model._kv)
+        model.decoded_positions.clear()
+        props = [n.token for n in td.draft(ctx, Cutoffs(0.5, n_max=4))]
+        n_calls += 1
+        if n_calls > 1:
+            assert model.decoded_positions and min(model.decoded_positions) >= held, (held, model.decoded_positions)
+        if not props:
+            break
+        ctx += props
+    assert n_calls >= 4
+    assert ctx[3:] == TARGET.enc(SCRIPT)[:len(ctx) - 3]
 
 
 def test_prefix_reuse_decodes_only_the_changed_tail():
