@@ -136,12 +136,14 @@ def check_plan(setup: Setup, prof_path: Path, meas_path: Path, log) -> dict:
     prof = load_profile(str(prof_path))
     data = json.loads(meas_path.read_text())
     gemma = [r for r in data["runs"] if r["drafter"] in ("gemma", "none")]
-    agreement = next(r["stats"]["acceptance_rate"] for r in gemma if r["mode"] == "pipeinfer")
+    st_pi = next(r["stats"] for r in gemma if r["mode"] == "pipeinfer")
+    agreement = st_pi["acceptance_rate"]
+    propose = st_pi["n_spec_runs"] / max(1, st_pi["n_draft_calls"])   # as predict() gives the Gemma rows
     best = search(prof, agreement=agreement, n_predict=data["n"], exact_limit=int(prof.get("exact_batch", 3)),
-                  draft_own_host=False, base=GenConfig(stop_at_eos=False))
+                  draft_own_host=False, base=GenConfig(stop_at_eos=False), propose=propose)
     win = max(best.values(), key=lambda c: c.tokens_per_s)
     line = launch_line(prof, win)
-    log(f"[{setup.name}] plan at agreement {agreement:.2f} recommends: {line} ({win.tokens_per_s:.2f} tokens/s predicted)")
+    log(f"[{setup.name}] plan at agreement {agreement:.2f}, proposing at {propose:.2f} of calls, recommends: {line} ({win.tokens_per_s:.2f} tokens/s predicted)")
     args = line.split(" -- ", 1)[1].split()
     args += ["--prompt-name", data["prompt_name"], "-n", str(data["n"]), "--ignore-eos", "--json", "-q"]
     if win.mode != "iterative":
@@ -151,7 +153,7 @@ def check_plan(setup: Setup, prof_path: Path, meas_path: Path, log) -> dict:
     ratio = st["gen_tokens_per_s"] / best_measured["stats"]["gen_tokens_per_s"]
     log(f"  measured {st['gen_tokens_per_s']:.2f} tokens/s; best measured with this draft: {best_measured['mode']} "
         f"{best_measured['stats']['gen_tokens_per_s']:.2f} -> {ratio:.3f}")
-    return {"setup": setup.name, "agreement": round(agreement, 3), "recommended": line,
+    return {"setup": setup.name, "agreement": round(agreement, 3), "propose": round(propose, 3), "recommended": line,
             "predicted_tokens_per_s": round(win.tokens_per_s, 3), "measured_tokens_per_s": round(st["gen_tokens_per_s"], 3),
             "best_measured_mode": best_measured["mode"],
             "best_measured_tokens_per_s": round(best_measured["stats"]["gen_tokens_per_s"], 3),

@@ -103,8 +103,9 @@ def _splits(n_ranks: int, step: float = 0.05) -> list[list[float] | None]:
 
 
 def search(prof: dict, *, agreement: float, n_predict: int, exact_limit: int, draft_own_host: bool,
-           base: GenConfig, link: Link | None = None) -> dict[str, Candidate]:
-    """The fastest simulated configuration of each mode (iterative: the split only)."""
+           base: GenConfig, link: Link | None = None, propose: float = 1.0) -> dict[str, Candidate]:
+    """The fastest simulated configuration of each mode (iterative: the split only); propose: the share of
+    draft calls that propose anything (a model draft below its cutoff proposes nothing, and costs its time)."""
     n_ranks = len(prof["ranks"])
     best: dict[str, Candidate] = {}
 
@@ -112,7 +113,7 @@ def search(prof: dict, *, agreement: float, n_predict: int, exact_limit: int, dr
         gen = replace(base, mode=cand.mode, n_predict=n_predict, p_recovery=cand.p_recovery,
                       cut=replace(base.cut, n_max=cand.draft_max or 1, p_accept=cand.p_accept))
         cl = build_cluster(prof, Shape(fractions=cand.fractions, link=link, draft_on=cand.draft_on))
-        return simulate(cl, gen, agreement=agreement).stats.gen_tokens_per_s
+        return simulate(cl, gen, agreement=agreement, propose=propose).stats.gen_tokens_per_s
 
     splits = _splits(n_ranks)
     for fr in splits:  # the split first, on iterative (the split that balances stages)
@@ -269,18 +270,20 @@ def simulate_cmd(**kw) -> None:
 @click.command("plan")
 @click.option("--profile", "profile_path", required=True, help="a profile JSON written by `pipeinfer profile`")
 @click.option("--agreement", default=0.7, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--propose", default=1.0, show_default=True, type=click.FloatRange(0, 1),
+              help="share of draft calls that propose anything (a run's statistics: speculative runs / draft calls)")
 @click.option("-n", "--n-predict", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--draft-host/--no-draft-host", default=False,
               help="consider a host of its own for the draft (the hostfile then needs one more line)")
 @click.option("--hostfile", default="hosts.txt", show_default=True, help="the hostfile named in the printed command")
-def plan_cmd(profile_path: str, agreement: float, n_predict: int, draft_host: bool, hostfile: str) -> None:
+def plan_cmd(profile_path: str, agreement: float, propose: float, n_predict: int, draft_host: bool, hostfile: str) -> None:
     """Search the fastest configuration for a profiled cluster and print the command that runs it."""
     prof = load_profile(profile_path)
     limit = int(prof.get("exact_batch", 3))
     t0 = time.perf_counter()
     best = search(prof, agreement=agreement, n_predict=n_predict, exact_limit=limit, draft_own_host=draft_host,
-                  base=GenConfig(stop_at_eos=False))
-    click.echo(f"plan: {len(prof['ranks'])} ranks, agreement {agreement:g}, {n_predict} tokens "
+                  base=GenConfig(stop_at_eos=False), propose=propose)
+    click.echo(f"plan: {len(prof['ranks'])} ranks, agreement {agreement:g}, proposing at {propose:g} of calls, {n_predict} tokens "
                f"({time.perf_counter() - t0:.1f} s of simulation)")
     for mode in MODES:
         c = best[mode]

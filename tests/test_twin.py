@@ -177,6 +177,28 @@ def test_plan_moves_layers_off_the_slow_host(tmp_path):
     assert split[0] > 0.5  # the head's (fast) host takes the larger share
 
 
+def test_plan_counts_draft_calls_that_propose_nothing(tmp_path):
+    """A draft below its cutoff at most calls still costs each call: plan predicts less for it."""
+    from pipeinfer.head import GenConfig
+    from pipeinfer.plan import load_profile, search
+    prof = load_profile(str(hand_profile(tmp_path, slow=1.0)))
+    prof["draft"]["ms_per_token"] = 10.0
+    kw = dict(agreement=0.9, n_predict=48, exact_limit=3, draft_own_host=False, base=GenConfig(stop_at_eos=False))
+    always, half = search(prof, **kw), search(prof, propose=0.5, **kw)
+    assert half["pipeinfer"].tokens_per_s < 0.95 * always["pipeinfer"].tokens_per_s
+    assert half["iterative"].tokens_per_s == always["iterative"].tokens_per_s
+
+
+def test_the_twin_charges_a_translated_draft_its_measured_cost_per_proposal(tmp_path):
+    from pipeinfer.plan import Shape, build_cluster, load_profile
+    prof = load_profile(str(hand_profile(tmp_path, slow=1.0)))
+    assert build_cluster(prof, Shape()).draft_ms_per_token == 1.0
+    prof["draft"]["translating"] = {"ms_per_proposal": 2.5, "proposals_per_call": 3.0, "decodes_per_proposal": 1.2}
+    assert build_cluster(prof, Shape()).draft_ms_per_token == 2.5
+    assert build_cluster(prof, Shape(hosts=4, n_layer=80)).draft_ms_per_token == 2.5
+    assert build_cluster(prof, Shape(draft_ms=1.0)).draft_ms_per_token == 1.0   # the replay instrument's burner
+
+
 def test_scaled_cluster_prices_a_larger_model(tmp_path):
     from pipeinfer.plan import Shape, build_cluster, load_profile
     prof = load_profile(str(hand_profile(tmp_path, slow=1.0)))
