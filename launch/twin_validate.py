@@ -112,10 +112,12 @@ def predict(prof_path: Path, meas_path: Path, log) -> list[dict]:
         cluster = build_cluster(prof, Shape(draft_ms=prof["draft"]["ms_per_token"] if drafter == "replay" else None))
         gen = GenConfig(mode=mode, n_predict=data["n"], cut=Cutoffs(0.5, 0.1, draft_max, 1), p_recovery=None,
                         stop_at_eos=False)
-        # the replay drafter always proposes; a model draft proposes when confident: give the twin its rate
+        # the replay drafter always proposes; the Gemma draft as the profile measured it (its confidence and
+        # agreement along the target's output: nothing taken from the run predicted), else the run's own rates
         propose = 1.0 if drafter != "gemma" else st["n_spec_runs"] / max(1, st["n_draft_calls"])
+        conf = prof["draft"].get("confidence") if drafter == "gemma" else None
         res = simulate(cluster, gen, agreement=agree, reference=reference, n_prompt=len(data["prompt_tokens"]),
-                       propose=propose)
+                       propose=propose, confidence=conf)
         meas, pred = st["gen_tokens_per_s"], res.stats.gen_tokens_per_s
         rows.append({"setup": data["setup"], "mode": mode, "drafter": drafter, "agreement": agreement or "",
                      "draft_max": draft_max if mode != "iterative" else "", "measured_tokens_per_s": round(meas, 3),
@@ -139,11 +141,14 @@ def check_plan(setup: Setup, prof_path: Path, meas_path: Path, log) -> dict:
     st_pi = next(r["stats"] for r in gemma if r["mode"] == "pipeinfer")
     agreement = st_pi["acceptance_rate"]
     propose = st_pi["n_spec_runs"] / max(1, st_pi["n_draft_calls"])   # as predict() gives the Gemma rows
+    conf = prof["draft"].get("confidence")   # the profile's measured draft: plan chooses -pa as well
     best = search(prof, agreement=agreement, n_predict=data["n"], exact_limit=int(prof.get("exact_batch", 3)),
-                  draft_own_host=False, base=GenConfig(stop_at_eos=False), propose=propose)
+                  draft_own_host=False, base=GenConfig(stop_at_eos=False), propose=propose, confidence=conf)
     win = max(best.values(), key=lambda c: c.tokens_per_s)
     line = launch_line(prof, win)
-    log(f"[{setup.name}] plan at agreement {agreement:.2f}, proposing at {propose:.2f} of calls, recommends: {line} ({win.tokens_per_s:.2f} tokens/s predicted)")
+    draft = ("the profile's measured draft" if conf else
+             f"agreement {agreement:.2f}, proposing at {propose:.2f} of calls")
+    log(f"[{setup.name}] plan with {draft} recommends: {line} ({win.tokens_per_s:.2f} tokens/s predicted)")
     args = line.split(" -- ", 1)[1].split()
     args += ["--prompt-name", data["prompt_name"], "-n", str(data["n"]), "--ignore-eos", "--json", "-q"]
     if win.mode != "iterative":
@@ -153,7 +158,8 @@ def check_plan(setup: Setup, prof_path: Path, meas_path: Path, log) -> dict:
     ratio = st["gen_tokens_per_s"] / best_measured["stats"]["gen_tokens_per_s"]
     log(f"  measured {st['gen_tokens_per_s']:.2f} tokens/s; best measured with this draft: {best_measured['mode']} "
         f"{best_measured['stats']['gen_tokens_per_s']:.2f} -> {ratio:.3f}")
-    return {"setup": setup.name, "agreement": round(agreement, 3), "propose": round(propose, 3), "recommended": line,
+    return {"setup": setup.name, "draft": "measured by the profile" if conf else "the run's acceptance and proposal rate",
+            "agreement": round(agreement, 3), "propose": round(propose, 3), "recommended": line,
             "predicted_tokens_per_s": round(win.tokens_per_s, 3), "measured_tokens_per_s": round(st["gen_tokens_per_s"], 3),
             "best_measured_mode": best_measured["mode"],
             "best_measured_tokens_per_s": round(best_measured["stats"]["gen_tokens_per_s"], 3),

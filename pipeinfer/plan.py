@@ -22,6 +22,7 @@ from .twin import (Cluster, Link, SimResult, cluster_from_profile, draft_ms_per_
                    speed_factor, stage_cost_from_model)
 
 PLAN_P_RECOVERY = (None, 0.1, 0.25, 0.5)   # None: auto (0.5 / (ranks - 1))
+PLAN_P_ACCEPT = (0.1, 0.3, 0.5, 0.7)
 
 
 def load_profile(path: str) -> dict:
@@ -103,9 +104,12 @@ def _splits(n_ranks: int, step: float = 0.05) -> list[list[float] | None]:
 
 
 def search(prof: dict, *, agreement: float, n_predict: int, exact_limit: int, draft_own_host: bool,
-           base: GenConfig, link: Link | None = None, propose: float = 1.0) -> dict[str, Candidate]:
-    """The fastest simulated configuration of each mode (iterative: the split only); propose: the share of
-    draft calls that propose anything (a model draft below its cutoff proposes nothing, and costs its time)."""
+           base: GenConfig, link: Link | None = None, propose: float = 1.0,
+           confidence: list | None = None) -> dict[str, Candidate]:
+    """The fastest simulated configuration of each mode (iterative: the split only). The draft: right with
+    probability `agreement`, proposing at `propose` of its calls (a model draft below its cutoff proposes
+    nothing, and costs its time), or, given the profile's measured `confidence` pairs, as they and the
+    cutoff decide; then -pa is searched too."""
     n_ranks = len(prof["ranks"])
     best: dict[str, Candidate] = {}
 
@@ -113,7 +117,7 @@ def search(prof: dict, *, agreement: float, n_predict: int, exact_limit: int, dr
         gen = replace(base, mode=cand.mode, n_predict=n_predict, p_recovery=cand.p_recovery,
                       cut=replace(base.cut, n_max=cand.draft_max or 1, p_accept=cand.p_accept))
         cl = build_cluster(prof, Shape(fractions=cand.fractions, link=link, draft_on=cand.draft_on))
-        return simulate(cl, gen, agreement=agreement, propose=propose).stats.gen_tokens_per_s
+        return simulate(cl, gen, agreement=agreement, propose=propose, confidence=confidence).stats.gen_tokens_per_s
 
     splits = _splits(n_ranks)
     for fr in splits:  # the split first, on iterative (the split that balances stages)
@@ -127,10 +131,11 @@ def search(prof: dict, *, agreement: float, n_predict: int, exact_limit: int, dr
         lead = mode == "speculative"
         caps = range(1, max(1, exact_limit - lead) + 1)
         p_recs = PLAN_P_RECOVERY if mode == "pipeinfer" else (0.0,)
-        # -pa stays the user's: the twin's draft agrees with a fixed probability whatever its confidence, so it
-        # cannot say what another cutoff would do to the acceptance
-        for fr, place, cap, pr in itertools.product(fr_splits, places, caps, p_recs):
-            cand = Candidate(mode, list(fr) if fr else None, place, cap, base.cut.p_accept, pr)
+        # -pa: searched where the draft's measured confidence says what a cutoff does to the acceptance; with a
+        # draft that agrees with a fixed probability it stays the user's
+        p_accepts = PLAN_P_ACCEPT if confidence else (base.cut.p_accept,)
+        for fr, place, cap, pr, pa in itertools.product(fr_splits, places, caps, p_recs, p_accepts):
+            cand = Candidate(mode, list(fr) if fr else None, place, cap, pa, pr)
             cand.tokens_per_s = run(cand)
             if mode not in best or cand.tokens_per_s > best[mode].tokens_per_s:
                 best[mode] = cand
@@ -222,6 +227,8 @@ def cluster_options(f):
 @click.option("--continuous/--no-continuous", default=True)
 @click.option("--replay-ref", default=None, help="take the target's tokens and the prompt from an earlier --json run")
 @click.option("--seed", default=0, show_default=True, type=int, help="the draft's agreement draws (as --drafter replay)")
+@click.option("--measured-draft", is_flag=True, help="the draft as the profile measured it (its confidence and agreement "
+              "along the target's output), instead of --agreement: -pa then decides what it proposes")
 @click.option("--results", default=None, help="append one CSV row (column simulated = twin)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def simulate_cmd(**kw) -> None:
@@ -235,7 +242,10 @@ def simulate_cmd(**kw) -> None:
     if kw["draft_max"] is None:
         kw["draft_max"] = max(1, prof.get("exact_batch", 3) - (kw["mode"] == "speculative"))
     shape = _shape(kw)
-    cluster = build_cluster(prof, shape)
+    try:
+        cluster = build_cluster(prof, shape)
+    except ValueError as e:   # a profile without what this cluster needs (links of a one-process profile)
+        raise click.UsageError(str(e)) from None
     gen = _gen_config(kw, kw["mode"])
     ref, n_prompt = None, 64
     if kw["replay_ref"]:
@@ -243,15 +253,21 @@ def simulate_cmd(**kw) -> None:
         ref = list(data["prompt_tokens"]) + list(data["tokens"])
         n_prompt = len(data["prompt_tokens"])
     t0 = time.perf_counter()
+    confidence = None
+    if kw["measured_draft"]:
+        confidence = (prof.get("draft") or {}).get("confidence")
+        if not confidence:
+            raise click.UsageError("--measured-draft: the profile has no measured draft confidence "
+                                   "(profile on 2 or more ranks with a draft)")
     res = simulate(cluster, gen, agreement=kw["agreement"], reference=ref, n_prompt=n_prompt, seed=kw["seed"],
-                   propose=kw["propose"])
+                   propose=kw["propose"], confidence=confidence)
     wall_s = time.perf_counter() - t0
     s = res.stats
     if kw["results"]:
         from . import __version__
         from .results import append_result
         append_result(kw["results"], {
-            "mode": kw["mode"], "target_model": prof["model"]["path"], "draft_model": f"agreement {kw['agreement']:g}",
+            "mode": kw["mode"], "target_model": prof["model"]["path"], "draft_model": "measured draft" if confidence else f"agreement {kw['agreement']:g}",
             "ranks": cluster.n_ranks, "layer_split": "", "prompt_name": "twin", "n_prompt_tokens": s.n_prompt,
             "n_generated": s.n_generated, "pp_tokens_per_s": round(s.pp_tokens_per_s, 3),
             "gen_tokens_per_s": round(s.gen_tokens_per_s, 3), "ttft_s": round(s.ttft_s, 4),
@@ -261,7 +277,8 @@ def simulate_cmd(**kw) -> None:
     if kw["as_json"]:
         click.echo(json.dumps({"stats": s.to_dict(), "p_recovery": res.p_recovery, "wall_s": wall_s}))
         return
-    click.echo(f"twin: {cluster.n_ranks} ranks, mode {kw['mode']}, agreement {kw['agreement']:g}, draft on "
+    draft = "the measured draft" if confidence else f"agreement {kw['agreement']:g}"
+    click.echo(f"twin: {cluster.n_ranks} ranks, mode {kw['mode']}, {draft}, draft on "
                f"{cluster.draft_on}, {s.n_generated} tokens in {wall_s:.2f} s of simulation")
     click.echo(s.report())
     click.echo(stage_table(res))
@@ -269,21 +286,32 @@ def simulate_cmd(**kw) -> None:
 
 @click.command("plan")
 @click.option("--profile", "profile_path", required=True, help="a profile JSON written by `pipeinfer profile`")
-@click.option("--agreement", default=0.7, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--agreement", default=None, type=click.FloatRange(0, 1),
+              help="probability that each draft token is right [default: the profiled draft's measured confidence "
+                   "and agreement, which lets plan choose -pa too; else 0.7]")
 @click.option("--propose", default=1.0, show_default=True, type=click.FloatRange(0, 1),
-              help="share of draft calls that propose anything (a run's statistics: speculative runs / draft calls)")
+              help="with --agreement: share of draft calls that propose anything (a run's statistics: speculative "
+                   "runs / draft calls)")
 @click.option("-n", "--n-predict", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--draft-host/--no-draft-host", default=False,
               help="consider a host of its own for the draft (the hostfile then needs one more line)")
 @click.option("--hostfile", default="hosts.txt", show_default=True, help="the hostfile named in the printed command")
-def plan_cmd(profile_path: str, agreement: float, propose: float, n_predict: int, draft_host: bool, hostfile: str) -> None:
+def plan_cmd(profile_path: str, agreement: float | None, propose: float, n_predict: int, draft_host: bool,
+             hostfile: str) -> None:
     """Search the fastest configuration for a profiled cluster and print the command that runs it."""
     prof = load_profile(profile_path)
     limit = int(prof.get("exact_batch", 3))
+    confidence = (prof.get("draft") or {}).get("confidence") if agreement is None else None
     t0 = time.perf_counter()
-    best = search(prof, agreement=agreement, n_predict=n_predict, exact_limit=limit, draft_own_host=draft_host,
-                  base=GenConfig(stop_at_eos=False), propose=propose)
-    click.echo(f"plan: {len(prof['ranks'])} ranks, agreement {agreement:g}, proposing at {propose:g} of calls, {n_predict} tokens "
+    try:
+        best = search(prof, agreement=0.7 if agreement is None else agreement, n_predict=n_predict, exact_limit=limit,
+                      draft_own_host=draft_host, base=GenConfig(stop_at_eos=False), propose=propose,
+                      confidence=confidence)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    draft = (f"the profiled draft's measured confidence ({len(confidence)} positions)" if confidence else
+             f"agreement {0.7 if agreement is None else agreement:g}, proposing at {propose:g} of calls")
+    click.echo(f"plan: {len(prof['ranks'])} ranks, {draft}, {n_predict} tokens "
                f"({time.perf_counter() - t0:.1f} s of simulation)")
     for mode in MODES:
         c = best[mode]

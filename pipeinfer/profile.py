@@ -229,6 +229,62 @@ def measure_in_pipeline(comm, opts: ProfileOptions, n_vocab: int) -> dict | None
             "stage_ms": {s["rank"]: s["t_busy_s"] * 1e3 / max(1, s["n_decoded"]) for s in st[1:]}}
 
 
+N_CONFIDENCE_TOKENS = 64   # target tokens the draft's confidence is read along
+
+
+def workload_prompt() -> str:
+    """The user prompt the profile reads the draft's confidence on: prompts/code.txt (the benchmarks' code
+    prompt) in a source checkout, else TRANSLATE_TEXT."""
+    from .cli import read_prompt_file
+    try:
+        text, _ = read_prompt_file(str(Path(__file__).resolve().parent.parent / "prompts" / "code.txt"))
+    except OSError:
+        text = ""
+    return text if text.strip() else TRANSLATE_TEXT
+
+
+def target_output(comm, opts: ProfileOptions, text: str) -> tuple[list[int], list[int]] | None:
+    """The target's own greedy continuation of `text` (chat format), through the real pipeline: rank 0 gets
+    (prompt tokens, N_CONFIDENCE_TOKENS generated tokens), other ranks None."""
+    from .cli import apply_chat
+    from .head import GenConfig
+    from .runner import RunOptions, run
+    from .tokenizer import Tokenizer
+    tok = Tokenizer(opts.model)
+    prompt = tok.encode(apply_chat(tok, text))
+    res = run(RunOptions(opts.model, prompt_tokens=prompt, layer_split=opts.layer_split, threads=opts.threads,
+                         gen=GenConfig(mode="iterative", n_predict=N_CONFIDENCE_TOKENS, stop_at_eos=False,
+                                       p_recovery=0.0), kernels=opts.kernels), comm)
+    return None if res is None else (prompt, list(res.tokens))
+
+
+def measure_confidence(draft: str, target: str, prompt: list[int], text: str, tokens: list[int], threads: int,
+                       kernels: str) -> list[list[float]]:
+    """Along the target's own output, at each position: the draft's confidence in its first proposal there
+    and whether that proposal is the target's token ([p, 1 or 0]; [0, 0] where it proposes nothing). The twin
+    draws from these pairs, so a cutoff (-pa) decides what is proposed and how much of it is right."""
+    from .drafter import Cutoffs, ModelDrafter
+    from .runner import UserError, check_vocab
+    inner = ModelDrafter(draft, n_ctx=RUN_N_CTX, max_branches=1, n_threads=threads, n_threads_batch=threads,
+                         kernels=kernels)
+    drafter = inner
+    try:
+        check_vocab(target, draft)
+    except UserError:
+        from .tokenizer import Tokenizer
+        from .xvocab import TranslatingDrafter
+        drafter = TranslatingDrafter(inner, Tokenizer(target), Tokenizer(draft), n_prompt=len(prompt),
+                                     prompt_text=text, chat=True)
+    drafter.prefill(prompt)
+    n_max = getattr(drafter, "ahead_chunk", 1)
+    seq, pairs = list(prompt) + list(tokens), []
+    for i in range(len(prompt), len(seq)):
+        tree = drafter.draft(seq[:i], Cutoffs(0.0, 1.0, n_max, 1))
+        pairs.append([round(tree[0].prob, 4), int(tree[0].token == seq[i])] if tree else [0.0, 0])
+    inner.engine.close()
+    return pairs
+
+
 def calibrate(records: dict[int, dict], in_pipeline: dict) -> None:
     """Scale each rank's timings by its decode time inside the pipeline over its time alone (inside, the
     same 1-token decodes measured 20-35% slower on this project's machine; rank 0's in-pipeline time is the
@@ -298,8 +354,13 @@ def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
             polite_barrier(comm)
         link_lists = comm.gather(links, root=0)
         in_pipeline = measure_in_pipeline(comm, opts, info.n_vocab)
+        text = workload_prompt()
+        out = target_output(comm, opts, text) if opts.draft else None
         if rank != 0:
             return None
+        if out is not None:
+            extra["draft"]["confidence"] = measure_confidence(opts.draft, opts.model, out[0], text, out[1],
+                                                              threads[0], opts.kernels)
         records = {k: v for d in all_records for k, v in d.items()}
         calibrate(records, in_pipeline)
         links = sorted((lk for ls in link_lists for lk in ls), key=lambda lk: lk["from"])

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .drafter import Cutoffs, ReplayDrafter
+from .drafter import Cutoffs, DraftNode, ReplayDrafter
 from .head import GenConfig, Head, auto_p_recovery
 from .kvplan import PartitionPool, plan_partitions
 from .metrics import Stats
@@ -444,6 +444,43 @@ class _ChainAwareReplay(ReplayDrafter):
         return super().draft(context, cut)
 
 
+class _ConfidenceReplay(ReplayDrafter):
+    """A draft drawn from measured (confidence, right) pairs (profile.py's measure_confidence): at each
+    position a pair drawn by (seed, position); the chain proposes while the confidence clears the cutoff,
+    the reference token where the pair was right and a wrong one where not. So -pa and the reactive cutoff
+    decide what is proposed and how much of it is accepted, as with a real draft model. A call that
+    proposes nothing costs one draft token."""
+
+    def __init__(self, reference: list[int], pairs: list, seed: int, burner):
+        super().__init__(reference, 1.0, n_vocab=30000, seed=seed, burner=burner)
+        self.pairs = [(float(p), bool(r)) for p, r in pairs]
+
+    def pair(self, pos: int) -> tuple[float, bool]:
+        return self.pairs[int(np.random.default_rng([self.seed, pos, 2]).integers(len(self.pairs)))]
+
+    def draft(self, context, cut):
+        pos0 = len(context)
+        nodes: list[DraftNode] = []
+        for pos in range(pos0, min(pos0 + cut.n_max, len(self.ref))):
+            p, right = self.pair(pos)
+            if p < cut.p_accept or p <= 0.0:
+                break
+            token = self.ref[pos] if right else (self.ref[pos] + 1 + pos % 7) % self.n_vocab
+            nodes.append(DraftNode(token, len(nodes) - 1, len(nodes), {0}, p))
+        if self.burner is not None:
+            if nodes:
+                self.burner.follow(context, [n.token for n in nodes])
+            else:
+                self.burner.draft(context, Cutoffs(0.0, 1.0, 1, 1))
+        return nodes
+
+
+def confidence_agreement(pairs: list, p_accept: float) -> tuple[float, float]:
+    """(share of positions the draft proposes at cutoff p_accept, share of those it gets right)."""
+    shown = [r for p, r in pairs if p >= p_accept and p > 0.0]
+    return len(shown) / max(1, len(pairs)), sum(shown) / max(1, len(shown))
+
+
 # ==================================================================== one simulated generation
 @dataclass
 class SimResult:
@@ -461,8 +498,10 @@ def reference_tokens(n_prompt: int, n_predict: int, seed: int = 0) -> list[int]:
 
 def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prompt: int = 64,
              reference: list[int] | None = None, max_in_flight: int = 8, seed: int = 0,
-             propose: float = 1.0) -> SimResult:
-    """Run the real Head on the twin: one generation of gen.n_predict tokens in virtual time."""
+             propose: float = 1.0, confidence: list | None = None) -> SimResult:
+    """Run the real Head on the twin: one generation of gen.n_predict tokens in virtual time. The draft
+    agrees with probability `agreement` and proposes at `propose` of its calls, or, given `confidence`
+    (measured (confidence, right) pairs), as those pairs and the cutoff decide."""
     clock = VirtualClock()
     ref = reference or reference_tokens(n_prompt, gen.n_predict, seed)
     n_prompt = min(n_prompt, len(ref) - 1)
@@ -477,8 +516,11 @@ def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prom
         n_part, n_seq_max = plan_partitions(gen.cut.max_branches, max_in_flight)
         pool = PartitionPool(n_part, gen.cut.max_branches, n_seq_max)
         cost = SimDraftCost(cluster, clock, pipe)
-        drafter = _ChainAwareReplay(ref, agreement, n_vocab=30000, seed=seed, burner=cost)
-        drafter.propose = propose
+        if confidence:
+            drafter = _ConfidenceReplay(ref, confidence, seed, cost)
+        else:
+            drafter = _ChainAwareReplay(ref, agreement, n_vocab=30000, seed=seed, burner=cost)
+            drafter.propose = propose
     head = Head(pipe, gen, pool, drafter, clock=clock)
     tokens = head.generate(ref[:n_prompt])
     expect = ref[n_prompt:n_prompt + len(tokens)]

@@ -177,6 +177,40 @@ def test_plan_moves_layers_off_the_slow_host(tmp_path):
     assert split[0] > 0.5  # the head's (fast) host takes the larger share
 
 
+def test_measured_draft_proposes_what_clears_the_cutoff():
+    from pipeinfer.twin import confidence_agreement
+    # sure and right, or unsure and wrong: a cutoff between the two proposes only right tokens
+    pairs = [[0.9, 1]] * 7 + [[0.2, 0]] * 3
+    assert confidence_agreement(pairs, 0.5) == (0.7, 1.0)
+    assert confidence_agreement(pairs, 0.1) == (1.0, 0.7)
+    assert confidence_agreement([[0.0, 0]], 0.0) == (0.0, 0.0)   # proposed nothing there
+    cl = equal_stages(2, draft_ms=1.0)
+    strict = simulate(cl, gen("pipeinfer", 96, 1, p_accept=0.5), confidence=pairs).stats
+    loose = simulate(cl, gen("pipeinfer", 96, 1, p_accept=0.1), confidence=pairs).stats
+    assert strict.acceptance_rate == 1.0 and strict.n_cancelled == 0
+    assert 0.55 < loose.acceptance_rate < 0.85 and loose.n_drafted > strict.n_drafted
+    never = simulate(cl, gen("pipeinfer", 32, 1, p_accept=0.95), confidence=pairs).stats
+    assert never.n_drafted == 0 and never.n_draft_calls > 0
+
+
+def test_plan_chooses_the_cutoff_from_the_measured_draft(tmp_path):
+    """With the draft's measured confidence plan searches -pa: here wrong drafts are the unsure ones, and
+    cutting them off (-pa >= 0.3) beats proposing everything."""
+    from pipeinfer.head import GenConfig
+    from pipeinfer.plan import load_profile, search
+    prof = load_profile(str(hand_profile(tmp_path, slow=1.0)))
+    prof["draft"]["confidence"] = [[0.95, 1]] * 6 + [[0.2, 0]] * 4
+    best = search(prof, agreement=0.7, n_predict=64, exact_limit=3, draft_own_host=False,
+                  base=GenConfig(stop_at_eos=False), confidence=prof["draft"]["confidence"])
+    assert best["pipeinfer"].p_accept >= 0.3 and best["speculative"].p_accept >= 0.3
+    out = run_cli(["plan", "--profile", str(tmp_path / "profile.json"), "-n", "32"])
+    assert out.returncode == 0 and "agreement 0.7" in out.stdout   # no confidence in the file: --agreement's default
+    (tmp_path / "m.json").write_text(json.dumps(prof))
+    out = run_cli(["plan", "--profile", str(tmp_path / "m.json"), "-n", "32"])
+    assert out.returncode == 0, out.stderr
+    assert "measured confidence (10 positions)" in out.stdout and " -pa 0." in out.stdout
+
+
 def test_plan_counts_draft_calls_that_propose_nothing(tmp_path):
     """A draft below its cutoff at most calls still costs each call: plan predicts less for it."""
     from pipeinfer.head import GenConfig
@@ -252,6 +286,19 @@ def test_profile_writes_what_simulate_needs(models, tmp_path, n_ranks):
         assert [(lk["from"], lk["to"]) for lk in prof["links"]] == [(0, 1), (1, 0)]
         assert all(lk["bandwidth_bps"] > 0 for lk in prof["links"])
         assert all(r["in_pipeline_factor"] > 0 for r in prof["ranks"])
+        # the draft's confidence along the target's own output: [p, right] per position, mostly right
+        conf = prof["draft"]["confidence"]
+        assert len(conf) == 64 and all(0.0 <= p <= 1.0 and r in (0, 1) for p, r in conf)
+        assert sum(r for _, r in conf) >= 0.6 * len(conf)
+        measured = run_cli(["simulate", "--profile", str(out), "-n", "16", "--measured-draft", "--json"])
+        assert measured.returncode == 0, measured.stderr
+        assert json.loads(measured.stdout)["stats"]["n_drafted"] > 0
+    else:
+        refused = run_cli(["simulate", "--profile", str(out), "--measured-draft", "--bandwidth-mbit", "1000"])
+        assert refused.returncode != 0 and "no measured draft confidence" in refused.stderr
+        no_links = run_cli(["simulate", "--profile", str(out)])   # one process measured no links
+        assert no_links.returncode != 0 and "no link from rank 0" in no_links.stderr
+        assert "Traceback" not in refused.stderr + no_links.stderr
     sim = run_cli(["simulate", "--profile", str(out), "-n", "16", "--json"]
                   + (["--bandwidth-mbit", "1000"] if n_ranks is None else []))
     assert sim.returncode == 0, sim.stderr
