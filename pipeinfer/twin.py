@@ -445,18 +445,23 @@ class _ChainAwareReplay(ReplayDrafter):
 
 
 class _ConfidenceReplay(ReplayDrafter):
-    """A draft drawn from measured (confidence, right) pairs (profile.py's measure_confidence): at each
-    position a pair drawn by (seed, position); the chain proposes while the confidence clears the cutoff,
+    """A draft drawn from measured (confidence, right) pairs (profile.py's measure_confidence), in the order
+    they were measured: each block of BLOCK positions takes BLOCK consecutive pairs from an offset drawn by
+    (seed, block), because a draft is right and sure in streaks (a chain of k tokens is all right far more
+    often than the k-th power of the agreement). The chain proposes while the confidence clears the cutoff,
     the reference token where the pair was right and a wrong one where not. So -pa and the reactive cutoff
     decide what is proposed and how much of it is accepted, as with a real draft model. A call that
     proposes nothing costs one draft token."""
+
+    BLOCK = 8
 
     def __init__(self, reference: list[int], pairs: list, seed: int, burner):
         super().__init__(reference, 1.0, n_vocab=30000, seed=seed, burner=burner)
         self.pairs = [(float(p), bool(r)) for p, r in pairs]
 
     def pair(self, pos: int) -> tuple[float, bool]:
-        return self.pairs[int(np.random.default_rng([self.seed, pos, 2]).integers(len(self.pairs)))]
+        offset = int(np.random.default_rng([self.seed, pos // self.BLOCK, 2]).integers(len(self.pairs)))
+        return self.pairs[(offset + pos % self.BLOCK) % len(self.pairs)]
 
     def draft(self, context, cut):
         pos0 = len(context)

@@ -193,6 +193,17 @@ def test_measured_draft_proposes_what_clears_the_cutoff():
     assert never.n_drafted == 0 and never.n_draft_calls > 0
 
 
+def test_measured_draft_keeps_its_streaks():
+    """Pairs are drawn in measured order, BLOCK at a time: right and wrong come in runs, as they were measured
+    (independent draws would make neighbours agree half the time here)."""
+    from pipeinfer.twin import _ConfidenceReplay
+    d = _ConfidenceReplay(list(range(900)), [[0.9, 1]] * 8 + [[0.9, 0]] * 8, seed=3, burner=None)
+    right = [d.pair(pos)[1] for pos in range(800)]
+    same = [right[i] == right[i + 1] for i in range(799) if (i + 1) % d.BLOCK]
+    assert sum(same) / len(same) > 0.8
+    assert 0.35 < sum(right) / len(right) < 0.65
+
+
 def test_plan_chooses_the_cutoff_from_the_measured_draft(tmp_path):
     """With the draft's measured confidence plan searches -pa: here wrong drafts are the unsure ones, and
     cutting them off (-pa >= 0.3) beats proposing everything."""
