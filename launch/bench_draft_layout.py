@@ -10,7 +10,8 @@ text translation), and the replay instrument at agreement 0.9 and 0.3 (one Gemma
 token). Each run is timed while the machine is otherwise quiet (launch/quiet.py); iterative runs first and last for
 each prompt and the ratios use the mean of the two. Writes
 results/bench_draft_layout.csv and .png; prints each speed as a ratio of the same prompt's iterative speed and
-of synchronous speculative with the same drafter, and TTFT as a ratio of iterative's.
+of synchronous speculative with the same drafter, TTFT as a ratio of iterative's, and whether the output
+is token for token iterative's.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_draft_layout.csv"))
     args = ap.parse_args()
     rows: list[dict] = []
+    outputs: list[dict] = []   # every run's output tokens: each must equal the prompt's iterative output
 
     def run(prompt: str, label: str, mode: str, drafter: str, at: str, extra: list[str]) -> dict:
         base = ["generate", "--prompt-name", prompt, "-n", str(args.n), "-t", "1", "--ignore-eos", "--json", "-q",
@@ -50,13 +52,16 @@ def main() -> None:
             raise SystemExit(f"{prompt} {label} failed ({p.returncode}):\n{p.stderr[-3000:]}")
         out = json.loads(p.stdout.strip().splitlines()[-1])
         s = out["stats"]
+        ref = next((r["tokens"] for r in outputs if r["prompt"] == prompt), out["tokens"])  # iterative's, first
+        outputs.append({"prompt": prompt, "tokens": out["tokens"]})
         rows.append({"prompt": prompt, "config": label, "mode": mode, "drafter": drafter, "draft_at": at,
+                     "exact": out["tokens"] == ref,
                      "tokens_per_s": round(s["gen_tokens_per_s"], 3), "ttft_s": round(s["ttft_s"], 4),
                      "acceptance": round(s["acceptance_rate"], 3), "runs": s["n_runs"], "cancelled": s["n_cancelled"],
                      "stale_drafts": s.get("n_draft_stale", 0),
                      "micro_batch_sizes": json.dumps(s.get("draft_len_hist", {})), "foreign_cpu_pct": round(foreign, 1)})
         print(f"{prompt:<13} {label:<28} {s['gen_tokens_per_s']:6.2f} tokens/s  ttft {s['ttft_s'] * 1e3:6.1f} ms  "
-              f"acceptance {s['acceptance_rate']:.2f}", flush=True)
+              f"acceptance {s['acceptance_rate']:.2f}{'' if rows[-1]['exact'] else '  NOT EXACT'}", flush=True)
         return out
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,10 +92,10 @@ def main() -> None:
         w = csv.DictWriter(f, list(rows[-1]))
         w.writeheader()
         w.writerows(rows)
-    print(f"\n{'prompt':<13} {'config':<28} tokens/s  x iterative  x speculative  ttft x it.  stale")
+    print(f"\n{'prompt':<13} {'config':<28} tokens/s  x iterative  x speculative  ttft x it.  stale  exact")
     for r in rows:
         print(f"{r['prompt']:<13} {r['config']:<28} {r['tokens_per_s']:8.2f}  {r['vs_iterative']:11.2f}  "
-              f"{r['vs_speculative']!s:>13}  {r['ttft_vs_iterative']!s:>10}  {r['stale_drafts']:5}")
+              f"{r['vs_speculative']!s:>13}  {r['ttft_vs_iterative']!s:>10}  {r['stale_drafts']:5}  {r['exact']}")
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')} (2 target ranks x 1 thread; @rank: + the draft's rank)")
 

@@ -9,12 +9,18 @@ in the same order, for --repeats rounds (iterative, then PipeInfer with the Gemm
 pipeline, with the replay instrument at 0.9 and at 0.3), and reports each one's median tokens/s and
 median TTFT against iterative's median (and every round's own ratio). Default target on 2 ranks x 1
 thread. Writes results/bench_repeat.csv (one row per run).
+
+--config 'LABEL=ARGS' (repeatable) measures these PipeInfer configurations instead of the headline ones, each
+ARGS appended to `generate --mode pipeinfer` ({ref} stands for the replay instrument's reference), e.g.
+    --config 'even=--draft gemma3-270m --draft-at thread' \
+    --config '0.33=--draft gemma3-270m --draft-at thread --layer-split 0.33,0.67'
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -34,6 +40,8 @@ def main() -> None:
     ap.add_argument("--prompts", default="code,story")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--draft-at", default="thread", help="where PipeInfer's draft runs (head | thread)")
+    ap.add_argument("--config", action="append", default=[], metavar="LABEL=ARGS",
+                    help="a PipeInfer configuration to measure instead of the headline ones (repeatable)")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_repeat.csv"))
     args = ap.parse_args()
     rows: list[dict] = []
@@ -55,6 +63,8 @@ def main() -> None:
         return out
 
     pi = ["--mode", "pipeinfer", "--draft-at", args.draft_at]
+    configs = [(label, ["--mode", "pipeinfer"] + shlex.split(extra))
+               for label, _, extra in (c.partition("=") for c in args.config)]
     with tempfile.TemporaryDirectory() as tmp:
         for prompt in args.prompts.split(","):
             ref = Path(tmp) / f"{prompt}.json"
@@ -62,6 +72,10 @@ def main() -> None:
                 out = run(prompt, rnd, "iterative", ["--mode", "iterative"])
                 if rnd == 0:
                     ref.write_text(json.dumps(out))
+                for label, cmd in configs:
+                    run(prompt, rnd, label, [a.replace("{ref}", str(ref)) for a in cmd])
+                if configs:
+                    continue
                 run(prompt, rnd, f"pipeinfer gemma @{args.draft_at}", pi + ["--draft", "gemma3-270m"])
                 for acc in ("0.9", "0.3"):
                     run(prompt, rnd, f"pipeinfer replay {acc} @{args.draft_at}",

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .drafter import Cutoffs
+from .drafter import DRAFT_HEAD_AUTO, Cutoffs
 from .head import MODES, GenConfig
 from .kernels import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, KERNELS
 from .status import StatusLine
@@ -90,6 +90,9 @@ PIPELINE_OPTIONS = [
                        "for a draft model in pipeinfer mode with -np 1, else head"),
     click.option("--draft-threads", default=None, type=click.IntRange(1),
                   help="threads of the draft model [default: rank 0's --threads; on its own rank: cores / ranks]"),
+    click.option("--draft-head", default="auto", show_default=True, callback=lambda c, p, v: _draft_head(v),
+                  help=f"tokens the draft model's output projection keeps, the most frequent first: a number, full, or auto "
+                       f"({DRAFT_HEAD_AUTO:,}); the draft proposes only those, the output stays exact"),
     click.option("--draft-max", default=None, type=click.IntRange(1, 64),
                   help=f"max draft tokens per speculative micro-batch [default: up to {DEFAULT_DRAFT_MAX}, within the exact "
                        f"batch limit]"),
@@ -285,6 +288,7 @@ def _run_options(kw, model, draft, drafter, gen, **more):
                       max_in_flight=kw["max_in_flight"], poll_s=kw["poll_us"] / 1e6,
                       kernels="fast" if kw["fast_kernels"] else kw["kernels"], draft_vocab=kw["draft_vocab"],
                       stall_timeout=kw["stall_timeout"], draft_at=kw["draft_at"], draft_threads=kw["draft_threads"],
+                      draft_head=kw["draft_head"],
                       **more)
 
 
@@ -371,6 +375,17 @@ def _check_port_free(host: str, port: int) -> None:
             s.bind((host, port))
         except OSError as e:
             raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def _draft_head(value: str) -> int | None:
+    """--draft-head: 'auto' (DRAFT_HEAD_AUTO), 'full' (None: every token), or a number of tokens >= 256."""
+    if value == "auto":
+        return DRAFT_HEAD_AUTO
+    if value == "full":
+        return None
+    if not value.isdigit() or int(value) < 256:
+        raise click.BadParameter(f"{value!r} is not auto, full or a number of tokens >= 256")
+    return int(value)
 
 
 def _auto_or_float(value: str, param) -> float | None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from .drafter import DRAFT_HEAD_AUTO
 from .kernels import DEFAULT_KERNELS, KERNELS
 from .kvplan import plan_partitions
 
@@ -138,12 +139,14 @@ def _r(xs: list[float]) -> list[float]:
     return [round(x, 3) for x in xs]
 
 
-def measure_draft(path, threads: int, kernels: str, n_max: int = 4, target: str | None = None) -> dict:
+def measure_draft(path, threads: int, kernels: str, n_max: int = 4, target: str | None = None,
+                  head_tokens: int | None = DRAFT_HEAD_AUTO) -> dict:
     """The draft model's ms per drafted token (continuing its own chain, as continuous speculation does)
     and per prompt token; with the target's GGUF, and a draft of another vocabulary, the translating
     drafter's cost too (measure_translating)."""
     from .drafter import Cutoffs, ModelDrafter
-    d = ModelDrafter(path, n_ctx=RUN_N_CTX, max_branches=1, n_threads=threads, n_threads_batch=threads, kernels=kernels)
+    d = ModelDrafter(path, n_ctx=RUN_N_CTX, max_branches=1, n_threads=threads, n_threads_batch=threads, kernels=kernels,
+                     head_tokens=head_tokens)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, d.n_vocab, N_CTX_FILL).tolist()
     t0 = time.perf_counter()
@@ -156,7 +159,8 @@ def measure_draft(path, threads: int, kernels: str, n_max: int = 4, target: str 
         tree = d.draft(ctx, cut)
         per_token.append((time.perf_counter() - t0) * 1e3 / max(1, len(tree)))
         ctx += [n.token for n in tree]
-    out = {"model": os.path.basename(str(path)), "ms_per_token": round(statistics.median(per_token[1:]), 3),
+    out = {"model": os.path.basename(str(path)), "head_tokens": head_tokens if d.keep is not None else d.n_vocab,
+           "ms_per_token": round(statistics.median(per_token[1:]), 3),
            "prefill_ms_per_token": round(prefill_ms / len(prompt), 4)}
     if target is not None:
         from .runner import UserError, check_vocab
@@ -259,14 +263,14 @@ def target_output(comm, opts: ProfileOptions, text: str) -> tuple[list[int], lis
 
 
 def measure_confidence(draft: str, target: str, prompt: list[int], text: str, tokens: list[int], threads: int,
-                       kernels: str) -> list[list[float]]:
+                       kernels: str, head_tokens: int | None = DRAFT_HEAD_AUTO) -> list[list[float]]:
     """Along the target's own output, at each position: the draft's confidence in its first proposal there
     and whether that proposal is the target's token ([p, 1 or 0]; [0, 0] where it proposes nothing). The twin
     draws from these pairs, so a cutoff (-pa) decides what is proposed and how much of it is right."""
     from .drafter import Cutoffs, ModelDrafter
     from .runner import UserError, check_vocab
     inner = ModelDrafter(draft, n_ctx=RUN_N_CTX, max_branches=1, n_threads=threads, n_threads_batch=threads,
-                         kernels=kernels)
+                         kernels=kernels, head_tokens=head_tokens)
     drafter = inner
     try:
         check_vocab(target, draft)

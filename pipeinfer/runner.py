@@ -10,6 +10,7 @@ import resource
 import sys
 from dataclasses import dataclass, field, replace
 
+from .drafter import DRAFT_HEAD_AUTO
 from .head import GenConfig, Head, auto_p_recovery
 from .kernels import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, resolve_draft_max
 from .kvplan import PartitionPool, garbage_seq, plan_partitions
@@ -47,6 +48,7 @@ class RunOptions:
     stall_timeout: float = 60.0               # liveness.py: a rank silent this long ends the job (0: only losses)
     draft_at: str = "head"                    # draftahead.py: head (in series) | thread (beside, rank 0) | rank (own)
     draft_threads: int | None = None          # the draft model's threads (None: see draft_thread_count)
+    draft_head: int | None = DRAFT_HEAD_AUTO  # --draft-head: tokens the draft's output head keeps (None: all)
     on_tokens: object = None                  # callable(list of new token ids), rank 0
     on_progress: object = None                # callable(Stats, runs in flight), rank 0
 
@@ -403,7 +405,7 @@ def make_drafter(opts: RunOptions, info, n_threads: int, n_threads_batch: int):
         burner = None
         if opts.draft:
             burner = ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=1, n_threads=n_threads,
-                                  n_threads_batch=n_threads_batch, kernels=opts.kernels)
+                                  n_threads_batch=n_threads_batch, kernels=opts.kernels, head_tokens=opts.draft_head)
         replay = ReplayDrafter(reference, opts.replay_accuracy, info.n_vocab, seed=opts.gen.sampling.seed, burner=burner)
         return lambda prompt, text, chat: replay
     if opts.drafter != "model":
@@ -422,12 +424,13 @@ def make_drafter(opts: RunOptions, info, n_threads: int, n_threads_batch: int):
         from .tokenizer import Tokenizer
         from .xvocab import TranslatingDrafter
         inner = ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=1, n_threads=n_threads,
-                             n_threads_batch=n_threads_batch, kernels=opts.kernels)
+                             n_threads_batch=n_threads_batch, kernels=opts.kernels, head_tokens=opts.draft_head)
         tok_tgt, tok_dft = Tokenizer(opts.model), Tokenizer(opts.draft)
         return lambda prompt, text, chat: TranslatingDrafter(inner, tok_tgt, tok_dft, n_prompt=len(prompt),
                                                              prompt_text=text or "", chat=chat)
     same = ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=opts.gen.cut.max_branches,
-                        n_threads=n_threads, n_threads_batch=n_threads_batch, kernels=opts.kernels)
+                        n_threads=n_threads, n_threads_batch=n_threads_batch, kernels=opts.kernels,
+                        head_tokens=opts.draft_head)
     return lambda prompt, text, chat: same
 
 

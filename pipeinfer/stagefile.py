@@ -178,12 +178,95 @@ def write_stage_file(src, dst, start: int, end: int, with_vocab: bool) -> None:
     writer.close()
 
 
-def _add_dummy_vocab(writer, gguf) -> None:
-    # SentencePiece-style ("llama") 4-token vocabulary: loads and reports n_vocab = 4
+def _add_dummy_vocab(writer, gguf, n: int = 4) -> None:
+    # SentencePiece-style ("llama") n-token vocabulary: loads and reports n_vocab = n (the strings are never used)
     writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>", "a"])
-    writer.add_token_scores([0.0] * 4)
-    writer.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL,
-                            gguf.TokenType.NORMAL])
+    writer.add_token_list(["<unk>", "<s>", "</s>", "a"] + [f"<t{i}>" for i in range(4, n)])
+    writer.add_token_scores([0.0] * n)
+    writer.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+                           + [gguf.TokenType.NORMAL] * (n - 3))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+
+
+# ================================================================ a draft with a pruned output head
+PRUNED_FORMAT = 1  # bump when the pruned-head file layout changes
+
+
+def head_tokens(tokens: list[bytes], token_types: list[int], n_keep: int) -> np.ndarray:
+    """The token ids a pruned draft head keeps, at most n_keep (int32, sorted): the most frequent tokens.
+
+    A BPE vocabulary numbers its merged tokens in merge order, i.e. by how often the tokenizer's training
+    text made them, and lists its base alphabet (single characters, or bytes) by frequency too; Gemma's
+    SentencePiece-converted vocabulary puts the merges first and the 26,000-character alphabet after them.
+    So the head keeps: every special token a model may emit (gguf token types UNKNOWN, CONTROL but not the
+    `<unused...>` placeholders, USER_DEFINED, BYTE), the n_keep / 16 lowest-id single characters and the
+    lowest-id merged tokens up to n_keep: the frequency-ranked draft vocabulary of FR-Spec (Zhao et al.,
+    2025) without a corpus of our own."""
+    special, chars, merged = [], [], []
+    for i, (text, kind) in enumerate(zip(tokens, token_types)):
+        if kind == 1:  # NORMAL
+            (chars if len(text.decode("utf-8", errors="replace")) == 1 else merged).append(i)
+        elif kind in (2, 4, 6) or (kind == 3 and not text.startswith(b"<unused")):
+            special.append(i)
+    n_chars = min(len(chars), n_keep // 16)
+    keep = special[:n_keep] + chars[:n_chars]
+    keep += merged[:max(0, n_keep - len(keep))]
+    return np.sort(np.array(keep, dtype=np.int32))
+
+
+def pruned_head_path(src: str | os.PathLike, keep: np.ndarray) -> Path:
+    # keyed by the kept ids themselves: a file's rows always match the ids its logits are scattered to
+    ids = hashlib.sha256(np.ascontiguousarray(keep, dtype=np.int32).tobytes()).hexdigest()[:16]
+    return derived_path(src, f"head{len(keep)}", "gguf", ids, PRUNED_FORMAT)
+
+
+def ensure_pruned_head(src: str | os.PathLike, n_keep: int) -> tuple[Path, np.ndarray]:
+    """(path of src with its output head pruned to n_keep tokens, the kept token ids), written on first use."""
+    from .ggufheader import read_header
+    fields = read_header(src, keep_arrays=("tokenizer.ggml.tokens", "tokenizer.ggml.token_type")).fields
+    tokens, types = fields.get("tokenizer.ggml.tokens"), fields.get("tokenizer.ggml.token_type")
+    if not isinstance(tokens, list) or not isinstance(types, list) or len(types) != len(tokens):
+        raise StageFileError(f"{src}: --draft-head needs the GGUF's token list and token types")
+    keep = head_tokens(tokens, types, n_keep)
+    out = pruned_head_path(src, keep)
+    if not out.exists():
+        write_atomically(out, lambda tmp: write_pruned_head(src, tmp, keep))
+    return out, keep
+
+
+def write_pruned_head(src, dst, keep: np.ndarray) -> None:
+    """src with a vocabulary of len(keep) tokens: the output projection (and the embedding table, which a
+    tied model projects with) keeps only rows `keep`, raw data copied as is.
+
+    Only the output head changes: logits row k of the pruned model is logit keep[k] of src, computed by the
+    same kernel over the same row. Its input must come as embeddings (stage.TokenEmbedder on src), since
+    its own table no longer holds every token; the tokenizer fields become a placeholder vocabulary of
+    len(keep) tokens (text goes through src's own tokenizer)."""
+    import gguf
+    reader = gguf.GGUFReader(str(src), "r")
+    arch = _field(reader, "general.architecture")
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for field in reader.fields.values():
+        name = field.name
+        if name.startswith("GGUF.") or name in ("general.architecture", f"{arch}.vocab_size") \
+                or name.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub_type=sub_type)
+    if f"{arch}.vocab_size" in reader.fields:
+        writer.add_key_value(f"{arch}.vocab_size", len(keep), gguf.GGUFValueType.UINT32)
+    _add_dummy_vocab(writer, gguf, len(keep))
+    tensors = []
+    for t in reader.tensors:
+        data = t.data[keep] if t.name in ("token_embd.weight", "output.weight") else t.data
+        tensors.append((t.name, data, t.tensor_type))
+    for name, data, ttype in tensors:
+        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, ttype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, data, _ in tensors:
+        writer.write_tensor_data(np.ascontiguousarray(data))
+    writer.close()

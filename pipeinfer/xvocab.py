@@ -382,7 +382,10 @@ class TranslatingDrafter:
                 x = logits
                 t = int(np.argmax(x))
                 i = t
-            pt = float(1.0 / np.exp(x - x[i]).sum(dtype=np.float64))  # f32 exp: 262k-entry vocabularies
+            if np.isfinite(x[i]):
+                pt = float(1.0 / np.exp(x - x[i]).sum(dtype=np.float64))  # f32 exp: 262k-entry vocabularies
+            else:
+                pt = 0.0   # every allowed token lies outside a pruned draft head (--draft-head): stop here
             b = self.dpiece(t)
             is_new = n_bytes >= len(need)            # starts after the known text (as before: not the healed one)
             if pt < cut.p_accept or (is_new and n_new == cut.n_max):

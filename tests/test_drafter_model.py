@@ -1,5 +1,6 @@
 """ModelDrafter on a real (synthetic) GGUF through llama.cpp: what seq 0 holds is reused, and reuse never
 changes a draft."""
+import numpy as np
 import pytest
 
 from pipeinfer.drafter import Cutoffs, ModelDrafter
@@ -62,3 +63,18 @@ def test_profile_times_a_same_vocabulary_draft_untranslated(models):
     from pipeinfer.profile import measure_draft
     d = measure_draft(models["draft90"], 1, DEFAULT_KERNELS, target=str(models["f32"]))
     assert d["ms_per_token"] > 0 and "translating" not in d
+
+
+def test_pruned_head_gives_the_full_heads_logits_for_kept_tokens(models):
+    """--draft-head: the pruned draft's logits at the kept ids are the full draft's, bit for bit (same kernel,
+    same rows); every other token gets -inf, so drafts only ever hold kept tokens."""
+    full = _drafter(models["draft90"])
+    pruned = ModelDrafter(str(models["draft90"]), n_ctx=256, max_branches=4, n_threads=1, n_threads_batch=1,
+                          head_tokens=384)
+    assert pruned.n_vocab == full.n_vocab == 512 and len(pruned.keep) == 384
+    ctx = list(PROMPT_TOKENS)
+    a, b = full._sync(ctx), pruned._sync(ctx)
+    np.testing.assert_array_equal(b[pruned.keep], a[pruned.keep])
+    assert np.isneginf(np.delete(b, pruned.keep)).all()
+    tree = pruned.draft(ctx, Cutoffs(p_accept=0.0, p_split=0.0, n_max=5, max_branches=3))
+    assert tree and all(n.token in set(pruned.keep.tolist()) for n in tree)

@@ -96,3 +96,31 @@ def test_not_a_gguf(tmp_path):
     p.write_bytes(b"hello world, not a model" * 10)
     with pytest.raises(StageFileError, match="not a GGUF"):
         read_info(p)
+
+
+def test_pruned_head_keeps_specials_then_frequent_tokens():
+    """head_tokens: every special a model can emit (not <unused..> placeholders), a 1/16 share of single
+    characters by id, then merged tokens by id (merge order = frequency), sorted, never more than asked."""
+    from pipeinfer.stagefile import head_tokens
+    N, U, C, B = 1, 2, 3, 6   # gguf token types NORMAL, UNKNOWN, CONTROL, BYTE
+    toks = [b"<pad>", b"<eos>", b"<unused0>", b"<0x00>", b"ing", b" the", b"a", b"b", b" of",
+            "\u4e00".encode(), b"er", b"c", b"<unk>"]
+    types = [C, C, C, B, N, N, N, N, N, N, N, N, U]
+    assert head_tokens(toks, types, 64).tolist() == [0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]  # all but <unused0>
+    assert head_tokens(toks, types, 6).tolist() == [0, 1, 3, 4, 5, 12]                  # no room for characters
+    assert head_tokens(toks, types, 16).tolist() == [0, 1, 3, 4, 5, 6, 8, 10, 12]  # one character (16 // 16)
+    assert len(head_tokens(toks, types, 2)) == 2
+
+
+def test_pruned_head_file(models, tmp_path):
+    """The pruned file's vocabulary and output rows are the kept ones, byte for byte; no tokenizer text."""
+    import gguf
+    from pipeinfer.stagefile import ensure_pruned_head
+    path, keep = ensure_pruned_head(models["f32"], 384)
+    assert read_info(path).n_vocab == len(keep) == 384 and read_info(models["f32"]).n_vocab == 512
+    src, dst = gguf.GGUFReader(str(models["f32"])), gguf.GGUFReader(str(path))
+    t_src = {t.name: t for t in src.tensors}
+    for t in dst.tensors:
+        want = t_src[t.name].data[keep] if t.name in ("token_embd.weight", "output.weight") else t_src[t.name].data
+        np.testing.assert_array_equal(t.data, want)
+    assert ensure_pruned_head(models["f32"], 384)[0] == path   # cached

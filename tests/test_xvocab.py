@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -489,3 +490,24 @@ def test_real_gemma_prompt_uses_its_builtin_template(gemma_tok):
     assert (draft_prompt_text(gemma_tok, "hi", chat=True)
             == "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n")
     assert draft_prompt_text(gemma_tok, "hi", chat=False) == "hi"
+
+
+@pytest.mark.parametrize("step", [2, 3])
+def test_pruned_draft_head_stops_a_chain_instead_of_breaking_it(step):
+    """--draft-head: tokens outside the draft's pruned head get logit -inf. Where healing allows only such
+    tokens the chain stops there: no NaN confidence, no warning, every proposal's confidence in (0, 1]."""
+    td, model = make_oracle_drafter()
+    pruned = np.arange(0, DRAFT.n_vocab, step)
+    full = model.logits_for
+
+    def logits_for(seq):
+        x = full(seq)
+        x[pruned] = -np.inf
+        return x
+    model.logits_for = logits_for
+    ref = TARGET.enc(SCRIPT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")    # a NaN from (-inf) - (-inf) warns
+        for i in range(len(ref) + 1):
+            tree = td.draft([7, 8, 9] + ref[:i], Cutoffs(p_accept=0.5, n_max=3))
+            assert all(0 < n.prob <= 1.0 for n in tree)
