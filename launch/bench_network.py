@@ -3,10 +3,12 @@
 Ethernet cluster (launch/netns-cluster.sh) at 1 Gbit/s and 100 Mbit/s, each beside the MPI ping-pong
 bandwidth and latency measured in the same run. Needs root and iproute2 for the shaped rows.
 
-    python launch/bench_network.py [-n 64] [--prompt-name code] [--out results/bench_network.csv]
+    python launch/bench_network.py [-n 64] [--prompt-name code] [--repeats 3] [--out results/bench_network.csv]
 
 2 ranks x 1 thread (this machine has 2 cores), the default Qwen2.5-Coder-1.5B target, PipeInfer with its
-default draft (Gemma 3 270M). Writes the CSV and results/bench_network.png.
+default draft (Gemma 3 270M). --repeats R measures every (links, mode) once per round, in the same order, for
+R rounds, and compares medians (one run moves by 8-15% on this shared host). Writes the CSV (one row per
+run) and results/bench_network.png (medians).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import csv
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -64,7 +67,8 @@ def plot(rows: list[dict], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(modes)
     for k, mode in enumerate(modes):
-        ys = [next(r["gen_tokens_per_s"] for r in rows if r["network"] == s and r["mode"] == mode) for s in settings]
+        ys = [statistics.median(r["gen_tokens_per_s"] for r in rows if r["network"] == s and r["mode"] == mode)
+              for s in settings]
         bars = ax.bar([i + k * width for i in range(len(settings))], ys, width, label=mode)
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
     labels = []
@@ -72,7 +76,7 @@ def plot(rows: list[dict], out: Path) -> None:
         r = next(r for r in rows if r["network"] == s)
         labels.append(f"{s}\nMPI ping-pong {r['pingpong_mbit_s']:.0f} Mbit/s\n{r['pingpong_latency_us']:.0f} us")
     ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(settings))], labels, fontsize=8)
-    ax.set_ylabel("generation tokens/s")
+    ax.set_ylabel("generation tokens/s (median)")
     ax.set_ylim(0, 1.25 * max(r["gen_tokens_per_s"] for r in rows))  # room for the legend above the bars
     ax.set_title("Qwen2.5-Coder-1.5B on 2 ranks x 1 thread: local vs emulated Ethernet links", fontsize=9)
     ax.legend()
@@ -86,30 +90,34 @@ def main() -> None:
     ap.add_argument("--prompt-name", default="code")
     ap.add_argument("--modes", default="iterative,pipeinfer")
     ap.add_argument("--rates", default="1gbit,100mbit")
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_network.csv"))
     args = ap.parse_args()
+    networks, modes = ["local"] + args.rates.split(","), args.modes.split(",")
     rows = []
-    for network in ["local"] + args.rates.split(","):
-        for mode in args.modes.split(","):
-            if network == "local":
-                res, (mbit, lat) = run_local(mode, args.n, args.prompt_name)
-            else:
-                res, (mbit, lat) = run_shaped(network, mode, args.n, args.prompt_name)
-            s = res["stats"]
-            row = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "network": network, "mode": mode,
-                   "n": args.n, "prompt": args.prompt_name, "gen_tokens_per_s": round(s["gen_tokens_per_s"], 3),
-                   "acceptance_rate": round(s["acceptance_rate"], 3), "ttft_s": round(s["ttft_s"], 4),
-                   "pingpong_mbit_s": mbit, "pingpong_latency_us": lat, "tokens": len(res["tokens"]),
-                   "bytes_per_token_per_link": " ".join(f"{b:.0f}" for b in s.get("bytes_per_token", [])),
-                   "first_tokens": " ".join(map(str, res["tokens"][:8]))}
-            rows.append(row)
-            print({k: v for k, v in row.items() if k != "first_tokens"}, flush=True)
-    by = {(r["network"], r["mode"]): r for r in rows}
-    for mode in args.modes.split(","):
-        base = by[("local", mode)]["gen_tokens_per_s"]
-        print(f"{mode}: " + ", ".join(f"{net} {by[(net, mode)]['gen_tokens_per_s']:.2f} tok/s "
-                                      f"({by[(net, mode)]['gen_tokens_per_s'] / base:.2f}x local)"
-                                      for net in ["local"] + args.rates.split(",")))
+    for rnd in range(args.repeats):
+        for network in networks:
+            for mode in modes:
+                if network == "local":
+                    res, (mbit, lat) = run_local(mode, args.n, args.prompt_name)
+                else:
+                    res, (mbit, lat) = run_shaped(network, mode, args.n, args.prompt_name)
+                s = res["stats"]
+                row = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "round": rnd, "network": network,
+                       "mode": mode, "n": args.n, "prompt": args.prompt_name,
+                       "gen_tokens_per_s": round(s["gen_tokens_per_s"], 3),
+                       "acceptance_rate": round(s["acceptance_rate"], 3), "ttft_s": round(s["ttft_s"], 4),
+                       "pingpong_mbit_s": mbit, "pingpong_latency_us": lat, "tokens": len(res["tokens"]),
+                       "bytes_per_token_per_link": " ".join(f"{b:.0f}" for b in s.get("bytes_per_token", [])),
+                       "first_tokens": " ".join(map(str, res["tokens"][:8]))}
+                rows.append(row)
+                print({k: v for k, v in row.items() if k != "first_tokens"}, flush=True)
+    med = {(net, mode): statistics.median(r["gen_tokens_per_s"] for r in rows if (r["network"], r["mode"]) == (net, mode))
+           for net in networks for mode in modes}
+    for mode in modes:
+        base = med[("local", mode)]
+        print(f"{mode} (median of {args.repeats}): " + ", ".join(
+            f"{net} {med[(net, mode)]:.2f} tok/s ({med[(net, mode)] / base:.2f}x local)" for net in networks))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", newline="") as f:
