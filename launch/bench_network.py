@@ -3,10 +3,12 @@
 Ethernet cluster (launch/netns-cluster.sh) at 1 Gbit/s and 100 Mbit/s, each beside the MPI ping-pong
 bandwidth and latency measured in the same run. Needs root and iproute2 for the shaped rows.
 
-    python launch/bench_network.py [-n 64] [--prompt-name code] [--repeats 3] [--out results/bench_network.csv]
+    python launch/bench_network.py [-n 64] [--prompt-name code] [--repeats 3] [--draft-at thread|rank]
+                                   [--out results/bench_network.csv]
 
 2 ranks x 1 thread (this machine has 2 cores), the default Qwen2.5-Coder-1.5B target, PipeInfer with its
-default draft (Gemma 3 270M). --repeats R measures every (links, mode) once per round, in the same order, for
+default draft (Gemma 3 270M) in a thread of rank 0, or with --draft-at rank on a host of its own (3 hosts: the
+paper's layout; the draft link's bytes are reported too). --repeats R measures every (links, mode) once per round, in the same order, for
 R rounds, and compares medians (one run moves by 8-15% on this shared host). Writes the CSV (one row per
 run) and results/bench_network.png (medians).
 """
@@ -29,23 +31,29 @@ MPIEXEC = str(BIN / "mpiexec")
 PROBE = re.compile(r"bandwidth ([0-9.]+) Mbit/s .*latency ([0-9.]+) us")
 
 
-def generate_args(mode: str, n: int, prompt_name: str) -> list[str]:
+def generate_args(mode: str, n: int, prompt_name: str, draft_at: str) -> list[str]:
+    beside = ["--draft-at", draft_at] if mode == "pipeinfer" else []
     return [sys.executable, "-m", "mpi4py", "-m", "pipeinfer", "generate", "--prompt-name", prompt_name, "-n", str(n),
-            "--mode", mode, "-t", "1", "--ignore-eos", "--json", "-q"]
+            "--mode", mode, "-t", "1", "--ignore-eos", "--json", "-q"] + beside
 
 
-def run_local(mode: str, n: int, prompt_name: str) -> tuple[dict, tuple[float, float]]:
+def n_hosts(mode: str, draft_at: str) -> int:
+    """2 target ranks, and the draft's own with --draft-at rank (PipeInfer only)."""
+    return 3 if mode == "pipeinfer" and draft_at == "rank" else 2
+
+
+def run_local(mode: str, n: int, prompt_name: str, draft_at: str) -> tuple[dict, tuple[float, float]]:
     probe = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pipeinfer.netprobe"],
                            capture_output=True, text=True, check=True).stdout
-    p = subprocess.run([MPIEXEC, "-n", "2"] + generate_args(mode, n, prompt_name), capture_output=True, text=True,
-                       check=True)
+    p = subprocess.run([MPIEXEC, "-n", str(n_hosts(mode, draft_at))] + generate_args(mode, n, prompt_name, draft_at),
+                       capture_output=True, text=True, check=True)
     return json.loads(p.stdout.strip().splitlines()[-1]), _probe(probe)
 
 
-def run_shaped(rate: str, mode: str, n: int, prompt_name: str) -> tuple[dict, tuple[float, float]]:
+def run_shaped(rate: str, mode: str, n: int, prompt_name: str, draft_at: str) -> tuple[dict, tuple[float, float]]:
     env = dict(os.environ, NETNS_RATE=rate, MPIEXEC=MPIEXEC, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
-    p = subprocess.run(["bash", str(ROOT / "launch" / "netns-cluster.sh"), "run", "2", "--"]
-                       + generate_args(mode, n, prompt_name), capture_output=True, text=True, env=env)
+    p = subprocess.run(["bash", str(ROOT / "launch" / "netns-cluster.sh"), "run", str(n_hosts(mode, draft_at)), "--"]
+                       + generate_args(mode, n, prompt_name, draft_at), capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise SystemExit(f"netns run at {rate} failed ({p.returncode}):\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1]), _probe(p.stderr)
@@ -58,7 +66,7 @@ def _probe(text: str) -> tuple[float, float]:
     return float(m.group(1)), float(m.group(2))
 
 
-def plot(rows: list[dict], out: Path) -> None:
+def plot(rows: list[dict], out: Path, draft_at: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -78,7 +86,8 @@ def plot(rows: list[dict], out: Path) -> None:
     ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(settings))], labels, fontsize=8)
     ax.set_ylabel("generation tokens/s (median)")
     ax.set_ylim(0, 1.25 * max(r["gen_tokens_per_s"] for r in rows))  # room for the legend above the bars
-    ax.set_title("Qwen2.5-Coder-1.5B on 2 ranks x 1 thread: local vs emulated Ethernet links", fontsize=9)
+    where = "the draft on a third host" if draft_at == "rank" else "the draft in a thread of rank 0"
+    ax.set_title(f"Qwen2.5-Coder-1.5B on 2 ranks x 1 thread ({where}): local vs emulated links", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=120)
@@ -91,6 +100,7 @@ def main() -> None:
     ap.add_argument("--modes", default="iterative,pipeinfer")
     ap.add_argument("--rates", default="1gbit,100mbit")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--draft-at", choices=["thread", "rank"], default="thread", help="where PipeInfer's draft runs")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_network.csv"))
     args = ap.parse_args()
     networks, modes = ["local"] + args.rates.split(","), args.modes.split(",")
@@ -99,16 +109,17 @@ def main() -> None:
         for network in networks:
             for mode in modes:
                 if network == "local":
-                    res, (mbit, lat) = run_local(mode, args.n, args.prompt_name)
+                    res, (mbit, lat) = run_local(mode, args.n, args.prompt_name, args.draft_at)
                 else:
-                    res, (mbit, lat) = run_shaped(network, mode, args.n, args.prompt_name)
+                    res, (mbit, lat) = run_shaped(network, mode, args.n, args.prompt_name, args.draft_at)
                 s = res["stats"]
                 row = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "round": rnd, "network": network,
-                       "mode": mode, "n": args.n, "prompt": args.prompt_name,
+                       "mode": mode, "hosts": n_hosts(mode, args.draft_at), "n": args.n, "prompt": args.prompt_name,
                        "gen_tokens_per_s": round(s["gen_tokens_per_s"], 3),
                        "acceptance_rate": round(s["acceptance_rate"], 3), "ttft_s": round(s["ttft_s"], 4),
                        "pingpong_mbit_s": mbit, "pingpong_latency_us": lat, "tokens": len(res["tokens"]),
                        "bytes_per_token_per_link": " ".join(f"{b:.0f}" for b in s.get("bytes_per_token", [])),
+                       "draft_link_bytes_per_token": " ".join(f"{b:.0f}" for b in s.get("draft_bytes_per_token", [])),
                        "first_tokens": " ".join(map(str, res["tokens"][:8]))}
                 rows.append(row)
                 print({k: v for k, v in row.items() if k != "first_tokens"}, flush=True)
@@ -124,7 +135,7 @@ def main() -> None:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    plot(rows, out.with_suffix(".png"))
+    plot(rows, out.with_suffix(".png"), args.draft_at)
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 

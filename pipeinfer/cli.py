@@ -108,6 +108,9 @@ PIPELINE_OPTIONS = [
     click.option("--max-in-flight", default=8, show_default=True, type=click.IntRange(1, 255), help="max speculative runs in flight"),
     click.option("--cancel/--no-cancel", default=True, help="early inference cancellation"),
     click.option("--continuous/--no-continuous", default=True, help="more than one speculative run in flight"),
+    click.option("--quiet-first/--no-quiet-first", default=True,
+                  help="with the draft in a thread of rank 0, leave it idle while the first token after the prompt is "
+                       "computed (README, The draft beside the pipeline)"),
     click.option("--kernels", type=click.Choice(KERNELS), default=DEFAULT_KERNELS, show_default=True,
                   help="repack: repacked weights + flash attention (exact to the batch limit measured at load); "
                        "no-repack: exact to larger batches, slower; fast: llama.cpp's defaults, batch-dependent logits "
@@ -277,7 +280,7 @@ def _pipeline_config(kw, *, n_predict: int, sampling: SamplingParams, stop_at_eo
         mode=kw["mode"], n_predict=n_predict, sampling=sampling,
         cut=Cutoffs(kw["p_accept"], kw["p_split"], kw["draft_max"], kw["max_branches"]),
         p_recovery=kw["p_recovery"], p_decay=kw["p_decay"], cancel=kw["cancel"], continuous=kw["continuous"],
-        n_batch=kw["batch_size"], stop_at_eos=stop_at_eos, adaptive_draft=kw["micro_batch"] == "auto")
+        quiet_first=kw["quiet_first"], n_batch=kw["batch_size"], stop_at_eos=stop_at_eos, adaptive_draft=kw["micro_batch"] == "auto")
     return model, draft, drafter, gen
 
 
@@ -463,7 +466,9 @@ def _kernel_and_link_columns(s) -> dict:
         per_token = [round(b) for b in s.bytes_per_token()]
     except (TypeError, ValueError, ZeroDivisionError, AttributeError):  # a generation cut short: unknown
         per_token = None
-    return {"kernels": s.kernels, "exact_batch_limit": min(known) if known else None, "bytes_per_token": per_token}
+    draft = [round(b) for b in s.draft_bytes_per_token()] if s.draft_link_bytes else None
+    return {"kernels": s.kernels, "exact_batch_limit": min(known) if known else None, "bytes_per_token": per_token,
+            "draft_bytes_per_token": draft}
 
 
 def _run_guarded(fn, kw) -> None:

@@ -11,6 +11,7 @@ drafted so far:
     STEER(epoch, n_keep, tokens, horizon, p_min) ->  context := context[:n_keep] + tokens; draft on it
                                                 <-   PROPOSAL(epoch, pos, tokens, probs, stopped) per call
     END                                         ->   the session is over
+                                                <-   PROPOSAL(CLOSED_EPOCH): nothing follows (the head drains to it)
 
 The drafter keeps drafting its own main chain, `n_chunk` tokens per call, until it reaches `horizon` or
 it has nothing to propose above `p_min` (the floor of the head's cutoff: -pa, lowered by -pd's decay but
@@ -37,7 +38,7 @@ from typing import Callable
 import numpy as np
 
 from .drafter import Cutoffs, Drafter, DraftNode, main_chain
-from .protocol import KEEP_ALL, Ctrl, DraftCtrl, Proposal, Tag
+from .protocol import CLOSED_EPOCH, KEEP_ALL, Ctrl, DraftCtrl, Proposal, Tag
 
 PLACEMENTS = ("head", "thread", "rank")
 RETRY_CHUNK = 4  # draft tokens asked for when a shorter chunk proposed nothing (DraftService.step)
@@ -61,6 +62,9 @@ class QueueEnd:
             return self.inbox.get(block=block)
         except queue.Empty:
             return None
+
+    def flush(self) -> None:
+        """Sends complete at once here."""
 
 
 def queue_pair() -> tuple[QueueEnd, QueueEnd]:
@@ -127,6 +131,7 @@ class DraftService:
             while buf is not None:
                 msg = DraftCtrl.unpack(buf, self.n_ctx, self.n_vocab)
                 if msg.kind == Ctrl.END:
+                    self.end.send(Proposal(CLOSED_EPOCH, 0, [], []).pack())
                     return self.stats
                 self.apply(msg)
                 buf = self.end.recv(block=False)  # take every waiting message before drafting on
@@ -203,6 +208,8 @@ class DraftClient:
         self.n_stale = 0                    # proposed tokens dropped: their chain no longer existed
         self.n_received = 0
         self.n_calls = 0                    # drafter calls (one PROPOSAL each, empty ones included)
+        self.bytes_in = 0                   # PROPOSAL bytes received (the link's other direction: end.bytes_sent)
+        self.remote = isinstance(end, MpiEnd)  # a network link (--draft-at rank), not a thread's queues
         self.exact_batch = None
         self.check: Callable[[], None] | None = None  # raises the drafter's error (thread placement)
 
@@ -239,9 +246,16 @@ class DraftClient:
             self._sent = (horizon, n_chunk, p_min)
 
     def close(self) -> None:
+        """END the session. Over MPI, take every proposal still on its way, up to the drafter's CLOSED answer: a
+        message left unreceived at MPI_Finalize makes UCX print warnings on stdout (into --json output)."""
         self.end.send(DraftCtrl(Ctrl.END).pack())
-        if hasattr(self.end, "flush"):
-            self.end.flush()
+        if not self.remote:
+            return
+        self.end.flush()
+        while True:
+            buf = self.end.recv(block=True)  # polite; a draft rank that died is named by liveness.py
+            if Proposal.unpack(buf, self.n_ctx, self.n_vocab).epoch == CLOSED_EPOCH:
+                return
 
     # ---- reading
     def poll(self) -> int:
@@ -251,6 +265,7 @@ class DraftClient:
             self.check()
         n_new = 0
         while (buf := self.end.recv(block=False)) is not None:
+            self.bytes_in += buf.nbytes
             p = Proposal.unpack(buf, self.n_ctx, self.n_vocab)
             self.n_received += len(p.tokens)
             self.n_calls += 1

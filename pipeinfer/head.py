@@ -113,6 +113,7 @@ class GenConfig:
     # with it PipeInfer sizes each micro-batch by choose_draft_len (cut.n_max is then the cap)
     stage_ms: tuple[tuple[float, ...], ...] | None = None
     adaptive_draft: bool = True  # --micro-batch auto: measure stage_ms at start-up and size micro-batches by it
+    quiet_first: bool = True     # a drafter in a thread of rank 0 waits while the first token after the prompt is computed
 
 
 @dataclass
@@ -169,6 +170,7 @@ class Head:
         self._n_draft = cfg.cut.n_max                # the last micro-batch size asked for
         self._n_stale0 = drafter.n_stale if self.asynchronous else 0
         self._n_calls0 = drafter.n_calls if self.asynchronous else 0
+        self._draft_bytes0 = self._draft_link_bytes()
 
     # ================================================================ the algorithm
     def generate(self, prompt: list[int]) -> list[int]:
@@ -191,7 +193,7 @@ class Head:
                     if not self.pipe.result_ready():
                         continue
             self._handle(self.pipe.next_result())
-            if self.asynchronous and self.cfg.mode == "pipeinfer":
+            if self.asynchronous and self.cfg.mode == "pipeinfer" and not self._quiet():
                 self._steer_drafter()  # re-root it now, before this rank's next decode
             if self.should_stop is not None and self.should_stop():
                 self.done = True  # a client left or a stop string matched: cancel what is in flight
@@ -201,6 +203,8 @@ class Head:
         if self.asynchronous:
             self.stats.n_draft_stale = self.drafter.n_stale - self._n_stale0
             self.stats.n_draft_calls = self.drafter.n_calls - self._n_calls0
+            if self.drafter.remote:
+                self.stats.draft_link_bytes = [b - b0 for b, b0 in zip(self._draft_link_bytes(), self._draft_bytes0)]
         return self.accepted[self._n_prompt:self._n_prompt + self.stats.n_generated]
 
     def _speculate(self) -> None:
@@ -211,6 +215,8 @@ class Head:
                 return
             p_accept = max(0.0, cut.p_accept + self.adjust)
             if p_accept >= 1.0:
+                return
+            if self._quiet():
                 return
             context = self._spec_context()
             if len(context) >= min(self._n_prompt + self.cfg.n_predict, self.cfg.n_ctx - cut.n_max):
@@ -259,6 +265,19 @@ class Head:
         p_min = min(1.0, max(0.0, self.cfg.cut.p_accept + min(0.0, self.adjust)))
         self.drafter.steer(target, len(context) + self._n_draft * max(1, self.pool.n_free), p_min, self._n_draft)
         return self.drafter
+
+    def _quiet(self) -> bool:
+        """While the first token after the prompt is computed, a drafter that shares the head's cores (a thread of
+        rank 0) is left idle and nothing speculative is launched: on a host whose cores the stages use, drafting
+        then slowed that token's decodes (measured on 2 cores: stage 0 24 -> 26-39 ms), and it is the token
+        the time to first token waits for. What it costs: the overlap of one token at the start."""
+        return (self.cfg.quiet_first and self.asynchronous and not self.drafter.remote
+                and self.stats.n_generated == 1 and not self.done)
+
+    def _draft_link_bytes(self) -> tuple[int, int]:
+        if not self.asynchronous:
+            return 0, 0
+        return self.drafter.end.bytes_sent, self.drafter.bytes_in
 
     def _single_rank_turn(self) -> bool:
         # one rank: results are ready at once, so speculate one micro-batch per round instead of never

@@ -28,6 +28,7 @@ class Stats:
     n_draft_calls: int = 0         # drafter invocations (including ones that proposed nothing)
     draft_at: str = "head"         # where the draft runs: head (in series) | thread | rank (draftahead.py)
     n_draft_stale: int = 0         # drafted beside the pipeline for a chain that no longer existed: dropped
+    draft_link_bytes: list[int] = field(default_factory=list)  # --draft-at rank: [head -> draft, draft -> head]
     accept_hist: dict[int, int] = field(default_factory=dict)  # tokens gained per verified run -> count
     draft_len_hist: dict[int, int] = field(default_factory=dict)  # draft tokens asked per micro-batch -> count
     n_kv0: int = 0                 # positions in canonical sequence 0 at the end
@@ -67,6 +68,10 @@ class Stats:
         """Bytes sent per generated token on each link, rank r -> r+1 (the last: -> rank 0)."""
         return [s.get("bytes_sent", 0) / self.n_generated if self.n_generated else 0.0 for s in self.stage_stats]
 
+    def draft_bytes_per_token(self) -> list[float]:
+        """--draft-at rank: bytes per generated token on the head <-> draft rank link, [to it, back]."""
+        return [b / self.n_generated for b in self.draft_link_bytes] if self.n_generated else []
+
     @property
     def mean_accepted_per_run(self) -> float:
         n = sum(self.accept_hist.values())
@@ -84,7 +89,8 @@ class Stats:
         d = asdict(self)
         d.update(acceptance_rate=self.acceptance_rate, ttft_s=self.ttft_s, gen_tokens_per_s=self.gen_tokens_per_s,
                  itl_s=self.itl_s, pp_tokens_per_s=self.pp_tokens_per_s,
-                 mean_accepted_per_run=self.mean_accepted_per_run, bytes_per_token=self.bytes_per_token())
+                 mean_accepted_per_run=self.mean_accepted_per_run, bytes_per_token=self.bytes_per_token(),
+                 draft_bytes_per_token=self.draft_bytes_per_token())
         return d
 
     def report(self) -> str:
@@ -110,6 +116,9 @@ class Stats:
         if len(self.stage_stats) > 1 and self.n_generated:
             links = [f"{s['rank']}->{(s['rank'] + 1) % len(self.stage_stats)} {b:,.0f}"
                      for s, b in zip(self.stage_stats, self.bytes_per_token())]
+            if self.draft_link_bytes:
+                to_draft, back = self.draft_bytes_per_token()
+                links.append(f"0->draft {to_draft:,.0f}, draft->0 {back:,.0f}")
             lines.append(f"bytes/token sent  = {', '.join(links)} (per link)")
         for s in self.stage_stats[1:]:
             lines.append(f"rank {s['rank']}: decoded {s['n_decoded']} runs / {s['n_tokens']} tokens, "

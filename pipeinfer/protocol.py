@@ -381,6 +381,7 @@ class DraftCtrl:
 # PROPOSAL header: i32[PROP_LEN]
 PROP_LEN = 4
 P_EPOCH, P_POS, P_N, P_STOPPED = range(PROP_LEN)
+CLOSED_EPOCH = -1  # the drafter's answer to END, its last message (empty): a link left with no message unreceived
 
 
 @dataclass
@@ -401,7 +402,7 @@ class Proposal:
         if not isinstance(buf, np.ndarray) or buf.ndim != 1 or buf.dtype != np.int32 or len(buf) < PROP_LEN:
             raise ProtocolError(f"malformed PROPOSAL: {getattr(buf, 'shape', None)} {getattr(buf, 'dtype', None)}")
         epoch, pos, n, stopped = (int(x) for x in buf[:PROP_LEN])
-        if not (epoch >= 0 and 0 <= pos <= n_ctx and 0 <= n <= n_ctx and stopped in (0, 1)
+        if not ((epoch >= 0 or (epoch == CLOSED_EPOCH and n == 0)) and 0 <= pos <= n_ctx and 0 <= n <= n_ctx and stopped in (0, 1)
                 and len(buf) == PROP_LEN + 2 * n):
             raise ProtocolError(f"PROPOSAL out of range: epoch {epoch} pos {pos} n {n} in {len(buf)} ints")
         toks = buf[PROP_LEN:PROP_LEN + n]

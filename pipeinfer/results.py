@@ -40,6 +40,8 @@ simulated         "twin" for a row predicted by `pipeinfer simulate` (twin.py), 
 status            "ok", or "failed: REASON" for a generation that a lost or
                   silent rank ended (its counts and times are those reached
                   before the failure; README, Failure behaviour)
+draft_bytes_per_token  --draft-at rank: bytes sent per generated token on the
+                  head <-> draft rank link, "to the draft,back"; empty otherwise
 
 A file written before the last columns existed is upgraded in place the next
 time a row is appended (its header extended, old rows padded with empty
@@ -80,7 +82,7 @@ RESULT_COLUMNS: list[str] = [
     "prompt_name", "n_prompt_tokens", "n_generated", "pp_tokens_per_s", "gen_tokens_per_s",
     "ttft_s", "itl_mean_s", "acceptance_rate", "n_runs", "n_cancelled",
     "peak_rss_max_mb", "peak_rss_sum_mb", "version", "kernels", "exact_batch_limit", "bytes_per_token",
-    "simulated", "status",
+    "simulated", "status", "draft_bytes_per_token",
 ]
 INT_COLUMNS = frozenset({"ranks", "n_prompt_tokens", "n_generated", "n_runs", "n_cancelled", "exact_batch_limit"})
 FLOAT_COLUMNS = frozenset({"pp_tokens_per_s", "gen_tokens_per_s", "ttft_s", "itl_mean_s",

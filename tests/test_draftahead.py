@@ -232,3 +232,44 @@ def test_speculative_with_the_draft_beside_equals_target():
     assert r.out == r.expected
     assert r.pipe.max_in_flight == 1 and r.stats.n_spec_runs > 0
     assert_clean_end(r)
+
+
+
+@pytest.mark.parametrize("quiet_first", [True, False])
+def test_quiet_first_token_launches_nothing_speculative_before_it(monkeypatch, quiet_first):
+    from pipeinfer.head import Head
+    from test_head_logic import FakePipeline
+    events: list[tuple[str, int]] = []
+    launch, emit = FakePipeline.launch, Head._emit
+    monkeypatch.setattr(FakePipeline, "launch", lambda self, rid, batch, spec, parent=-1:
+                        (events.append(("spec" if spec else "run", rid)), launch(self, rid, batch, spec, parent))[1])
+    monkeypatch.setattr(Head, "_emit", lambda self, tokens: (events.append(("emit", len(tokens))), emit(self, tokens))[1])
+    r, _ = thread_head("pipeinfer", 0.2, 6, n_max=2, step_s=0.002, quiet_first=quiet_first)
+    assert r.out == r.expected and r.streamed == r.out
+    assert_clean_end(r)
+    emits = [i for i, e in enumerate(events) if e[0] == "emit"]
+    window = [e[0] for e in events[emits[0] + 1:emits[1]]]  # from the prompt's token to the next emission
+    if quiet_first:
+        assert window == ["run"], events[:12]  # only the next token's non-speculative run
+    assert r.stats.n_spec_runs > 0             # speculation resumes after it
+
+
+def test_close_drains_the_link_up_to_the_drafters_closed_answer():
+    import threading
+    from pipeinfer.protocol import CLOSED_EPOCH
+    client, service = pair(CountingDrafter())
+    client.remote = True  # as over MPI: proposals left unreceived at MPI_Finalize make UCX warn on stdout
+    client.begin([1, 2, 3])
+    client.steer([1, 2, 3], 40, 0.5, 2)
+    server = threading.Thread(target=service.serve)
+    server.start()
+    client.close()  # returns only once the service answered END, every proposal before it taken
+    server.join(timeout=10)
+    assert not server.is_alive() and service.stats.n_calls > 0
+    assert client.end.recv(block=False) is None  # nothing left on the link
+    closed = Proposal(CLOSED_EPOCH, 0, [], []).pack()
+    assert Proposal.unpack(closed, N_CTX, N_VOCAB).epoch == CLOSED_EPOCH
+    bad = closed.copy()
+    bad[0] = -2
+    with pytest.raises(ProtocolError):
+        Proposal.unpack(bad, N_CTX, N_VOCAB)

@@ -196,6 +196,12 @@ def test_draft_beside_the_pipeline_matches(models, ref, mode, draft_at, n_world)
     s = out["stats"]
     assert len(out["ranges"]) == n_world - (draft_at == "rank")  # the draft rank holds no target layer
     assert s["draft_at"] == draft_at
+    if draft_at == "rank":  # the head <-> draft link: steering out (the prompt, then a few i32 per message), proposals back
+        to_draft, back = s["draft_link_bytes"]
+        assert to_draft > 4 * len(PROMPT) and back > 0, s["draft_link_bytes"]
+        assert s["draft_bytes_per_token"] == [to_draft / s["n_generated"], back / s["n_generated"]]
+    else:
+        assert s["draft_link_bytes"] == []  # a thread's queues are no network link
     if len(out["ranges"]) > 1 or mode == "speculative":
         # (one target rank decodes as fast as this draft, a perturbed copy of it: the draft never gets ahead)
         assert s["n_spec_runs"] > 0 and 0 < s["n_draft_accepted"] < s["n_drafted"]
