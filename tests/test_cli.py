@@ -124,12 +124,20 @@ def test_generate_json_on_two_ranks(models):
 
 @pytest.mark.parametrize("extra, where", [(["--mode", "speculative"], "head"), (["-np", "2"], "head"),
                                           (["--drafter", "ngram"], "head"), (["--draft-at", "rank"], "rank")])
-def test_draft_at_auto_and_explicit(models, extra, where):
+def test_draft_at_auto_and_explicit(models, extra, where, tmp_path):
     draft = [] if "ngram" in extra else ["--draft", str(models["draft90"])]
+    csv = tmp_path / "r.csv"
     p = cli(["generate", "-m", str(models["q8"]), "-p", "hi", "-n", "8", "--mode", "pipeinfer", *draft,
-             "--ignore-eos", "--json", "-q", *extra], n=3 if where == "rank" else 2)
+             "--ignore-eos", "--json", "-q", "--results", str(csv), *extra], n=3 if where == "rank" else 2)
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads(p.stdout.strip().splitlines()[-1])["stats"]["draft_at"] == where
+    from pipeinfer.results import read_results
+    link = read_results(csv)[-1]["draft_bytes_per_token"]
+    if where == "rank":  # the head <-> draft link: steering out, proposals back (in 8 fast tokens maybe none yet)
+        to_draft, back = map(int, link.split(","))
+        assert to_draft > 0 and back >= 0, link
+    else:
+        assert link is None
 
 
 def test_results_csv_row(models, tmp_path):

@@ -23,8 +23,8 @@ def _row(mode, draft, ranks, speed, **kw):
 def test_columns_as_specified():
     assert RESULT_COLUMNS[:4] == ["timestamp", "mode", "target_model", "draft_model"]
     assert RESULT_COLUMNS[19] == "version" and RESULT_COLUMNS[20:] == ["kernels", "exact_batch_limit", "bytes_per_token",
-                                                                     "simulated", "status"]
-    assert len(set(RESULT_COLUMNS)) == 25
+                                                                     "simulated", "status", "draft_bytes_per_token"]
+    assert len(set(RESULT_COLUMNS)) == 26
 
 
 def test_append_writes_header_once(tmp_path):
@@ -76,7 +76,7 @@ def test_a_file_without_the_simulated_and_status_columns_gets_them(tmp_path):
     append_result(path, {"mode": "pipeinfer", "status": "failed: rank 1 (host h1, pid 7) went silent"})
     rows = read_results(path)
     assert [r["status"] for r in rows] == [None, "failed: rank 1 (host h1, pid 7) went silent"]
-    assert path.read_text().splitlines()[0].endswith(",bytes_per_token,simulated,status")
+    assert path.read_text().splitlines()[0].endswith(",bytes_per_token,simulated,status,draft_bytes_per_token")
 
 
 def test_foreign_header_rejected(tmp_path):
