@@ -8,7 +8,7 @@ much as the differences the goals ask about. This runs every configuration of a 
 in the same order, for --repeats rounds (iterative, then PipeInfer with the Gemma draft beside the
 pipeline, with the replay instrument at 0.9 and at 0.3), and reports each one's median tokens/s and
 median TTFT against iterative's median (and every round's own ratio). Default target on 2 ranks x 1
-thread. Writes results/bench_repeat.csv (one row per run).
+thread. Writes results/bench_repeat.csv (one row per run; `exact`: its tokens are iterative's of round 0).
 
 --config 'LABEL=ARGS' (repeatable) measures these PipeInfer configurations instead of the headline ones, each
 ARGS appended to `generate --mode pipeinfer` ({ref} stands for the replay instrument's reference), e.g.
@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_repeat.csv"))
     args = ap.parse_args()
     rows: list[dict] = []
+    reference: dict[str, list[int]] = {}  # prompt -> iterative's tokens in round 0 (every run must match them)
 
     def run(prompt: str, rnd: int, label: str, extra: list[str]) -> dict:
         cmd = PIPEINFER + ["generate", "--prompt-name", prompt, "-n", str(args.n), "-t", "1", "--ignore-eos",
@@ -54,12 +55,14 @@ def main() -> None:
             raise SystemExit(f"{prompt} {label} failed ({p.returncode}):\n{p.stderr[-3000:]}")
         out = json.loads(p.stdout.strip().splitlines()[-1])
         s = out["stats"]
+        exact = out["tokens"] == reference.setdefault(prompt, out["tokens"])
         rows.append({"prompt": prompt, "round": rnd, "config": label, "tokens_per_s": round(s["gen_tokens_per_s"], 3),
                      "ttft_s": round(s["ttft_s"], 4), "acceptance": round(s["acceptance_rate"], 3),
                      "runs": s["n_runs"], "micro_batch_sizes": json.dumps(s.get("draft_len_hist", {})),
-                     "foreign_cpu_pct": round(foreign, 1)})
+                     "foreign_cpu_pct": round(foreign, 1), "exact": exact})
         print(f"{prompt:<13} round {rnd}  {label:<26} {s['gen_tokens_per_s']:6.2f} tokens/s  "
-              f"ttft {s['ttft_s'] * 1e3:6.1f} ms  acceptance {s['acceptance_rate']:.2f}", flush=True)
+              f"ttft {s['ttft_s'] * 1e3:6.1f} ms  acceptance {s['acceptance_rate']:.2f}"
+              f"{'' if exact else '  OUTPUT DIFFERS FROM ITERATIVE'}", flush=True)
         return out
 
     pi = ["--mode", "pipeinfer", "--draft-at", args.draft_at]
@@ -99,7 +102,9 @@ def main() -> None:
             ttft = statistics.median(r["ttft_s"] for r in runs)
             print(f"{prompt:<13} {cfg:<26} {tps:12.2f}  {tps / it_tps:5.2f}x ({', '.join(f'{x:.2f}' for x in per_round)})"
                   f"{'':>4} {ttft / it_ttft if it_ttft else 0:5.2f}x")
-    print(f"wrote {out} (2 ranks x 1 thread, {args.repeats} interleaved rounds per prompt)")
+    n_exact = sum(r["exact"] for r in rows)
+    print(f"wrote {out} (2 ranks x 1 thread, {args.repeats} interleaved rounds per prompt; "
+          f"{n_exact} of {len(rows)} runs gave iterative's tokens)")
 
 
 if __name__ == "__main__":
