@@ -208,10 +208,15 @@ class DraftClient:
         self.n_stale = 0                    # proposed tokens dropped: their chain no longer existed
         self.n_received = 0
         self.n_calls = 0                    # drafter calls (one PROPOSAL each, empty ones included)
-        self.bytes_in = 0                   # PROPOSAL bytes received (the link's other direction: end.bytes_sent)
+        self.bytes_in = 0                   # PROPOSAL bytes received (the other direction: bytes_out)
         self.remote = isinstance(end, MpiEnd)  # a network link (--draft-at rank), not a thread's queues
         self.exact_batch = None
         self.check: Callable[[], None] | None = None  # raises the drafter's error (thread placement)
+
+    @property
+    def bytes_out(self) -> int:
+        """Control bytes sent to the drafter."""
+        return self.end.bytes_sent
 
     # ---- steering
     def begin(self, prompt: list[int], text: str = "", chat: bool = False) -> None:

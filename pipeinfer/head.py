@@ -277,7 +277,7 @@ class Head:
     def _draft_link_bytes(self) -> tuple[int, int]:
         if not self.asynchronous:
             return 0, 0
-        return self.drafter.end.bytes_sent, self.drafter.bytes_in
+        return self.drafter.bytes_out, self.drafter.bytes_in
 
     def _single_rank_turn(self) -> bool:
         # one rank: results are ready at once, so speculate one micro-batch per round instead of never

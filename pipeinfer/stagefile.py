@@ -168,13 +168,19 @@ def write_stage_file(src, dst, start: int, end: int, with_vocab: bool) -> None:
             tensors.append((name, np.zeros((4, n_embd), dtype=np.float32), gguf.GGMLQuantizationType.F32))
             continue
         tensors.append((name, t.data, t.tensor_type))
+    _write_tensors(writer, tensors)
+
+
+def _write_tensors(writer, tensors: list) -> None:
+    """Finish a GGUFWriter whose key-values are added: header, key-values, tensor infos, then each (name, data,
+    type) tensor's raw data, and close it."""
     for name, data, ttype in tensors:
         writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, ttype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for _, data, _ in tensors:
-        writer.write_tensor_data(data)
+        writer.write_tensor_data(np.ascontiguousarray(data))
     writer.close()
 
 
@@ -258,15 +264,5 @@ def write_pruned_head(src, dst, keep: np.ndarray) -> None:
     if f"{arch}.vocab_size" in reader.fields:
         writer.add_key_value(f"{arch}.vocab_size", len(keep), gguf.GGUFValueType.UINT32)
     _add_dummy_vocab(writer, gguf, len(keep))
-    tensors = []
-    for t in reader.tensors:
-        data = t.data[keep] if t.name in ("token_embd.weight", "output.weight") else t.data
-        tensors.append((t.name, data, t.tensor_type))
-    for name, data, ttype in tensors:
-        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, ttype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for _, data, _ in tensors:
-        writer.write_tensor_data(np.ascontiguousarray(data))
-    writer.close()
+    _write_tensors(writer, [(t.name, t.data[keep] if t.name in ("token_embd.weight", "output.weight") else t.data,
+                             t.tensor_type) for t in reader.tensors])
