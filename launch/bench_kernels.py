@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def decode_ms(eng, n_ctx_tokens: int, b: int, repeats: int) -> float:
-    from pipeinfer.protocol import Batch, kv_ops, rm
+    from pipeinfer.core.protocol import Batch, kv_ops, rm
     rng = np.random.default_rng(b)
     times = []
     for _ in range(repeats):
@@ -43,10 +43,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_kernels.csv"))
     args = ap.parse_args()
-    from pipeinfer.kernels import KERNELS, probe_exact_batch
-    from pipeinfer.models import resolve_model
-    from pipeinfer.protocol import Batch, kv_ops
-    from pipeinfer.stage import StageEngine
+    from pipeinfer.engine.kernels import KERNELS, probe_exact_batch
+    from pipeinfer.engine.models import resolve_model
+    from pipeinfer.core.protocol import Batch, kv_ops
+    from pipeinfer.engine.stage import StageEngine
     rows = []
     for name in args.models.split(","):
         path = str(resolve_model(name))

@@ -43,7 +43,7 @@ def n_hosts(mode: str, draft_at: str) -> int:
 
 
 def run_local(mode: str, n: int, prompt_name: str, draft_at: str) -> tuple[dict, tuple[float, float]]:
-    probe = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pipeinfer.netprobe"],
+    probe = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pipeinfer.wire.netprobe"],
                            capture_output=True, text=True, check=True).stdout
     p = subprocess.run([MPIEXEC, "-n", str(n_hosts(mode, draft_at))] + generate_args(mode, n, prompt_name, draft_at),
                        capture_output=True, text=True, check=True)

@@ -162,7 +162,7 @@ def _prepare(kind: str, tmp: Path, models: dict) -> None:
 
 def _metadata_midpoint(path: Path) -> int:
     """A byte offset inside the key-value metadata (after the 24-byte fixed header, before the tensor infos)."""
-    from pipeinfer.ggufheader import read_header
+    from pipeinfer.engine.ggufheader import read_header
     h = read_header(path)
     start = min(t.offset for t in h.tensors.values())
     return 24 + (start - 24) // 4  # metadata comes first and is most of a synthetic header
@@ -334,7 +334,7 @@ def run_case(case: Case, models: dict, tmp: Path, timeout: float = 120) -> dict:
     errors = [l for l in stderr.splitlines() if l.startswith("pipeinfer: error")]
     status = None
     if case.results_status is not None or case.fault:
-        from pipeinfer.results import read_results
+        from pipeinfer.core.results import read_results
         rows = read_results(tmp / "results.csv")
         status = rows[-1]["status"] if rows else None
     return {

@@ -32,7 +32,7 @@
 # between two hosts shaped to 100 Mbit/s). So every mpiexec here gets the settings that force its
 # transports onto TCP (mpi_tcp_args: UCX_TLS=tcp for ch4:ucx, FI_PROVIDER=tcp for ch4:ofi), and
 # after `up` (N >= 2), and before `run` starts its job, an MPI ping-pong between h0 and h1
-# (python -m pipeinfer.netprobe) prints the bandwidth and latency MPI really gets; `run` refuses
+# (python -m pipeinfer.wire.netprobe) prints the bandwidth and latency MPI really gets; `run` refuses
 # to go on when that is more than twice the shaped rate. NETNS_MPI_TCP=0 leaves the transports
 # alone (to show the problem); PYTHON picks the interpreter for the probe (default: the one
 # beside mpiexec, else python3).
@@ -128,7 +128,7 @@ check_links() {  # check_links N [strict]: MPI ping-pong h0 <-> h1; strict: refu
     [[ -x $py ]] || py=$(command -v python3)
     hostfile=$(mktemp /tmp/pipeinfer-netns-probe.XXXXXX)
     printf 'h0:1\nh1:1\n' >"$hostfile"
-    line=$("$mpiexec" $(launch_args "$mpiexec" "$hostfile") -n 2 "$py" -m mpi4py -m pipeinfer.netprobe 2>&1 |
+    line=$("$mpiexec" $(launch_args "$mpiexec" "$hostfile") -n 2 "$py" -m mpi4py -m pipeinfer.wire.netprobe 2>&1 |
            grep '^netprobe:' | tail -1)
     rm -f "$hostfile"
     [[ $line == *bandwidth* ]] || die "the MPI ping-pong between h0 and h1 failed: ${line:-no output} (is pipeinfer installed for $py?)"

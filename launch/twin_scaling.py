@@ -27,10 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeinfer.drafter import Cutoffs  # noqa: E402
-from pipeinfer.head import GenConfig  # noqa: E402
-from pipeinfer.plan import Shape, build_cluster, load_profile, stage_table  # noqa: E402
-from pipeinfer.twin import Link, simulate  # noqa: E402
+from pipeinfer.spec.drafter import Cutoffs  # noqa: E402
+from pipeinfer.ranks.head import GenConfig  # noqa: E402
+from pipeinfer.twin.plan import Shape, build_cluster, load_profile, stage_table  # noqa: E402
+from pipeinfer.twin.sim import Link, simulate  # noqa: E402
 
 # Llama-70B shape at Q4_K_M (bits per weight of the whole file: 42.5 GB / 70.6 B parameters)
 N_LAYER_70B, N_EMBD_70B = 80, 8192
@@ -44,7 +44,7 @@ MODES = ("iterative", "speculative", "pipeinfer")
 
 def profiled_bytes(model_path: Path) -> tuple[float, float]:
     """Bytes per layer and of the output projection of the profiled GGUF."""
-    from pipeinfer.ggufheader import read_header
+    from pipeinfer.engine.ggufheader import read_header
     h = read_header(model_path)
     blk = sum(t.nbytes for n, t in h.tensors.items() if n.startswith("blk."))
     n_layer = 1 + max(int(n.split(".")[1]) for n in h.tensors if n.startswith("blk."))
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "twin_scaling.csv"))
     args = ap.parse_args()
     prof = load_profile(args.profile)
-    from pipeinfer.models import resolve_model
+    from pipeinfer.engine.models import resolve_model
     layer_bytes, out_bytes = profiled_bytes(Path(args.model) if args.model else resolve_model("qwen2.5-coder-1.5b"))
     layer_scale = PARAMS_PER_LAYER_70B * BPW_Q4_K_M / 8 / layer_bytes
     out_scale = OUTPUT_BYTES_70B / out_bytes

@@ -32,10 +32,10 @@ BIN = Path(sys.executable).parent
 MPIEXEC = str(BIN / "mpiexec")
 PI = [sys.executable, "-m", "mpi4py", "-m", "pipeinfer"]
 
-from pipeinfer.drafter import Cutoffs  # noqa: E402
-from pipeinfer.head import GenConfig  # noqa: E402
-from pipeinfer.plan import Shape, build_cluster, launch_line, load_profile, search  # noqa: E402
-from pipeinfer.twin import simulate  # noqa: E402
+from pipeinfer.spec.drafter import Cutoffs  # noqa: E402
+from pipeinfer.ranks.head import GenConfig  # noqa: E402
+from pipeinfer.twin.plan import Shape, build_cluster, launch_line, load_profile, search  # noqa: E402
+from pipeinfer.twin.sim import simulate  # noqa: E402
 from quiet import run_quietly  # noqa: E402
 
 FIELDS = ["setup", "mode", "drafter", "agreement", "draft_max", "measured_tokens_per_s", "predicted_tokens_per_s",

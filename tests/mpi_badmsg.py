@@ -9,17 +9,17 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from pipeinfer.protocol import Batch, Flag, Header, Kind, Limits, ProtocolError, Tag, kv_ops
-from pipeinfer.topology import LayerRange, Topology
-from pipeinfer.transport import Transport, polite_barrier
-from pipeinfer.worker import StageWorker
+from pipeinfer.core.protocol import Batch, Flag, Header, Kind, Limits, ProtocolError, Tag, kv_ops
+from pipeinfer.core.topology import LayerRange, Topology
+from pipeinfer.wire.transport import Transport, polite_barrier
+from pipeinfer.ranks.worker import StageWorker
 
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
 case = sys.argv[1]
 lim = Limits(n_batch=64, n_embd=32, n_vocab=100, n_seq_max=4, n_ctx=256)
 tx = Transport(comm.Dup(), comm.Dup())
-from pipeinfer.liveness import Liveness  # noqa: E402  (names the sender's host, as in a real run)
+from pipeinfer.wire.liveness import Liveness  # noqa: E402  (names the sender's host, as in a real run)
 live = Liveness(comm, 30.0)
 if rank == 0:
     if case == "huge":        # 2**30 x 2**30 floats announced: must be refused from the header alone
@@ -44,8 +44,8 @@ else:
         print("ACCEPTED", flush=True)
     except ProtocolError as e:
         if "--as-cli" in sys.argv:
-            from pipeinfer.cli import _die
-            _die(str(e), 1)
+            from pipeinfer.cli.guard import die
+            die(str(e), 1)
         print(f"REFUSED {e}", flush=True)
 polite_barrier(comm)
 live.close()

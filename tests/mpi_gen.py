@@ -1,4 +1,4 @@
-"""Run one generation through pipeinfer.runner.run under mpiexec; rank 0 prints a JSON result line.
+"""Run one generation through pipeinfer.ranks.startup.run under mpiexec; rank 0 prints a JSON result line.
 
 Usage: mpiexec -n N python -m mpi4py tests/mpi_gen.py '{"model": ..., "prompt": [...], "mode": ..., ...}'
        mpiexec -n N python -m mpi4py tests/mpi_gen.py @config.json
@@ -6,10 +6,10 @@ Usage: mpiexec -n N python -m mpi4py tests/mpi_gen.py '{"model": ..., "prompt": 
 import json
 import sys
 
-from pipeinfer.drafter import Cutoffs
-from pipeinfer.head import GenConfig
-from pipeinfer.runner import RunOptions, run
-from pipeinfer.verify import SamplingParams
+from pipeinfer.spec.drafter import Cutoffs
+from pipeinfer.ranks.head import GenConfig
+from pipeinfer.ranks.startup import RunOptions, run
+from pipeinfer.core.verify import SamplingParams
 
 arg = sys.argv[1]
 cfg = json.loads(open(arg[1:]).read() if arg.startswith("@") else arg)  # @FILE: JSON from a file

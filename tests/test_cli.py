@@ -131,7 +131,7 @@ def test_draft_at_auto_and_explicit(models, extra, where, tmp_path):
              "--ignore-eos", "--json", "-q", "--results", str(csv), *extra], n=3 if where == "rank" else 2)
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads(p.stdout.strip().splitlines()[-1])["stats"]["draft_at"] == where
-    from pipeinfer.results import read_results
+    from pipeinfer.core.results import read_results
     link = read_results(csv)[-1]["draft_bytes_per_token"]
     if where == "rank":  # the head <-> draft link: steering out, proposals back (in 8 fast tokens maybe none yet)
         to_draft, back = map(int, link.split(","))
@@ -148,7 +148,7 @@ def test_results_csv_row(models, tmp_path):
         assert p.returncode == 0, p.stderr
     lines = csv.read_text().splitlines()
     assert lines[0].startswith("timestamp,mode") and len(lines) == 3
-    from pipeinfer.results import read_results
+    from pipeinfer.core.results import read_results
     row = read_results(csv)[-1]
     assert row["kernels"] == "repack" and row["exact_batch_limit"] == 1  # f32 weights: llamafile sgemm from 2 rows
     forward, back = map(int, row["bytes_per_token"].split(","))

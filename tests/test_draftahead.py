@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeinfer.draftahead import DraftClient, DraftService, ThreadDrafter, common_prefix, queue_pair
-from pipeinfer.drafter import Cutoffs, DraftNode
-from pipeinfer.protocol import Ctrl, DraftCtrl, Proposal, ProtocolError
+from pipeinfer.spec.draftahead import DraftClient, DraftService, ThreadDrafter, common_prefix, queue_pair
+from pipeinfer.spec.drafter import Cutoffs, DraftNode
+from pipeinfer.core.protocol import Ctrl, DraftCtrl, Proposal, ProtocolError
 from test_head_logic import ToyDrafter, assert_clean_end, run_head
 
 N_CTX, N_VOCAB = 4096, 1000
@@ -237,7 +237,7 @@ def test_speculative_with_the_draft_beside_equals_target():
 
 @pytest.mark.parametrize("quiet_first", [True, False])
 def test_quiet_first_token_launches_nothing_speculative_before_it(monkeypatch, quiet_first):
-    from pipeinfer.head import Head
+    from pipeinfer.ranks.head import Head
     from test_head_logic import FakePipeline
     events: list[tuple[str, int]] = []
     launch, emit = FakePipeline.launch, Head._emit
@@ -256,7 +256,7 @@ def test_quiet_first_token_launches_nothing_speculative_before_it(monkeypatch, q
 
 def test_close_drains_the_link_up_to_the_drafters_closed_answer():
     import threading
-    from pipeinfer.protocol import CLOSED_EPOCH
+    from pipeinfer.core.protocol import CLOSED_EPOCH
     client, service = pair(CountingDrafter())
     client.remote = True  # as over MPI: proposals left unreceived at MPI_Finalize make UCX warn on stdout
     client.begin([1, 2, 3])

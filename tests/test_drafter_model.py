@@ -3,7 +3,7 @@ changes a draft."""
 import numpy as np
 import pytest
 
-from pipeinfer.drafter import Cutoffs, ModelDrafter
+from pipeinfer.spec.drafter import Cutoffs, ModelDrafter
 from synth import PROMPT_TOKENS
 
 CHAIN = Cutoffs(p_accept=0.0, p_split=1.0, n_max=3, max_branches=1)
@@ -59,8 +59,8 @@ def test_reuse_never_changes_a_draft(reused_and_fresh):
 
 
 def test_profile_times_a_same_vocabulary_draft_untranslated(models):
-    from pipeinfer.kernels import DEFAULT_KERNELS
-    from pipeinfer.profile import measure_draft
+    from pipeinfer.engine.kernels import DEFAULT_KERNELS
+    from pipeinfer.twin.profile import measure_draft
     d = measure_draft(models["draft90"], 1, DEFAULT_KERNELS, target=str(models["f32"]))
     assert d["ms_per_token"] > 0 and "translating" not in d
 

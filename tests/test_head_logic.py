@@ -19,12 +19,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pipeinfer.drafter import Cutoffs, DraftNode, NgramDrafter
-from pipeinfer.head import GenConfig, Head, auto_p_recovery
-from pipeinfer.kvplan import PartitionPool, plan_partitions
-from pipeinfer.pipeline import Result
-from pipeinfer.protocol import NO_RUN, Batch, KvOp, cp, kv_ops, rm
-from pipeinfer.verify import SamplingParams, row_tokens, sample_at
+from pipeinfer.spec.drafter import Cutoffs, DraftNode, NgramDrafter
+from pipeinfer.ranks.head import GenConfig, Head, auto_p_recovery
+from pipeinfer.core.kvplan import PartitionPool, plan_partitions
+from pipeinfer.ranks.pipeline import Result
+from pipeinfer.core.protocol import NO_RUN, Batch, KvOp, cp, kv_ops, rm
+from pipeinfer.core.verify import SamplingParams, row_tokens, sample_at
 
 V = 29
 PROMPT = [5, 17, 2, 9, 11, 3, 8, 1, 20, 14]
@@ -684,7 +684,7 @@ def test_fake_pipeline_rejects_freeing_a_cell():
 
 # ---- micro-batch size from measured costs (choose_draft_len) and the acceptance it runs on (draft_checks)
 def test_draft_len_is_one_where_batching_costs_as_much_as_separate_decodes():
-    from pipeinfer.head import choose_draft_len
+    from pipeinfer.ranks.head import choose_draft_len
     costly = [[38.0, 73.0, 104.0], [52.0, 100.0, 129.0]]   # this project's AVX2 host, 2 ranks x 1 thread
     assert choose_draft_len(0.7, costly, (0.0, 20.0), 3) == 1
     assert choose_draft_len(0.9, costly, (0.0, 20.0), 3) == 1
@@ -706,7 +706,7 @@ def test_draft_len_is_one_where_batching_costs_as_much_as_separate_decodes():
 
 
 def test_draft_cost_fit_separates_per_call_and_per_token_costs():
-    from pipeinfer.head import draft_cost_fit
+    from pipeinfer.ranks.head import draft_cost_fit
     assert draft_cost_fit([]) == (0.0, 0.0)
     assert draft_cost_fit([(1, 60.0), (1, 60.0)]) == (30.0, 30.0)  # one size seen: half each
     c0, c1 = draft_cost_fit([(1, 50.0), (3, 90.0), (2, 70.0)])
@@ -714,7 +714,7 @@ def test_draft_cost_fit_separates_per_call_and_per_token_costs():
 
 
 def test_chain_checks_count_drafts_up_to_the_first_wrong_one():
-    from pipeinfer.verify import chain_checks
+    from pipeinfer.core.verify import chain_checks
     chain = [(5, 50), (6, 60), (7, 70)]
     base = [0, 1, 2, 3, 4]
     assert chain_checks(chain, base + [50, 60, 71], 5) == (3, 2)   # 5, 6 right; 7 checked and wrong
@@ -725,7 +725,7 @@ def test_chain_checks_count_drafts_up_to_the_first_wrong_one():
 
 
 def test_twin_sizes_micro_batches_by_its_costs():
-    from pipeinfer.twin import Cluster, Link, StageCost, simulate
+    from pipeinfer.twin.sim import Cluster, Link, StageCost, simulate
     costly = Cluster([StageCost([38.0, 73.0, 104.0], 20.0), StageCost([52.0, 100.0, 129.0], 25.0)], [Link()] * 2, 64,
                      20.0)
     res = simulate(costly, GenConfig(mode="pipeinfer", n_predict=96, cut=Cutoffs(0.5, 0.1, 3, 1), p_recovery=None,

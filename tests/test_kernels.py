@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from pipeinfer import kernels
-from pipeinfer.kernels import largest_draft, probe_exact_batch, resolve_draft_max
+from pipeinfer.engine import kernels
+from pipeinfer.engine.kernels import largest_draft, probe_exact_batch, resolve_draft_max
 
 
 class FakeEngine:
@@ -74,7 +74,7 @@ def test_kernel_settings():
 def test_limit_is_measured_once_and_cached(models, monkeypatch, tmp_path):
     """A real engine on a synthetic q8_0 model: the probe runs on first load only (keyed by file, kernels,
     threads and build); the cache sits beside the stage files."""
-    from pipeinfer.stage import StageEngine
+    from pipeinfer.engine.stage import StageEngine
     monkeypatch.setenv("PIPEINFER_STAGE_CACHE", str(tmp_path))
     calls = []
     real_probe = kernels.probe_exact_batch

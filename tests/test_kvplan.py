@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeinfer.kvplan import (CANONICAL, PartitionPool, cells_reserve, commit_ops, garbage_seq, plan_partitions,
+from pipeinfer.core.kvplan import (CANONICAL, PartitionPool, cells_reserve, commit_ops, garbage_seq, plan_partitions,
                               prefix_ops, retire_starts)
-from pipeinfer.protocol import KvOp
+from pipeinfer.core.protocol import KvOp
 
 RM, CP = int(KvOp.RM), int(KvOp.CP)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from pipeinfer import launch
-from pipeinfer.launch import (Host, build_command, format_hostfile, mpi_from_version,
+from pipeinfer.cli import launch
+from pipeinfer.cli.launch import (Host, build_command, format_hostfile, mpi_from_version,
                               parse_hostfile, parse_hostfile_text, settings_args)
 
 HOSTS = """\

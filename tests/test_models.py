@@ -1,4 +1,4 @@
-"""Tests for pipeinfer.models: registry, cache resolution, assembly and the CLI, without network."""
+"""Tests for pipeinfer.engine.models: registry, cache resolution, assembly and the CLI, without network."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from pipeinfer import models
-from pipeinfer.models import (
+from pipeinfer.engine import models
+from pipeinfer.engine.models import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
     MODELS,

@@ -167,7 +167,7 @@ def test_layer_split_auto_splits_by_each_ranks_measured_speed(tmp_path):
     # tested is that every rank measures itself and the ranges follow those measurements through the same
     # split_from_speeds that test_topology checks with fixed numbers.
     from synth import make_llama_gguf
-    from pipeinfer.topology import layer_ranges, split_from_speeds
+    from pipeinfer.core.topology import layer_ranges, split_from_speeds
     big = make_llama_gguf(tmp_path / "big.gguf", n_layer=12, n_embd=512, n_head=8, n_head_kv=8, n_ff=2048)
     for n_ranks, threads in ((2, "2,1"), (3, "1")):
         out = mpirun(n_ranks, {"model": str(big), "prompt": PROMPT, "n": 4, "split": "auto", "threads": threads})

@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeinfer import protocol
-from pipeinfer.kvplan import commit_ops, prefix_ops
-from pipeinfer.protocol import (HEADER_LEN, NO_RUN, Batch, Flag, Header, Kind, KvOp, Tag, cp, kv_ops, pack_sampling, rm,
+from pipeinfer.core import protocol
+from pipeinfer.core.kvplan import commit_ops, prefix_ops
+from pipeinfer.core.protocol import (HEADER_LEN, NO_RUN, Batch, Flag, Header, Kind, KvOp, Tag, cp, kv_ops, pack_sampling, rm,
                                 unpack_sampling)
-from pipeinfer.verify import SamplingParams
+from pipeinfer.core.verify import SamplingParams
 
 
 # ---------------------------------------------------------------- frozen numbers (a static_assert)

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def real_model(name: str) -> str:
     """Path of an installed registry model; skip (or fail under PIPEINFER_REQUIRE_REAL) when missing."""
-    from pipeinfer.models import ModelError, resolve_model
+    from pipeinfer.engine.models import ModelError, resolve_model
     try:
         return str(resolve_model(name))
     except ModelError as e:
@@ -51,8 +51,8 @@ def reference(qwen, code_prompt):
 
 def prompt_tokens(qwen, name):
     """Token ids of prompts/NAME.txt, chat-formatted as its header says, and its raw text and chat flag."""
-    from pipeinfer.cli import apply_chat, read_prompt_file
-    from pipeinfer.tokenizer import Tokenizer
+    from pipeinfer.cli.main import apply_chat, read_prompt_file
+    from pipeinfer.engine.tokenizer import Tokenizer
     text, chat = read_prompt_file(ROOT / "prompts" / f"{name}.txt")
     tok = Tokenizer(qwen)
     ids = tok.encode(apply_chat(tok, text) if chat else text)
@@ -190,10 +190,10 @@ def test_kv_cell_order_and_batch_size_keep_logits_exact(qwen, code_prompt, refer
     - cells retired into the garbage sequence (kvplan.py) leave later logits bit-identical, while
       freeing them (what a plain seq_rm does) lets llama.cpp refill the hole out of order and moves them.
     """
-    from pipeinfer.kvplan import commit_ops
-    from pipeinfer.protocol import Batch, kv_ops, rm
-    from pipeinfer.kernels import probe_exact_batch
-    from pipeinfer.stage import StageEngine
+    from pipeinfer.core.kvplan import commit_ops
+    from pipeinfer.core.protocol import Batch, kv_ops, rm
+    from pipeinfer.engine.kernels import probe_exact_batch
+    from pipeinfer.engine.stage import StageEngine
     ref = reference[0][:12]
     n_prompt = len(code_prompt)
 
@@ -233,8 +233,8 @@ def test_kv_cell_order_and_batch_size_keep_logits_exact(qwen, code_prompt, refer
 
 def test_profile_times_the_gemma_draft_translated(qwen, gemma):
     """Gemma 3 has another vocabulary than Qwen: the profile times it as it runs, translated, drafting ahead."""
-    from pipeinfer.kernels import DEFAULT_KERNELS
-    from pipeinfer.profile import N_TRANSLATED, measure_draft
+    from pipeinfer.engine.kernels import DEFAULT_KERNELS
+    from pipeinfer.twin.profile import N_TRANSLATED, measure_draft
     d = measure_draft(gemma, 1, DEFAULT_KERNELS, target=qwen)
     tr = d["translating"]
     assert tr["proposals_per_call"] * 4 * N_TRANSLATED >= N_TRANSLATED, "it proposed too little to be timed"

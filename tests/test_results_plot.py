@@ -6,7 +6,7 @@ import csv
 import pytest
 from click.testing import CliRunner
 
-from pipeinfer.results import RESULT_COLUMNS, append_result, read_results
+from pipeinfer.core.results import RESULT_COLUMNS, append_result, read_results
 
 
 def _row(mode, draft, ranks, speed, **kw):
@@ -101,7 +101,7 @@ def _check_png(path):
 
 
 def test_plot_results(tmp_path):
-    from pipeinfer.plot import plot_results
+    from pipeinfer.cli.plot import plot_results
     csv_path = tmp_path / "results.csv"
     for ranks in (2, 4):
         append_result(csv_path, _row("iterative", None, ranks, 1.0))
@@ -119,7 +119,7 @@ def test_plot_results(tmp_path):
 
 
 def test_plot_groups_share_draftless_baseline():
-    from pipeinfer.plot import _groups
+    from pipeinfer.cli.plot import _groups
     rows = [dict(target_model="t.gguf", draft_model=None, ranks=2, mode="iterative"),
             dict(target_model="t.gguf", draft_model="d1.gguf", ranks=2, mode="pipeinfer"),
             dict(target_model="t.gguf", draft_model="d2.gguf", ranks=2, mode="pipeinfer"),
@@ -130,7 +130,7 @@ def test_plot_groups_share_draftless_baseline():
 
 
 def test_plot_cli_and_empty(tmp_path):
-    from pipeinfer.plot import plot_cmd
+    from pipeinfer.cli.plot import plot_cmd
     csv_path = tmp_path / "r.csv"
     append_result(csv_path, {"mode": "single", "target_model": "t.gguf", "ranks": 1})
     res = CliRunner().invoke(plot_cmd, [str(csv_path), "-o", str(tmp_path / "png")])

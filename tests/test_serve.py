@@ -127,7 +127,7 @@ def test_every_request_is_logged_and_gets_a_results_row(server):
         time.sleep(0.1)
     line = server.text().splitlines()[-1]
     assert "prompt + 5 tokens" in line and "tokens/s" in line and "ttft" in line, line
-    from pipeinfer.results import read_results
+    from pipeinfer.core.results import read_results
     rows = read_results(server.log_path.with_name("served.csv"))
     assert rows[-1]["n_generated"] == 5 and rows[-1]["prompt_name"] == "serve:length" and rows[-1]["mode"] == "pipeinfer"
 

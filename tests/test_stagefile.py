@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 from conftest import PROMPT
-from pipeinfer.protocol import Batch, kv_ops
-from pipeinfer.stage import StageEngine, TokenEmbedder
-from pipeinfer.stagefile import StageFileError, check_splittable, ensure_stage_file, read_info, ModelInfo
+from pipeinfer.core.protocol import Batch, kv_ops
+from pipeinfer.engine.stage import StageEngine, TokenEmbedder
+from pipeinfer.engine.stagefile import StageFileError, check_splittable, ensure_stage_file, read_info, ModelInfo
 
 
 def _batch(tokens, p0, out_last=True):
@@ -101,7 +101,7 @@ def test_not_a_gguf(tmp_path):
 def test_pruned_head_keeps_specials_then_frequent_tokens():
     """head_tokens: every special a model can emit (not <unused..> placeholders), a 1/16 share of single
     characters by id, then merged tokens by id (merge order = frequency), sorted, never more than asked."""
-    from pipeinfer.stagefile import head_tokens
+    from pipeinfer.engine.stagefile import head_tokens
     N, U, C, B = 1, 2, 3, 6   # gguf token types NORMAL, UNKNOWN, CONTROL, BYTE
     toks = [b"<pad>", b"<eos>", b"<unused0>", b"<0x00>", b"ing", b" the", b"a", b"b", b" of",
             "\u4e00".encode(), b"er", b"c", b"<unk>"]
@@ -115,7 +115,7 @@ def test_pruned_head_keeps_specials_then_frequent_tokens():
 def test_pruned_head_file(models, tmp_path):
     """The pruned file's vocabulary and output rows are the kept ones, byte for byte; no tokenizer text."""
     import gguf
-    from pipeinfer.stagefile import ensure_pruned_head
+    from pipeinfer.engine.stagefile import ensure_pruned_head
     path, keep = ensure_pruned_head(models["f32"], 384)
     assert read_info(path).n_vocab == len(keep) == 384 and read_info(models["f32"]).n_vocab == 512
     src, dst = gguf.GGUFReader(str(models["f32"])), gguf.GGUFReader(str(path))

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import MPIEXEC
-from pipeinfer.status import StatusLine, launcher_tty, status_text
+from pipeinfer.cli.status import StatusLine, launcher_tty, status_text
 
 
 class FakeTerminal(io.StringIO):
@@ -27,7 +27,7 @@ class FakeTerminal(io.StringIO):
 @pytest.fixture
 def rows(monkeypatch):
     size = {"rows": 24}
-    monkeypatch.setattr("pipeinfer.status.os.get_terminal_size",
+    monkeypatch.setattr("pipeinfer.cli.status.os.get_terminal_size",
                         lambda fd: os.terminal_size((80, size["rows"])))
     monkeypatch.setattr(FakeTerminal, "fileno", lambda self: 2, raising=False)
     return size
@@ -112,7 +112,7 @@ def test_redraws_are_throttled(rows):
 
 def test_first_redraw_shows_soon_after_boot(rows, monkeypatch):
     """perf_counter counts from boot on Linux: a machine up for less than min_interval_s still draws."""
-    import pipeinfer.status as status_mod
+    import pipeinfer.cli.status as status_mod
     monkeypatch.setattr(status_mod.time, "perf_counter", lambda: 5.0)
     err = FakeTerminal(True)
     status = StatusLine(err, reserve_row=False, rows=rows_of(rows), min_interval_s=3600)

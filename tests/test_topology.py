@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeinfer.topology import (LayerRange, SplitError, Topology, layer_ranges, parse_per_rank_ints,
+from pipeinfer.core.topology import (LayerRange, SplitError, Topology, layer_ranges, parse_per_rank_ints,
                                 parse_split, split_from_speeds)
 
 

@@ -6,10 +6,10 @@ import sys
 import numpy as np
 import pytest
 
-from pipeinfer.drafter import Cutoffs
-from pipeinfer.head import GenConfig
-from pipeinfer.protocol import Batch, kv_ops
-from pipeinfer.twin import Cluster, Link, SimPipeline, StageCost, VirtualClock, reference_tokens, simulate
+from pipeinfer.spec.drafter import Cutoffs
+from pipeinfer.ranks.head import GenConfig
+from pipeinfer.core.protocol import Batch, kv_ops
+from pipeinfer.twin.sim import Cluster, Link, SimPipeline, StageCost, VirtualClock, reference_tokens, simulate
 
 from conftest import cli as run_cli
 
@@ -111,8 +111,8 @@ def replace_ctx(g: GenConfig) -> GenConfig:
 
 
 def test_the_twin_imports_neither_mpi_nor_llama_cpp():
-    code = ("import sys\nfrom pipeinfer.twin import *\nfrom pipeinfer.head import GenConfig\n"
-            "from pipeinfer.plan import search\n"
+    code = ("import sys\nfrom pipeinfer.twin.sim import *\nfrom pipeinfer.ranks.head import GenConfig\n"
+            "from pipeinfer.twin.plan import search\n"
             "c = Cluster([StageCost([10.0], 1.0)] * 3, [Link()] * 3, 64, 2.0)\n"
             "simulate(c, GenConfig(mode='pipeinfer', n_predict=32, p_recovery=None))\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('llama_cpp', 'mpi4py')]\n"
@@ -145,7 +145,7 @@ def hand_profile(tmp_path, slow: float = 2.0):
 
 
 def test_simulate_command_prints_stats_and_writes_a_twin_row(tmp_path):
-    from pipeinfer.results import read_results
+    from pipeinfer.core.results import read_results
     prof = hand_profile(tmp_path)
     csv = tmp_path / "r.csv"
     out = run_cli(["simulate", "--profile", str(prof), "--mode", "pipeinfer", "-n", "64", "--agreement", "0.8",
@@ -178,7 +178,7 @@ def test_plan_moves_layers_off_the_slow_host(tmp_path):
 
 
 def test_measured_draft_proposes_what_clears_the_cutoff():
-    from pipeinfer.twin import confidence_agreement
+    from pipeinfer.twin.sim import confidence_agreement
     # sure and right, or unsure and wrong: a cutoff between the two proposes only right tokens
     pairs = [[0.9, 1]] * 7 + [[0.2, 0]] * 3
     assert confidence_agreement(pairs, 0.5) == (0.7, 1.0)
@@ -196,7 +196,7 @@ def test_measured_draft_proposes_what_clears_the_cutoff():
 def test_measured_draft_keeps_its_streaks():
     """Pairs are drawn in measured order, BLOCK at a time: right and wrong come in runs, as they were measured
     (independent draws would make neighbours agree half the time here)."""
-    from pipeinfer.twin import _ConfidenceReplay
+    from pipeinfer.twin.sim import _ConfidenceReplay
     d = _ConfidenceReplay(list(range(900)), [[0.9, 1]] * 8 + [[0.9, 0]] * 8, seed=3, burner=None)
     right = [d.pair(pos)[1] for pos in range(800)]
     same = [right[i] == right[i + 1] for i in range(799) if (i + 1) % d.BLOCK]
@@ -207,8 +207,8 @@ def test_measured_draft_keeps_its_streaks():
 def test_plan_chooses_the_cutoff_from_the_measured_draft(tmp_path):
     """With the draft's measured confidence plan searches -pa: here wrong drafts are the unsure ones, and
     cutting them off (-pa >= 0.3) beats proposing everything."""
-    from pipeinfer.head import GenConfig
-    from pipeinfer.plan import load_profile, search
+    from pipeinfer.ranks.head import GenConfig
+    from pipeinfer.twin.plan import load_profile, search
     prof = load_profile(str(hand_profile(tmp_path, slow=1.0)))
     prof["draft"]["confidence"] = [[0.95, 1]] * 6 + [[0.2, 0]] * 4
     best = search(prof, agreement=0.7, n_predict=64, exact_limit=3, draft_own_host=False,
@@ -224,8 +224,8 @@ def test_plan_chooses_the_cutoff_from_the_measured_draft(tmp_path):
 
 def test_plan_counts_draft_calls_that_propose_nothing(tmp_path):
     """A draft below its cutoff at most calls still costs each call: plan predicts less for it."""
-    from pipeinfer.head import GenConfig
-    from pipeinfer.plan import load_profile, search
+    from pipeinfer.ranks.head import GenConfig
+    from pipeinfer.twin.plan import load_profile, search
     prof = load_profile(str(hand_profile(tmp_path, slow=1.0)))
     prof["draft"]["ms_per_token"] = 10.0
     kw = dict(agreement=0.9, n_predict=48, exact_limit=3, draft_own_host=False, base=GenConfig(stop_at_eos=False))
@@ -235,7 +235,7 @@ def test_plan_counts_draft_calls_that_propose_nothing(tmp_path):
 
 
 def test_the_twin_charges_a_translated_draft_its_measured_cost_per_proposal(tmp_path):
-    from pipeinfer.plan import Shape, build_cluster, load_profile
+    from pipeinfer.twin.plan import Shape, build_cluster, load_profile
     prof = load_profile(str(hand_profile(tmp_path, slow=1.0)))
     assert build_cluster(prof, Shape()).draft_ms_per_token == 1.0
     prof["draft"]["translating"] = {"ms_per_proposal": 2.5, "proposals_per_call": 3.0, "decodes_per_proposal": 1.2}
@@ -245,7 +245,7 @@ def test_the_twin_charges_a_translated_draft_its_measured_cost_per_proposal(tmp_
 
 
 def test_scaled_cluster_prices_a_larger_model(tmp_path):
-    from pipeinfer.plan import Shape, build_cluster, load_profile
+    from pipeinfer.twin.plan import Shape, build_cluster, load_profile
     prof = load_profile(str(hand_profile(tmp_path, slow=1.0)))
     small = build_cluster(prof, Shape(hosts=2))
     big = build_cluster(prof, Shape(hosts=4, n_layer=80, layer_scale=10.0, out_scale=3.0))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeinfer.verify import (Node, SamplingParams, TreeRun, consistent, is_useful, logits_to_probs, row_tokens,
+from pipeinfer.core.verify import (Node, SamplingParams, TreeRun, consistent, is_useful, logits_to_probs, row_tokens,
                               sample_at, verify)
 
 V = 8

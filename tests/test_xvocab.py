@@ -14,8 +14,8 @@ import warnings
 import numpy as np
 import pytest
 
-from pipeinfer.drafter import Cutoffs
-from pipeinfer.xvocab import (PrefixIndex, TranslatingDrafter, chain_text, heal_split, shift_spans, target_side,
+from pipeinfer.spec.drafter import Cutoffs
+from pipeinfer.spec.translating import (PrefixIndex, TranslatingDrafter, chain_text, heal_split, shift_spans, target_side,
                               translate, utf8_split)
 
 EMOJI_SPLIT = "\U0001F9A9"   # flamingo: split over two Qwen tokens and four Gemma byte tokens
@@ -362,7 +362,7 @@ def test_prefix_reuse_decodes_only_the_changed_tail():
 
 # ------------------------------------------------------------------------------------ real vocabularies
 def _real_path(name):
-    from pipeinfer.models import ModelError, resolve_model
+    from pipeinfer.engine.models import ModelError, resolve_model
     try:
         return str(resolve_model(name))
     except ModelError as e:
@@ -373,7 +373,7 @@ def _real_path(name):
 
 @pytest.fixture(scope="module")
 def qwen_tok():
-    from pipeinfer.tokenizer import Tokenizer
+    from pipeinfer.engine.tokenizer import Tokenizer
     tok = Tokenizer(_real_path("qwen2.5-coder-1.5b"))
     yield tok
     tok.close()
@@ -381,7 +381,7 @@ def qwen_tok():
 
 @pytest.fixture(scope="module")
 def gemma_tok():
-    from pipeinfer.tokenizer import Tokenizer
+    from pipeinfer.engine.tokenizer import Tokenizer
     tok = Tokenizer(_real_path("gemma3-270m"))
     yield tok
     tok.close()
@@ -478,14 +478,14 @@ def test_real_emoji_straddling_tokens(qwen_tok, gemma_tok):
 
 
 def test_draft_prompt_formats():
-    from pipeinfer.xvocab import draft_prompt_text
+    from pipeinfer.spec.translating import draft_prompt_text
     assert draft_prompt_text(DRAFT, "Q?", chat=True) == "Q?"            # no template, none recognised
     assert draft_prompt_text(DRAFT, "Q?", chat=False) == "Q?"
 
 
 @pytest.mark.real
 def test_real_gemma_prompt_uses_its_builtin_template(gemma_tok):
-    from pipeinfer.xvocab import draft_prompt_text
+    from pipeinfer.spec.translating import draft_prompt_text
     assert gemma_tok.chat_template() is None                            # the GGUF carries none
     assert (draft_prompt_text(gemma_tok, "hi", chat=True)
             == "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n")

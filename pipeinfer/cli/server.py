@@ -1,0 +1,371 @@
+"""`pipeinfer serve`: an OpenAI-compatible HTTP server on the head rank (rank 0).
+
+Endpoints: POST /v1/chat/completions and /v1/completions (streaming as server-sent events ending with
+`data: [DONE]`, or one JSON answer), GET /v1/models, GET /health. Errors are OpenAI-style JSON:
+`{"error": {"message", "type", "param", "code"}}` with 400 for a malformed body or a request that does
+not fit the context, 404 for an unknown model, 503 + Retry-After when the queue is full.
+
+Threads on rank 0: uvicorn's event loop takes requests; one generation thread owns the pipeline (every
+MPI call and llama.cpp decode happens there) and runs queued jobs one at a time, first come first served.
+Tokens go back to the request's handler through an asyncio queue. A client that disconnects (or a stop
+string that matches) sets the job's stop flag: the head stops launching, cancels its runs in flight
+through the pipeline's cancellation, and collects them, so no run or KV cell is left behind; each
+generation starts from an empty KV cache on every stage (runner.HeadSession), so no request sees
+another's state. The other ranks serve the pipeline as they do for `generate`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..core.verify import SamplingParams
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 503: "server_overloaded"}
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+# ------------------------------------------------------------------------------------ stop strings
+class StopMatcher:
+    """Streams text through, holding back what could be the start of a stop string; `hit` once one matched
+    (the text is cut before it)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.hit = False
+
+    def feed(self, text: str) -> str:
+        if self.hit or not self.stops:
+            return "" if self.hit else text
+        buf = self.held + text
+        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.hit, self.held = True, ""
+            return buf[:cut]
+        keep = 0  # the longest tail of buf that is a proper prefix of some stop string
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:k]):
+                    keep = k
+                    break
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep]
+
+    def flush(self) -> str:
+        out, self.held = ("" if self.hit else self.held), ""
+        return out
+
+
+# ------------------------------------------------------------------------------------ jobs
+@dataclass
+class Job:
+    prompt_tokens: list[int]
+    n_predict: int
+    sampling: SamplingParams
+    stops: list[str]
+    prompt_text: str | None
+    chat: bool
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("text", str) ... ("done", info) | ("error", msg)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    t_queued_s: float = field(default_factory=time.perf_counter)
+
+    def push(self, event: tuple) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Generator:
+    """The generation thread: owns the head session; runs jobs in arrival order."""
+
+    def __init__(self, session, max_queue: int, log=None, on_done=None):
+        self.session, self.tok = session, session.tok
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.on_done = on_done  # callable(job, stats, finish_reason), e.g. a --results row
+        self.fatal: str | None = None
+        self.thread = threading.Thread(target=self._loop, name="pipeinfer-generation", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        if self.fatal:
+            raise RequestError(503, f"the pipeline failed: {self.fatal}", code="pipeline_failed")
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise RequestError(503, f"the queue is full ({self.jobs.maxsize} requests waiting); retry later",
+                               code="queue_full") from None
+
+    def stop(self) -> None:
+        while True:  # drop what waits, then tell the thread to end after the job it runs
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.push(("error", "the server is shutting down"))
+        self.jobs.put(None)
+        self.thread.join()
+
+    def _loop(self) -> None:
+        from ..engine.tokenizer import StreamDecoder
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():
+                self.log(f"[serve] {job.request_id}: cancelled while queued")
+                continue
+            dec, stop = StreamDecoder(self.tok), StopMatcher(job.stops)
+
+            def on_tokens(tokens: list[int]) -> None:
+                text = stop.feed(dec.feed(tokens))
+                if text:
+                    job.push(("text", text))
+
+            t_start = time.perf_counter()
+            try:
+                stats = self.session.generate(job.prompt_tokens, n_predict=job.n_predict, sampling=job.sampling,
+                                              prompt_text=job.prompt_text, chat=job.chat, on_tokens=on_tokens,
+                                              should_stop=lambda: job.cancelled.is_set() or stop.hit)
+            except Exception as e:  # the pipeline is gone (a rank failed): fail this and every later request
+                self.fatal = f"{type(e).__name__}: {e}"
+                job.push(("error", f"the pipeline failed: {self.fatal}"))
+                self.log(f"[serve] fatal: {self.fatal}")
+                return
+            tail = stop.feed(dec.flush())
+            tail += stop.flush()
+            if tail:
+                job.push(("text", tail))
+            finish = "stop" if stop.hit or stats.n_generated < job.n_predict else "length"
+            if job.cancelled.is_set():
+                finish = "cancelled"
+            self.log(f"[serve] {job.request_id}: {len(job.prompt_tokens)} prompt + {stats.n_generated} tokens, "
+                     f"queued {t_start - job.t_queued_s:.2f} s, prompt {stats.t_prompt_done_s - stats.t_start_s:.2f} s, "
+                     f"ttft {stats.ttft_s:.3f} s, {stats.gen_tokens_per_s:.2f} tokens/s, "
+                     f"acceptance {stats.acceptance_rate * 100:.0f}%, {finish}")
+            if self.on_done is not None:
+                self.on_done(job, stats, finish)
+            # last: by the time a client has its whole answer, its log line and results row are written
+            job.push(("done", {"finish_reason": finish, "prompt_tokens": len(job.prompt_tokens),
+                               "completion_tokens": stats.n_generated, "stats": stats}))
+
+
+# ------------------------------------------------------------------------------------ request bodies
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class Common(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    n: int = Field(default=1, ge=1, le=1)
+    stream_options: dict[str, Any] | None = None
+
+
+class CompletionRequest(Common):
+    prompt: str | list[str]
+
+
+class ChatRequest(Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+# ------------------------------------------------------------------------------------ the HTTP app
+@dataclass
+class ServeConfig:
+    model_id: str
+    n_ctx: int
+    cells_reserve: int      # KV cells runs in flight may take beyond the prompt and the answer
+    default_max_tokens: int
+
+
+def create_app(cfg: ServeConfig, generator: Generator, tokenizer, apply_chat_template):
+    """The ASGI app. `apply_chat_template(messages) -> prompt text`."""
+    app = FastAPI(title="pipeinfer", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_request, exc: RequestError):
+        headers = {"Retry-After": "1"} if exc.status == 503 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        msg = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request body")
+        return JSONResponse(RequestError(400, msg, param=where or None).body(), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        if generator.fatal:
+            return JSONResponse({"status": "error", "error": generator.fatal}, status_code=503)
+        return {"status": "ok", "queued": generator.jobs.qsize()}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.model_id, "object": "model", "created": 0,
+                                            "owned_by": "pipeinfer"}]}
+
+    def make_job(req: Common, prompt_text: str, user_text: str | None, chat: bool, max_tokens: int | None) -> Job:
+        if req.model != cfg.model_id:
+            raise RequestError(404, f"the model '{req.model}' does not exist; this server has '{cfg.model_id}'",
+                               param="model", code="model_not_found")
+        ids = tokenizer.encode(prompt_text)
+        if not ids:
+            raise RequestError(400, "the prompt is empty", param="prompt")
+        n = max_tokens if max_tokens is not None else cfg.default_max_tokens
+        room = cfg.n_ctx - len(ids) - cfg.cells_reserve
+        if max_tokens is None:
+            n = min(n, room)
+        if n > room or room < 1:
+            raise RequestError(400, f"the prompt ({len(ids)} tokens) + max_tokens ({n}) + {cfg.cells_reserve} for runs "
+                                    f"in flight exceed the context of {cfg.n_ctx} tokens",
+                               param="max_tokens", code="context_length_exceeded")
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        sampling = SamplingParams(temp=req.temperature or 0.0, top_p=req.top_p or 1.0, seed=req.seed or 0)
+        return Job(ids, n, sampling, stops, user_text, chat, asyncio.get_running_loop())
+
+    def events_of(job: Job, request: Request):
+        """Submit a job; its events as they come. A client that leaves (checked twice a second while
+        nothing comes, and when a streaming response is cancelled) stops its generation."""
+        generator.submit(job)
+
+        async def events():
+            try:
+                while True:
+                    try:
+                        ev = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                        continue
+                    yield ev
+                    if ev[0] in ("done", "error"):
+                        return
+            finally:
+                job.cancelled.set()  # harmless once done; stops the generation when the client left
+
+        return events()
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    async def respond(req: Common, job: Job, request: Request, kind: str):
+        created = int(time.time())
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + job.request_id
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+        events = events_of(job, request)
+
+        def usage(info):
+            return {"prompt_tokens": info["prompt_tokens"], "completion_tokens": info["completion_tokens"],
+                    "total_tokens": info["prompt_tokens"] + info["completion_tokens"]}
+
+        def choice(text: str | None, finish: str | None, first: bool = False) -> dict:
+            if kind == "chat":
+                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+        if req.stream:
+            chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+            want_usage = bool((req.stream_options or {}).get("include_usage"))
+
+            async def stream():
+                if kind == "chat":
+                    yield sse({"id": rid, "object": chunk_obj, "created": created, "model": cfg.model_id,
+                               "choices": [choice(None, None, first=True)]})
+                async for ev in events:
+                    if ev[0] == "text":
+                        yield sse({"id": rid, "object": chunk_obj, "created": created, "model": cfg.model_id,
+                                   "choices": [choice(ev[1], None)]})
+                    elif ev[0] == "error":
+                        yield sse(RequestError(500, ev[1]).body())
+                        return
+                    else:
+                        info = ev[1]
+                        yield sse({"id": rid, "object": chunk_obj, "created": created, "model": cfg.model_id,
+                                   "choices": [choice(None, info["finish_reason"])]})
+                        if want_usage:
+                            yield sse({"id": rid, "object": chunk_obj, "created": created, "model": cfg.model_id,
+                                       "choices": [], "usage": usage(info)})
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(stream(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        parts, info = [], None
+        async for ev in events:
+            if ev[0] == "text":
+                parts.append(ev[1])
+            elif ev[0] == "error":
+                raise RequestError(500, ev[1], code="pipeline_failed")
+            else:
+                info = ev[1]
+        if info is None:  # the client went away
+            return JSONResponse({}, status_code=499)
+        text = "".join(parts)
+        if kind == "chat":
+            ch = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": info["finish_reason"],
+                  "logprobs": None}
+        else:
+            ch = {"index": 0, "text": text, "finish_reason": info["finish_reason"], "logprobs": None}
+        return {"id": rid, "object": obj, "created": created, "model": cfg.model_id, "choices": [ch],
+                "usage": usage(info)}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        prompt = req.prompt if isinstance(req.prompt, str) else "".join(req.prompt)
+        job = make_job(req, prompt, prompt, False, req.max_tokens)
+        return await respond(req, job, request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
+        messages = []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):  # content parts: the text ones, joined
+                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+            if m.role not in ("system", "user", "assistant", "developer", "tool"):
+                raise RequestError(400, f"messages.{i}.role: unknown role '{m.role}'", param=f"messages.{i}.role")
+            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        text = apply_chat_template(messages)
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        single = len(messages) == 1 and len(users) == 1  # the draft formats a lone user message its own way
+        job = make_job(req, text, users[0] if single else text, single,
+                       req.max_completion_tokens or req.max_tokens)
+        return await respond(req, job, request, "chat")
+
+    return app

@@ -1,0 +1,180 @@
+"""Kernel settings and the exact batch limit: how many rows a decode may carry and still give each row
+bit-for-bit the output it gets when decoded alone.
+
+Verification decodes micro-batches of drafted tokens while the target alone decodes one token at a
+time, so greedy output is exact only where both give identical logits. Which batch sizes do depends on
+the weights' layout, the attention kernel, the quantization, the CPU's SIMD kernels and the build
+(measured on Qwen2.5-Coder-1.5B Q4_K_M, llama-cpp-python 0.3.36, 1 thread; one-token decode on the host
+issue 10 was measured on, and on this project's AVX2 host, results/bench_kernels.csv):
+
+| `--kernels` | weights | attention | exact batches | one-token decode, 1 thread |
+|---|---|---|---|---|
+| `repack` (default) | repacked (llama.cpp's CPU "extra buffer") | flash | 1-3 | 50.9 ms / 90 ms |
+| `no-repack` | as stored | flash | 1-7 | 75.9 ms / 85 ms |
+| `fast` | repacked | llama.cpp's default (off) | 1 | 61 ms / 85 ms |
+
+The repacked gemm takes rows in blocks of 4 (rows outside a block go through the one-row gemv), and
+from 8 rows on ggml multiplies K-quants with its tiled kernel; non-flash attention runs f16 matmuls
+through llamafile's sgemm from 2 rows on. None of that is assumed here: `exact_batch_limit` measures the
+limit of an engine when it loads and caches it beside the stage files.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from functools import lru_cache
+
+import numpy as np
+
+KERNELS = ("repack", "no-repack", "fast")
+DEFAULT_KERNELS = "repack"
+PROBE_MAX_BATCH = 8   # batch sizes probed: 1..8 (micro-batches on CPUs are 1-4 tokens; 8 shows the tiled kernel)
+PROBE_FORMAT = 1      # bump when the probe changes: invalidates cached limits
+DEFAULT_DRAFT_MAX = 4  # --draft-max when not given: at most this, within the exact batch limit
+
+
+def model_params(kernels: str):
+    """llama.cpp model params for a kernel setting (the weight layout is chosen at load)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"unknown kernels {kernels!r} (choose {', '.join(KERNELS)})")
+    import llama_cpp
+    params = llama_cpp.llama_model_default_params()
+    params.use_extra_bufts = kernels != "no-repack"  # the "extra buffer" holds the repacked weights
+    return params
+
+
+def flash_attn_type(kernels: str) -> int:
+    """Flash attention is batch-invariant on the CPU; `fast` keeps llama.cpp's default (non-flash) kernels."""
+    import llama_cpp
+    return (llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED if kernels == "fast"
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+
+
+@lru_cache(maxsize=1)
+def build_id() -> str:
+    """What the kernels' numerics depend on besides the model: llama.cpp build, its CPU features, the CPU."""
+    import llama_cpp
+    system = llama_cpp.llama_print_system_info().decode(errors="replace")
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"llama-cpp-python {llama_cpp.__version__} | {system} | {hashlib.sha256(flags.encode()).hexdigest()[:16]}"
+
+
+def probe_exact_batch(engine, max_batch: int = PROBE_MAX_BATCH) -> int:
+    """Largest b such that decoding a probe in batches of every size 1..b gives outputs identical to
+    decoding it one row at a time (1 when even 2 rows differ).
+
+    The probe is `max_batch` rows (fixed pseudo-random tokens or hidden states) in sequence 0 from position
+    0; each batch size decodes them in consecutive chunks, so later chunks also attend to K/V cells that
+    earlier batches wrote. The engine's cache is cleared before and after.
+    """
+    from ..core.protocol import Batch
+    n = min(max_batch, engine.n_batch, engine.n_ctx)
+    rng = np.random.default_rng(1234)
+    if engine.embd_input:
+        inputs = rng.standard_normal((n, engine.n_embd), dtype=np.float32)
+        tokens = np.zeros(n, dtype=np.int32)
+    else:
+        inputs = None
+        tokens = rng.integers(0, engine.n_vocab, n, dtype=np.int32)
+
+    def decode_in_chunks(b: int) -> np.ndarray:
+        engine.clear_kv()
+        out = []
+        for start in range(0, n, b):
+            end = min(n, start + b)
+            out.append(engine.decode(Batch.chain(tokens[start:end], start), None if inputs is None else inputs[start:end]))
+        return np.concatenate(out)
+
+    try:
+        single = decode_in_chunks(1)
+        limit = 1
+        for b in range(2, n + 1):
+            if not np.array_equal(decode_in_chunks(b), single):
+                break
+            limit = b
+        return limit
+    finally:
+        engine.clear_kv()
+
+
+def exact_batch_limit(engine, path: str | os.PathLike, kernels: str, n_threads: int, n_threads_batch: int) -> int:
+    """The engine's exact batch limit, probed once per (file, kernels, threads, build, CPU) and cached
+    beside the stage files."""
+    from ..core.files import derived_path, write_atomically
+    key = (kernels, n_threads, n_threads_batch, engine.embd_input, engine.capture_hidden, build_id(), PROBE_FORMAT)
+    cache = derived_path(path, "exact", "json", *key)
+    try:
+        return int(json.loads(cache.read_text())["exact_batch"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    limit = probe_exact_batch(engine)
+    record = {"exact_batch": limit, "probed_up_to": min(PROBE_MAX_BATCH, engine.n_batch, engine.n_ctx),
+              "kernels": kernels, "threads": [n_threads, n_threads_batch], "build": build_id()}
+    write_atomically(cache, lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
+    return limit
+
+
+def largest_draft(limit: int, lead: bool) -> int:
+    """Most draft tokens a verification run may carry within an exact batch limit: a PipeInfer micro-batch
+    is its draft tokens; a synchronous speculative tree also carries the last accepted (lead) token."""
+    return limit - (1 if lead else 0)
+
+
+def resolve_draft_max(requested: int | None, limit: int, lead: bool, default: int = DEFAULT_DRAFT_MAX) -> int:
+    """--draft-max for a run: `requested`, or (None) the largest exact value up to `default`.
+
+    Raises ValueError (a user error) when the request, or any speculation at all, exceeds the limit."""
+    most = largest_draft(limit, lead)
+    if most < 1:
+        raise ValueError(f"the exact batch limit is {limit}: no draft token fits a verification batch beside the "
+                         f"lead token, so speculation cannot be exact; use --mode pipeinfer (micro-batches without a lead "
+                         f"token), --mode iterative, --kernels no-repack (exact to larger batches on quantized weights) "
+                         f"or --kernels fast (not exact)")
+    if requested is None:
+        return min(default, most)
+    if requested > most:
+        raise ValueError(f"--draft-max {requested} makes verification batches of {requested + lead} tokens, more than "
+                         f"the exact batch limit of {limit} measured for these kernels: at most {most} keeps the output "
+                         f"exact (--kernels no-repack allows more, --kernels fast has no limit but is not exact)")
+    return requested
+
+
+def time_decodes(engine, sizes: list[int], n_fill: int = 128, n_repeat: int = 3) -> list[float]:
+    """Median ms of an engine's decode of n tokens (or hidden-state rows) for each n in sizes, on top of n_fill
+    positions already in its KV cache (a short prompt's worth); one untimed warm-up. The cache is cleared
+    before and after."""
+    import statistics
+    import time
+
+    from ..core.protocol import Batch, kv_ops, rm
+    rng = np.random.default_rng(0)
+    n_fill = max(0, min(n_fill, engine.n_batch, engine.n_ctx - max(sizes) - 1))
+
+    def decode(pos0: int, n: int) -> float:
+        toks = rng.integers(0, engine.n_vocab, n).astype(np.int32)  # any valid id (small test vocabularies too)
+        b = Batch.chain(toks, pos0)
+        emb = rng.standard_normal((n, engine.n_embd), dtype=np.float32) * 0.1 if engine.embd_input else None
+        t0 = time.perf_counter()
+        engine.decode(b, emb)
+        return (time.perf_counter() - t0) * 1e3
+
+    engine.apply_kv_ops(kv_ops(rm(-1)))
+    if n_fill:
+        decode(0, n_fill)
+    out = []
+    for n in sizes:
+        times = []
+        for k in range(n_repeat + (n == sizes[0])):
+            t = decode(n_fill, n)
+            engine.apply_kv_ops(kv_ops(rm(0, n_fill, -1)))
+            if k or n != sizes[0]:
+                times.append(t)
+        out.append(statistics.median(times))
+    engine.apply_kv_ops(kv_ops(rm(-1)))
+    return out

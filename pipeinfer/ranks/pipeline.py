@@ -1,0 +1,130 @@
+"""The head's end of the pipeline: runs the first stage locally, sends transactions on, collects results.
+
+With one rank the head holds the whole model and a run's result is ready as soon as it is launched.
+With N ranks the head decodes the first stage at launch (synchronously, as in the paper) and sends the
+hidden states on; results come back from the last rank in launch order (a FIFO of run ids).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..core.protocol import (
+    HEAD_KINDS,
+    NO_RUN,
+    Batch,
+    Flag,
+    Header,
+    Kind,
+    Limits,
+    ProtocolError,
+    Tag,
+    check_header,
+    check_tokens,
+    pack_sampling,
+)
+from ..core.topology import Topology
+from ..core.verify import SamplingParams, row_tokens
+
+if TYPE_CHECKING:  # llama.cpp and MPI stay unimported where only the interface is used (the twin, twin.py)
+    from ..engine.stage import StageEngine, TokenEmbedder
+    from ..wire.transport import Transport
+
+
+@dataclass
+class Result:
+    run_id: int
+    cancelled: bool
+    tokens: np.ndarray | None  # i32[n_outputs]: the target's token after each output row (verify.row_tokens)
+
+
+class Pipeline:
+    def __init__(self, topo: Topology, engine: StageEngine, embedder: TokenEmbedder | None = None,
+                 transport: Transport | None = None, limits: Limits | None = None):
+        self.topo = topo
+        self.limits = limits          # every RESULT is checked against these before its payload (protocol.py)
+        self._last_result = NO_RUN
+        self.engine = engine
+        self.embedder = embedder
+        self.tx = transport
+        self.in_flight: deque[int] = deque()  # run ids in launch order
+        self.sampling = SamplingParams()
+        self._local: deque[Result] = deque()   # single-rank results
+        self.last = topo.n_ranks - 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.topo.n_ranks > 1
+
+    def launch(self, run_id: int, batch: Batch, speculative: bool, parent_id: int = NO_RUN) -> None:
+        flags = Flag.SPECULATIVE if speculative else Flag.NONE
+        self.engine.apply_kv_ops(batch.prefix_ops)
+        if not self.distributed:
+            logits = self.engine.decode(batch)
+            self._local.append(Result(run_id, False, row_tokens(logits, batch.output_pos, self.sampling)))
+        else:
+            meta = batch.pack_meta()
+            hidden = self.engine.decode(batch, self.embedder(batch.tokens))
+            hdr = Header(Kind.DECODE, run_id, batch.n_tokens, len(meta), flags, parent_id, batch.n_outputs, hidden.shape[1])
+            self.tx.send(1, hdr, (Tag.META, meta), (Tag.ACTIV, hidden))
+        self.in_flight.append(run_id)
+
+    def set_sampling(self, sp: SamplingParams) -> None:
+        """How the last stage turns each output row into a token, from the next run on (in order with runs)."""
+        self.sampling = sp
+        if self.distributed:
+            self.tx.send(1, Header(Kind.SAMPLING), (Tag.SAMPLING, pack_sampling(sp)))
+
+    def kv(self, ops: np.ndarray) -> None:
+        """Apply KV ops on every stage, in order with the runs around them."""
+        if len(ops) == 0:
+            return
+        self.engine.apply_kv_ops(ops)
+        if self.distributed:
+            self.tx.send(1, Header(Kind.KV, n_tokens=len(ops)), (Tag.KV, ops))
+
+    def cancel(self, run_ids: list[int]) -> None:
+        """Out of band: to the last stage, which relays it backwards."""
+        if self.distributed and run_ids:
+            self.tx.send_cancel(self.last, run_ids)
+
+    def result_ready(self) -> bool:
+        return bool(self._local) or (self.distributed and bool(self.in_flight) and self.tx.header_ready(self.last))
+
+    def next_result(self) -> Result:
+        """The oldest run's result, waiting politely for it."""
+        if not self.in_flight:
+            raise RuntimeError("no run in flight")
+        expected = self.in_flight[0]  # stays counted as in flight while we wait for it (liveness.py reports it)
+        if not self.distributed:
+            res = self._local.popleft()
+        else:
+            hdr = self.tx.wait_header(self.last)
+            try:
+                if self.limits is not None:
+                    check_header(hdr, self.limits, HEAD_KINDS, self._last_result)
+                elif hdr.kind != Kind.RESULT:
+                    raise ProtocolError(f"unexpected transaction {hdr.kind.name} (the head takes RESULT)")
+                self._last_result = hdr.run_id
+                cancelled = bool(hdr.flags & Flag.CANCELLED)
+                tokens = None if cancelled else self.tx.recv_array(self.last, Tag.TOKENS, (hdr.n_outputs,), np.int32)
+                if tokens is not None and self.limits is not None:
+                    check_tokens(tokens, self.limits)
+            except ProtocolError as e:
+                from ..wire.transport import (
+                    bad_message,  # mpi4py: not imported where the twin runs
+                )
+                raise bad_message(self.last, e) from None
+            res = Result(hdr.run_id, cancelled, tokens)
+        self.in_flight.popleft()
+        if res.run_id != expected:
+            raise RuntimeError(f"results out of order: expected run {expected}, got {res.run_id}")
+        return res
+
+    def shutdown(self) -> None:
+        if self.distributed:
+            self.tx.send(1, Header(Kind.SHUTDOWN))
+            self.tx.flush()

@@ -1,0 +1,183 @@
+"""Serve loop of a pipeline stage rank (ranks 1..N-1).
+
+Handles transactions from the previous rank strictly in arrival order (which is the head's order,
+see protocol.py) and forwards each one to the next rank; the last stage sends DECODE results back to
+the head: one token id per output row. Cancellation arrives out of band from the next rank (the signal
+travels backwards: head -> last stage -> ... -> rank 1), is recorded in a bounded set, relayed, and
+checked before a run starts and by llama.cpp's abort callback while it decodes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..core.kvplan import garbage_seq
+from ..core.metrics import rss_mb
+from ..core.protocol import (
+    NO_RUN,
+    WORKER_KINDS,
+    Batch,
+    Flag,
+    Header,
+    Kind,
+    Limits,
+    ProtocolError,
+    Tag,
+    check_header,
+    check_kv_ops,
+    payload_shapes,
+    unpack_sampling,
+)
+from ..core.topology import Topology
+from ..core.verify import SamplingParams, row_tokens
+from ..engine.stage import DecodeAborted, StageEngine
+from ..wire.transport import Transport, bad_message
+
+CANCEL_WINDOW = 4096  # cancelled ids older than the newest handled run by this much are forgotten
+
+
+@dataclass
+class StageStats:
+    rank: int = 0
+    n_decoded: int = 0             # runs decoded to the end
+    n_tokens: int = 0              # tokens decoded
+    n_cancelled_before: int = 0    # runs skipped because they were cancelled before this stage started them
+    n_cancelled_mid: int = 0       # runs aborted in the middle of their decode
+    n_kv_txns: int = 0             # KV transactions applied
+    t_busy_s: float = 0.0          # time inside llama_decode
+    t_idle_s: float = 0.0          # time waiting for a transaction
+    bytes_sent: int = 0            # bytes this rank sent on (to the next rank; the last one: to the head)
+    kv: list = None                # [seq, min pos, max pos] of non-empty sequences at shutdown
+    rss_trace_mb: dict = field(default_factory=dict)  # RSS (MiB) when decoding first reached position 250 k, by k x 250
+
+
+class StageWorker:
+    def __init__(self, topo: Topology, engine: StageEngine, transport: Transport, limits: Limits | None = None):
+        self.topo = topo
+        self.engine = engine
+        self.tx = transport
+        self.limits = limits          # every header and payload is checked against these (protocol.py)
+        self._last_run_in = NO_RUN    # run ids arrive in launch order
+        self.cancelled: set[int] = set()
+        self.stats = StageStats(rank=topo.rank)
+        self._newest_run = -1
+        self.sampling = SamplingParams()  # the last stage's rule for each output row's token (SAMPLING)
+
+    def _take_cancels(self) -> None:
+        ids = self.tx.poll_cancel(self.topo.next_rank)  # for the last stage, next_rank is the head
+        if ids:
+            self.cancelled.update(ids)
+            if self.topo.rank > 1:
+                self.tx.send_cancel(self.topo.prev_rank, ids)  # relay backwards, never to the head
+
+    def serve(self) -> StageStats:
+        prev, nxt = self.topo.prev_rank, self.topo.next_rank
+        while True:
+            hdr = self.tx.wait_header(prev, while_idle=self._take_cancels)
+            self._check(hdr)
+            self._take_cancels()
+            if hdr.kind == Kind.SHUTDOWN:
+                if not self.topo.is_last:
+                    self.tx.send(nxt, hdr)
+                break
+            if hdr.kind == Kind.KV:
+                ops = self.tx.recv_array(prev, Tag.KV, (hdr.n_tokens, 5), np.int32)
+                self._valid(check_kv_ops, ops)
+                self.engine.apply_kv_ops(ops)
+                self.stats.n_kv_txns += 1
+                if not self.topo.is_last:
+                    self.tx.send(nxt, hdr, (Tag.KV, ops))
+            elif hdr.kind == Kind.DECODE:
+                self._decode(hdr)
+            elif hdr.kind == Kind.SAMPLING:
+                buf = self.tx.recv_array(prev, Tag.SAMPLING, (4,), np.int64)
+                self.sampling = self._valid(lambda b, lim: unpack_sampling(b), buf)
+                if not self.topo.is_last:
+                    self.tx.send(nxt, hdr, (Tag.SAMPLING, buf))
+            else:
+                raise RuntimeError(f"rank {self.topo.rank}: unexpected transaction {hdr.kind.name} from rank {prev}")
+        self.stats.t_idle_s = self.tx.t_wait_s
+        self.stats.bytes_sent = self.tx.bytes_sent
+        self.stats.kv = self.engine.kv_summary(exclude=garbage_seq(self.engine.n_seq_max))
+        self.tx.flush()
+        return self.stats
+
+    def _check(self, hdr: Header) -> None:
+        """Refuse a header before its payload is received (sizes bounded: protocol.Limits)."""
+        if self.limits is None:
+            return
+        try:
+            check_header(hdr, self.limits, WORKER_KINDS, self._last_run_in)
+        except ProtocolError as e:
+            raise bad_message(self.topo.prev_rank, e) from None
+        if hdr.kind == Kind.DECODE:
+            self._last_run_in = hdr.run_id
+
+    def _valid(self, check, payload, *more):
+        """check(payload, limits, *more), a bad payload refused with one line naming its sender."""
+        if self.limits is None and check is check_kv_ops:
+            return None
+        try:
+            return check(payload, self.limits, *more)
+        except ProtocolError as e:
+            raise bad_message(self.topo.prev_rank, e) from None
+
+    def _decode(self, hdr: Header) -> None:
+        prev = self.topo.prev_rank
+        self._newest_run = max(self._newest_run, hdr.run_id)
+        if len(self.cancelled) > CANCEL_WINDOW:
+            self.cancelled = {r for r in self.cancelled if r > self._newest_run - CANCEL_WINDOW}
+        out, started = None, False
+        cancelled = bool(hdr.flags & Flag.CANCELLED) or hdr.run_id in self.cancelled or hdr.parent_id in self.cancelled
+        if not hdr.flags & Flag.CANCELLED:
+            (_, meta_shape, _), (_, activ_shape, _) = payload_shapes(hdr)
+            meta = self.tx.recv_array(prev, Tag.META, meta_shape, np.int32)
+            activ = self.tx.recv_array(prev, Tag.ACTIV, activ_shape, np.float32)
+            if not cancelled:
+                started = True
+                batch = self._valid(Batch.unpack_meta, meta, hdr)
+                out = self._run(hdr, batch, activ)
+                cancelled = out is None
+                if out is not None and self.topo.is_last:  # logits -> the token verification needs per row
+                    out = row_tokens(out, batch.output_pos, self.sampling)
+        if cancelled:
+            # pass an empty transaction on: later stages and the head's FIFO stay aligned
+            self.cancelled.add(hdr.run_id)
+            hdr.flags |= Flag.CANCELLED
+            self.stats.n_cancelled_before += not started
+            if self.topo.is_last:
+                hdr.kind = Kind.RESULT
+            self.tx.send(self.topo.next_rank, hdr)
+        elif self.topo.is_last:
+            hdr.kind = Kind.RESULT
+            self.tx.send(0, hdr, (Tag.TOKENS, out))
+        else:
+            hdr.n_embd = out.shape[1]
+            self.tx.send(self.topo.next_rank, hdr, (Tag.META, meta), (Tag.ACTIV, out))
+
+    def _run(self, hdr: Header, batch: Batch, activ: np.ndarray) -> np.ndarray | None:
+        """Decode one run; None when it was cancelled mid-decode (non-speculative runs never are)."""
+        self.engine.apply_kv_ops(batch.prefix_ops)
+        run_id = hdr.run_id
+        if hdr.flags & Flag.SPECULATIVE:
+            def should_abort() -> bool:
+                self._take_cancels()
+                return run_id in self.cancelled
+            self.engine.should_abort = should_abort
+        t0 = time.perf_counter()
+        try:
+            out = self.engine.decode(batch, activ)
+        except DecodeAborted:
+            self.stats.n_cancelled_mid += 1
+            return None
+        finally:
+            self.engine.should_abort = None
+            self.stats.t_busy_s += time.perf_counter() - t0
+        self.stats.n_decoded += 1
+        self.stats.n_tokens += batch.n_tokens
+        mark = int(batch.pos.max()) // 250 * 250
+        if mark and mark not in self.stats.rss_trace_mb:  # memory over a long generation (the soak test reads it)
+            self.stats.rss_trace_mb[mark] = round(rss_mb(), 1)
+        return out

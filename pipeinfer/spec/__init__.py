@@ -1,0 +1,7 @@
+"""Speculation: what proposes the tokens the target verifies.
+
+drafter (the Drafter interface and the model, n-gram and replay drafters, confidence cutoffs),
+draftahead (the draft beside the pipeline: in a thread of rank 0 or on a rank of its own, drafting
+ahead asynchronously) and translating (a draft model of another vocabulary, translated through text).
+Imports the core, the engine and the wire.
+"""

@@ -1,0 +1,293 @@
+"""Drafters: propose a token tree continuing a context, with confidence cutoffs.
+
+Tree rule (the paper's, and the original's): starting after the context, each active branch takes
+its top candidate while the candidate's probability is >= p_accept (+ adjustment); a further
+candidate with probability >= p_split (+ adjustment) opens a new branch, up to max_branches; at most
+n_max tokens in the tree. Branch 0 is the main chain; continuous speculation builds on it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from ..core.protocol import Batch, cp, kv_ops, rm
+from ..engine.kernels import DEFAULT_KERNELS, exact_batch_limit
+
+# --draft-head auto: a draft model's output projection keeps its 65,536 most frequent tokens (stagefile.head_tokens).
+# Gemma 3 270M's 262,144-token projection is 72% of its weights: one decode took 19.1 ms at 1 thread, 9.5 ms
+# pruned to 65,536 tokens (8.4 ms at 32,768), with bit-identical logits for the kept tokens. Its acceptance on
+# the three prompts fell from 0.87-0.91 to 0.81-0.87 (0.78-0.86 at 32,768): README, Draft head.
+DRAFT_HEAD_AUTO = 65536
+
+
+@dataclass
+class DraftNode:
+    token: int
+    parent: int                  # index in the tree, -1: continues the context
+    depth: int                   # 0 for the first drafted position
+    branches: set[int] = field(default_factory=set)  # branch indices (0 = main) that contain this node
+    prob: float = 1.0            # the drafter's confidence
+
+
+@dataclass(frozen=True)
+class Cutoffs:
+    p_accept: float = 0.5
+    p_split: float = 0.1
+    n_max: int = 4
+    max_branches: int = 1
+
+
+class Drafter(Protocol):
+    def prefill(self, prompt: list[int]) -> None:
+        """Take in the prompt ahead of the first draft (the head calls it while the target's pipeline
+        works on the prompt, so a draft model's prompt processing is off the critical path)."""
+        ...
+
+    def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
+        """A tree of proposals for positions len(context).., parents before children; [] if unconfident."""
+        ...
+
+
+def top_candidates(logits: np.ndarray, k: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """The k most likely tokens, most likely first, and their probabilities: (i64[k], f64[k]).
+
+    A full softmax + argsort over a 262,144-token vocabulary (Gemma 3) took 20-50 ms per draft token on
+    this project's machine, more than the draft model's decode; argpartition and one exp pass take ~2 ms.
+    """
+    k = min(k, len(logits))
+    top = np.argpartition(-logits, k - 1)[:k]
+    top = top[np.argsort(-logits[top], kind="stable")]
+    m = float(logits[top[0]])
+    z = float(np.exp(logits - np.float32(m)).sum(dtype=np.float64))
+    return top, np.exp(logits[top].astype(np.float64) - m) / z
+
+
+def main_chain(tree: list[DraftNode]) -> list[int]:
+    """Indices of branch 0's nodes, in order of depth."""
+    return [i for i, n in enumerate(tree) if 0 in n.branches]
+
+
+class ModelDrafter:
+    """A draft GGUF with the target's vocabulary, run whole on the head with its own KV sequences.
+
+    Draft sequence 0 holds the context the drafter last saw, then what it drafted after it; the logits
+    after each of its last KEEP_LOGITS positions are kept. A call whose context is a prefix of what seq 0
+    holds, or continues it, decodes only tokens seq 0 does not hold yet: continuing the previous
+    speculation costs no re-decode, and a chain re-drafted over tokens it already holds (the translating
+    drafter's healed token, a draft ahead re-rooted inside its own chain) costs nothing for those.
+    Sequences 1.. are tree branches, cleared after each call.
+    """
+
+    KEEP_LOGITS = 32   # logits rows kept (a Gemma 3 row is 262,144 floats = 1 MB)
+
+    def __init__(self, path, *, n_ctx: int, max_branches: int, n_threads: int, n_threads_batch: int,
+                 kernels: str = DEFAULT_KERNELS, head_tokens: int | None = None):
+        from ..engine.stage import (  # llama.cpp: imported where a model is loaded, not by the twin
+            StageEngine,
+            TokenEmbedder,
+        )
+        from ..engine.stagefile import ensure_pruned_head, read_info
+        n_vocab = read_info(path).n_vocab
+        # --draft-head: the output projection over the head_tokens most frequent tokens only (stagefile.py);
+        # the rest of the vocabulary gets logit -inf, so the draft never proposes it
+        self.keep: np.ndarray | None = None
+        self._embed = None
+        load = path
+        if head_tokens is not None and head_tokens < n_vocab:
+            load, self.keep = ensure_pruned_head(path, head_tokens)
+            self._embed = TokenEmbedder(path)
+        self.engine = StageEngine(load, n_ctx=n_ctx, n_batch=max(64, max_branches), n_seq_max=max(1, max_branches),
+                                  n_threads=n_threads, n_threads_batch=n_threads_batch,
+                                  embd_input=self.keep is not None, capture_hidden=False, kernels=kernels)
+        # reported with the statistics; the draft's numerics do not touch the output's exactness
+        self.exact_batch = None if kernels == "fast" else exact_batch_limit(self.engine, load, kernels, n_threads,
+                                                                              n_threads_batch)
+        self.n_vocab = n_vocab
+        self._kv: list[int] = []                  # tokens in draft seq 0
+        self._out: dict[int, np.ndarray] = {}     # n -> logits after self._kv[:n] (the last KEEP_LOGITS n)
+        self.n_decodes = 0
+
+    def _decode(self, batch: Batch) -> np.ndarray:
+        """f32[n_outputs, n_vocab] logits of a batch (a pruned head's logits scattered into the vocabulary)."""
+        if self.keep is None:
+            return self.engine.decode(batch)
+        part = self.engine.decode(batch, self._embed(batch.tokens))
+        logits = np.full((len(part), self.n_vocab), -np.inf, dtype=np.float32)
+        logits[:, self.keep] = part
+        return logits
+
+    def _truncate(self, n: int) -> None:
+        """Seq 0 keeps its first n tokens."""
+        if n < len(self._kv):
+            self.engine.apply_kv_ops(kv_ops(rm(0, n, -1)))
+            del self._kv[n:]
+            for k in [k for k in self._out if k > n]:
+                del self._out[k]
+
+    def _record(self, tokens: list[int], logits: np.ndarray) -> None:
+        """tokens were decoded at the end of seq 0; logits: f32[len(tokens) or 1, n_vocab], the last row
+        after the last token."""
+        self._kv += tokens
+        self._out[len(self._kv)] = logits[-1]
+        if len(self._out) > self.KEEP_LOGITS:
+            del self._out[min(self._out)]
+
+    def _sync(self, context: list[int]) -> np.ndarray:
+        """Make draft seq 0 start with `context` and return the logits after its last token (what seq 0
+        holds beyond the context stays, for step() to reuse)."""
+        c = 0
+        for a, b in zip(self._kv, context):
+            if a != b:
+                break
+            c += 1
+        n = len(context)
+        if c == n and n in self._out:
+            return self._out[n]
+        c = min(c, n - 1)  # the last context token is re-decoded to get its logits
+        self._truncate(c)
+        todo = context[c:]
+        for start in range(0, len(todo), self.engine.n_batch):
+            chunk = todo[start:start + self.engine.n_batch]
+            self._record(chunk, self._decode(Batch.chain(chunk, c + start, last_only=True)))
+            self.n_decodes += 1
+        return self._out[n]
+
+    def step(self, n: int, token: int) -> np.ndarray:
+        """The logits after seq 0's first n tokens and `token` (decoded at position n unless seq 0 already
+        holds it there); afterwards seq 0 starts with those n + 1 tokens."""
+        if n < len(self._kv) and self._kv[n] == token and n + 1 in self._out:
+            return self._out[n + 1]
+        self._truncate(n)
+        self._record([token], self._decode(Batch.chain([token], n)))
+        self.n_decodes += 1
+        return self._out[n + 1]
+
+    def prefill(self, prompt: list[int]) -> None:
+        self._sync(prompt)
+
+    def follow(self, context: list[int], tokens: list[int]) -> None:
+        """Decode `tokens` after `context` as drafting them would (the replay instrument's compute): one
+        single-token decode each, nothing more when context continues the last call's chain, one re-decode
+        after a rejected token."""
+        self._sync(context)
+        for k, t in enumerate(tokens):
+            self.step(len(context) + k, t)
+
+    def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
+        if cut.max_branches > 1:
+            self._truncate(len(context))  # branches copy seq 0: nothing of it beyond the context
+        logits0 = self._sync(context)
+        pos0 = len(context)
+        tree: list[DraftNode] = []
+        # active branches: branch index -> (draft seq id, last node index, logits after it)
+        active: dict[int, tuple[int, int, np.ndarray]] = {0: (0, -1, logits0)}
+        n_branches = 1
+        for depth in range(cut.n_max):
+            step: list[tuple[int, int]] = []  # (branch, node index) taken at this depth
+            for b, (seq, last, logits) in list(active.items()):
+                top, p = top_candidates(logits)  # p[f]: probability of token top[f]
+                if p[0] < cut.p_accept:
+                    del active[b]
+                    continue
+                for f in range(1, len(top)):
+                    if n_branches >= cut.max_branches or p[f] < cut.p_split:
+                        break
+                    nb = n_branches
+                    n_branches += 1
+                    self.engine.apply_kv_ops(kv_ops(rm(nb), cp(seq, nb)))
+                    i = last
+                    while i >= 0:  # the new branch shares b's nodes so far
+                        tree[i].branches.add(nb)
+                        i = tree[i].parent
+                    tree.append(DraftNode(int(top[f]), last, depth, {nb}, float(p[f])))
+                    active[nb] = (nb, len(tree) - 1, None)
+                    step.append((nb, len(tree) - 1))
+                tree.append(DraftNode(int(top[0]), last, depth, {b}, float(p[0])))
+                active[b] = (seq, len(tree) - 1, None)
+                step.append((b, len(tree) - 1))
+            if not step:
+                break
+            if len(step) == 1 and active[step[0][0]][0] == 0:   # the main chain alone: seq 0 may hold it
+                b, i = step[0]
+                active[b] = (0, i, self.step(pos0 + depth, tree[i].token))
+            else:
+                # this depth's tokens, one per branch, each in its branch's draft sequence
+                toks = np.array([tree[i].token for _, i in step], dtype=np.int32)
+                batch = Batch(toks, np.full(len(step), pos0 + depth, dtype=np.int32),
+                              [[active[b][0]] for b, _ in step], np.ones(len(step), dtype=np.int32), kv_ops())
+                logits = self._decode(batch)
+                self.n_decodes += 1
+                for k, (b, i) in enumerate(step):
+                    active[b] = (active[b][0], i, logits[k])
+                    if active[b][0] == 0:
+                        self._record([tree[i].token], logits[k:k + 1])
+            if len(tree) >= cut.n_max:
+                break
+        # keep the main chain in seq 0 for the next call; drop the other branches
+        self.engine.apply_kv_ops(kv_ops(*[rm(s) for s in range(1, n_branches)]))
+        return tree
+
+
+class NgramDrafter:
+    """Prompt-lookup decoding: continue the longest recent n-gram match found earlier in the context."""
+
+    def __init__(self, n_min: int = 1, n_max: int = 4):
+        self.n_min, self.n_max = n_min, n_max
+
+    def prefill(self, prompt: list[int]) -> None:
+        pass  # nothing to process: the context is searched at each draft
+
+    def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
+        ctx = np.asarray(context)
+        for n in range(min(self.n_max, len(ctx) - 1), self.n_min - 1, -1):
+            tail = ctx[-n:]
+            windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)
+            hits = np.flatnonzero((windows == tail).all(axis=1))
+            if len(hits) == 0:
+                continue
+            start = int(hits[-1]) + n  # most recent earlier occurrence
+            cont = ctx[start:start + cut.n_max].tolist()
+            # confidence grows with the match length; the same cutoffs as a model drafter apply
+            prob = n / (n + 1.0)
+            if not cont or prob < cut.p_accept:
+                return []
+            return [DraftNode(int(t), k - 1, k, {0}, prob) for k, t in enumerate(cont)]
+        return []
+
+
+class ReplayDrafter:
+    """BENCHMARK INSTRUMENT, not a real drafter: replays a known continuation with a set accuracy.
+
+    Given the reference tokens of an earlier single-node run of the same prompt (prompt + output), it
+    proposes the reference token at each position, right with probability `accuracy` (seeded per
+    position) and otherwise a wrong token, with confidence `accuracy`. So that its cost is realistic it
+    spends a real small model's compute per proposed token (`burner`, e.g. Gemma 3 270M, whose output is
+    discarded). It lets benchmarks sweep the acceptance rate on the real target.
+    """
+
+    def __init__(self, reference: list[int], accuracy: float, n_vocab: int, seed: int = 0,
+                 burner: ModelDrafter | None = None):
+        if not 0.0 <= accuracy <= 1.0:
+            raise ValueError(f"replay accuracy must be in [0, 1], got {accuracy}")
+        self.ref, self.accuracy, self.n_vocab, self.seed = list(reference), accuracy, n_vocab, seed
+        self.burner = burner
+        self.exact_batch = burner.exact_batch if burner is not None else None
+
+    def prefill(self, prompt: list[int]) -> None:
+        if self.burner is not None:  # the burner's prompt processing, as a real draft model's
+            self.burner.prefill([t % self.burner.n_vocab for t in prompt])
+
+    def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
+        if self.accuracy < cut.p_accept:
+            return []
+        pos0 = len(context)
+        tokens = []
+        for pos in range(pos0, min(pos0 + cut.n_max, len(self.ref))):
+            right = np.random.default_rng([self.seed, pos]).random() < self.accuracy
+            tokens.append(self.ref[pos] if right else (self.ref[pos] + 1 + pos % 7) % self.n_vocab)
+        if self.burner is not None and tokens:
+            v = self.burner.n_vocab
+            self.burner.follow([t % v for t in context], [t % v for t in tokens])
+        return [DraftNode(t, k - 1, k, {0}, self.accuracy) for k, t in enumerate(tokens)]

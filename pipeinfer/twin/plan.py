@@ -1,0 +1,164 @@
+"""`pipeinfer simulate` and `pipeinfer plan`: predictions from the digital twin (twin.py).
+
+simulate: one generation of the real Head scheduler on a cluster described by a profile (profile.py),
+          optionally re-split, scaled to another model or to more hosts, with other links.
+plan:     searches layer split, draft placement, micro-batch cap and -pr on a profile's cluster
+          for the fastest simulated configuration, and prints the `pipeinfer launch` line that runs it
+          beside the predicted tokens/s of iterative, speculative and pipeinfer.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import click
+
+from ..ranks.head import GenConfig
+from .sim import (
+    Cluster,
+    Link,
+    SimResult,
+    cluster_from_profile,
+    draft_ms_per_proposal,
+    scaled_layer_model,
+    simulate,
+    speed_factor,
+    stage_cost_from_model,
+)
+
+PLAN_P_RECOVERY = (None, 0.1, 0.25, 0.5)   # None: auto (0.5 / (ranks - 1))
+PLAN_P_ACCEPT = (0.1, 0.3, 0.5, 0.7)
+
+
+def load_profile(path: str) -> dict:
+    try:
+        prof = json.loads(Path(path).read_text())
+        prof["ranks"][0]["ms_by_batch"], prof["layer_model"]["layer_ms"], prof["model"]["n_layer"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise click.ClickException(f"--profile {path}: not a pipeinfer profile ({type(e).__name__}: {e})") from None
+    return prof
+
+
+@dataclass
+class Shape:
+    """Where a simulated cluster differs from the profiled one."""
+    hosts: int | None = None          # hosts like the profile's rank 0 (None: the profiled ranks)
+    fractions: list[float] | None = None
+    n_layer: int | None = None        # a model with another layer count ...
+    n_embd: int | None = None         # ... width ...
+    layer_scale: float = 1.0          # ... and cost per layer / output projection relative to the profiled one
+    out_scale: float = 1.0
+    link: Link | None = None
+    draft_on: str = "head"
+    draft_ms: float | None = None     # draft cost per proposed token (default: the profile's, translated if so)
+
+
+def build_cluster(prof: dict, shape: Shape) -> Cluster:
+    from ..core.topology import layer_ranges
+    if shape.hosts is None and shape.n_layer is None and shape.layer_scale == 1.0 and shape.out_scale == 1.0:
+        c = cluster_from_profile(prof, fractions=shape.fractions, draft_on=shape.draft_on, link=shape.link)
+    else:  # a cluster we do not have: every host like rank 0, the layer model scaled to the model
+        n_hosts = shape.hosts or len(prof["ranks"])
+        n_layer = shape.n_layer or prof["model"]["n_layer"]
+        lm = scaled_layer_model(prof["layer_model"], shape.layer_scale, shape.out_scale)
+        factor = speed_factor(prof["layer_model"], prof["ranks"][0])
+        ranges = layer_ranges(n_layer, shape.fractions or [1.0] * n_hosts)
+        stages = [stage_cost_from_model(lm, rr.n_layers, i == n_hosts - 1, factor) for i, rr in enumerate(ranges)]
+        link = shape.link or Link()
+        draft = prof.get("draft") or {}
+        c = Cluster(stages, [link] * n_hosts, shape.n_embd or prof["model"]["n_embd"], draft_ms_per_proposal(prof),
+                    draft.get("prefill_ms_per_token", 0.0), shape.draft_on, link, prof.get("head_overhead_ms", 0.3))
+    if shape.draft_ms is not None:
+        c.draft_ms_per_token = shape.draft_ms
+    return c
+
+
+def stage_table(res: SimResult) -> str:
+    lines = []
+    for s in res.stages:
+        total = s["t_busy_s"] + s["t_idle_s"]
+        lines.append(f"rank {s['rank']}: busy {s['t_busy_s']:.2f} s ({100 * s['t_busy_s'] / total if total else 0:.0f}%), "
+                     f"idle {s['t_idle_s']:.2f} s, {s['n_decoded']} runs / {s['n_tokens']} tokens, cancelled "
+                     f"{s['n_cancelled_before']} before start + {s['n_cancelled_mid']} mid-decode")
+    return "\n".join(lines)
+
+
+# ==================================================================== plan: search
+@dataclass
+class Candidate:
+    mode: str
+    fractions: list[float] | None
+    draft_on: str
+    draft_max: int | None
+    p_accept: float
+    p_recovery: float | None
+    tokens_per_s: float = 0.0
+
+
+def _splits(n_ranks: int, step: float = 0.05) -> list[list[float] | None]:
+    """The even split (None) and fractions around it in `step`s (2-4 ranks; more: even only)."""
+    out: list[list[float] | None] = [None]
+    if n_ranks < 2 or n_ranks > 4:
+        return out
+    grid = [round(i * step, 4) for i in range(1, int(1 / step))]
+    for head in itertools.product(grid, repeat=n_ranks - 1):
+        rest = round(1.0 - sum(head), 4)
+        if rest >= step - 1e-9:
+            out.append(list(head) + [rest])
+    return out
+
+
+def search(prof: dict, *, agreement: float, n_predict: int, exact_limit: int, draft_own_host: bool,
+           base: GenConfig, link: Link | None = None, propose: float = 1.0,
+           confidence: list | None = None) -> dict[str, Candidate]:
+    """The fastest simulated configuration of each mode (iterative: the split only). The draft: right with
+    probability `agreement`, proposing at `propose` of its calls (a model draft below its cutoff proposes
+    nothing, and costs its time), or, given the profile's measured `confidence` pairs, as they and the
+    cutoff decide; then -pa is searched too."""
+    n_ranks = len(prof["ranks"])
+    best: dict[str, Candidate] = {}
+
+    def run(cand: Candidate) -> float:
+        gen = replace(base, mode=cand.mode, n_predict=n_predict, p_recovery=cand.p_recovery,
+                      cut=replace(base.cut, n_max=cand.draft_max or 1, p_accept=cand.p_accept))
+        cl = build_cluster(prof, Shape(fractions=cand.fractions, link=link, draft_on=cand.draft_on))
+        return simulate(cl, gen, agreement=agreement, propose=propose, confidence=confidence).stats.gen_tokens_per_s
+
+    splits = _splits(n_ranks)
+    for fr in splits:  # the split first, on iterative (the split that balances stages)
+        cand = Candidate("iterative", fr, "head", None, 0.5, 0.0)
+        cand.tokens_per_s = run(cand)
+        if "iterative" not in best or cand.tokens_per_s > best["iterative"].tokens_per_s:
+            best["iterative"] = cand
+    fr_splits = list({tuple(c) if c else None for c in [None, best["iterative"].fractions]})
+    places = ["head", "own"] if draft_own_host else ["head"]
+    for mode in ("speculative", "pipeinfer"):
+        lead = mode == "speculative"
+        caps = range(1, max(1, exact_limit - lead) + 1)
+        p_recs = PLAN_P_RECOVERY if mode == "pipeinfer" else (0.0,)
+        # -pa: searched where the draft's measured confidence says what a cutoff does to the acceptance; with a
+        # draft that agrees with a fixed probability it stays the user's
+        p_accepts = PLAN_P_ACCEPT if confidence else (base.cut.p_accept,)
+        for fr, place, cap, pr, pa in itertools.product(fr_splits, places, caps, p_recs, p_accepts):
+            cand = Candidate(mode, list(fr) if fr else None, place, cap, pa, pr)
+            cand.tokens_per_s = run(cand)
+            if mode not in best or cand.tokens_per_s > best[mode].tokens_per_s:
+                best[mode] = cand
+    return best
+
+
+def launch_line(prof: dict, cand: Candidate, hostfile: str = "hosts.txt") -> str:
+    parts = [f"pipeinfer launch --hostfile {hostfile} -- generate --mode {cand.mode}"]
+    if cand.fractions:
+        parts.append("--layer-split " + ",".join(f"{f:g}" for f in cand.fractions))
+    threads = [r["threads"] for r in prof["ranks"]]
+    parts.append("-t " + ",".join(map(str, threads)) if len(set(threads)) > 1 else f"-t {threads[0]}")
+    if cand.mode != "iterative":
+        parts += [f"--draft-max {cand.draft_max}", f"-pa {cand.p_accept:g}"]
+        if cand.mode == "pipeinfer":
+            parts.append(f"-pr {'auto' if cand.p_recovery is None else f'{cand.p_recovery:g}'}")
+        # the twin's placements: in series on the head, or a host of its own (a hostfile line with role=draft)
+        parts.append("--draft-at rank" if cand.draft_on == "own" else "--draft-at head")
+    return " ".join(parts)

@@ -1,0 +1,617 @@
+"""The digital twin: the real Head scheduler (head.py) against a simulated pipeline in virtual time.
+
+Nothing here touches MPI or llama.cpp. `SimPipeline` has the interface of pipeline.Pipeline and plays
+the cluster as a discrete-event simulation:
+
+    head (rank 0)   decodes stage 0 synchronously at launch (its own clock advances), sends the run on
+    rank r >= 1     one FIFO server: a transaction waits for the stage to be free, decodes for
+                    stage_ms(batch size), then travels the link to r+1 (the last rank: back to the head)
+    link r          FIFO, bandwidth-limited: departs when the link is free, arrives after bytes /
+                    bandwidth + latency; message sizes are the real protocol's (protocol.py)
+    cancellation    head -> last rank -> ... -> rank 1, each hop after its link's latency; a stage
+                    skips a cancelled run it has not started and aborts a speculative decode in
+                    progress `abort_check_ms` after the signal arrives (llama.cpp's abort callback)
+    drafting        a replay drafter (drafter.ReplayDrafter, the real code) whose proposals cost
+                    `draft_ms_per_token` on the head's clock, or on a draft host of its own that drafts
+                    ahead along the chain and re-roots when the head's context leaves it
+    the head        pays `head_overhead_ms` per launch and per result (its Python scheduling)
+
+The target's token after every output row comes from a reference sequence, so verification, the
+cutoffs, multibuffering, cancellation and compaction all run the real code. The Head reads the
+virtual clock (Head(clock=...)), so Stats, --results rows and `pipeinfer plot` work unchanged.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ..core.kvplan import PartitionPool, plan_partitions
+from ..core.metrics import Stats
+from ..core.protocol import HEADER_LEN, NO_RUN, Batch, Kind
+from ..ranks.head import GenConfig, Head, auto_p_recovery
+from ..ranks.pipeline import Result
+from ..spec.drafter import Cutoffs, DraftNode, ReplayDrafter
+
+KV_OP_MS = 0.05      # a stage applying one KV transaction (seq_rm/cp: bookkeeping, no compute)
+
+
+# ==================================================================== the cluster's model
+@dataclass
+class StageCost:
+    """One stage's decode time by batch size (ms). ms_by_batch[b - 1] for b = 1..len; larger batches
+    (prompt chunks) add prompt_ms_per_token per token beyond the table."""
+    ms_by_batch: list[float]
+    prompt_ms_per_token: float
+
+    def ms(self, n_tokens: int) -> float:
+        b = len(self.ms_by_batch)
+        if n_tokens <= b:
+            return self.ms_by_batch[max(0, n_tokens - 1)]
+        return self.ms_by_batch[-1] + (n_tokens - b) * self.prompt_ms_per_token
+
+
+@dataclass
+class Link:
+    latency_s: float = 50e-6
+    bandwidth_Bps: float = 125e6   # 1 Gbit/s
+
+    def transfer_s(self, n_bytes: int) -> float:
+        return n_bytes / self.bandwidth_Bps
+
+
+@dataclass
+class Cluster:
+    """What the twin needs to know about a cluster: per-stage decode costs, links, the draft's cost."""
+    stages: list[StageCost]                  # rank 0 (the head's stage) first
+    links: list[Link]                        # links[r]: rank r <-> r+1; links[-1]: last rank <-> head
+    n_embd: int
+    draft_ms_per_token: float = 0.0
+    draft_prefill_ms_per_token: float = 0.0
+    draft_on: str = "head"                   # head | own (a host of its own, drafting ahead)
+    draft_link: Link = field(default_factory=Link)
+    head_overhead_ms: float = 0.3
+    abort_check_ms: float = 1.0
+    # ranks that share a machine: a decode that starts while k other ranks of the machine compute takes
+    # shared_slowdown (memory bandwidth) x max(1, (k + 1) / its cores) times as long (profile.py measures it)
+    machine_of: list[str] | None = None
+    shared_slowdown: float = 1.0
+    cores_of: list[int] | None = None
+
+    @property
+    def n_ranks(self) -> int:
+        return len(self.stages)
+
+
+# ==================================================================== virtual time
+class VirtualClock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, dt_s: float) -> None:
+        self.now_s += max(0.0, dt_s)
+
+    def advance_to(self, t_s: float) -> None:
+        self.now_s = max(self.now_s, t_s)
+
+
+@dataclass
+class Txn:
+    kind: Kind
+    run_id: int = NO_RUN
+    parent_id: int = NO_RUN
+    speculative: bool = False
+    n_tokens: int = 0
+    n_outputs: int = 0
+    output_pos: np.ndarray | None = None
+    n_meta: int = 0
+    cancelled: bool = False
+
+    def wire_bytes(self, n_embd: int, to_head: bool) -> int:
+        """Bytes of this transaction on the wire, as protocol.py lays it out."""
+        n = 4 * HEADER_LEN
+        if self.kind == Kind.DECODE and not self.cancelled:
+            n += 4 * self.n_outputs if to_head else 4 * self.n_meta + 4 * self.n_tokens * n_embd
+        elif self.kind == Kind.KV:
+            n += 20 * self.n_tokens
+        elif self.kind == Kind.SAMPLING:
+            n += 32
+        return n
+
+
+@dataclass
+class StageTrace:
+    rank: int
+    t_busy_s: float = 0.0
+    n_decoded: int = 0
+    n_tokens: int = 0
+    n_cancelled_before: int = 0
+    n_cancelled_mid: int = 0
+    bytes_sent: int = 0
+
+
+class _Stage:
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.queue: deque[Txn] = deque()
+        self.current: Txn | None = None
+        self.t_start_s = 0.0
+        self.version = 0           # invalidates a scheduled end when the decode is aborted
+        self.cancelled: set[int] = set()
+        self.trace = StageTrace(rank)
+
+
+class SimPipeline:
+    """pipeline.Pipeline's interface over a simulated cluster (module docstring)."""
+
+    distributed = True
+
+    def __init__(self, cluster: Cluster, reference: list[int], clock: VirtualClock):
+        if cluster.n_ranks < 2:
+            raise ValueError("the twin simulates 2 or more ranks")
+        if len(cluster.links) != cluster.n_ranks:
+            raise ValueError(f"{cluster.n_ranks} ranks need {cluster.n_ranks} links (the last one back to the head)")
+        self.c, self.ref, self.clock = cluster, reference, clock
+        self.last = cluster.n_ranks - 1
+        self.stages = [_Stage(r) for r in range(cluster.n_ranks)]  # [0] holds the head's trace only
+        self.in_flight: deque[int] = deque()
+        self._events: list = []
+        self._seq = itertools.count()
+        self._link_free_s = [0.0] * cluster.n_ranks
+        self._arrived: deque[Result] = deque()
+        self.t_head_wait_s = 0.0
+        self._machine = cluster.machine_of or [f"host{r}" for r in range(cluster.n_ranks)]
+        # compute in progress, by rank (0: the head's thread): [work left in seconds alone, slowdown, since]
+        self._active: dict[int, list[float]] = {}
+
+    # ---- the event queue
+    def _post(self, t_s: float, fn, *args) -> None:
+        heapq.heappush(self._events, (t_s, next(self._seq), fn, args))
+
+    def _run_until(self, t_s: float) -> None:
+        while self._events and self._events[0][0] <= t_s:
+            t, _, fn, args = heapq.heappop(self._events)
+            fn(t, *args)
+
+    def _send(self, t_s: float, link: int, n_bytes: int, fn, *args) -> None:
+        """A message over link `link` (FIFO, bandwidth-limited), then fn(arrival time, *args)."""
+        lk = self.c.links[link]
+        depart = max(t_s, self._link_free_s[link])
+        self._link_free_s[link] = depart + lk.transfer_s(n_bytes)
+        self._post(self._link_free_s[link] + lk.latency_s, fn, *args)
+
+    # ---- a stage rank
+    def _arrive(self, t_s: float, rank: int, txn: Txn) -> None:
+        st = self.stages[rank]
+        st.queue.append(txn)
+        if st.current is None:
+            self._start_next(t_s, st)
+
+    def _start_next(self, t_s: float, st: _Stage) -> None:
+        while st.current is None and st.queue:
+            txn = st.queue.popleft()
+            if txn.kind == Kind.DECODE:
+                if not txn.cancelled and (txn.run_id in st.cancelled or txn.parent_id in st.cancelled):
+                    txn.cancelled = True
+                    st.trace.n_cancelled_before += 1
+                if txn.cancelled:
+                    st.cancelled.add(txn.run_id)
+                    self._forward(t_s, st, txn)
+                    continue
+                st.current, st.t_start_s = txn, t_s
+                self._compute_starts(st.rank, self.c.stages[st.rank].ms(txn.n_tokens) / 1e3, t_s)
+            else:
+                st.current, st.t_start_s = txn, t_s
+                st.version += 1
+                self._post(t_s + KV_OP_MS / 1e3, self._end, st.rank, st.version)
+
+    def _end(self, t_s: float, rank: int, version: int) -> None:
+        st = self.stages[rank]
+        if version != st.version or st.current is None:
+            return  # aborted: a later end was scheduled
+        txn, st.current = st.current, None
+        if txn.kind == Kind.DECODE:
+            self._compute_ends(rank, t_s)
+            st.trace.t_busy_s += t_s - st.t_start_s
+            if txn.cancelled:
+                st.trace.n_cancelled_mid += 1
+                st.cancelled.add(txn.run_id)
+            else:
+                st.trace.n_decoded += 1
+                st.trace.n_tokens += txn.n_tokens
+        self._forward(t_s, st, txn)
+        self._start_next(t_s, st)
+
+    def _forward(self, t_s: float, st: _Stage, txn: Txn) -> None:
+        to_head = st.rank == self.last
+        n_bytes = txn.wire_bytes(self.c.n_embd, to_head)
+        st.trace.bytes_sent += n_bytes
+        if to_head:
+            if txn.kind == Kind.DECODE:
+                self._send(t_s, st.rank, n_bytes, self._result, txn)
+        else:
+            self._send(t_s, st.rank, n_bytes, self._arrive, st.rank + 1, txn)
+
+    def _cancel_arrives(self, t_s: float, rank: int, run_ids: list[int]) -> None:
+        st = self.stages[rank]
+        st.cancelled.update(run_ids)
+        cur = st.current
+        if (cur is not None and cur.kind == Kind.DECODE and cur.speculative and not cur.cancelled
+                and (cur.run_id in st.cancelled or cur.parent_id in st.cancelled)):
+            cur.cancelled = True
+            self._settle(rank, t_s)
+            self._active[rank][0] = self.c.abort_check_ms / 1e3  # stops at the abort callback's next check
+            self._reschedule(rank, t_s)
+        if rank > 1:  # relayed backwards, never to the head
+            lk = self.c.links[rank - 1]
+            self._post(t_s + lk.latency_s + lk.transfer_s(4 * len(run_ids)), self._cancel_arrives, rank - 1, run_ids)
+
+    def _result(self, t_s: float, txn: Txn) -> None:
+        tokens = None
+        if not txn.cancelled:  # the target's token after each output row: the reference's next token
+            tokens = np.array([self.ref[p + 1] if p + 1 < len(self.ref) else 0 for p in txn.output_pos], dtype=np.int32)
+        self._arrived.append(Result(txn.run_id, txn.cancelled, tokens))
+
+    # ---- compute that shares a machine (processor sharing: every rank of a machine that computes slows down)
+    def _slowdown(self, k: int, rank: int) -> float:
+        """The slowdown of each of k computations running at once on rank's machine."""
+        if k <= 1:
+            return 1.0
+        cores = self.c.cores_of[rank] if self.c.cores_of else k
+        return self.c.shared_slowdown * max(1.0, k / cores)
+
+    def _peers(self, rank: int) -> list[int]:
+        return [q for q in self._active if self._machine[q] == self._machine[rank]]
+
+    def _settle(self, rank: int, t_s: float) -> None:
+        """Charge the work done until t_s to every computation on rank's machine."""
+        for q in self._peers(rank):
+            a = self._active[q]
+            a[0] = max(0.0, a[0] - (t_s - a[2]) / a[1])
+            a[2] = t_s
+
+    def _reschedule(self, rank: int, t_s: float) -> None:
+        """New slowdowns on rank's machine; the stage ranks' ends move accordingly (the head's loop reads its own)."""
+        peers = self._peers(rank)
+        for q in peers:
+            a = self._active[q]
+            a[1] = self._slowdown(len(peers), q)
+            if q > 0:
+                st = self.stages[q]
+                st.version += 1
+                self._post(t_s + a[0] * a[1], self._end, q, st.version)
+
+    def _compute_starts(self, rank: int, work_s: float, t_s: float) -> None:
+        self._settle(rank, t_s)
+        self._active[rank] = [work_s, 1.0, t_s]
+        self._reschedule(rank, t_s)
+
+    def _compute_ends(self, rank: int, t_s: float) -> None:
+        self._settle(rank, t_s)
+        del self._active[rank]
+        self._reschedule(rank, t_s)
+
+    # ---- Pipeline's interface (the head's side)
+    def _head_work(self, ms: float, compute: bool = False) -> None:
+        """The head's thread works ms (compute: a decode, slowed while other ranks of its machine compute)."""
+        t0 = self.clock()
+        if not compute:
+            self.clock.advance(ms / 1e3)
+        else:
+            self._run_until(t0)
+            self._compute_starts(0, ms / 1e3, t0)
+            while True:
+                work, slow, since = self._active[0]
+                t_end = since + work * slow
+                if self._events and self._events[0][0] < t_end:  # something changes before it finishes
+                    t_next = self._events[0][0]
+                    self.clock.advance_to(t_next)
+                    self._run_until(t_next)
+                    continue
+                self.clock.advance_to(t_end)
+                self._compute_ends(0, t_end)
+                break
+        self.stages[0].trace.t_busy_s += self.clock() - t0
+
+    def launch(self, run_id: int, batch: Batch, speculative: bool, parent_id: int = NO_RUN) -> None:
+        self._head_work(self.c.head_overhead_ms)
+        self._head_work(self.c.stages[0].ms(batch.n_tokens), compute=True)
+        self.stages[0].trace.n_decoded += 1
+        self.stages[0].trace.n_tokens += batch.n_tokens
+        txn = Txn(Kind.DECODE, run_id, parent_id, speculative, batch.n_tokens, batch.n_outputs, batch.output_pos,
+                  len(batch.pack_meta()))
+        self._sent_from_head(txn)
+        self.in_flight.append(run_id)
+
+    def _sent_from_head(self, txn: Txn) -> None:
+        n_bytes = txn.wire_bytes(self.c.n_embd, False)
+        self.stages[0].trace.bytes_sent += n_bytes
+        self._send(self.clock(), 0, n_bytes, self._arrive, 1, txn)
+
+    def set_sampling(self, sp) -> None:
+        self._sent_from_head(Txn(Kind.SAMPLING))
+
+    def kv(self, ops: np.ndarray) -> None:
+        if len(ops):
+            self._sent_from_head(Txn(Kind.KV, n_tokens=len(ops)))
+
+    def cancel(self, run_ids: list[int]) -> None:
+        if run_ids:
+            lk = self.c.links[self.last]
+            self._post(self.clock() + lk.latency_s + lk.transfer_s(4 * len(run_ids)), self._cancel_arrives,
+                       self.last, list(run_ids))
+
+    def result_ready(self) -> bool:
+        self._run_until(self.clock())
+        return bool(self._arrived)
+
+    def next_result(self) -> Result:
+        if not self.in_flight:
+            raise RuntimeError("no run in flight")
+        expected = self.in_flight.popleft()
+        self._run_until(self.clock())
+        while not self._arrived:
+            if not self._events:
+                raise RuntimeError(f"internal: the twin lost run {expected}")
+            t_next = self._events[0][0]
+            self.t_head_wait_s += max(0.0, t_next - self.clock())
+            self.clock.advance_to(t_next)
+            self._run_until(t_next)
+        res = self._arrived.popleft()
+        if res.run_id != expected:
+            raise RuntimeError(f"results out of order: expected run {expected}, got {res.run_id}")
+        self._head_work(self.c.head_overhead_ms)
+        return res
+
+    def shutdown(self) -> None:
+        pass
+
+    def stage_stats(self) -> list[dict]:
+        """Per rank, like worker.StageStats: busy and idle time, decodes, cancellations, bytes sent."""
+        t_end = self.clock()
+        out = []
+        for st in self.stages:
+            d = vars(st.trace).copy()
+            d["t_idle_s"] = max(0.0, t_end - d["t_busy_s"]) if st.rank else self.t_head_wait_s
+            out.append(d)
+        return out
+
+
+# ==================================================================== the draft's compute
+class SimDraftCost:
+    """Stands in for ReplayDrafter's `burner`: charges a draft model's compute to virtual time.
+
+    On the head (draft_on="head") every drafted token costs draft_ms_per_token of the head's clock, plus
+    one decode when the context is not a continuation of the last draft (the drafter re-syncs its KV).
+    On a host of its own (draft_on="own") the drafter drafts ahead along its last chain while the head
+    works: a continuation is ready draft-time after the previous draft was; a re-rooted context can
+    start only once the head's verification reached it (one draft-link latency). The head waits only
+    for what is not ready yet, plus the draft's trip back.
+    """
+
+    n_vocab = 2**31 - 1
+    exact_batch = None
+
+    def __init__(self, cluster: Cluster, clock: VirtualClock, pipe: SimPipeline):
+        self.c, self.clock, self.pipe = cluster, clock, pipe
+        self._last: list[int] = []
+        self._ready_s = 0.0      # when the draft host finished its last draft
+
+    def prefill(self, prompt: list[int]) -> None:
+        ms = len(prompt) * self.c.draft_prefill_ms_per_token
+        if self.c.draft_on == "head":
+            self.pipe._head_work(ms, compute=True)
+        else:
+            self._ready_s = self.clock() + self.c.draft_link.latency_s + ms / 1e3
+        self._last = list(prompt)
+
+    def draft(self, context: list[int], cut: Cutoffs) -> list:
+        n = cut.n_max
+        continues = len(context) >= len(self._last) and context[:len(self._last)] == self._last
+        ms = (n + (0 if continues else 1)) * self.c.draft_ms_per_token
+        if self.c.draft_on == "head":
+            self.pipe._head_work(ms, compute=True)
+        else:
+            start = self._ready_s if continues else max(self._ready_s, self.clock() + self.c.draft_link.latency_s)
+            self._ready_s = start + ms / 1e3
+            self.clock.advance_to(self._ready_s + self.c.draft_link.latency_s)
+        return []
+
+    def follow(self, context: list[int], tokens: list[int]) -> None:
+        """The replay instrument's compute for proposing `tokens` (ModelDrafter.follow's cost)."""
+        self.draft(context, Cutoffs(0.0, 1.0, len(tokens), 1))
+        self._last = list(context) + list(tokens)
+
+
+class _ChainAwareReplay(ReplayDrafter):
+    """ReplayDrafter whose burner sees the real context and proposals (so continuation is detected), and
+    which proposes at a call only with probability `propose` (a draft model is not always confident: the
+    Gemma draft proposed at about half of its calls); an unconfident call costs one draft token."""
+
+    propose = 1.0
+
+    def draft(self, context, cut):
+        if self.propose < 1.0 and np.random.default_rng([self.seed, len(context), 1]).random() >= self.propose:
+            if self.burner is not None:
+                self.burner.draft(context, Cutoffs(0.0, 1.0, 1, 1))
+            return []
+        return super().draft(context, cut)
+
+
+class _ConfidenceReplay(ReplayDrafter):
+    """A draft drawn from measured (confidence, right) pairs (profile.py's measure_confidence), in the order
+    they were measured: each block of BLOCK positions takes BLOCK consecutive pairs from an offset drawn by
+    (seed, block), because a draft is right and sure in streaks (a chain of k tokens is all right far more
+    often than the k-th power of the agreement). The chain proposes while the confidence clears the cutoff,
+    the reference token where the pair was right and a wrong one where not. So -pa and the reactive cutoff
+    decide what is proposed and how much of it is accepted, as with a real draft model. A call that
+    proposes nothing costs one draft token."""
+
+    BLOCK = 8
+
+    def __init__(self, reference: list[int], pairs: list, seed: int, burner):
+        super().__init__(reference, 1.0, n_vocab=30000, seed=seed, burner=burner)
+        self.pairs = [(float(p), bool(r)) for p, r in pairs]
+
+    def pair(self, pos: int) -> tuple[float, bool]:
+        offset = int(np.random.default_rng([self.seed, pos // self.BLOCK, 2]).integers(len(self.pairs)))
+        return self.pairs[(offset + pos % self.BLOCK) % len(self.pairs)]
+
+    def draft(self, context, cut):
+        pos0 = len(context)
+        nodes: list[DraftNode] = []
+        for pos in range(pos0, min(pos0 + cut.n_max, len(self.ref))):
+            p, right = self.pair(pos)
+            if p < cut.p_accept or p <= 0.0:
+                break
+            token = self.ref[pos] if right else (self.ref[pos] + 1 + pos % 7) % self.n_vocab
+            nodes.append(DraftNode(token, len(nodes) - 1, len(nodes), {0}, p))
+        if self.burner is not None:
+            if nodes:
+                self.burner.follow(context, [n.token for n in nodes])
+            else:
+                self.burner.draft(context, Cutoffs(0.0, 1.0, 1, 1))
+        return nodes
+
+
+def confidence_agreement(pairs: list, p_accept: float) -> tuple[float, float]:
+    """(share of positions the draft proposes at cutoff p_accept, share of those it gets right)."""
+    shown = [r for p, r in pairs if p >= p_accept and p > 0.0]
+    return len(shown) / max(1, len(pairs)), sum(shown) / max(1, len(shown))
+
+
+# ==================================================================== one simulated generation
+@dataclass
+class SimResult:
+    tokens: list[int]
+    stats: Stats
+    stages: list[dict]
+    p_recovery: float
+
+
+def reference_tokens(n_prompt: int, n_predict: int, seed: int = 0) -> list[int]:
+    """A stand-in token sequence: prompt then the target's output (the twin needs no real text)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(10, 30000, n_prompt + n_predict + 64).tolist()
+
+
+def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prompt: int = 64,
+             reference: list[int] | None = None, max_in_flight: int = 8, seed: int = 0,
+             propose: float = 1.0, confidence: list | None = None) -> SimResult:
+    """Run the real Head on the twin: one generation of gen.n_predict tokens in virtual time. The draft
+    agrees with probability `agreement` and proposes at `propose` of its calls, or, given `confidence`
+    (measured (confidence, right) pairs), as those pairs and the cutoff decide."""
+    clock = VirtualClock()
+    ref = reference or reference_tokens(n_prompt, gen.n_predict, seed)
+    n_prompt = min(n_prompt, len(ref) - 1)
+    if gen.p_recovery is None:
+        gen = replace(gen, p_recovery=auto_p_recovery(cluster.n_ranks))
+    if gen.mode == "pipeinfer" and gen.adaptive_draft and gen.stage_ms is None and gen.cut.n_max > 1:
+        # what runner.stage_costs measures at start-up: each stage's decode time for 1..cap tokens
+        gen = replace(gen, stage_ms=tuple(tuple(st.ms(b) for b in range(1, gen.cut.n_max + 1)) for st in cluster.stages))
+    pipe = SimPipeline(cluster, ref, clock)
+    pool = drafter = None
+    if gen.mode != "iterative":
+        n_part, n_seq_max = plan_partitions(gen.cut.max_branches, max_in_flight)
+        pool = PartitionPool(n_part, gen.cut.max_branches, n_seq_max)
+        cost = SimDraftCost(cluster, clock, pipe)
+        if confidence:
+            drafter = _ConfidenceReplay(ref, confidence, seed, cost)
+        else:
+            drafter = _ChainAwareReplay(ref, agreement, n_vocab=30000, seed=seed, burner=cost)
+            drafter.propose = propose
+    head = Head(pipe, gen, pool, drafter, clock=clock)
+    tokens = head.generate(ref[:n_prompt])
+    expect = ref[n_prompt:n_prompt + len(tokens)]
+    if tokens != expect:
+        raise RuntimeError("internal: the twin's output differs from its reference")
+    stages = pipe.stage_stats()
+    head.stats.stage_stats = stages
+    head.stats.n_kv0 = head.n_kv0
+    return SimResult(tokens, head.stats, stages, gen.p_recovery)
+
+
+# ==================================================================== clusters from a profile (profile.py)
+def layer_model_ms(lm: dict, n_layers: int, last: bool, n_tokens: int) -> float:
+    """A stage of n_layers (plus the output projection if last) at batch n_tokens, from a profile's
+    layer model: fixed + n_layers x per-layer + output (each by batch size; prompt batches per token)."""
+    b = len(lm["layer_ms"])
+    if n_tokens <= b:
+        i = n_tokens - 1
+        return lm["fixed_ms"][i] + n_layers * lm["layer_ms"][i] + (lm["out_ms"][i] if last else 0.0)
+    per_token = (lm["prompt_fixed_ms_per_token"] + n_layers * lm["prompt_layer_ms_per_token"]
+                 + (lm["prompt_out_ms_per_token"] if last else 0.0))
+    return layer_model_ms(lm, n_layers, last, b) + (n_tokens - b) * per_token
+
+
+def scaled_layer_model(lm: dict, layer_scale: float, out_scale: float) -> dict:
+    """The layer model of a larger (or smaller) model on the same hosts: per-layer costs times
+    layer_scale, the output projection times out_scale (memory-bound decodes: cost ~ weight bytes)."""
+    out = dict(lm)
+    out["layer_ms"] = [x * layer_scale for x in lm["layer_ms"]]
+    out["out_ms"] = [x * out_scale for x in lm["out_ms"]]
+    out["prompt_layer_ms_per_token"] = lm["prompt_layer_ms_per_token"] * layer_scale
+    out["prompt_out_ms_per_token"] = lm["prompt_out_ms_per_token"] * out_scale
+    return out
+
+
+def speed_factor(lm: dict, rank: dict) -> float:
+    """A profiled rank's measured 1-token decode over what the layer model gives for its layers: how much
+    slower (or faster) its host is than the one the layer model was measured on."""
+    modelled = layer_model_ms(lm, rank["layers"][1] - rank["layers"][0], rank["last"], 1)
+    return rank["ms_by_batch"][0] / modelled if modelled > 0 else 1.0
+
+
+def stage_cost_from_model(lm: dict, n_layers: int, last: bool, factor: float = 1.0) -> StageCost:
+    b = len(lm["layer_ms"])
+    ms = [factor * layer_model_ms(lm, n_layers, last, n) for n in range(1, b + 1)]
+    per_token = factor * (layer_model_ms(lm, n_layers, last, b + 1) - layer_model_ms(lm, n_layers, last, b))
+    return StageCost(ms, per_token)
+
+
+def profile_links(profile: dict, n_ranks: int, poll_s: float = 0.0005) -> list[Link]:
+    """Links as measured (a rank's polite wait adds about half a poll interval to every message)."""
+    measured = {lk["from"]: lk for lk in profile.get("links", [])}
+    out = []
+    for r in range(n_ranks):
+        lk = measured.get(r)
+        if lk is None:
+            raise ValueError(f"the profile has no link from rank {r}: give --bandwidth-mbit and --latency-us")
+        out.append(Link(lk["latency_s"] + poll_s / 2, lk["bandwidth_bps"] / 8))
+    return out
+
+
+def draft_ms_per_proposal(profile: dict) -> float:
+    """The profiled draft's cost per proposed token: translated (another vocabulary than the target's) where
+    the profile measured it so, else its plain decode per token."""
+    draft = profile.get("draft") or {}
+    tr = draft.get("translating")
+    return tr["ms_per_proposal"] if tr else draft.get("ms_per_token", 0.0)
+
+
+def cluster_from_profile(profile: dict, *, fractions: list[float] | None = None, draft_on: str = "head",
+                         link: Link | None = None, poll_s: float = 0.0005) -> Cluster:
+    """The profiled cluster; with `fractions`, another layer split on the same hosts (each host's cost
+    from the layer model, times its measured speed relative to that model)."""
+    from ..core.topology import layer_ranges
+    ranks, lm = profile["ranks"], profile["layer_model"]
+    n = len(ranks)
+    if fractions is None:
+        stages = [StageCost(list(r["ms_by_batch"]), r["prompt_ms_per_token"]) for r in ranks]
+    else:
+        ranges = layer_ranges(profile["model"]["n_layer"], fractions)
+        stages = [stage_cost_from_model(lm, rr.n_layers, rr is ranges[-1], speed_factor(lm, r))
+                  for r, rr in zip(ranks, ranges)]
+    links = [link] * n if link is not None else profile_links(profile, n, poll_s)
+    draft = profile.get("draft") or {}
+    return Cluster(stages, links, profile["model"]["n_embd"], draft_ms_per_proposal(profile),
+                   draft.get("prefill_ms_per_token", 0.0), draft_on, links[0],
+                   profile.get("head_overhead_ms", 0.3) + poll_s / 2,
+                   machine_of=[r.get("machine", r["host"]) for r in ranks],
+                   shared_slowdown=profile.get("shared_slowdown", 1.0), cores_of=[r.get("cores", 1) for r in ranks])

@@ -1,0 +1,158 @@
+"""The layout keeps the architecture: role packages on floors, imports only downward, no circle.
+
+Every import in pipeinfer/ counts, those inside functions too: an import deferred to a function is still a
+dependency of the module (it only moves the failure to the first call).
+"""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "pipeinfer"
+
+# floor of each role package: a module may import its own package and any package on a lower floor;
+# engine and wire share a floor and do not import each other
+FLOORS = {"core": 0, "engine": 1, "wire": 1, "spec": 2, "ranks": 3, "twin": 4, "cli": 5}
+ROOT_MODULES = {"pipeinfer": -1, "pipeinfer.__main__": 6}   # the version (anyone), `python -m pipeinfer` (no one)
+MAX_FUNCTION_LINES = 80
+MAX_CLASS_LINES = 300
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The pipeinfer modules `name` imports (a package's __init__ counts as the package)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            candidates = [target] + [f"{target}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        else:
+            continue
+        for c in candidates:
+            if c in known and c != name:
+                found.add(c)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+
+
+def floor(module: str) -> tuple[str, int]:
+    if module in ROOT_MODULES:
+        return module, ROOT_MODULES[module]
+    role = module.split(".")[1]
+    assert role in FLOORS, f"{module}: pipeinfer/{role} is not a role package (FLOORS)"
+    return role, FLOORS[role]
+
+
+def test_every_module_lives_in_a_role_package():
+    flat = [m for m in modules() if m not in ROOT_MODULES and m.count(".") < 2 and m.split(".")[1] not in FLOORS]
+    assert not flat, f"modules outside the role packages: {flat}"
+    for role in FLOORS:
+        doc = ast.get_docstring(ast.parse((PKG / role / "__init__.py").read_text()))
+        assert doc and len(doc) > 100, f"pipeinfer/{role}/__init__.py needs a paragraph on what it owns"
+
+
+def test_imports_go_only_downward():
+    upward = []
+    for module, targets in graph().items():
+        role, level = floor(module)
+        for t in targets:
+            t_role, t_level = floor(t)
+            if t_role != role and t_level >= level:
+                upward.append(f"{module} -> {t}")
+    assert not upward, "imports that do not go down a floor:\n" + "\n".join(sorted(upward))
+
+
+def test_the_import_graph_has_no_circle():
+    g = graph()
+    state: dict[str, int] = {}   # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(g[m]):
+            if state.get(t) == 1:
+                return path[path.index(t):] + [t]
+            if t not in state and (cycle := visit(t)):
+                return cycle
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(g):
+        if m not in state and (cycle := visit(m)):
+            pytest.fail("import circle: " + " -> ".join(cycle))
+
+
+def test_the_graph_check_sees_a_circle_and_an_upward_import(tmp_path, monkeypatch):
+    # the checks above on a package made to break them: core imports cli (upward), and back (a circle)
+    fake = tmp_path / "pipeinfer"
+    for role in ("core", "cli"):
+        (fake / role).mkdir(parents=True)
+        (fake / role / "__init__.py").write_text(f'"""{role}"""\n')
+    (fake / "__init__.py").write_text("")
+    (fake / "core" / "a.py").write_text("def f():\n    from ..cli import b\n")
+    (fake / "cli" / "b.py").write_text("from ..core import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "PKG", fake)
+    with pytest.raises(AssertionError, match="pipeinfer.core.a -> pipeinfer.cli.b"):
+        test_imports_go_only_downward()
+    with pytest.raises(pytest.fail.Exception, match="import circle"):
+        test_the_import_graph_has_no_circle()
+
+
+def test_no_long_functions_or_classes():
+    long = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            n_lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and n_lines > MAX_FUNCTION_LINES:
+                long.append(f"{name}.{node.name}: {n_lines} lines")
+            if isinstance(node, ast.ClassDef) and n_lines > MAX_CLASS_LINES:
+                doc = ast.get_docstring(node) or ""
+                if "Why one class" not in doc:   # a long class says at its top why it stays one
+                    long.append(f"{name}.{node.name}: class of {n_lines} lines without 'Why one class'")
+    assert not long, "\n".join(long)
+
+
+BLOCK = """
+import importlib.abc, sys
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('mpi4py', 'llama_cpp'):
+            raise ImportError(f'{name} is unimportable in this test')
+sys.meta_path.insert(0, Refuse())
+"""
+
+
+def test_the_twin_runs_with_mpi_and_llama_cpp_unimportable():
+    code = BLOCK + (
+        "import pipeinfer.twin, pipeinfer.twin.sim, pipeinfer.twin.plan, pipeinfer.ranks.head\n"
+        "from pipeinfer.twin.sim import Cluster, Link, StageCost, simulate\n"
+        "from pipeinfer.ranks.head import GenConfig\n"
+        "c = Cluster([StageCost([10.0], 1.0)] * 3, [Link()] * 3, 64, 2.0)\n"
+        "res = simulate(c, GenConfig(mode='pipeinfer', n_predict=16, p_recovery=None))\n"
+        "assert res.stats.n_generated == 16\n"
+        "try:\n    import mpi4py\nexcept ImportError:\n    print('clean')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "clean" in out.stdout, out.stderr
