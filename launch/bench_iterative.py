@@ -68,7 +68,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_iterative.csv"))
     args = ap.parse_args()
 
-    from pipeinfer.cli.main import apply_chat, read_prompt_file
+    from pipeinfer.core.files import read_prompt_file
+    from pipeinfer.engine.tokenizer import apply_chat
     from pipeinfer.engine.models import resolve_model
     from pipeinfer.engine.tokenizer import Tokenizer
     model = str(resolve_model("qwen2.5-coder-1.5b"))

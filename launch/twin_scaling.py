@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 from pipeinfer.spec.drafter import Cutoffs  # noqa: E402
 from pipeinfer.ranks.head import GenConfig  # noqa: E402
 from pipeinfer.twin.plan import Shape, build_cluster, load_profile, stage_table  # noqa: E402
-from pipeinfer.twin.sim import Link, simulate  # noqa: E402
+from pipeinfer.twin.cluster import Link  # noqa: E402
+from pipeinfer.twin.sim import simulate  # noqa: E402
 
 # Llama-70B shape at Q4_K_M (bits per weight of the whole file: 42.5 GB / 70.6 B parameters)
 N_LAYER_70B, N_EMBD_70B = 80, 8192

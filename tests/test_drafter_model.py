@@ -73,7 +73,7 @@ def test_pruned_head_gives_the_full_heads_logits_for_kept_tokens(models):
                           head_tokens=384)
     assert pruned.n_vocab == full.n_vocab == 512 and len(pruned.keep) == 384
     ctx = list(PROMPT_TOKENS)
-    a, b = full._sync(ctx), pruned._sync(ctx)
+    a, b = full.sync(ctx), pruned.sync(ctx)
     np.testing.assert_array_equal(b[pruned.keep], a[pruned.keep])
     assert np.isneginf(np.delete(b, pruned.keep)).all()
     tree = pruned.draft(ctx, Cutoffs(p_accept=0.0, p_split=0.0, n_max=5, max_branches=3))

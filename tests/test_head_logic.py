@@ -725,7 +725,8 @@ def test_chain_checks_count_drafts_up_to_the_first_wrong_one():
 
 
 def test_twin_sizes_micro_batches_by_its_costs():
-    from pipeinfer.twin.sim import Cluster, Link, StageCost, simulate
+    from pipeinfer.twin.cluster import Cluster, Link, StageCost
+    from pipeinfer.twin.sim import simulate
     costly = Cluster([StageCost([38.0, 73.0, 104.0], 20.0), StageCost([52.0, 100.0, 129.0], 25.0)], [Link()] * 2, 64,
                      20.0)
     res = simulate(costly, GenConfig(mode="pipeinfer", n_predict=96, cut=Cutoffs(0.5, 0.1, 3, 1), p_recovery=None,

@@ -1,4 +1,4 @@
-"""Kernel settings and the exact batch limit (pipeinfer/kernels.py)."""
+"""Kernel settings and the exact batch limit (pipeinfer/engine/kernels.py)."""
 import numpy as np
 import pytest
 

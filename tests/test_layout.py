@@ -147,8 +147,9 @@ sys.meta_path.insert(0, Refuse())
 
 def test_the_twin_runs_with_mpi_and_llama_cpp_unimportable():
     code = BLOCK + (
-        "import pipeinfer.twin, pipeinfer.twin.sim, pipeinfer.twin.plan, pipeinfer.ranks.head\n"
-        "from pipeinfer.twin.sim import Cluster, Link, StageCost, simulate\n"
+        "import pipeinfer.twin, pipeinfer.twin.cluster, pipeinfer.twin.sim, pipeinfer.twin.plan, pipeinfer.ranks.head\n"
+        "from pipeinfer.twin.cluster import Cluster, Link, StageCost\n"
+        "from pipeinfer.twin.sim import simulate\n"
         "from pipeinfer.ranks.head import GenConfig\n"
         "c = Cluster([StageCost([10.0], 1.0)] * 3, [Link()] * 3, 64, 2.0)\n"
         "res = simulate(c, GenConfig(mode='pipeinfer', n_predict=16, p_recovery=None))\n"

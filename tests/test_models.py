@@ -24,10 +24,10 @@ from pipeinfer.engine.models import (
     find_wheel,
     model_path,
     models_dir,
-    models_group,
     resolve_model,
     verify_file,
 )
+from pipeinfer.cli.models_cmd import models_group
 
 
 @pytest.fixture(autouse=True)

@@ -51,7 +51,8 @@ def reference(qwen, code_prompt):
 
 def prompt_tokens(qwen, name):
     """Token ids of prompts/NAME.txt, chat-formatted as its header says, and its raw text and chat flag."""
-    from pipeinfer.cli.main import apply_chat, read_prompt_file
+    from pipeinfer.core.files import read_prompt_file
+    from pipeinfer.engine.tokenizer import apply_chat
     from pipeinfer.engine.tokenizer import Tokenizer
     text, chat = read_prompt_file(ROOT / "prompts" / f"{name}.txt")
     tok = Tokenizer(qwen)

@@ -138,12 +138,12 @@ def test_parse_per_rank_ints_rejects(text, what):
 def test_topology_ring():
     ranges = tuple(layer_ranges(12, [1, 1, 1]))
     head, mid, last = (Topology(r, 3, ranges) for r in range(3))
-    assert (head.is_head, head.is_last, head.next_rank, head.prev_rank) == (True, False, 1, 2)
-    assert (mid.is_head, mid.is_last, mid.next_rank, mid.prev_rank) == (False, False, 2, 0)
-    assert (last.is_head, last.is_last, last.next_rank, last.prev_rank) == (False, True, 0, 1)  # logits go to the head
+    assert (head.is_last, head.next_rank, head.prev_rank) == (False, 1, 2)
+    assert (mid.is_last, mid.next_rank, mid.prev_rank) == (False, 2, 0)
+    assert (last.is_last, last.next_rank, last.prev_rank) == (True, 0, 1)  # tokens go to the head
     assert [t.my_range for t in (head, mid, last)] == [LayerRange(0, 4), LayerRange(4, 8), LayerRange(8, 12)]
 
 
 def test_topology_single_rank():
     t = Topology(0, 1, (LayerRange(0, 4),))
-    assert t.is_head and t.is_last and t.next_rank == 0 and t.prev_rank == 0
+    assert t.is_last and t.next_rank == 0 and t.prev_rank == 0

@@ -9,7 +9,8 @@ import pytest
 from pipeinfer.spec.drafter import Cutoffs
 from pipeinfer.ranks.head import GenConfig
 from pipeinfer.core.protocol import Batch, kv_ops
-from pipeinfer.twin.sim import Cluster, Link, SimPipeline, StageCost, VirtualClock, reference_tokens, simulate
+from pipeinfer.twin.cluster import Cluster, Link, StageCost
+from pipeinfer.twin.sim import SimPipeline, VirtualClock, reference_tokens, simulate
 
 from conftest import cli as run_cli
 
@@ -111,7 +112,8 @@ def replace_ctx(g: GenConfig) -> GenConfig:
 
 
 def test_the_twin_imports_neither_mpi_nor_llama_cpp():
-    code = ("import sys\nfrom pipeinfer.twin.sim import *\nfrom pipeinfer.ranks.head import GenConfig\n"
+    code = ("import sys\nfrom pipeinfer.twin.cluster import *\nfrom pipeinfer.twin.sim import *\n"
+            "from pipeinfer.ranks.head import GenConfig\n"
             "from pipeinfer.twin.plan import search\n"
             "c = Cluster([StageCost([10.0], 1.0)] * 3, [Link()] * 3, 64, 2.0)\n"
             "simulate(c, GenConfig(mode='pipeinfer', n_predict=32, p_recovery=None))\n"
@@ -178,12 +180,11 @@ def test_plan_moves_layers_off_the_slow_host(tmp_path):
 
 
 def test_measured_draft_proposes_what_clears_the_cutoff():
-    from pipeinfer.twin.sim import confidence_agreement
+    from pipeinfer.twin.sim import _ConfidenceReplay
     # sure and right, or unsure and wrong: a cutoff between the two proposes only right tokens
     pairs = [[0.9, 1]] * 7 + [[0.2, 0]] * 3
-    assert confidence_agreement(pairs, 0.5) == (0.7, 1.0)
-    assert confidence_agreement(pairs, 0.1) == (1.0, 0.7)
-    assert confidence_agreement([[0.0, 0]], 0.0) == (0.0, 0.0)   # proposed nothing there
+    unsure = _ConfidenceReplay(list(range(100)), [[0.0, 0]], seed=0, burner=None)
+    assert unsure.draft(list(range(10)), Cutoffs(0.0, 0.1, 4, 1)) == []   # proposed nothing there
     cl = equal_stages(2, draft_ms=1.0)
     strict = simulate(cl, gen("pipeinfer", 96, 1, p_accept=0.5), confidence=pairs).stats
     loose = simulate(cl, gen("pipeinfer", 96, 1, p_accept=0.1), confidence=pairs).stats

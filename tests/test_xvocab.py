@@ -1,4 +1,4 @@
-"""Cross-vocabulary drafting (pipeinfer/xvocab.py).
+"""Cross-vocabulary drafting (pipeinfer/spec/translating.py).
 
 Most tests run the translation logic on toy tokenizers (greedy longest match over a byte vocabulary,
 which merges like BPE: "hel" + "lo" -> "hello") and an oracle draft model, without llama.cpp; the
@@ -249,7 +249,7 @@ def test_prefix_index_cache(tmp_path, monkeypatch):
 class OracleDraftModel:
     """Stands in for ModelDrafter: a 'model' that knows the text `script` and predicts its next draft token
     (the first token of the draft tokenization of the rest) with probability `p`, or its end of turn at the end;
-    off the script it is unsure. Implements the parts TranslatingDrafter uses (_sync, step)."""
+    off the script it is unsure. Implements the parts TranslatingDrafter uses (sync, step)."""
 
     def __init__(self, tok: ToyTok, script: str, p: float = 0.9):
         self.tok, self.script, self.p = tok, script.encode(), p
@@ -268,7 +268,7 @@ class OracleDraftModel:
             x[nxt] = math.log(self.p * (self.tok.n_vocab - 1) / (1 - self.p))
         return x
 
-    def _sync(self, ctx):
+    def sync(self, ctx):
         if self._kv[:len(ctx)] != list(ctx):   # seq 0 keeps what it holds beyond a context it starts with
             self._kv = list(ctx)
         return self.logits_for(list(ctx))

@@ -10,7 +10,7 @@ MPI call and llama.cpp decode happens there) and runs queued jobs one at a time,
 Tokens go back to the request's handler through an asyncio queue. A client that disconnects (or a stop
 string that matches) sets the job's stop flag: the head stops launching, cancels its runs in flight
 through the pipeline's cancellation, and collects them, so no run or KV cell is left behind; each
-generation starts from an empty KV cache on every stage (runner.HeadSession), so no request sees
+generation starts from an empty KV cache on every stage (ranks/startup.HeadSession), so no request sees
 another's state. The other ranks serve the pipeline as they do for `generate`.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -203,7 +203,7 @@ class ChatRequest(Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
-# ------------------------------------------------------------------------------------ the HTTP app
+# ------------------------------------------------------------------------------------ settings
 @dataclass
 class ServeConfig:
     model_id: str
@@ -212,6 +212,175 @@ class ServeConfig:
     default_max_tokens: int
 
 
+# ------------------------------------------------------------------------------------ jobs from requests
+def make_job(cfg: ServeConfig, tokenizer, req: Common, prompt_text: str, user_text: str | None, chat: bool,
+             max_tokens: int | None) -> Job:
+    """A request as a job for the generation thread, its model, prompt and context checked (RequestError).
+    Without max_tokens a request gets the default, within the room the context leaves."""
+    if req.model != cfg.model_id:
+        raise RequestError(404, f"the model '{req.model}' does not exist; this server has '{cfg.model_id}'",
+                           param="model", code="model_not_found")
+    ids = tokenizer.encode(prompt_text)
+    if not ids:
+        raise RequestError(400, "the prompt is empty", param="prompt")
+    n = max_tokens if max_tokens is not None else cfg.default_max_tokens
+    room = cfg.n_ctx - len(ids) - cfg.cells_reserve
+    if max_tokens is None:
+        n = min(n, room)
+    if n > room or room < 1:
+        raise RequestError(400, f"the prompt ({len(ids)} tokens) + max_tokens ({n}) + {cfg.cells_reserve} for runs "
+                                f"in flight exceed the context of {cfg.n_ctx} tokens",
+                           param="max_tokens", code="context_length_exceeded")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    sampling = SamplingParams(temp=req.temperature or 0.0, top_p=req.top_p or 1.0, seed=req.seed or 0)
+    return Job(ids, n, sampling, stops, user_text, chat, asyncio.get_running_loop())
+
+
+def completion_job(cfg: ServeConfig, tokenizer, req: CompletionRequest) -> Job:
+    prompt = req.prompt if isinstance(req.prompt, str) else "".join(req.prompt)
+    return make_job(cfg, tokenizer, req, prompt, prompt, False, req.max_tokens)
+
+
+def chat_job(cfg: ServeConfig, tokenizer, req: ChatRequest, apply_chat_template) -> Job:
+    """The messages through the chat template (roles checked; a developer message is a system one)."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):  # content parts: the text ones, joined
+            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        if m.role not in ("system", "user", "assistant", "developer", "tool"):
+            raise RequestError(400, f"messages.{i}.role: unknown role '{m.role}'", param=f"messages.{i}.role")
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    text = apply_chat_template(messages)
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    single = len(messages) == 1 and len(users) == 1  # the draft formats a lone user message its own way
+    return make_job(cfg, tokenizer, req, text, users[0] if single else text, single,
+                    req.max_completion_tokens or req.max_tokens)
+
+
+# ------------------------------------------------------------------------------------ replies
+def _completion_choice(text: str | None, finish: str | None) -> dict:
+    return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+
+def _chat_delta(text: str | None, finish: str | None) -> dict:
+    return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish, "logprobs": None}
+
+
+def _chat_message(text: str, finish: str) -> dict:
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
+
+
+@dataclass(frozen=True)
+class ReplyKind:
+    """What differs between OpenAI's chat and completion replies; the rest of a reply is the same for both."""
+    id_prefix: str
+    object_name: str                 # the whole answer's "object"
+    chunk_object: str                # a streamed chunk's "object"
+    piece: Callable[[str | None, str | None], dict]   # a streamed choice from (text, finish reason)
+    whole: Callable[[str, str], dict]                 # the whole answer's choice from (text, finish reason)
+    opening: dict | None = None      # the choice streamed before any text (chat: the assistant's role)
+
+
+COMPLETION = ReplyKind("cmpl-", "text_completion", "text_completion", _completion_choice, _completion_choice)
+CHAT = ReplyKind("chatcmpl-", "chat.completion", "chat.completion.chunk", _chat_delta, _chat_message,
+                 opening={"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                          "logprobs": None})
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _usage(info: dict) -> dict:
+    return {"prompt_tokens": info["prompt_tokens"], "completion_tokens": info["completion_tokens"],
+            "total_tokens": info["prompt_tokens"] + info["completion_tokens"]}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One request's reply: the same id, time and model on every object, in the shape of its kind."""
+    kind: ReplyKind
+    request_id: str
+    model_id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def body(self, object_name: str, choices: list, **more) -> dict:
+        return {"id": self.kind.id_prefix + self.request_id, "object": object_name, "created": self.created,
+                "model": self.model_id, "choices": choices, **more}
+
+    def chunk(self, choice: dict) -> str:
+        return _sse(self.body(self.kind.chunk_object, [choice]))
+
+    async def stream(self, events, want_usage: bool):
+        """Server-sent events: a chunk per piece of text, one with the finish reason, the usage when asked,
+        then [DONE]; a failed pipeline ends the stream with an error object."""
+        if self.kind.opening is not None:
+            yield self.chunk(self.kind.opening)
+        async for ev in events:
+            if ev[0] == "text":
+                yield self.chunk(self.kind.piece(ev[1], None))
+            elif ev[0] == "error":
+                yield _sse(RequestError(500, ev[1]).body())
+                return
+            else:
+                info = ev[1]
+                yield self.chunk(self.kind.piece(None, info["finish_reason"]))
+                if want_usage:
+                    yield _sse(self.body(self.kind.chunk_object, [], usage=_usage(info)))
+        yield "data: [DONE]\n\n"
+
+    async def whole(self, events):
+        """One JSON answer once the generation is done."""
+        parts, info = [], None
+        async for ev in events:
+            if ev[0] == "text":
+                parts.append(ev[1])
+            elif ev[0] == "error":
+                raise RequestError(500, ev[1], code="pipeline_failed")
+            else:
+                info = ev[1]
+        if info is None:  # the client went away
+            return JSONResponse({}, status_code=499)
+        return self.body(self.kind.object_name, [self.kind.whole("".join(parts), info["finish_reason"])],
+                         usage=_usage(info))
+
+
+def submit(generator: Generator, job: Job, request: Request):
+    """Submit a job; its events as they come. A client that leaves (checked twice a second while
+    nothing comes, and when a streaming response is cancelled) stops its generation."""
+    generator.submit(job)
+
+    async def events():
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                yield ev
+                if ev[0] in ("done", "error"):
+                    return
+        finally:
+            job.cancelled.set()  # harmless once done; stops the generation when the client left
+
+    return events()
+
+
+async def respond(cfg: ServeConfig, generator: Generator, kind: ReplyKind, req: Common, job: Job, request: Request):
+    """Streamed (server-sent events) or whole, as the request asks."""
+    reply = Reply(kind, job.request_id, cfg.model_id)
+    events = submit(generator, job, request)
+    if req.stream:
+        want_usage = bool((req.stream_options or {}).get("include_usage"))
+        return StreamingResponse(reply.stream(events, want_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await reply.whole(events)
+
+
+# ------------------------------------------------------------------------------------ the HTTP app
 def create_app(cfg: ServeConfig, generator: Generator, tokenizer, apply_chat_template):
     """The ASGI app. `apply_chat_template(messages) -> prompt text`."""
     app = FastAPI(title="pipeinfer", docs_url=None, redoc_url=None)
@@ -239,133 +408,13 @@ def create_app(cfg: ServeConfig, generator: Generator, tokenizer, apply_chat_tem
         return {"object": "list", "data": [{"id": cfg.model_id, "object": "model", "created": 0,
                                             "owned_by": "pipeinfer"}]}
 
-    def make_job(req: Common, prompt_text: str, user_text: str | None, chat: bool, max_tokens: int | None) -> Job:
-        if req.model != cfg.model_id:
-            raise RequestError(404, f"the model '{req.model}' does not exist; this server has '{cfg.model_id}'",
-                               param="model", code="model_not_found")
-        ids = tokenizer.encode(prompt_text)
-        if not ids:
-            raise RequestError(400, "the prompt is empty", param="prompt")
-        n = max_tokens if max_tokens is not None else cfg.default_max_tokens
-        room = cfg.n_ctx - len(ids) - cfg.cells_reserve
-        if max_tokens is None:
-            n = min(n, room)
-        if n > room or room < 1:
-            raise RequestError(400, f"the prompt ({len(ids)} tokens) + max_tokens ({n}) + {cfg.cells_reserve} for runs "
-                                    f"in flight exceed the context of {cfg.n_ctx} tokens",
-                               param="max_tokens", code="context_length_exceeded")
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        sampling = SamplingParams(temp=req.temperature or 0.0, top_p=req.top_p or 1.0, seed=req.seed or 0)
-        return Job(ids, n, sampling, stops, user_text, chat, asyncio.get_running_loop())
-
-    def events_of(job: Job, request: Request):
-        """Submit a job; its events as they come. A client that leaves (checked twice a second while
-        nothing comes, and when a streaming response is cancelled) stops its generation."""
-        generator.submit(job)
-
-        async def events():
-            try:
-                while True:
-                    try:
-                        ev = await asyncio.wait_for(job.events.get(), timeout=0.5)
-                    except asyncio.TimeoutError:
-                        if await request.is_disconnected():
-                            return
-                        continue
-                    yield ev
-                    if ev[0] in ("done", "error"):
-                        return
-            finally:
-                job.cancelled.set()  # harmless once done; stops the generation when the client left
-
-        return events()
-
-    def sse(obj) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
-
-    async def respond(req: Common, job: Job, request: Request, kind: str):
-        created = int(time.time())
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + job.request_id
-        obj = "chat.completion" if kind == "chat" else "text_completion"
-        events = events_of(job, request)
-
-        def usage(info):
-            return {"prompt_tokens": info["prompt_tokens"], "completion_tokens": info["completion_tokens"],
-                    "total_tokens": info["prompt_tokens"] + info["completion_tokens"]}
-
-        def choice(text: str | None, finish: str | None, first: bool = False) -> dict:
-            if kind == "chat":
-                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-
-        if req.stream:
-            chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-            want_usage = bool((req.stream_options or {}).get("include_usage"))
-
-            async def stream():
-                if kind == "chat":
-                    yield sse({"id": rid, "object": chunk_obj, "created": created, "model": cfg.model_id,
-                               "choices": [choice(None, None, first=True)]})
-                async for ev in events:
-                    if ev[0] == "text":
-                        yield sse({"id": rid, "object": chunk_obj, "created": created, "model": cfg.model_id,
-                                   "choices": [choice(ev[1], None)]})
-                    elif ev[0] == "error":
-                        yield sse(RequestError(500, ev[1]).body())
-                        return
-                    else:
-                        info = ev[1]
-                        yield sse({"id": rid, "object": chunk_obj, "created": created, "model": cfg.model_id,
-                                   "choices": [choice(None, info["finish_reason"])]})
-                        if want_usage:
-                            yield sse({"id": rid, "object": chunk_obj, "created": created, "model": cfg.model_id,
-                                       "choices": [], "usage": usage(info)})
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(stream(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-        parts, info = [], None
-        async for ev in events:
-            if ev[0] == "text":
-                parts.append(ev[1])
-            elif ev[0] == "error":
-                raise RequestError(500, ev[1], code="pipeline_failed")
-            else:
-                info = ev[1]
-        if info is None:  # the client went away
-            return JSONResponse({}, status_code=499)
-        text = "".join(parts)
-        if kind == "chat":
-            ch = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": info["finish_reason"],
-                  "logprobs": None}
-        else:
-            ch = {"index": 0, "text": text, "finish_reason": info["finish_reason"], "logprobs": None}
-        return {"id": rid, "object": obj, "created": created, "model": cfg.model_id, "choices": [ch],
-                "usage": usage(info)}
-
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        prompt = req.prompt if isinstance(req.prompt, str) else "".join(req.prompt)
-        job = make_job(req, prompt, prompt, False, req.max_tokens)
-        return await respond(req, job, request, "completion")
+        return await respond(cfg, generator, COMPLETION, req, completion_job(cfg, tokenizer, req), request)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
-        messages = []
-        for i, m in enumerate(req.messages):
-            content = m.content
-            if isinstance(content, list):  # content parts: the text ones, joined
-                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-            if m.role not in ("system", "user", "assistant", "developer", "tool"):
-                raise RequestError(400, f"messages.{i}.role: unknown role '{m.role}'", param=f"messages.{i}.role")
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
-        text = apply_chat_template(messages)
-        users = [m["content"] for m in messages if m["role"] == "user"]
-        single = len(messages) == 1 and len(users) == 1  # the draft formats a lone user message its own way
-        job = make_job(req, text, users[0] if single else text, single,
-                       req.max_completion_tokens or req.max_tokens)
-        return await respond(req, job, request, "chat")
+        job = chat_job(cfg, tokenizer, req, apply_chat_template)
+        return await respond(cfg, generator, CHAT, req, job, request)
 
     return app

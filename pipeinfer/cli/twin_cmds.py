@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 
+from ..core.results import append_result, stats_row
 from ..engine.kernels import DEFAULT_KERNELS, KERNELS
 from ..ranks.head import MODES, GenConfig
 from ..spec.drafter import Cutoffs
@@ -27,7 +28,8 @@ from ..twin.plan import (
     stage_table,
 )
 from ..twin.profile import ProfileOptions, run_profile
-from ..twin.sim import Link, simulate
+from ..twin.cluster import Link
+from ..twin.sim import simulate
 from .guard import installed, run_guarded
 
 
@@ -137,16 +139,10 @@ def simulate_cmd(**kw) -> None:
     wall_s = time.perf_counter() - t0
     s = res.stats
     if kw["results"]:
-        from .. import __version__
-        from ..core.results import append_result
-        append_result(kw["results"], {
-            "mode": kw["mode"], "target_model": prof["model"]["path"], "draft_model": "measured draft" if confidence else f"agreement {kw['agreement']:g}",
-            "ranks": cluster.n_ranks, "layer_split": "", "prompt_name": "twin", "n_prompt_tokens": s.n_prompt,
-            "n_generated": s.n_generated, "pp_tokens_per_s": round(s.pp_tokens_per_s, 3),
-            "gen_tokens_per_s": round(s.gen_tokens_per_s, 3), "ttft_s": round(s.ttft_s, 4),
-            "itl_mean_s": round(s.itl_s, 4), "acceptance_rate": round(s.acceptance_rate, 4), "n_runs": s.n_runs,
-            "n_cancelled": s.n_cancelled, "version": __version__, "kernels": prof.get("kernels", ""),
-            "bytes_per_token": [round(b) for b in s.bytes_per_token()], "simulated": "twin"})
+        append_result(kw["results"], stats_row(
+            s, mode=kw["mode"], target_model=prof["model"]["path"],
+            draft_model="measured draft" if confidence else f"agreement {kw['agreement']:g}", ranks=cluster.n_ranks,
+            layer_split="", prompt_name="twin", kernels=prof.get("kernels", ""), simulated="twin"))
     if kw["as_json"]:
         click.echo(json.dumps({"stats": s.to_dict(), "p_recovery": res.p_recovery, "wall_s": wall_s}))
         return

@@ -51,7 +51,7 @@ class Tag(enum.IntEnum):
     KV = 5         # KV ops i32[n_ops, 5]
     CANCEL = 6     # i32[k] run ids (on comm_cancel)
     SAMPLING = 7   # i64[4]: SAMPLING layout
-    TOKENS = 8     # i32[n_outputs]: the target's token after each output row (4 was LOGITS, protocol 2)
+    TOKENS = 8     # i32[n_outputs]: the target's token after each output row (tag 4 is unused)
     DRAFT_CTRL = 9  # head -> drafter: DRAFT_CTRL layout
     PROPOSAL = 10  # drafter -> head: PROPOSAL layout
 
@@ -91,7 +91,7 @@ class Header:
     n_meta: int = 0        # DECODE: length of the META payload
     flags: Flag = Flag.NONE
     parent_id: int = NO_RUN  # DECODE: run whose cells this run builds on (cancelled with it)
-    n_outputs: int = 0     # DECODE/RESULT: rows of logits the head wants back
+    n_outputs: int = 0     # DECODE/RESULT: output rows the head wants the target's token of
     n_embd: int = 0        # DECODE: width of ACTIV (0 when the payload is token ids only)
 
     def pack(self) -> np.ndarray:

@@ -35,7 +35,7 @@ kernels           --kernels setting (repack, no-repack, fast)
 exact_batch_limit smallest exact batch limit of the stages (empty: fast kernels)
 bytes_per_token   bytes sent per generated token on each link, rank r -> r+1
                   (the last: -> rank 0), comma-separated, rank 0's link first
-simulated         "twin" for a row predicted by `pipeinfer simulate` (twin.py), empty
+simulated         "twin" for a row predicted by `pipeinfer simulate` (pipeinfer/twin), empty
                   for a measured run
 status            "ok", or "failed: REASON" for a generation that a lost or
                   silent rank ended (its counts and times are those reached
@@ -75,7 +75,10 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-__all__ = ["RESULT_COLUMNS", "INT_COLUMNS", "FLOAT_COLUMNS", "append_result", "read_results"]
+from .. import __version__
+from .metrics import Stats
+
+__all__ = ["RESULT_COLUMNS", "INT_COLUMNS", "FLOAT_COLUMNS", "append_result", "read_results", "stats_row"]
 
 RESULT_COLUMNS: list[str] = [
     "timestamp", "mode", "target_model", "draft_model", "ranks", "layer_split", "threads",
@@ -87,6 +90,26 @@ RESULT_COLUMNS: list[str] = [
 INT_COLUMNS = frozenset({"ranks", "n_prompt_tokens", "n_generated", "n_runs", "n_cancelled", "exact_batch_limit"})
 FLOAT_COLUMNS = frozenset({"pp_tokens_per_s", "gen_tokens_per_s", "ttft_s", "itl_mean_s",
                            "acceptance_rate", "peak_rss_max_mb", "peak_rss_sum_mb"})
+
+
+def stats_row(s: Stats, **columns) -> dict:
+    """A results row: the columns a generation's Stats measure (and this version), then ``columns``, what
+    the caller knows of the run (mode, models, ranks, ...); a column given in ``columns`` wins."""
+    known = [x for x in (s.exact_batch or []) if x is not None]
+    try:
+        per_link = [round(b) for b in s.bytes_per_token()]
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError):  # a generation cut short: unknown
+        per_link = None
+    row = {
+        "n_prompt_tokens": s.n_prompt, "n_generated": s.n_generated,
+        "pp_tokens_per_s": round(s.pp_tokens_per_s, 3), "gen_tokens_per_s": round(s.gen_tokens_per_s, 3),
+        "ttft_s": round(s.ttft_s, 4), "itl_mean_s": round(s.itl_s, 4),
+        "acceptance_rate": round(s.acceptance_rate, 4), "n_runs": s.n_runs, "n_cancelled": s.n_cancelled,
+        "version": __version__, "kernels": s.kernels, "exact_batch_limit": min(known) if known else None,
+        "bytes_per_token": per_link,
+        "draft_bytes_per_token": [round(b) for b in s.draft_bytes_per_token()] if s.draft_link_bytes else None,
+    }
+    return {**row, **columns}
 
 
 def _cell(value) -> str:

@@ -1,7 +1,8 @@
 """Ranks, roles, layer ranges and communicators.
 
-Rank 0 is the head: it holds the first target stage, the draft model, sampling and verification.
-Ranks 1..N-1 hold the following target stages in order; the last stage sends logits back to rank 0.
+Rank 0 is the head: it holds the first target stage, sampling and verification, and the draft model
+unless a rank of its own drafts (--draft-at rank: the world's last rank, outside the pipeline's ranks).
+Ranks 1..N-1 hold the following target stages in order; the last stage sends its tokens back to rank 0.
 """
 from __future__ import annotations
 
@@ -98,16 +99,12 @@ class Topology:
     ranges: tuple[LayerRange, ...]
 
     @property
-    def is_head(self) -> bool:
-        return self.rank == 0
-
-    @property
     def is_last(self) -> bool:
         return self.rank == self.n_ranks - 1
 
     @property
     def next_rank(self) -> int:
-        """Where this stage's output goes: the next stage, or the head for the last stage's logits."""
+        """Where this stage's output goes: the next stage, or the head for the last stage's tokens."""
         return (self.rank + 1) % self.n_ranks
 
     @property

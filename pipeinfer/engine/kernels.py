@@ -4,8 +4,8 @@ bit-for-bit the output it gets when decoded alone.
 Verification decodes micro-batches of drafted tokens while the target alone decodes one token at a
 time, so greedy output is exact only where both give identical logits. Which batch sizes do depends on
 the weights' layout, the attention kernel, the quantization, the CPU's SIMD kernels and the build
-(measured on Qwen2.5-Coder-1.5B Q4_K_M, llama-cpp-python 0.3.36, 1 thread; one-token decode on the host
-issue 10 was measured on, and on this project's AVX2 host, results/bench_kernels.csv):
+(measured on Qwen2.5-Coder-1.5B Q4_K_M, llama-cpp-python 0.3.36, 1 thread; one-token decode on a host where
+the repacked gemv pays, and on an AVX2 host where it does not, results/bench_kernels.csv):
 
 | `--kernels` | weights | attention | exact batches | one-token decode, 1 thread |
 |---|---|---|---|---|
@@ -52,7 +52,7 @@ def flash_attn_type(kernels: str) -> int:
 
 
 @lru_cache(maxsize=1)
-def build_id() -> str:
+def numerics_id() -> str:
     """What the kernels' numerics depend on besides the model: llama.cpp build, its CPU features, the CPU."""
     import llama_cpp
     system = llama_cpp.llama_print_system_info().decode(errors="replace")
@@ -107,7 +107,7 @@ def exact_batch_limit(engine, path: str | os.PathLike, kernels: str, n_threads: 
     """The engine's exact batch limit, probed once per (file, kernels, threads, build, CPU) and cached
     beside the stage files."""
     from ..core.files import derived_path, write_atomically
-    key = (kernels, n_threads, n_threads_batch, engine.embd_input, engine.capture_hidden, build_id(), PROBE_FORMAT)
+    key = (kernels, n_threads, n_threads_batch, engine.embd_input, engine.capture_hidden, numerics_id(), PROBE_FORMAT)
     cache = derived_path(path, "exact", "json", *key)
     try:
         return int(json.loads(cache.read_text())["exact_batch"])
@@ -115,7 +115,7 @@ def exact_batch_limit(engine, path: str | os.PathLike, kernels: str, n_threads: 
         pass
     limit = probe_exact_batch(engine)
     record = {"exact_batch": limit, "probed_up_to": min(PROBE_MAX_BATCH, engine.n_batch, engine.n_ctx),
-              "kernels": kernels, "threads": [n_threads, n_threads_batch], "build": build_id()}
+              "kernels": kernels, "threads": [n_threads, n_threads_batch], "build": numerics_id()}
     write_atomically(cache, lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
     return limit
 

@@ -1,4 +1,4 @@
-"""Stage engine: one llama.cpp model + context for one layer range of the target.
+"""Stage engine: one llama.cpp model + context for one layer range of the target (or a whole draft model).
 
 A stage decodes a batch given token ids (a whole-model stage) or float32 hidden states f32[n, n_embd]
 (every stage of a split model: the head looks up the first stage's token embeddings itself), and
@@ -281,7 +281,8 @@ class StageEngine:
 
 
 class TokenEmbedder:
-    """Looks up token_embd rows on the head (dequantized), as the first stage's hidden-state input."""
+    """Looks up token_embd rows (dequantized): the first stage's hidden-state input on the head, and the input
+    of a draft model whose output head is pruned (ModelDrafter)."""
 
     # architectures whose graph scales *token* inputs by sqrt(n_embd) (but not embedding inputs)
     SCALED = {"gemma", "gemma2", "gemma3"}
@@ -309,7 +310,7 @@ class TokenEmbedder:
             rows = raw.view(np.float16).astype(np.float32)
         elif self._c_dequantize is not None:
             # ggml's own dequantizer: numpy's reimplementation (gguf.quants) can differ in the last bit,
-            # which measurably changed a near-tie token 56 tokens later on Qwen2.5-Coder-1.5B
+            # enough to change a near-tie token 56 tokens later on Qwen2.5-Coder-1.5B
             rows = np.empty((len(tokens), self.n_embd), dtype=np.float32)
             self._c_dequantize(raw.ctypes.data, rows.ctypes.data, rows.size)
         else:

@@ -117,14 +117,14 @@ class GenConfig:
     sampling: SamplingParams = SamplingParams()
     cut: Cutoffs = Cutoffs()
     p_recovery: float | None = 0.0  # cutoff rise per micro-batch launched since the last acceptance;
-                                    # None: auto_p_recovery(number of ranks), resolved by the runner
+                                    # None: auto_p_recovery(number of ranks), resolved at start-up
     p_decay: float = 0.0      # cutoff falls by this per failed draft while no result is waiting
     cancel: bool = True       # --no-cancel: never send cancellation signals
     continuous: bool = True   # --no-continuous: at most one speculative run in flight
     n_batch: int = 512        # largest batch a stage decodes (prompt chunks)
     n_ctx: int = 4096
     stop_at_eos: bool = True
-    # each stage's decode time (ms) for 1..limit tokens, rank 0 first (runner.py measures it at start-up):
+    # each stage's decode time (ms) for 1..limit tokens, rank 0 first (startup.py measures it):
     # with it PipeInfer sizes each micro-batch by choose_draft_len (cut.n_max is then the cap)
     stage_ms: tuple[tuple[float, ...], ...] | None = None
     adaptive_draft: bool = True  # --micro-batch auto: measure stage_ms at start-up and size micro-batches by it
@@ -149,6 +149,17 @@ class ChainEntry:
 
 
 class Head:
+    """Rank 0's scheduler for one generation: the loop of the module docstring over a Pipeline (or the twin's).
+
+    Why one class: it is the paper's algorithm as one state machine. Launching, verifying, committing and
+    cancelling all read and change the same few pieces of state together (the accepted tokens, the end of
+    sequence 0, the runs in flight, the speculation chain, the partitions, the cutoff adjustment); each step
+    holds an invariant across them (a chain continues sequence 0 without a gap, a cancelled run's children are
+    cancelled, every cell is counted against the context). Cut into classes, those pieces would be passed back
+    and forth on every call and the loop would no longer read as the algorithm; the pure parts (verify.py,
+    kvplan.py, choose_draft_len) already live outside it.
+    """
+
     def __init__(self, pipe: Pipeline, cfg: GenConfig, pool: PartitionPool | None = None,
                  drafter: Drafter | None = None, eos: set[int] = frozenset(),
                  on_tokens: Callable[[list[int]], None] | None = None,
@@ -166,7 +177,7 @@ class Head:
         self.on_tokens = on_tokens
         self.on_progress = on_progress      # (stats, runs in flight) after every emission, for a live status line
         self.should_stop = should_stop      # polled after every result: True ends the generation early
-        self.clock = clock                  # seconds; the digital twin (twin.py) passes its virtual clock
+        self.clock = clock                  # seconds; the digital twin (twin/sim.py) passes its virtual clock
         self.accepted: list[int] = []
         self.n_kv0 = 0                      # positions in sequence 0 once every issued transaction is applied
         self.flights: dict[int, Flight] = {}  # in launch order

@@ -1,5 +1,9 @@
 """Start-up of one generation on every rank: topology, stage files, engines, transport; then head or worker.
 
+open_session runs the steps in order: agree on protocol and build (liveness starts), split off the draft
+rank, agree on the model, plan threads and layers, load the stage, then serve as a stage or open the head
+(the pipeline and the drafter, spec/factory.py).
+
 Everything here runs once; per-token work happens in head.py / worker.py. Start-up data may be
 pickled (allgather of versions and stage statistics); nothing per token is.
 """
@@ -25,6 +29,7 @@ from ..core.topology import (
 from ..engine.kernels import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, resolve_draft_max
 from ..engine.stagefile import check_splittable, ensure_stage_file, read_info
 from ..spec.drafter import DRAFT_HEAD_AUTO
+from ..spec.factory import DraftSpec, make_drafter
 from ..wire.transport import polite_barrier
 from .handshake import build_id, model_fingerprint
 from .head import GenConfig, Head, auto_p_recovery
@@ -157,6 +162,56 @@ class HeadSession:
 def open_session(opts: RunOptions, comm=None) -> HeadSession | None:
     """Load every rank's stage. Rank 0 gets a HeadSession; the other ranks serve the pipeline until the head
     shuts it down, and get None."""
+    ranks = _join(opts, comm)                 # one protocol and build; liveness; the draft rank split off
+    if ranks.is_draft:
+        serve_draft_rank(opts, ranks.draft_comm, ranks.world.Get_size())
+        ranks.live.close()
+        return None
+    info = _agree_model(opts, ranks)          # one target file on every stage
+    plan = _split_layers(opts, ranks, info)   # threads and layers per rank
+    stage = _load_stage(opts, ranks.comm, plan)
+    if ranks.comm.Get_rank() != 0:
+        _serve_stage(opts, ranks, stage)
+        return None
+    return _open_head(opts, ranks, plan, stage)
+
+
+# ---- the start-up steps, in open_session's order; every rank makes the same collective calls in each
+@dataclass
+class _Ranks:
+    """Where this rank stands once every rank runs the same protocol and build (_join)."""
+    world: object                 # every rank started
+    comm: object                  # the target's stages: the world, less the draft rank with --draft-at rank
+    draft_comm: object = None     # --draft-at rank: a duplicate of the world, the head's link to the draft rank
+    live: object = None           # liveness.Liveness (several ranks)
+    is_draft: bool = False        # this rank is the draft rank
+
+
+@dataclass
+class _LayerPlan:
+    """Every rank's threads and layers, agreed by all (_split_layers)."""
+    info: object                  # the target's GGUF summary (stagefile.read_info)
+    threads: list[int]            # --threads, one per rank
+    threads_b: list[int]          # --threads-batch, one per rank
+    ranges: list[LayerRange]
+    probe_ms: list[float] | None  # --layer-split auto's measurements, one per rank
+
+
+@dataclass
+class _Stage:
+    """This rank's loaded stage and the settings resolved on it (_load_stage)."""
+    topo: Topology
+    engine: object
+    cfg: GenConfig                # resolved: draft max, n_batch, n_ctx, p_recovery, stage costs
+    exact_per_rank: list[int | None]
+    n_part: int                   # KV partitions for speculative runs (kvplan.py)
+    n_seq_max: int
+    transport: object             # None on one rank
+    limits: Limits
+
+
+def _join(opts: RunOptions, comm) -> _Ranks:
+    """Every rank on one protocol and build, liveness started; with --draft-at rank, the draft rank split off."""
     from mpi4py import MPI
     world = comm or MPI.COMM_WORLD
     versions = world.allgather(PROTOCOL_VERSION)
@@ -167,26 +222,32 @@ def open_session(opts: RunOptions, comm=None) -> HeadSession | None:
         from ..wire.liveness import Liveness
         live = Liveness(world, opts.stall_timeout)
         _agree(world, live, build_id(), "runs another build")
-    comm, draft_comm = world, None
-    if opts.draft_at == "rank":  # the world's last rank drafts; the others are the target's stages
-        if world.Get_size() < 2:
-            raise UserError("--draft-at rank needs a rank of its own for the draft: start one more rank than the "
-                            "target's stages (mpiexec -n N+1)")
-        is_draft = world.Get_rank() == world.Get_size() - 1
-        comm = world.Split(1 if is_draft else 0, world.Get_rank())
-        draft_comm = world.Dup()
-        if is_draft:
-            serve_draft_rank(opts, draft_comm, world.Get_size())
-            live.close()
-            return None
-    rank, size = comm.Get_rank(), comm.Get_size()
+    if opts.draft_at != "rank":
+        return _Ranks(world, world, live=live)
+    # the world's last rank drafts; the others are the target's stages
+    if world.Get_size() < 2:
+        raise UserError("--draft-at rank needs a rank of its own for the draft: start one more rank than the "
+                        "target's stages (mpiexec -n N+1)")
+    is_draft = world.Get_rank() == world.Get_size() - 1
+    stages = world.Split(1 if is_draft else 0, world.Get_rank())
+    return _Ranks(world, stages, draft_comm=world.Dup(), live=live, is_draft=is_draft)
 
+
+def _agree_model(opts: RunOptions, ranks: _Ranks):
+    """The target's GGUF summary, the same file on every stage; a draft model checked before any model loads."""
     info = read_info(opts.model)
-    if live is not None:
-        _agree(comm, live, model_fingerprint(opts.model), f"has another model file at {opts.model} (size:sha256 of "
-                                                          f"header, first and last MiB)")
+    if ranks.live is not None:
+        _agree(ranks.comm, ranks.live, model_fingerprint(opts.model), f"has another model file at {opts.model} "
+                                                                      f"(size:sha256 of header, first and last MiB)")
     if opts.draft and opts.gen.mode != "iterative":
         read_info(opts.draft)  # a missing, foreign or truncated draft fails here, before any model loads
+    return info
+
+
+def _split_layers(opts: RunOptions, ranks: _Ranks, info) -> _LayerPlan:
+    """Every rank's threads and layer range (--layer-split auto times each rank in turn), agreed by all."""
+    comm = ranks.comm
+    rank, size = comm.Get_rank(), comm.Get_size()
     try:
         check_splittable(info, size)
         threads = parse_per_rank_ints(opts.threads, size, "--threads", default=max(1, (os.cpu_count() or 2) // size))
@@ -203,82 +264,115 @@ def open_session(opts: RunOptions, comm=None) -> HeadSession | None:
         raise UserError(str(e)) from None
     if any(r.n_layers == 0 for r in ranges):
         raise UserError("every rank needs at least one layer: a fraction of 0 in --layer-split is not supported")
-    if live is not None:
-        _agree(comm, live, ",".join(str(r) for r in ranges), "computed another layer plan")
-    topo = Topology(rank, size, tuple(ranges))
-    cfg = opts.gen
-    if cfg.mode == "iterative":
+    if ranks.live is not None:
+        _agree(comm, ranks.live, ",".join(str(r) for r in ranges), "computed another layer plan")
+    return _LayerPlan(info, threads, threads_b, ranges, probe_ms)
+
+
+def _load_stage(opts: RunOptions, comm, plan: _LayerPlan) -> _Stage:
+    """This rank's stage engine, the generation settings resolved on every stage, the links between them."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    topo = Topology(rank, size, tuple(plan.ranges))
+    if opts.gen.mode == "iterative":
         n_part, n_seq_max = 0, 1
     else:
-        n_part, n_seq_max = plan_partitions(cfg.cut.max_branches, opts.max_in_flight)
-
-    from ..engine.kernels import exact_batch_limit
-    from ..engine.stage import (  # imports llama_cpp: after the cheap checks
-        StageEngine,
-        TokenEmbedder,
-    )
-    my = topo.my_range
-    if size == 1:
-        path, embd_input = opts.model, False
-    else:
-        path, embd_input = ensure_stage_file(opts.model, my.start, my.end, with_vocab=topo.is_last), True
-    n_batch = min(cfg.n_batch, opts.n_ctx)
-    engine = StageEngine(path, n_ctx=opts.n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
-                         n_threads=threads[rank], n_threads_batch=threads_b[rank],
-                         embd_input=embd_input, capture_hidden=not topo.is_last, kernels=opts.kernels)
-    exact = None if opts.kernels == "fast" else exact_batch_limit(engine, path, opts.kernels, threads[rank], threads_b[rank])
+        n_part, n_seq_max = plan_partitions(opts.gen.cut.max_branches, opts.max_in_flight)
+    n_batch = min(opts.gen.n_batch, opts.n_ctx)
+    engine, exact = _load_engine(opts, topo, plan.threads[rank], plan.threads_b[rank], n_batch, n_seq_max)
     exact_per_rank = comm.allgather(exact)
-    cfg = replace(cfg, cut=replace(cfg.cut, n_max=_draft_max(cfg, exact_per_rank)), n_batch=n_batch, n_ctx=opts.n_ctx,
-                  p_recovery=auto_p_recovery(size) if cfg.p_recovery is None else cfg.p_recovery)
-    if cfg.mode == "pipeinfer" and cfg.adaptive_draft and cfg.cut.n_max > 1:
-        cfg = replace(cfg, stage_ms=stage_costs(comm, engine, cfg.cut.n_max, opts.poll_s))
-
+    cfg = _resolve_gen(opts, comm, engine, n_batch, exact_per_rank)
     transport = None
     if size > 1:
         from ..wire.transport import Transport
         transport = Transport(comm.Dup(), comm.Dup(), poll_s=opts.poll_s)
     polite_barrier(comm, opts.poll_s)  # every stage loaded before the clock starts
+    limits = Limits(n_batch=n_batch, n_embd=plan.info.n_embd, n_vocab=_vocab_bound(opts.model, plan.info),
+                    n_seq_max=n_seq_max, n_ctx=opts.n_ctx)
+    return _Stage(topo, engine, cfg, exact_per_rank, n_part, n_seq_max, transport, limits)
 
-    limits = Limits(n_batch=n_batch, n_embd=info.n_embd, n_vocab=_vocab_bound(opts.model, info), n_seq_max=n_seq_max,
-                    n_ctx=opts.n_ctx)
-    if rank != 0:
-        from .worker import StageWorker
-        stats = StageWorker(topo, engine, transport, limits).serve()
-        polite_barrier(comm, opts.poll_s)
-        comm.gather(vars(stats), root=0)
-        comm.gather(_peak_rss_mb(), root=0)
-        live.close()
-        engine.close()
-        return None
 
+def _load_engine(opts: RunOptions, topo: Topology, n_threads: int, n_threads_batch: int, n_batch: int,
+                 n_seq_max: int):
+    """This rank's StageEngine (on several ranks, over its stage file) and its exact batch limit (kernels.py)."""
+    from ..engine.kernels import exact_batch_limit
+    from ..engine.stage import StageEngine  # imports llama_cpp: after the cheap checks
+    my = topo.my_range
+    if topo.n_ranks == 1:
+        path, embd_input = opts.model, False
+    else:
+        path, embd_input = ensure_stage_file(opts.model, my.start, my.end, with_vocab=topo.is_last), True
+    engine = StageEngine(path, n_ctx=opts.n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
+                         n_threads=n_threads, n_threads_batch=n_threads_batch,
+                         embd_input=embd_input, capture_hidden=not topo.is_last, kernels=opts.kernels)
+    exact = None if opts.kernels == "fast" else exact_batch_limit(engine, path, opts.kernels, n_threads, n_threads_batch)
+    return engine, exact
+
+
+def _resolve_gen(opts: RunOptions, comm, engine, n_batch: int, exact_per_rank: list[int | None]) -> GenConfig:
+    """The generation settings the pipeline runs: draft max, n_batch, n_ctx, p_recovery, and with --micro-batch
+    auto every stage's decode costs (stage_costs: every rank times its stage in turn)."""
+    cfg = opts.gen
+    cfg = replace(cfg, cut=replace(cfg.cut, n_max=_draft_max(cfg, exact_per_rank)), n_batch=n_batch, n_ctx=opts.n_ctx,
+                  p_recovery=auto_p_recovery(comm.Get_size()) if cfg.p_recovery is None else cfg.p_recovery)
+    if cfg.mode == "pipeinfer" and cfg.adaptive_draft and cfg.cut.n_max > 1:
+        cfg = replace(cfg, stage_ms=stage_costs(comm, engine, cfg.cut.n_max, opts.poll_s))
+    return cfg
+
+
+def _serve_stage(opts: RunOptions, ranks: _Ranks, stage: _Stage) -> None:
+    """A stage rank: serve the pipeline until the head shuts it down, then report to rank 0 (HeadSession.close)."""
+    from .worker import StageWorker
+    comm = ranks.comm
+    stats = StageWorker(stage.topo, stage.engine, stage.transport, stage.limits).serve()
+    polite_barrier(comm, opts.poll_s)
+    comm.gather(vars(stats), root=0)
+    comm.gather(_peak_rss_mb(), root=0)
+    ranks.live.close()
+    stage.engine.close()
+
+
+def _open_head(opts: RunOptions, ranks: _Ranks, plan: _LayerPlan, stage: _Stage) -> HeadSession:
+    """Rank 0: the pipeline over every stage, the partitions, the drafter and the tokenizer, as a HeadSession."""
+    from ..engine.stage import TokenEmbedder
+    from ..engine.tokenizer import Tokenizer
     from .pipeline import Pipeline
-    pipe = Pipeline(topo, engine, embedder=TokenEmbedder(opts.model) if size > 1 else None, transport=transport,
-                    limits=limits)
-    drafter_for = pool = beside = None
+    cfg = stage.cfg
+    embedder = TokenEmbedder(opts.model) if stage.topo.n_ranks > 1 else None
+    pipe = Pipeline(stage.topo, stage.engine, embedder=embedder, transport=stage.transport, limits=stage.limits)
+    pool = None
     if cfg.mode != "iterative":
-        pool = PartitionPool(n_part, cfg.cut.max_branches, n_seq_max)
+        pool = PartitionPool(stage.n_part, cfg.cut.max_branches, stage.n_seq_max)
+    drafter_for, beside = _head_drafter(opts, ranks, plan, stage)
+    tok = Tokenizer(opts.model)
+    eos = set() if not cfg.stop_at_eos else {t for t in tok.eos}
+    if ranks.live is not None:
+        ranks.live.in_flight = lambda: len(pipe.in_flight)
+    return HeadSession(opts, cfg, ranks.comm, stage.engine, stage.transport, pipe, pool, drafter_for, tok, eos,
+                       plan.ranges, stage.exact_per_rank, stage.n_seq_max, plan.probe_ms, ranks.live, beside)
+
+
+def _head_drafter(opts: RunOptions, ranks: _Ranks, plan: _LayerPlan, stage: _Stage):
+    """The head's drafter_for (None in iterative mode) and the drafter beside the pipeline (--draft-at thread
+    or rank; else None)."""
+    n_vocab = stage.limits.n_vocab
     if opts.draft_at == "rank":
         from ..core.protocol import Tag
         from ..spec.draftahead import DraftClient, MpiEnd
         from ..wire.transport import Transport
+        draft_comm = ranks.draft_comm
         end = MpiEnd(Transport(draft_comm, draft_comm, opts.poll_s), draft_comm.Get_size() - 1, Tag.DRAFT_CTRL,
                      Tag.PROPOSAL)
-        beside = DraftClient(end, opts.n_ctx, limits.n_vocab, opts.poll_s)
-        drafter_for = _begin_each(beside)
-    elif cfg.mode != "iterative":
-        n_dft = draft_thread_count(opts, threads[0], size)
-        drafter_for = make_drafter(opts, info, n_dft, n_dft if opts.draft_threads else threads_b[0])
-        if opts.draft_at == "thread":
-            from ..spec.draftahead import ThreadDrafter
-            beside = ThreadDrafter(drafter_for, opts.n_ctx, limits.n_vocab, opts.poll_s)
-            drafter_for = _begin_each(beside.client)
-    from ..engine.tokenizer import Tokenizer
-    tok = Tokenizer(opts.model)
-    eos = set() if not cfg.stop_at_eos else {t for t in tok.eos}
-    if live is not None:
-        live.in_flight = lambda: len(pipe.in_flight)
-    return HeadSession(opts, cfg, comm, engine, transport, pipe, pool, drafter_for, tok, eos, ranges, exact_per_rank,
-                       n_seq_max, probe_ms, live, beside)
+        beside = DraftClient(end, opts.n_ctx, n_vocab, opts.poll_s)
+        return _begin_each(beside), beside
+    if stage.cfg.mode == "iterative":
+        return None, None
+    n_dft = draft_thread_count(opts, plan.threads[0], stage.topo.n_ranks)
+    drafter_for = make_drafter(draft_spec(opts, plan.info, n_dft, n_dft if opts.draft_threads else plan.threads_b[0]))
+    if opts.draft_at != "thread":
+        return drafter_for, None
+    from ..spec.draftahead import ThreadDrafter
+    beside = ThreadDrafter(drafter_for, opts.n_ctx, n_vocab, opts.poll_s)
+    return _begin_each(beside.client), beside
 
 
 def _begin_each(client):
@@ -306,7 +400,7 @@ def serve_draft_rank(opts: RunOptions, draft_comm, n_world: int) -> None:
     drafter_for = None
     if opts.gen.mode != "iterative":
         n = draft_thread_count(opts, 0, n_world)
-        drafter_for = make_drafter(opts, info, n, n)
+        drafter_for = make_drafter(draft_spec(opts, info, n, n))
     from ..wire.transport import Transport
     end = MpiEnd(Transport(draft_comm, draft_comm, opts.poll_s), 0, Tag.PROPOSAL, Tag.DRAFT_CTRL)
     DraftService(drafter_for, end, opts.n_ctx, _vocab_bound(opts.model, info)).serve()
@@ -394,71 +488,13 @@ def auto_split(comm, model: str, info, n_threads: int, n_threads_batch: int) -> 
     return all_ms
 
 
-def make_drafter(opts: RunOptions, info, n_threads: int, n_threads_batch: int):
-    """The drafter for a generation: a callable (prompt tokens, prompt text, chat) -> Drafter. Models are
-    loaded once; a drafter that depends on the prompt (through text translation) is wrapped per prompt."""
-    from ..spec.drafter import ModelDrafter, NgramDrafter, ReplayDrafter
-    if opts.drafter == "ngram":
-        ngram = NgramDrafter()
-        return lambda prompt, text, chat: ngram
-    if opts.drafter == "replay":
-        import json
-        try:
-            ref = json.load(open(opts.replay_ref))
-            reference = list(ref["prompt_tokens"]) + list(ref["tokens"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise UserError(f"--replay-ref {opts.replay_ref!r}: need the JSON of an earlier "
-                            f"'pipeinfer generate --json' run ({e})") from None
-        burner = None
-        if opts.draft:
-            burner = ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=1, n_threads=n_threads,
-                                  n_threads_batch=n_threads_batch, kernels=opts.kernels, head_tokens=opts.draft_head)
-        replay = ReplayDrafter(reference, opts.replay_accuracy, info.n_vocab, seed=opts.gen.sampling.seed, burner=burner)
-        return lambda prompt, text, chat: replay
-    if opts.drafter != "model":
-        raise UserError(f"unknown drafter {opts.drafter!r} (choose model, ngram or replay)")
-    if not opts.draft:
-        raise UserError(f"mode {opts.gen.mode} needs --draft MODEL.gguf or --drafter ngram")
-    translate = opts.draft_vocab == "translate"
-    if not translate:
-        try:
-            check_vocab(opts.model, opts.draft)
-        except UserError:
-            if opts.draft_vocab == "same":
-                raise
-            translate = True  # auto: a draft with another vocabulary drafts through text
-    if translate:
-        from ..engine.tokenizer import Tokenizer
-        from ..spec.translating import TranslatingDrafter
-        inner = ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=1, n_threads=n_threads,
-                             n_threads_batch=n_threads_batch, kernels=opts.kernels, head_tokens=opts.draft_head)
-        tok_tgt, tok_dft = Tokenizer(opts.model), Tokenizer(opts.draft)
-        return lambda prompt, text, chat: TranslatingDrafter(inner, tok_tgt, tok_dft, n_prompt=len(prompt),
-                                                             prompt_text=text or "", chat=chat)
-    same = ModelDrafter(opts.draft, n_ctx=opts.n_ctx, max_branches=opts.gen.cut.max_branches,
-                        n_threads=n_threads, n_threads_batch=n_threads_batch, kernels=opts.kernels,
-                        head_tokens=opts.draft_head)
-    return lambda prompt, text, chat: same
-
-
-def check_vocab(target: str, draft: str) -> None:
-    """The draft must give every token id the same text as the target."""
-    from ..engine.ggufheader import read_header
-    toks = []
-    for path in (target, draft):
-        key = "tokenizer.ggml.tokens"
-        t = read_header(path, keep_arrays=(key,)).fields.get(key)
-        if not isinstance(t, list):
-            raise UserError(f"{path}: no tokenizer vocabulary in the GGUF")
-        toks.append(t)
-    t_tgt, t_dft = toks
-    for i, (a, b) in enumerate(zip(t_tgt, t_dft)):
-        if a != b:
-            raise UserError(f"draft vocabulary differs from the target's: first mismatch at token id {i} "
-                            f"(target {a.decode(errors='replace')!r}, draft {b.decode(errors='replace')!r})")
-    if len(t_dft) > len(t_tgt):
-        raise UserError(f"draft vocabulary has {len(t_dft)} tokens, more than the target's {len(t_tgt)}: "
-                        f"first extra id {len(t_tgt)}")
+def draft_spec(opts: RunOptions, info, n_threads: int, n_threads_batch: int) -> DraftSpec:
+    """What spec/factory.make_drafter needs from the run's options (info: the target's GGUF summary)."""
+    return DraftSpec(opts.model, opts.draft, kind=opts.drafter, vocab=opts.draft_vocab, mode=opts.gen.mode,
+                     n_ctx=opts.n_ctx, max_branches=opts.gen.cut.max_branches, n_threads=n_threads,
+                     n_threads_batch=n_threads_batch, kernels=opts.kernels, head_tokens=opts.draft_head,
+                     n_vocab=info.n_vocab, replay_ref=opts.replay_ref, replay_accuracy=opts.replay_accuracy,
+                     seed=opts.gen.sampling.seed)
 
 
 def log(msg: str) -> None:

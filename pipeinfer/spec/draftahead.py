@@ -40,7 +40,6 @@ import numpy as np
 from ..core.protocol import CLOSED_EPOCH, KEEP_ALL, Ctrl, DraftCtrl, Proposal, Tag
 from .drafter import Cutoffs, Drafter, DraftNode, main_chain
 
-PLACEMENTS = ("head", "thread", "rank")
 RETRY_CHUNK = 4  # draft tokens asked for when a shorter chunk proposed nothing (DraftService.step)
 
 
@@ -108,7 +107,7 @@ class ServiceStats:
 class DraftService:
     """Drafts ahead on the context the head steers it to; `serve` runs until END.
 
-    drafter_for(prompt, text, chat) -> Drafter builds the drafter of a generation (as runner.make_drafter).
+    drafter_for(prompt, text, chat) -> Drafter builds the drafter of a generation (what make_drafter returns).
     """
 
     def __init__(self, drafter_for: Callable[[list[int], str, bool], Drafter], end, n_ctx: int, n_vocab: int):
@@ -156,7 +155,7 @@ class DraftService:
         """One drafter call: up to n_chunk tokens of the main chain after ctx, sent as one PROPOSAL.
 
         A drafter that proposes nothing for a short chunk is asked once more for RETRY_CHUNK tokens: a
-        translating drafter (xvocab.py) often cannot propose the last token of what it drafted (the next one
+        translating drafter (translating.py) often cannot propose the last token of what it drafted (the next one
         may merge with it), so it needs to draft further to propose anything. When even that gives nothing,
         the chain is stopped until the head moves the context or lowers the cutoff."""
         t0 = time.perf_counter()
@@ -328,9 +327,9 @@ def lower_priority() -> None:
 
     Beside the pipeline on a host whose cores the stages use, the draft should take only the cycles the stages
     leave idle: with 2 stages of Qwen2.5-1.5B on 2 cores and the Gemma draft in a thread, nice 19 gave 9.35 and
-    9.54 tokens/s where nice 0 gave 8.75 and 8.76 (results/README.md, session 6). On a host of its own it
-    changes nothing. Linux sets the nice value per thread (a thread id is a PRIO_PROCESS target); elsewhere
-    this is a no-op."""
+    9.54 tokens/s where nice 0 gave 8.75 and 8.76 (results/README.md, "Where the draft runs"). On a host of
+    its own it changes nothing. Linux sets the nice value per thread (a thread id is a PRIO_PROCESS target);
+    elsewhere this is a no-op."""
     if DRAFT_NICE == 0:
         return
     try:

@@ -70,7 +70,7 @@ def main_chain(tree: list[DraftNode]) -> list[int]:
 
 
 class ModelDrafter:
-    """A draft GGUF with the target's vocabulary, run whole on the head with its own KV sequences.
+    """A draft GGUF with the target's vocabulary, run whole in one process with its own KV sequences.
 
     Draft sequence 0 holds the context the drafter last saw, then what it drafted after it; the logits
     after each of its last KEEP_LOGITS positions are kept. A call whose context is a prefix of what seq 0
@@ -134,7 +134,7 @@ class ModelDrafter:
         if len(self._out) > self.KEEP_LOGITS:
             del self._out[min(self._out)]
 
-    def _sync(self, context: list[int]) -> np.ndarray:
+    def sync(self, context: list[int]) -> np.ndarray:
         """Make draft seq 0 start with `context` and return the logits after its last token (what seq 0
         holds beyond the context stays, for step() to reuse)."""
         c = 0
@@ -165,20 +165,20 @@ class ModelDrafter:
         return self._out[n + 1]
 
     def prefill(self, prompt: list[int]) -> None:
-        self._sync(prompt)
+        self.sync(prompt)
 
     def follow(self, context: list[int], tokens: list[int]) -> None:
         """Decode `tokens` after `context` as drafting them would (the replay instrument's compute): one
         single-token decode each, nothing more when context continues the last call's chain, one re-decode
         after a rejected token."""
-        self._sync(context)
+        self.sync(context)
         for k, t in enumerate(tokens):
             self.step(len(context) + k, t)
 
     def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
         if cut.max_branches > 1:
             self._truncate(len(context))  # branches copy seq 0: nothing of it beyond the context
-        logits0 = self._sync(context)
+        logits0 = self.sync(context)
         pos0 = len(context)
         tree: list[DraftNode] = []
         # active branches: branch index -> (draft seq id, last node index, logits after it)

@@ -265,7 +265,7 @@ def draft_prompt_text(draft_tok, user_text: str, chat: bool, template: str | Non
 class TranslatingDrafter:
     """Drafts target tokens with a draft model of another vocabulary (see the module docstring).
 
-    drafter: a ModelDrafter on the draft GGUF (its engine, KV sequence 0 and `_sync` are used; chains only);
+    drafter: a ModelDrafter on the draft GGUF (its engine, KV sequence 0, `sync` and `step` are used; chains only);
     target_tok, draft_tok: Tokenizers of the two GGUFs (encode/piece/is_eog/chat_template/n_vocab);
     n_prompt: number of target prompt tokens at the start of every context;
     prompt_text, chat: the raw user prompt and whether the chat format applies (the draft gets its own);
@@ -345,7 +345,7 @@ class TranslatingDrafter:
         that contradicts `need`, and at an end-of-generation token (returned, not decoded); the look-ahead
         is the draft's arg-max after the last token (also when it fell below the cutoff)."""
         d = self.drafter
-        logits = d._sync(dctx)
+        logits = d.sync(dctx)
         toks: list[int] = []
         probs: list[float] = []
         look = None
@@ -364,7 +364,7 @@ class TranslatingDrafter:
             else:
                 pt = 0.0   # every allowed token lies outside a pruned draft head (--draft-head): stop here
             b = self.dpiece(t)
-            is_new = n_bytes >= len(need)            # starts after the known text (as before: not the healed one)
+            is_new = n_bytes >= len(need)            # starts after the known text (the healed token is not new)
             if pt < cut.p_accept or (is_new and n_new == cut.n_max):
                 look = t
                 break

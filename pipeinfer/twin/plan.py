@@ -16,17 +16,16 @@ from pathlib import Path
 import click
 
 from ..ranks.head import GenConfig
-from .sim import (
+from .cluster import (
     Cluster,
     Link,
-    SimResult,
     cluster_from_profile,
     draft_ms_per_proposal,
     scaled_layer_model,
-    simulate,
     speed_factor,
     stage_cost_from_model,
 )
+from .sim import SimResult, simulate
 
 PLAN_P_RECOVERY = (None, 0.1, 0.25, 0.5)   # None: auto (0.5 / (ranks - 1))
 PLAN_P_ACCEPT = (0.1, 0.3, 0.5, 0.7)

@@ -74,7 +74,7 @@ def machine_id() -> str:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
     except OSError:
-        from ..wire.netprobe import host_name
+        from ..wire.hosts import host_name
         return host_name()
 
 
@@ -159,11 +159,8 @@ def measure_draft(path, threads: int, kernels: str, n_max: int = 4, target: str 
            "ms_per_token": round(statistics.median(per_token[1:]), 3),
            "prefill_ms_per_token": round(prefill_ms / len(prompt), 4)}
     if target is not None:
-        from ..core.errors import UserError
-        from ..ranks.startup import check_vocab
-        try:
-            check_vocab(target, str(path))
-        except UserError:   # another vocabulary: the draft runs translated (xvocab.py), at another cost
+        from ..spec.factory import translates
+        if translates(target, str(path)):   # another vocabulary: the draft runs translated, at another cost
             out["translating"] = measure_translating(d, target, str(path))
     d.engine.close()
     return out
@@ -203,7 +200,8 @@ def measure_head_overhead_ms() -> float:
     timed in wall-clock (the twin's own bookkeeping included, so a slight overestimate)."""
     from ..ranks.head import GenConfig
     from ..spec.drafter import Cutoffs
-    from .sim import Cluster, Link, StageCost, simulate
+    from .cluster import Cluster, Link, StageCost
+    from .sim import simulate
     zero = Cluster([StageCost([0.0] * 4, 0.0)] * 2, [Link(0.0, 1e15)] * 2, 1536)
     gen = GenConfig(mode="pipeinfer", n_predict=128, cut=Cutoffs(n_max=3), p_recovery=0.5)
     t0 = time.perf_counter()
@@ -263,19 +261,12 @@ def measure_confidence(draft: str, target: str, prompt: list[int], text: str, to
     """Along the target's own output, at each position: the draft's confidence in its first proposal there
     and whether that proposal is the target's token ([p, 1 or 0]; [0, 0] where it proposes nothing). The twin
     draws from these pairs, so a cutoff (-pa) decides what is proposed and how much of it is right."""
-    from ..core.errors import UserError
-    from ..ranks.startup import check_vocab
-    from ..spec.drafter import Cutoffs, ModelDrafter
-    inner = ModelDrafter(draft, n_ctx=RUN_N_CTX, max_branches=1, n_threads=threads, n_threads_batch=threads,
-                         kernels=kernels, head_tokens=head_tokens)
-    drafter = inner
-    try:
-        check_vocab(target, draft)
-    except UserError:
-        from ..engine.tokenizer import Tokenizer
-        from ..spec.translating import TranslatingDrafter
-        drafter = TranslatingDrafter(inner, Tokenizer(target), Tokenizer(draft), n_prompt=len(prompt),
-                                     prompt_text=text, chat=True)
+    from ..spec.drafter import Cutoffs
+    from ..spec.factory import DraftSpec, make_drafter
+    spec = DraftSpec(target, draft, n_ctx=RUN_N_CTX, max_branches=1, n_threads=threads, n_threads_batch=threads,
+                     kernels=kernels, head_tokens=head_tokens)
+    drafter = make_drafter(spec)(prompt, text, True)   # the same drafter, or translating through text (chat format)
+    inner = getattr(drafter, "drafter", drafter)          # the draft model itself (a translating drafter's inner one)
     drafter.prefill(prompt)
     n_max = getattr(drafter, "ahead_chunk", 1)
     seq, pairs = list(prompt) + list(tokens), []
@@ -303,9 +294,10 @@ def calibrate(records: dict[int, dict], in_pipeline: dict) -> None:
 def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
     """Measure; rank 0 returns the profile (a dict ready for JSON), other ranks None."""
     from ..core.topology import layer_ranges, parse_per_rank_ints, parse_split
-    from ..engine.kernels import build_id
+    from ..engine.kernels import numerics_id
     from ..engine.stagefile import ensure_stage_file, read_info
-    from ..wire.netprobe import host_name, ping_pong
+    from ..wire.hosts import host_name
+    from ..wire.netprobe import ping_pong
     from ..wire.transport import polite_barrier
 
     size = comm.Get_size() if comm is not None else 1
@@ -371,7 +363,7 @@ def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
     # what remains of the slowdown is the shared memory bandwidth
     shared = [records[r]["shared_slowdown"] / max(1.0, machines.count(machines[r]) / records[r]["cores"])
               for r in range(n_stages) if "shared_slowdown" in records[r] and machines.count(machines[r]) > 1]
-    return {"format": PROFILE_FORMAT, "build": build_id(), "kernels": opts.kernels,
+    return {"format": PROFILE_FORMAT, "build": numerics_id(), "kernels": opts.kernels,
             "exact_batch": min(limits) if limits else opts.max_batch,
             # ranks on one machine slow each other's decodes (memory bandwidth): the twin applies this
             "shared_slowdown": round(max(1.0, statistics.median(shared)), 3) if shared else 1.0,

@@ -11,20 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .hosts import host_name
+
 DEFAULT_BYTES = 151_936 * 4
-
-
-def host_name() -> str:
-    """This rank's host: PIPEINFER_HOST where a launcher sets it (the emulated cluster's namespaces share
-    one hostname), else the hostname."""
-    return os.environ.get("PIPEINFER_HOST") or socket.gethostname()
 
 
 @dataclass
