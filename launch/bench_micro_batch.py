@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_micro_batch.csv"))
     args = ap.parse_args()
     base = ["generate", "--prompt-name", args.prompt_name, "-n", str(args.n), "-t", "1", "--ignore-eos", "--json", "-q",
-            "--draft-at", "head"]  # as measured in session 5 (bench_draft_layout.py compares the placements)
+            "--draft-at", "head"]  # the draft in series (bench_draft_layout.py compares the placements)
     rows = []
 
     def run(label: str, extra: list[str]) -> dict:
