@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from pipeinfer.core.kvplan import commit_ops, prefix_ops
 from pipeinfer.core.protocol import (HEAD_KINDS, HEADER_LEN, NO_RUN, WORKER_KINDS, Batch, Flag, Header, Kind, KvOp, Limits,
-                                ProtocolError, check_header, check_kv_ops, check_tokens, pack_sampling, payload_bytes,
+                                ProtocolError, check_header, check_kv_ops, check_tokens, pack_sampling, payload_shapes,
                                 unpack_sampling)
 from pipeinfer.core.verify import SamplingParams
 
@@ -37,6 +37,11 @@ def _bounded(fn, *args):
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         assert peak < ALLOC_LIMIT, f"{fn.__name__} allocated {peak} bytes"
+
+
+def payload_bytes(hdr: Header) -> int:
+    """The bytes a checked header makes a rank allocate for its payloads."""
+    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for _, shape, dt in payload_shapes(hdr))
 
 
 def _max_payload(lim: Limits) -> int:

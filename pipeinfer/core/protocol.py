@@ -115,7 +115,7 @@ class Header:
 @dataclass(frozen=True)
 class Limits:
     """What a rank accepts: every header is checked against these before any payload is received, so the
-    buffers a header makes us allocate are bounded (`payload_bytes`)."""
+    buffers a header makes us allocate (`payload_shapes`) are bounded."""
     n_batch: int      # tokens per run
     n_embd: int       # width of ACTIV (every stage of one model has the same)
     n_vocab: int      # token ids are in [0, n_vocab)
@@ -174,10 +174,6 @@ def payload_shapes(hdr: Header) -> list[tuple[Tag, tuple[int, ...], type]]:
     if hdr.kind == Kind.KV:
         return [(Tag.KV, (hdr.n_tokens, 5), np.int32)]
     return [(Tag.SAMPLING, (4,), np.int64)]
-
-
-def payload_bytes(hdr: Header) -> int:
-    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for _, shape, dt in payload_shapes(hdr))
 
 
 def check_kv_ops(ops: np.ndarray, lim: Limits) -> None:
