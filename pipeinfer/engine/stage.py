@@ -38,7 +38,23 @@ def _ggml_base():
     lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
     lib.ggml_backend_tensor_get.restype = None
     lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_backend_tensor_set.restype = None
+    lib.ggml_backend_tensor_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
     return lib
+
+
+# Graphs that scale every input by sqrt(n_embd), hidden states included (models/gemma.cpp, gemma2.cpp; gemma3
+# scales token input only), and the name of the scaled tensor: an engine fed hidden states writes them into
+# that tensor as they came, after the graph computed it and before any layer reads it. (Dividing by sqrt(n_embd)
+# first is not exact: not every float is a product of a float and 48.)
+SCALES_EVERY_INPUT = {"gemma": b"inp_scaled", "gemma2": b"inp_scaled"}
+
+
+def model_arch(model) -> str:
+    """general.architecture of a loaded llama.cpp model."""
+    buf = ctypes.create_string_buffer(64)
+    n = llama_cpp.llama_model_meta_val_str(model, b"general.architecture", buf, len(buf))
+    return buf.value.decode() if n > 0 else ""
 
 
 _GGML = None
@@ -116,10 +132,12 @@ class StageEngine:
         cparams.no_perf = True
         cparams.flash_attn_type = flash_attn_type(kernels)  # kernels.py: which settings are batch-invariant
         self._captured: list[np.ndarray] = []
-        if capture_hidden:
+        self._capture_name = f"l_out-{self.n_layer - 1}".encode() if capture_hidden else None
+        self._input_name = SCALES_EVERY_INPUT.get(model_arch(self.model)) if embd_input else None
+        self._input_rows = 0  # rows written into the scaled input tensor by the last decode
+        if capture_hidden or self._input_name:
             if _GGML is None:
                 _GGML = _ggml_base()
-            self._capture_name = f"l_out-{self.n_layer - 1}".encode()
             self._cb_eval = llama_cpp.ggml_backend_sched_eval_callback(self._on_tensor)
             cparams.cb_eval = self._cb_eval
             cparams.cb_eval_user_data = None
@@ -156,11 +174,18 @@ class StageEngine:
         self._batch = b
 
     def _on_tensor(self, tensor, ask, user_data) -> bool:
-        if _GGML.ggml_get_name(tensor) != self._capture_name:
+        name = _GGML.ggml_get_name(tensor)
+        if name != self._capture_name and name != self._input_name:
             return False if ask else True
         if ask:
             return True
         nbytes = _GGML.ggml_nbytes(tensor)
+        if name == self._input_name:
+            # the graph multiplied the hidden states by sqrt(n_embd): give layer 0 the rows as they came
+            self._input_rows = nbytes // (4 * self.n_embd)
+            if self._input_rows <= len(self._embd):
+                _GGML.ggml_backend_tensor_set(tensor, self._embd.ctypes.data, 0, nbytes)
+            return True
         rows = np.empty(nbytes // 4, dtype=np.float32)
         _GGML.ggml_backend_tensor_get(tensor, rows.ctypes.data, 0, nbytes)
         self._captured.append(rows.reshape(-1, self.n_embd))
@@ -194,6 +219,7 @@ class StageEngine:
         self._out[:n] = 1 if self.capture_hidden else batch.output
         self._batch.n_tokens = n
         self._captured.clear()
+        self._input_rows = 0
         global _ABORTING
         try:
             rc = llama_cpp.llama_decode(self.ctx, self._batch)
@@ -213,6 +239,8 @@ class StageEngine:
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc} (batch of {n} tokens at positions "
                                f"{int(batch.pos.min())}..{int(batch.pos.max())})")
+        if self._input_name and self._input_rows != n:
+            raise RuntimeError(f"{self._input_name.decode()}: {self._input_rows} rows in the graph, {n} given")
         if self.capture_hidden:
             hidden = np.concatenate(self._captured) if len(self._captured) > 1 else self._captured[0]
             if hidden.shape != (n, self.n_embd):

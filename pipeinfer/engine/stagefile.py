@@ -2,7 +2,8 @@
 
 llama.cpp refuses a file whose tensor count disagrees with `{arch}.block_count`, so each stage is a file
 of its own: tensors blk.{a}..blk.{b-1} renamed blk.0.., raw (quantized) data copied as is, per-layer
-metadata arrays sliced to the range. A stage that does not produce logits gets a 4-token dummy
+metadata arrays sliced to the range, and every rule llama.cpp derives from the layer index written out
+(SPLIT_RULES: one verified architecture each; others are refused). A stage that does not produce logits gets a 4-token dummy
 vocabulary and [4, n_embd] embedding/output tensors, so marking all its rows as outputs (needed to
 capture hidden states) costs no vocabulary-sized projection. Files are cached, keyed by the source's
 identity (path, size, mtime) and the range.
@@ -14,19 +15,13 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from ..core.files import derived_path, write_atomically
 
-STAGE_FORMAT = 2  # bump when the stage file layout changes: invalidates the cache
-
-# Architectures whose graph depends on the layer index only through metadata we can carry over.
-# llama/qwen2/qwen3: no index-dependent rule. gemma3: every 6th layer is global attention with another
-# RoPE base, derived from the index unless the per-layer array `sliding_window_pattern` is present;
-# we write that array (the whole model's pattern, sliced), which llama.cpp reads first.
-SPLITTABLE = {"llama", "qwen2", "qwen3", "gemma3"}
-SWA_PERIOD = {"gemma3": 6}
+STAGE_FORMAT = 3  # bump when the stage file layout changes: invalidates the cache
 
 
 class StageFileError(ValueError):
@@ -34,9 +29,96 @@ class StageFileError(ValueError):
 
 
 @dataclass(frozen=True)
+class SplitRule:
+    """What a stage file carries so that an architecture's renumbered layers compute what they did in place.
+
+    llama.cpp (src/models/<arch>.cpp, 0.3.36) derives some per-layer behaviour from the layer index il of the
+    file it loads; a stage renumbers layers from 0, so each such rule is written out explicitly here."""
+    care: str                      # the rule that needed care (README "Architectures" table)
+    swa_period: int = 0            # windowed layers: il % period < period - 1, unless the file has the per-layer
+    #                                `attention.sliding_window_pattern` (llama.cpp reads it first): always written
+    dense_lead: bool = False       # `leading_dense_block_count` dense FFN layers, then experts: counted from
+    #                                the stage's first layer
+    first_stage_keys: tuple[str, ...] = ()  # scalings the graph applies to its input, hidden states included:
+    #                                only the first stage keeps them
+    metadata: Callable | None = None  # (fields, start, end, with_vocab) -> {key: (value, type)} to write, or
+    #                                StageFileError for a range llama.cpp would misread
+
+
+def _deepseek2_metadata(fields: dict, start: int, end: int, with_vocab: bool) -> dict:
+    """DeepSeek-V2/V3 derive two things from the file's layer count and vocabulary (models/deepseek2.cpp): a
+    26/27-layer file is "lite" (no q_lora_rank, q projected directly) and a GLM-4.7-Lite-sized one gates experts
+    with a sigmoid. Write both as the whole model has them, and refuse a range llama.cpp would misread."""
+    import gguf
+    u32 = gguf.GGUFValueType.UINT32
+    n_layer = int(fields["deepseek2.block_count"]) - int(fields.get("deepseek2.nextn_predict_layers", 0))
+    n_vocab = int(fields.get("deepseek2.vocab_size", 0))  # _stage_metadata adds it from token_embd if absent
+
+    def lite(n, v):
+        return n in (26, 27) or (n == 48 and v == 128256)
+    out = {}
+    q_lora = int(fields.get("deepseek2.attention.q_lora_rank", 0))  # absent in a lite model: 0, q projected directly
+    if lite(end - start, n_vocab if with_vocab else 4):
+        if q_lora > 0:
+            raise StageFileError(f"deepseek2: llama.cpp reads a {end - start}-layer file as DeepSeek-V2-Lite (no "
+                                 f"q_lora_rank), which this model is not; choose a split without a stage of that size")
+    else:
+        out["deepseek2.attention.q_lora_rank"] = (q_lora, u32)  # read (and required) only outside the lite sizes
+    if int(fields.get("deepseek2.expert_gating_func", 0)) == 0:  # 0: unset, llama.cpp guesses from the sizes
+        sigmoid = n_layer in (47, 48) and n_vocab == 154880
+        out["deepseek2.expert_gating_func"] = (2 if sigmoid else 1, u32)
+    return out
+
+
+def _granite_metadata(fields: dict, start: int, end: int, with_vocab: bool) -> dict:
+    """Granite Vision's deepstack (models/granite.cpp) adds the input embeddings to chosen layers' inputs and then
+    leaves embedding input unscaled: neither survives a split into stages."""
+    if "granite.deepstack_mapping" in fields:
+        raise StageFileError("granite: deepstack layers (Granite Vision) read the model's input embeddings at "
+                             "later layers, which a later stage does not have; run it on 1 rank")
+    return {}
+
+
+# Architectures verified to split exactly (tests/test_architectures.py runs each one's synthetic model whole and
+# as chained stages); SPLITTABLE is this table's keys.
+SPLIT_RULES: dict[str, SplitRule] = {
+    "llama": SplitRule("none (Mixtral-style experts included)"),
+    "qwen2": SplitRule("none"),
+    "qwen3": SplitRule("none"),
+    "qwen3moe": SplitRule("none: every layer routes its experts alike"),
+    "gemma2": SplitRule("windowed attention on even layers (il % 2); the graph scales every input by "
+                        "sqrt(n_embd), hidden states included (stage.SCALES_EVERY_INPUT)", swa_period=2),
+    "gemma3": SplitRule("windowed attention except every 6th layer (il % 6), another RoPE base there",
+                        swa_period=6),
+    "phi3": SplitRule("none (llama.cpp runs Phi-3's window as full attention)"),
+    "olmo2": SplitRule("with a sliding window: full attention every 4th layer (il % 4)", swa_period=4),
+    "granite": SplitRule("embedding_scale multiplies hidden-state input too: only the first stage keeps it",
+                         first_stage_keys=("embedding_scale",), metadata=_granite_metadata),
+    "deepseek2": SplitRule("leading dense layers; 'lite' and expert gating guessed from the file's size; "
+                           "multi-token-prediction blocks after the trunk stay out of every stage",
+                           dense_lead=True, metadata=_deepseek2_metadata),
+    "gpt-oss": SplitRule("windowed attention on even layers (il % 2)", swa_period=2),
+}
+SPLITTABLE = frozenset(SPLIT_RULES)
+
+# Architectures llama.cpp cannot run split, and the rule that stops them (check_splittable names it).
+NOT_SPLITTABLE = {
+    "glm4": "llama.cpp's glm4 graph aborts on hidden-state input unless the file has M-RoPE sections "
+            "(models/glm4.cpp), and a stage after the first takes hidden states",
+    "glm4moe": "llama.cpp's glm4moe graph aborts on hidden-state input unless the file has M-RoPE sections "
+               "(models/glm4-moe.cpp), and a stage after the first takes hidden states",
+    "llama4": "llama.cpp derives Llama 4's expert layers and NoPE layers from (il + 1) % step with no "
+              "per-layer array to carry them (models/llama4.cpp)",
+}
+
+# Fixed-length arrays that are not per layer, whatever a tiny model's layer count
+NOT_PER_LAYER = ("rope.dimension_sections",)
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     arch: str
-    n_layer: int
+    n_layer: int   # the layers a decode runs: block_count less trailing multi-token-prediction blocks
     n_embd: int
     n_vocab: int
 
@@ -56,7 +138,8 @@ def read_info(path: str | os.PathLike) -> ModelInfo:
     if n_layer is None or n_embd is None:
         raise StageFileError(f"{path}: GGUF lacks {arch}.block_count or {arch}.embedding_length")
     _check_tensor_data(path, header.tensors)
-    return ModelInfo(arch, int(n_layer), int(n_embd), int(fields.get("tokenizer.ggml.tokens", 0)))
+    n_trunk = int(n_layer) - int(fields.get(f"{arch}.nextn_predict_layers", 0))
+    return ModelInfo(arch, n_trunk, int(n_embd), int(fields.get("tokenizer.ggml.tokens", 0)))
 
 
 def _check_tensor_data(path, tensors) -> None:
@@ -78,6 +161,9 @@ def _field(reader, key):
 
 
 def check_splittable(info: ModelInfo, n_stages: int) -> None:
+    if n_stages > 1 and info.arch in NOT_SPLITTABLE:
+        raise StageFileError(f"architecture '{info.arch}' cannot be split into stages: {NOT_SPLITTABLE[info.arch]}; "
+                             f"run it on 1 rank instead")
     if n_stages > 1 and info.arch not in SPLITTABLE:
         raise StageFileError(
             f"architecture '{info.arch}' is not verified for layer splitting (renumbering layers may change "
@@ -98,34 +184,20 @@ def ensure_stage_file(src: str | os.PathLike, start: int, end: int, with_vocab: 
 
 
 def write_stage_file(src, dst, start: int, end: int, with_vocab: bool) -> None:
+    """Layers [start, end) of the decoding trunk (multi-token-prediction blocks after it are never in a stage)."""
     import gguf
     reader = gguf.GGUFReader(str(src), "r")
     arch = _field(reader, "general.architecture")
-    n_layer = int(_field(reader, f"{arch}.block_count"))
+    n_all = int(_field(reader, f"{arch}.block_count"))
+    n_layer = n_all - int(_field(reader, f"{arch}.nextn_predict_layers") or 0)
     n_embd = int(_field(reader, f"{arch}.embedding_length"))
     if not (0 <= start < end <= n_layer):
         raise StageFileError(f"layer range [{start}, {end}) outside the model's {n_layer} layers")
     check_splittable(ModelInfo(arch, n_layer, n_embd, 0), 2 if (start, end) != (0, n_layer) else 1)
 
     writer = gguf.GGUFWriter(str(dst), arch)
-    for field in reader.fields.values():
-        name = field.name
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        if not with_vocab and name.startswith("tokenizer."):
-            continue
-        vtype = field.types[0]
-        value = field.contents()
-        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        if name == f"{arch}.block_count":
-            value = end - start
-        elif vtype == gguf.GGUFValueType.ARRAY and name.startswith(f"{arch}.") and len(value) == n_layer:
-            value = value[start:end]  # per-layer metadata (head counts, window flags, ...)
+    for name, value, vtype, sub_type in _stage_metadata(reader, arch, n_all, n_layer, start, end, with_vocab):
         writer.add_key_value(name, value, vtype, sub_type=sub_type)
-    if arch in SWA_PERIOD and f"{arch}.attention.sliding_window_pattern" not in reader.fields:
-        period = SWA_PERIOD[arch]
-        pattern = [il % period < period - 1 for il in range(n_layer)][start:end]
-        writer.add_array(f"{arch}.attention.sliding_window_pattern", pattern)
     if not with_vocab:
         _add_dummy_vocab(writer, gguf)
 
@@ -134,7 +206,7 @@ def write_stage_file(src, dst, start: int, end: int, with_vocab: bool) -> None:
         name = t.name
         if name.startswith("blk."):
             il = int(name.split(".")[1])
-            if not start <= il < end:
+            if not start <= il < min(end, n_layer):
                 continue
             name = f"blk.{il - start}." + name.split(".", 2)[2]
         elif not with_vocab and name in ("token_embd.weight", "output.weight"):
@@ -143,6 +215,57 @@ def write_stage_file(src, dst, start: int, end: int, with_vocab: bool) -> None:
             continue
         tensors.append((name, t.data, t.tensor_type))
     _write_tensors(writer, tensors)
+
+
+def _stage_metadata(reader, arch: str, n_all: int, n_layer: int, start: int, end: int, with_vocab: bool):
+    """(key, value, type, array element type) of a stage file: the source's, with the layer count, per-layer
+    arrays sliced to the range and every layer-index rule of SPLIT_RULES[arch] written out."""
+    import gguf
+    rule = SPLIT_RULES.get(arch)
+    array = gguf.GGUFValueType.ARRAY
+    swa_key = f"{arch}.attention.sliding_window_pattern"
+    drop = {f"{arch}.nextn_predict_layers"}  # a stage holds no multi-token-prediction block
+    if rule and rule.swa_period:
+        drop.add(swa_key)  # written below as the whole model's per-layer pattern, sliced
+    if rule and start > 0:
+        drop.update(f"{arch}.{k}" for k in rule.first_stage_keys)
+    extra = {}
+    if rule and rule.metadata:
+        n_vocab = next((int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight"), 0)
+        fields = {f.name: f.contents() for f in reader.fields.values() if f.name.startswith(f"{arch}.")}
+        extra = rule.metadata(fields | {f"{arch}.vocab_size": fields.get(f"{arch}.vocab_size", n_vocab)},
+                              start, end, with_vocab)
+    per_layer_skip = {f"{arch}.{k}" for k in NOT_PER_LAYER}
+    for field in reader.fields.values():
+        name, vtype = field.name, field.types[0]
+        if name.startswith("GGUF.") or name == "general.architecture" or name in drop or name in extra \
+                or (not with_vocab and name.startswith("tokenizer.")):
+            continue
+        value = field.contents()
+        if name == f"{arch}.block_count":
+            value = end - start
+        elif name == f"{arch}.leading_dense_block_count" and rule and rule.dense_lead:
+            value = min(max(int(value) - start, 0), end - start)  # dense FFN layers counted from the stage's start
+        elif vtype == array and name.startswith(f"{arch}.") and len(value) == n_all and name not in per_layer_skip:
+            value = value[start:end]  # per-layer metadata (head counts, window flags, ...)
+        yield name, value, vtype, field.types[-1] if vtype == array else None
+    for name, (value, vtype) in extra.items():
+        yield name, value, vtype, None
+    if rule and rule.swa_period:
+        yield swa_key, _swa_pattern(reader, swa_key, rule, n_layer)[start:end], array, gguf.GGUFValueType.BOOL
+
+
+def _swa_pattern(reader, key: str, rule: SplitRule, n_layer: int) -> list[bool]:
+    """Windowed (True) or full attention for each layer of the whole model, as llama.cpp's load_swa_pattern
+    decides it: the per-layer array if the file has one, else il % period (the file's scalar period, or the
+    architecture's), as llama_hparams::set_swa_pattern computes it."""
+    value = _field(reader, key)
+    if isinstance(value, list):
+        return [bool(x) for x in value[:n_layer]]
+    period = rule.swa_period if value is None else int(value)
+    if period == 0:
+        return [True] * n_layer
+    return [il % period < period - 1 for il in range(n_layer)]
 
 
 def _write_tensors(writer, tensors: list) -> None:

@@ -70,6 +70,37 @@ def layer_model_ms(lm: dict, n_layers: int, last: bool, n_tokens: int) -> float:
     return layer_model_ms(lm, n_layers, last, b) + (n_tokens - b) * per_token
 
 
+def active_share(tensor_name: str, n_expert: int, n_expert_used: int) -> float:
+    """Share of a tensor's bytes one token reads: a routed-expert tensor (`ffn_{gate,up,down}_exps`, one slice
+    per expert, gate_up fused or not) n_expert_used of its n_expert slices; everything else (attention, the
+    router, shared experts, dense FFNs) all of it."""
+    if n_expert > 0 and "_exps." in tensor_name:
+        return n_expert_used / n_expert
+    return 1.0
+
+
+def active_bytes_per_layer(tensor_bytes: dict[str, int], n_layer: int, n_expert: int = 0,
+                           n_expert_used: int = 0) -> float:
+    """Mean weight bytes one token reads per layer of blk.0..blk.{n_layer-1}: a mixture-of-experts layer costs
+    its active experts' bytes, not all of them (a memory-bound decode reads the experts the router picked).
+    Blocks past n_layer (multi-token prediction) are not decoded and not counted."""
+    total = 0.0
+    for name, nbytes in tensor_bytes.items():
+        if name.startswith("blk.") and int(name.split(".")[1]) < n_layer:
+            total += nbytes * active_share(name, n_expert, n_expert_used)
+    return total / n_layer
+
+
+def moe_params_per_layer(n_embd: int, n_head: int, n_head_kv: int, head_dim: int, n_expert: int,
+                         n_expert_used: int, n_ff_exp: int) -> tuple[int, int]:
+    """(all, active) parameters of one attention + routed-experts layer (Qwen3-MoE / Mixtral shape): q, k, v, o
+    projections, the router, and n_expert gated FFNs of n_ff_exp (3 matrices each), n_expert_used per token."""
+    attn = n_embd * head_dim * (2 * n_head + 2 * n_head_kv)
+    expert = 3 * n_embd * n_ff_exp
+    router = n_embd * n_expert
+    return attn + router + n_expert * expert, attn + router + n_expert_used * expert
+
+
 def scaled_layer_model(lm: dict, layer_scale: float, out_scale: float) -> dict:
     """The layer model of a larger (or smaller) model on the same hosts: per-layer costs times
     layer_scale, the output projection times out_scale (memory-bound decodes: cost ~ weight bytes)."""

@@ -131,6 +131,22 @@ def measure_layer_model(model: str, n_layer: int, k: int, threads: int, max_batc
             "prompt_out_ms_per_token": round(max(0.0, c["prompt_ms_per_token"] - a["prompt_ms_per_token"]), 4)}
 
 
+def weight_bytes(model: str | os.PathLike) -> tuple[float, float]:
+    """(bytes one token reads per layer, bytes of the output projection) of a GGUF: what scales a profile to
+    another model (`layer_scale`, `out_scale`). Mixture-of-experts layers count their active experts only
+    (cluster.active_bytes_per_layer)."""
+    from ..engine.ggufheader import read_header
+    from ..engine.stagefile import read_info
+    from .cluster import active_bytes_per_layer
+    fields, tensors = read_header(model).fields, read_header(model).tensors
+    arch, n_layer = fields["general.architecture"], read_info(model).n_layer
+    per_layer = active_bytes_per_layer({n: t.nbytes for n, t in tensors.items()}, n_layer,
+                                       int(fields.get(f"{arch}.expert_count", 0)),
+                                       int(fields.get(f"{arch}.expert_used_count", 0)))
+    out = tensors.get("output.weight") or tensors["token_embd.weight"]
+    return per_layer, out.nbytes
+
+
 def _r(xs: list[float]) -> list[float]:
     return [round(x, 3) for x in xs]
 
