@@ -437,3 +437,23 @@ def test_cli_fetch_all(monkeypatch):
     r = CliRunner().invoke(models_group, ["fetch", "--all"])
     assert r.exit_code == 0, r.output
     assert fetched == list(MODELS)
+
+
+def _pipeline_for(*argv: str):
+    """What `pipeinfer generate ARGV` resolves its pipeline options to (click's own parsing and defaults)."""
+    from pipeinfer.cli.main import main
+    from pipeinfer.cli.options import PipelineArgs, resolve_pipeline
+    from pipeinfer.core.verify import SamplingParams
+    ctx = main.commands["generate"].make_context("generate", list(argv))
+    return resolve_pipeline(PipelineArgs.of(ctx.params), n_predict=8, sampling=SamplingParams(), stop_at_eos=True)
+
+
+def test_the_default_target_gets_the_default_draft_by_name_or_by_path(tmp_path):
+    target, draft = _fake_install(DEFAULT_TARGET), _fake_install(DEFAULT_DRAFT)
+    for model in (DEFAULT_TARGET, str(target)):
+        setup = _pipeline_for("-m", model, "-p", "hi")
+        assert (setup.draft, setup.drafter) == (str(draft), "model"), model
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF")
+    assert _pipeline_for("-m", str(other), "-p", "hi").drafter == "ngram"   # any other target: no draft model
+    assert _pipeline_for("-m", str(target), "-p", "hi", "--mode", "iterative").draft is None

@@ -188,13 +188,20 @@ class PipelineSetup:
                           draft_head=a.draft_head, **more)
 
 
+def _is_default_target(model: str) -> bool:
+    """The default target, whether named by the registry or by the path of its file."""
+    from ..engine.models import DEFAULT_TARGET
+    default = installed(DEFAULT_TARGET)
+    return default is not None and Path(model).resolve() == Path(default).resolve()
+
+
 def resolve_pipeline(a: PipelineArgs, *, n_predict: int, sampling: SamplingParams,
                      stop_at_eos: bool) -> PipelineSetup:
     """The model files (registry names resolved), the drafter and its place, checked against each other."""
     from ..engine.models import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_model
     model = str(resolve_model(a.model or DEFAULT_TARGET))
     draft = str(resolve_model(a.draft)) if a.draft else None
-    if draft is None and a.drafter is None and a.model in (None, DEFAULT_TARGET) and a.mode != "iterative":
+    if draft is None and a.drafter is None and _is_default_target(model) and a.mode != "iterative":
         draft = installed(DEFAULT_DRAFT)  # the default demo: Qwen target, Gemma draft through text translation
     drafter = a.drafter or ("model" if draft else "ngram")
     draft_at = a.draft_at
