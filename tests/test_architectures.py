@@ -181,10 +181,10 @@ def test_deepseek2_refuses_a_stage_llama_cpp_would_read_as_lite(tmp_path):
 
 # ------------------------------------------------------------------ the real pipeline on several ranks
 @pytest.mark.mpi
-@pytest.mark.parametrize("name", ["qwen3moe", "llama-moe", "deepseek2", "gpt-oss", "gemma2", "granite"])
+@pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_greedy_generation_on_two_ranks_equals_one_process(arch_model, name):
-    """The MoE forms, and the two whose first stage needs care (gemma2's input scaling inside the graph,
-    granite's embedding_scale), through the head's token embedder and two stage ranks."""
+    """Every architecture through the head's token embedder and two stage ranks: the MoE forms, and those
+    whose first stage needs care (gemma2's input scaling inside the graph, granite's embedding_scale)."""
     src = arch_model(name)
     out = mpirun(2, {"model": str(src), "prompt": PROMPT, "n": 24})
     assert out["tokens"] == reference_greedy(src, PROMPT, 24)
