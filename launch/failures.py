@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What the user sees for each fault and bad input: the README's "Failure behaviour" table, measured.
 
-    python launch/failures.py [--out results/failures] [--only NAME ...]
+    python launch/failures.py [--out results/failures] [--only NAME ...] [--mpi mpich openmpi]
 
 Each case runs the real CLI under mpiexec on small synthetic GGUFs (tests/synth.py) and records the exit
 code, the seconds from the fault (or from the start, for bad input) to the end of mpiexec, the first
@@ -12,11 +12,16 @@ would: `kill -STOP` / `kill -9` of one rank's process, found through a tag in it
 only; skipped with a note elsewhere) off the network. Writes OUT.csv and OUT.md (a markdown table) and
 prints the table; with --only, the named rows are measured again and the others kept from OUT.csv.
 tests/test_failures.py runs the same cases (CASES) and checks each row's expectation.
+
+--mpi picks the MPIs each case runs under (the table's MPI column): `mpich`, the mpich wheel's mpiexec (the
+default), and `openmpi`, Open MPI's mpirun with mpi4py loading Open MPI's library (MPI4PY_MPIABI=openmpi, as the
+README's cluster section sets it up; needs openmpi-bin). The emulated cluster's row runs under MPICH only.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import os
 import shutil
 import signal
@@ -32,6 +37,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec") or "mpiexec"
+MPIS = ("mpich", "openmpi")
+# what makes a job run on Open MPI: mpi4py's MPI ABI switch, and mpirun's consent to run as root (CI is root)
+OPENMPI_ENV = {"MPI4PY_MPIABI": "openmpi", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 NETNS = ROOT / "launch" / "netns-cluster.sh"
 STALL = 3.0  # --stall-timeout of the fault cases (seconds)
 # the network cut's --stall-timeout: what a user would set on a real network, where a few seconds without
@@ -205,8 +213,9 @@ def _rank_pids(tag: str) -> dict[int, int]:
             cmd = (p / "cmdline").read_bytes()
         except OSError:
             continue
-        if env.get("PIPEINFER_FAULT_TAG") == tag and "PMI_RANK" in env and b"pipeinfer" in cmd:
-            out[int(env["PMI_RANK"])] = int(p.name)
+        rank = env.get("PMI_RANK", env.get("OMPI_COMM_WORLD_RANK"))  # MPICH's, Open MPI's
+        if env.get("PIPEINFER_FAULT_TAG") == tag and rank is not None and b"pipeinfer" in cmd:
+            out[int(rank)] = int(p.name)
     return out
 
 
@@ -223,24 +232,48 @@ def netns_unavailable() -> str | None:
     return None
 
 
-def _command(case: Case, args: list[str], tmp: Path) -> list[str]:
+@functools.lru_cache(maxsize=1)
+def openmpi_launcher() -> str:
+    """Open MPI's mpirun, found as `pipeinfer launch` finds it (RuntimeError saying why there is none)."""
+    from pipeinfer.cli.launch import choose_launcher, mpi4py_library
+    lib = mpi4py_library(sys.executable, dict(os.environ, **OPENMPI_ENV))
+    if lib.kind != "openmpi":
+        raise RuntimeError(f"with MPI4PY_MPIABI=openmpi mpi4py loads {lib.name}, not Open MPI")
+    return choose_launcher(lib)
+
+
+def mpi_run(mpi: str, n: int) -> list[str]:
+    """The start of a command line that runs n local ranks under `mpi` (with mpi_env's environment)."""
+    if mpi == "openmpi":  # more ranks than the 2 cores here: --oversubscribe
+        return [openmpi_launcher(), "--oversubscribe", "--bind-to", "none", "-n", str(n)]
+    return [MPIEXEC, "-n", str(n)]
+
+
+def mpi_env(mpi: str, **more) -> dict:
+    return dict(os.environ, **(OPENMPI_ENV if mpi == "openmpi" else {}), **more)
+
+
+RANK = "${PMI_RANK:-$OMPI_COMM_WORLD_RANK}"  # a rank's number in a shell, under MPICH or Open MPI
+
+
+def _command(case: Case, args: list[str], tmp: Path, mpi: str = "mpich") -> list[str]:
     base = [sys.executable, "-m", "mpi4py", "-m", "pipeinfer"]
     if case.extra.get("cmd"):
-        return [MPIEXEC, "-n", str(case.n)] + [a.format(python=sys.executable, root=ROOT) for a in case.extra["cmd"]]
+        return mpi_run(mpi, case.n) + [a.format(python=sys.executable, root=ROOT) for a in case.extra["cmd"]]
     if case.extra.get("netns"):
         # one rank per emulated host: rank I runs in namespace hI
         return ["bash", str(NETNS), "run", str(case.n), "--"] + base + args
     if case.extra.get("build_per_rank"):
         pp = f'{tmp}/build1:{os.environ.get("PYTHONPATH", "")}'
-        return [MPIEXEC, "-n", str(case.n), "bash", "-c",
-                f'if [ "$PMI_RANK" = 1 ]; then export PYTHONPATH={pp}; fi; exec "$@"', "rank"] + base + args
+        return mpi_run(mpi, case.n) + ["bash", "-c", f'if [ "{RANK}" = 1 ]; then export PYTHONPATH={pp}; fi; '
+                                       f'exec "$@"', "rank"] + base + args
     if case.extra.get("env_per_rank"):
         # one model path, two files: each rank reads it from its own "host" directory (what another
-        # host's copy would be): a wrapper runs the rank in host{PMI_RANK}/
+        # host's copy would be): a wrapper runs the rank in host{RANK}/
         args = [a.replace(str(tmp / "per-rank.gguf"), "per-rank.gguf") for a in args]
-        return [MPIEXEC, "-n", str(case.n), "bash", "-c", f'cd {tmp}/host$PMI_RANK && exec "$@"', "rank"] + base + args
+        return mpi_run(mpi, case.n) + ["bash", "-c", f'cd {tmp}/host{RANK} && exec "$@"', "rank"] + base + args
     if case.n:
-        return [MPIEXEC, "-n", str(case.n)] + base + args
+        return mpi_run(mpi, case.n) + base + args
     return base + args
 
 
@@ -279,14 +312,14 @@ def _netns_down(stderr: str) -> None:
         subprocess.run(["bash", str(NETNS), "down"], capture_output=True)
 
 
-def run_case(case: Case, models: dict, tmp: Path, timeout: float = 120) -> dict:
-    """Run one case; a dict of what the user saw."""
+def run_case(case: Case, models: dict, tmp: Path, timeout: float = 120, mpi: str = "mpich") -> dict:
+    """Run one case under `mpi` (MPIS); a dict of what the user saw."""
     fill = {"q8": models["q8"], "big": models["big"], "tmp": tmp}
     if case.prep:
         _prepare(case.prep, tmp, models)
-    cmd = _command(case, [a.format(**fill) for a in case.args], tmp)
+    cmd = _command(case, [a.format(**fill) for a in case.args], tmp, mpi)
     tag = uuid.uuid4().hex
-    env = dict(os.environ, PIPEINFER_FAULT_TAG=tag, MPIEXEC=MPIEXEC)  # netns-cluster.sh runs this mpiexec
+    env = mpi_env(mpi, PIPEINFER_FAULT_TAG=tag, MPIEXEC=MPIEXEC)  # netns-cluster.sh runs this mpiexec
     if os.path.exists(tmp / "results.csv"):
         os.unlink(tmp / "results.csv")
     t0 = time.monotonic()
@@ -338,7 +371,7 @@ def run_case(case: Case, models: dict, tmp: Path, timeout: float = 120) -> dict:
         rows = read_results(tmp / "results.csv")
         status = rows[-1]["status"] if rows else None
     return {
-        "case": case.name, "what": case.what, "exit_code": p.returncode,
+        "case": case.name, "mpi": mpi, "what": case.what, "exit_code": p.returncode,
         "seconds": round(t_end - (t_fault or t0), 1), "from": "fault" if t_fault else "start",
         "ranks_gone_s": round(t_ranks - t_fault, 1) if t_ranks else None,
         "error": errors[0] if errors else "", "n_error_lines": len(errors), "traceback": "Traceback" in stderr,
@@ -347,13 +380,14 @@ def run_case(case: Case, models: dict, tmp: Path, timeout: float = 120) -> dict:
     }
 
 
-COLS = ["case", "what", "exit_code", "seconds", "from", "error", "n_error_lines", "traceback",
+COLS = ["case", "mpi", "what", "exit_code", "seconds", "from", "error", "n_error_lines", "traceback",
         "stdout_bytes_at_fault", "stdout_bytes", "results_status", "ranks_gone_s", "test"]
+MPI_LABEL = {"mpich": "MPICH", "openmpi": "Open MPI"}
 
 
 def _table(rows: list[dict]) -> str:
-    lines = ["| fault or input | what the user sees (first error line) | exit code | time to exit (s) | text and --results row |",
-             "|---|---|---|---|---|"]
+    lines = ["| fault or input | MPI | what the user sees (first error line) | exit code | time to exit (s) | "
+             "text and --results row |", "|---|---|---|---|---|---|"]
     for r in rows:
         kept = ""
         if r["from"] == "fault":
@@ -363,29 +397,35 @@ def _table(rows: list[dict]) -> str:
                 kept += f"; every rank process gone {r['ranks_gone_s']} s after the fault"
         when = f"{r['seconds']} after the fault" if r["from"] == "fault" else f"{r['seconds']} from start"
         err = r["error"].replace("|", "\\|") or "(none: mpiexec's BAD TERMINATION notice)"
-        lines.append(f"| {r['what']} | `{err}` | {r['exit_code']} | {when} | {kept} |")
+        mpi = MPI_LABEL.get(r.get("mpi") or "mpich", r.get("mpi"))
+        lines.append(f"| {r['what']} | {mpi} | `{err}` | {r['exit_code']} | {when} | {kept} |")
     return "\n".join(lines)
 
 
-def _old_rows(out: str) -> dict[str, dict]:
-    """OUT.csv's rows by case name: what a case not measured this time (--only, or skipped) keeps."""
+def _old_rows(out: str) -> dict[tuple[str, str], dict]:
+    """OUT.csv's rows by (case name, MPI): what a row not measured this time (--only, --mpi, or skipped) keeps;
+    a file from before the MPI column holds MPICH's rows."""
     try:
         with open(out + ".csv", newline="") as f:
-            return {r["case"]: r for r in csv.DictReader(f)}
+            return {(r["case"], r.get("mpi") or "mpich"): dict(r, mpi=r.get("mpi") or "mpich")
+                    for r in csv.DictReader(f)}
     except FileNotFoundError:
         return {}
 
 
-def _measure(case: Case, models: dict, work: Path) -> dict | None:
+def _measure(case: Case, models: dict, work: Path, mpi: str) -> dict | None:
     why = netns_unavailable() if case.extra.get("netns") else None
+    if case.extra.get("netns") and mpi != "mpich":
+        why = "the emulated cluster runs MPICH's mpiexec only"
     if why:
-        print(f"{case.name}: skipped ({why}); its row is kept from the last run", file=sys.stderr, flush=True)
+        print(f"{case.name} ({mpi}): skipped ({why}); its row is kept from the last run", file=sys.stderr, flush=True)
         return None
-    tmp = work / case.name
+    tmp = work / f"{case.name}-{mpi}"
     tmp.mkdir()
-    r = run_case(case, models, tmp)
+    r = run_case(case, models, tmp, mpi=mpi)
     r["test"] = case.test
-    print(f"{case.name}: exit {r['exit_code']} in {r['seconds']} s: {r['error'][:150]}", file=sys.stderr, flush=True)
+    print(f"{case.name} ({mpi}): exit {r['exit_code']} in {r['seconds']} s: {r['error'][:150]}", file=sys.stderr,
+          flush=True)
     return r
 
 
@@ -393,6 +433,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "results" / "failures"))
     ap.add_argument("--only", nargs="*", default=None, metavar="NAME", help="measure these cases only (CASES' names)")
+    ap.add_argument("--mpi", nargs="+", choices=MPIS, default=["mpich"], help="the MPIs to measure under")
     a = ap.parse_args()
     unknown = set(a.only or []) - {c.name for c in CASES}
     if unknown:
@@ -401,9 +442,11 @@ def main() -> None:
     os.environ.setdefault("PIPEINFER_STAGE_CACHE", str(work / "stages"))
     try:
         models = make_models(work / "models")
-        measured = {c.name: _measure(c, models, work) for c in CASES if not a.only or c.name in a.only}
+        measured = {(c.name, mpi): _measure(c, models, work, mpi) for c in CASES for mpi in a.mpi
+                    if not a.only or c.name in a.only}
         old = _old_rows(a.out)
-        rows = [measured.get(c.name) or old[c.name] for c in CASES if measured.get(c.name) or c.name in old]
+        keys = [(c.name, mpi) for c in CASES for mpi in MPIS]  # each case's MPICH row, then its Open MPI row
+        rows = [measured.get(k) or old[k] for k in keys if measured.get(k) or k in old]
         with open(a.out + ".csv", "w", newline="") as f:
             w = csv.DictWriter(f, COLS, extrasaction="ignore")
             w.writeheader()

@@ -1,5 +1,11 @@
-"""Hostfile parsing and mpiexec command generation (no MPI job is started)."""
+"""Hostfile parsing, which MPI and which launcher, mpiexec command generation, the world a rank checks at start-up
+(no MPI job is started: launchers are small scripts that print a version, and one process runs as if a launcher had
+started it; tests/test_openmpi.py runs the real thing)."""
 from __future__ import annotations
+
+import os
+import signal
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -17,6 +23,13 @@ gamma        # pipeinfer: threads=1
    # indented comment
 """
 ENV = {"PATH": "/usr/bin", "PIPEINFER_CACHE": "/c", "UNRELATED": "x"}
+
+
+@pytest.fixture(autouse=True)
+def _mpi4py_loads_the_mpich_wheel(monkeypatch):
+    # these tests expect the default set-up (a user's MPI4PY_MPIABI=openmpi would make mpi4py load Open MPI)
+    for name in [k for k in os.environ if k.startswith("MPI4PY_")]:
+        monkeypatch.delenv(name)
 PY = "/venv/bin/python"
 MOD = [PY, "-m", "mpi4py", "-m", "pipeinfer"]
 
@@ -248,3 +261,143 @@ def test_bad_draft_hosts(text, what):
 def test_draft_host_needs_a_stage_rank(tmp_path):
     with pytest.raises(ValueError, match="at least 2 ranks"):
         build_command(parse_hostfile_text(DRAFT_HOSTS), 1, "mpich", ["generate"], python=PY, hostfile=tmp_path / "h")
+
+
+# ---------------------------------------------------------------- a host named on several lines
+REPEATED = """\
+a:1     # pipeinfer: threads=1 weight=1
+b       # pipeinfer: threads=2 weight=2
+a:2     # pipeinfer: threads=3 weight=1
+"""
+
+
+@pytest.mark.parametrize("mpi, text", [("mpich", "a:3\nb:1\n"), ("openmpi", "a slots=3\nb slots=1\n")])
+def test_a_host_on_several_lines_is_one_line_and_its_ranks_come_together(tmp_path, mpi, text):
+    # Open MPI refuses a host listed twice; both MPIs then place a's three ranks first, and the per-rank
+    # settings follow the ranks where they run
+    hf = tmp_path / "h.txt"
+    cmd = build_command(parse_hostfile_text(REPEATED), 4, mpi, ["generate"], python=PY, hostfile=hf, environ={})
+    assert hf.read_text() == text
+    assert cmd[cmd.index(PY) + 5:] == ["generate", "--threads", "1,3,3,2", "--layer-split", "0.2,0.2,0.2,0.4"]
+
+
+def test_a_draft_host_that_also_runs_an_earlier_stage_is_refused_for_open_mpi(tmp_path):
+    hosts = parse_hostfile_text("a:1\nb:1\na # pipeinfer: role=draft\n")  # ranks a, b, a (the draft, last)
+    build_command(hosts, 3, "mpich", ["generate"], python=PY, hostfile=tmp_path / "h", environ={})
+    assert (tmp_path / "h").read_text() == "a:1\nb:1\na:1\n"  # Hydra places line by line
+    with pytest.raises(ValueError, match="host a would run ranks that are not consecutive"):
+        build_command(hosts, 3, "openmpi", ["generate"], python=PY, hostfile=tmp_path / "h", environ={})
+
+
+def test_mpi4py_settings_go_to_every_rank(tmp_path):
+    env = {"MPI4PY_MPIABI": "openmpi", "MPI4PY_LIBMPI": "/opt/ompi/lib/libmpi.so.40", "OTHER": "x"}
+    cmd = build_command([Host("a", 2)], 2, "openmpi", ["generate"], python=PY, hostfile=tmp_path / "h", environ=env)
+    assert cmd[cmd.index("-x"):cmd.index(PY)] == ["-x", "MPI4PY_LIBMPI", "-x", "MPI4PY_MPIABI"]
+
+
+# ---------------------------------------------------------------- which MPI: the library mpi4py loads, its launcher
+@pytest.mark.parametrize("text, kind, name", [
+    ("MPICH Version:      5.0.2\nMPICH Release date: Fri Sep 25\n", "mpich", "MPICH 5.0.2"),
+    ("Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4, May 26, 2022\x00", "openmpi",
+     "Open MPI 4.1.4"),
+    ("Open MPI v5.0.3, package: Open MPI builder, ident: 5.0.3", "openmpi", "Open MPI 5.0.3"),
+    ("MVAPICH2 Version     :\t2.3.7\n", "mpich", "MVAPICH2 2.3.7"),
+    ("Intel(R) MPI Library 2021.6 for Linux* OS\n", "mpich", "Intel(R) MPI Library 2021.6 for Linux* OS"),
+    ("Microsoft MPI 10.1\n", None, "Microsoft MPI 10.1"),
+])
+def test_mpi_library_from_its_version_text(text, kind, name):
+    from pipeinfer.core.topology import mpi_library
+    assert mpi_library(text) == (kind, name)
+
+
+def test_mpi4py_says_which_library_it_loads():
+    # the test environment's mpi4py and the mpich wheel beside it
+    lib = launch.mpi4py_library(sys.executable)
+    assert lib.kind == "mpich" and lib.name.startswith("MPICH ") and lib.path.endswith(".so.12"), lib
+    with pytest.raises(RuntimeError, match="cannot ask mpi4py which MPI library it loads"):
+        launch.mpi4py_library(sys.executable, dict(os.environ, MPI4PY_MPIABI="nosuchmpi"))
+
+
+def fake_launcher(path, version: str):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/sh\necho '{version}'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+OMPI_VERSION, HYDRA_VERSION = "mpirun (Open MPI) 4.1.4", "HYDRA build details:"
+
+
+def test_the_launcher_is_the_one_of_the_library_mpi4py_loads(tmp_path):
+    # an Open MPI installed in a prefix of its own, MPICH's mpiexec beside this Python and on PATH
+    lib = launch.MpiLibrary("openmpi", "Open MPI 4.1.4", str(tmp_path / "ompi" / "lib" / "libmpi.so.40"))
+    ompi = fake_launcher(tmp_path / "ompi" / "bin" / "mpirun", OMPI_VERSION)
+    venv_py = str(tmp_path / "venv" / "bin" / "python")
+    fake_launcher(tmp_path / "venv" / "bin" / "mpiexec", HYDRA_VERSION)
+    fake_launcher(tmp_path / "venv" / "bin" / "mpirun", HYDRA_VERSION)  # the mpich wheel has an mpirun too
+    assert launch.choose_launcher(lib, python=venv_py, path_env=str(tmp_path / "venv" / "bin")) == ompi
+    mpich = launch.MpiLibrary("mpich", "MPICH 5.0.2", str(tmp_path / "venv" / "lib" / "libmpi.so.12"))
+    assert launch.choose_launcher(mpich, python=venv_py, path_env="") == str(tmp_path / "venv" / "bin" / "mpiexec")
+
+
+def test_a_launcher_of_another_mpi_is_refused_in_one_line(tmp_path):
+    lib = launch.MpiLibrary("mpich", "MPICH 5.0.2", "/venv/lib/libmpi.so.12")
+    ompi = fake_launcher(tmp_path / "mpirun", OMPI_VERSION)
+    with pytest.raises(RuntimeError) as e:
+        launch.choose_launcher(lib, ompi)
+    assert str(e.value) == (f"{ompi} is Open MPI's launcher but mpi4py loads MPICH 5.0.2 (/venv/lib/libmpi.so.12): "
+                            "every rank would run as a separate one-process job; give MPICH's mpiexec, or make "
+                            "mpi4py load Open MPI (export MPI4PY_MPIABI=openmpi)")
+    nowhere = launch.MpiLibrary("openmpi", "Open MPI 4.1.4", str(tmp_path / "none" / "lib" / "libmpi.so.40"))
+    with pytest.raises(RuntimeError, match="mpi4py loads Open MPI 4.1.4 .* but no launcher of it was found"):
+        launch.choose_launcher(nowhere, python=str(tmp_path / "none" / "python"), path_env="")
+
+
+def test_launch_refuses_an_mpi_other_than_the_one_mpi4py_loads(tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("x:1\n")
+    res = CliRunner().invoke(launch.launch_cmd, ["--hostfile", str(hf), "--mpi", "openmpi", "--dry-run",
+                                                 "--", "generate"])
+    assert res.exit_code == 1 and res.output.count("\n") == 1, res.output
+    assert "--mpi openmpi, but mpi4py loads MPICH" in res.output
+
+
+@pytest.mark.parametrize("mpi, sig, first, passed", [
+    ("mpich", signal.SIGINT, True, signal.SIGINT), ("mpich", signal.SIGTERM, True, signal.SIGTERM),
+    ("mpich", signal.SIGINT, False, signal.SIGINT),
+    ("openmpi", signal.SIGINT, True, signal.SIGUSR1), ("openmpi", signal.SIGTERM, True, signal.SIGUSR1),
+    ("openmpi", signal.SIGINT, False, signal.SIGTERM),
+])
+def test_which_signal_the_mpi_launcher_gets(mpi, sig, first, passed):
+    assert launch.signal_to_pass_on(mpi, sig, first) == passed
+
+
+# ---------------------------------------------------------------- every rank checks the world it was started in
+def test_the_launchers_world_from_the_environment():
+    from pipeinfer.core.topology import LauncherWorld, launcher_world, world_size_mismatch
+    assert launcher_world({}) is None
+    assert launcher_world({"PMI_SIZE": "3", "PMI_RANK": "2"}) == LauncherWorld(3, 2, "PMI_SIZE")
+    assert launcher_world({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}) == \
+        LauncherWorld(2, 1, "OMPI_COMM_WORLD_SIZE")
+    assert world_size_mismatch(2, "MPICH 5.0.2", {"PMI_SIZE": "2"}) is None
+    assert world_size_mismatch(1, "MPICH 5.0.2", {}) is None
+    msg = world_size_mismatch(1, "Open MPI 4.1.4", {"PMI_SIZE": "2", "PMI_RANK": "1"})
+    assert msg.startswith("the launcher started 2 processes (PMI_SIZE=2) but MPI sees 1: mpiexec/mpirun is not of "
+                          "the MPI that mpi4py loads (Open MPI 4.1.4)")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_process_alone_in_its_world_ends_with_one_line_from_rank_0(models, rank):
+    # what every process of a job sees when its launcher is of another MPI than mpi4py's library: a world of one
+    # while the launcher said 2 (here the launcher's variables are set by hand, MPI is the real mpich wheel's)
+    from conftest import cli
+    env = dict(os.environ, PMI_SIZE="2", PMI_RANK=str(rank))
+    p = cli(["generate", "-m", str(models["q8"]), "-p", "hi", "-n", "4", "-q"], env=env, timeout=60)
+    assert p.returncode == 1 and p.stdout == "" and "Traceback" not in p.stderr, p.stderr
+    lines = [line for line in p.stderr.splitlines() if line.startswith("pipeinfer: error")]
+    if rank:
+        assert lines == [], p.stderr  # the same error on every process: the launcher's rank 0 says it
+        return
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("pipeinfer: error: the launcher started 2 processes (PMI_SIZE=2) but MPI sees 1: "
+                               "mpiexec/mpirun is not of the MPI that mpi4py loads (MPICH "), lines[0]

@@ -38,7 +38,23 @@ Open MPI (``mpiexec`` and ``mpirun`` are the same program there)::
         PYTHON -m mpi4py -m pipeinfer ARGS
 
 HOSTFILE is a translation of the user's hostfile into that MPI's own spelling
-(``write_hostfile``). Per-host settings become pipeinfer options, one value
+(``write_hostfile``), one line per host: the lines naming one host are merged
+(Open MPI refuses a host listed twice), the first of them placing it.
+
+Which MPI: the one whose library mpi4py loads here (``mpi4py_library`` asks
+mpi4py in a subprocess with this environment: the mpich wheel's MPICH by
+default, Open MPI with ``MPI4PY_MPIABI=openmpi``). The launcher is looked for
+beside that library, beside this Python, then on PATH, and must be of the
+same MPI (``choose_launcher``); a launcher of another MPI (``--mpiexec``) is
+refused, since every rank would run as a separate one-process job.
+``MPI4PY_*`` is forwarded, so every rank loads the same MPI.
+
+Signals: a first Ctrl-C or SIGTERM asks the job to stop cleanly. MPICH's
+mpiexec gets the same signal and forwards it to every rank; Open MPI's mpirun
+gets SIGUSR1, which it forwards as it is (its own Ctrl-C handling would kill
+the ranks 1 s after its SIGTERM). A second one ends the job the MPI's way.
+
+Per-host settings become pipeinfer options, one value
 per rank, appended to ARGS unless ARGS already has them: ``--threads a,b,..``,
 ``--threads-batch a,b,..`` and ``--layer-split w0,w1,..`` (weights normalised
 to sum to 1; hosts without a weight count 1.0), over the target's ranks only;
@@ -47,6 +63,7 @@ a draft host adds ``--draft-at rank`` and ``--draft-threads``.
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import re
 import shlex
@@ -61,10 +78,12 @@ from typing import Iterable, Mapping, Sequence
 
 import click
 
+from ..core.topology import mpi_library
+
 __all__ = [
     "Host", "parse_hostfile", "parse_hostfile_text", "detect_mpi", "mpi_from_version",
     "write_hostfile", "format_hostfile", "rank_hosts", "settings_args", "build_command",
-    "launch_cmd", "DEFAULT_ENV_FORWARD",
+    "launch_cmd", "DEFAULT_ENV_FORWARD", "MpiLibrary", "mpi4py_library", "choose_launcher",
 ]
 
 MPI_KINDS = ("mpich", "openmpi")
@@ -73,6 +92,7 @@ ROLES = ("stage", "draft")
 #: Environment variables forwarded to every rank (only those that are set; glob patterns allowed).
 DEFAULT_ENV_FORWARD: tuple[str, ...] = (
     "PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV", "OMP_NUM_THREADS", "PIPEINFER_*", "GGML_*", "LLAMA_*",
+    "MPI4PY_*",
 )
 
 
@@ -199,15 +219,128 @@ def detect_mpi(mpiexec: str = "mpiexec") -> str:
         raise RuntimeError(f"{mpiexec}: {exc}") from None
 
 
+# ---------------------------------------------------------------- which MPI: the library mpi4py loads, and its launcher
+@dataclass(frozen=True)
+class MpiLibrary:
+    """The MPI library that mpi4py loads in a given environment."""
+    kind: str | None   # "mpich" or "openmpi" (core.topology.mpi_library), None: another MPI
+    name: str          # e.g. "Open MPI 4.1.4"
+    path: str | None   # the shared library file, where the system says (Linux: /proc/self/maps)
+
+
+# asks mpi4py without initialising MPI (MPI_Get_library_version may be called before MPI_Init)
+_LIBRARY_PROBE = """\
+import json, mpi4py
+mpi4py.rc.initialize = mpi4py.rc.finalize = False
+from mpi4py import MPI
+try:
+    maps = [line.split()[-1] for line in open('/proc/self/maps') if '/libmpi.so' in line]
+except OSError:
+    maps = []
+print(json.dumps([MPI.Get_library_version(), maps[0] if maps else None]))
+"""
+
+
+def mpi4py_library(python: str = sys.executable, environ: Mapping[str, str] | None = None) -> MpiLibrary:
+    """Ask mpi4py, in `python` with `environ` (the ranks' environment), which MPI library it loads."""
+    try:
+        proc = subprocess.run([python, "-c", _LIBRARY_PROBE], capture_output=True, text=True, timeout=60,
+                              env=dict(os.environ if environ is None else environ))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"cannot ask mpi4py which MPI library it loads ({python}): {exc}") from None
+    try:
+        version, path = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        why = (proc.stderr.strip().splitlines() or ["no answer"])[-1]
+        raise RuntimeError(f"cannot ask mpi4py which MPI library it loads ({python}): {why}") from None
+    kind, name = mpi_library(version)
+    return MpiLibrary(kind, name, path)
+
+
+def _launcher_dirs(library: MpiLibrary, python: str) -> list[Path]:
+    """Where a launcher of `library` is most likely: the bin/ of the prefix the library was installed in
+    (/usr/lib/x86_64-linux-gnu/libmpi.so.40 -> /usr/bin), then beside this Python (the mpich wheel's mpiexec)."""
+    dirs = []
+    if library.path:
+        lib = Path(library.path).parent
+        prefix = next((p.parent for p in [lib, *lib.parents] if p.name in ("lib", "lib64")), lib.parent)
+        dirs.append(prefix / "bin")
+    dirs.append(Path(python).parent)
+    return dirs
+
+
+def launcher_candidates(library: MpiLibrary, python: str, path_env: str | None) -> list[str]:
+    """Launchers that may belong to `library`, most likely first (see _launcher_dirs; then PATH), each once."""
+    names = {"openmpi": ("mpirun", "mpiexec", "mpirun.openmpi", "mpiexec.openmpi"),
+             "mpich": ("mpiexec", "mpiexec.hydra", "mpirun", "mpiexec.mpich", "mpirun.mpich")}[library.kind]
+    found = [str(d / n) for d in _launcher_dirs(library, python) for n in names if os.access(d / n, os.X_OK)]
+    found += [w for n in names if (w := shutil.which(n, path=path_env))]
+    return list(dict.fromkeys(found))
+
+
+def choose_launcher(library: MpiLibrary, requested: str | None = None, *, python: str = sys.executable,
+                    path_env: str | None = None) -> str:
+    """The launcher (mpiexec/mpirun) of the MPI that mpi4py loads: `requested` (--mpiexec) when it is of that MPI,
+    else the first candidate that is. RuntimeError (one line) when none is, or when `requested` is of another MPI:
+    its ranks would each run as a job of one process."""
+    if library.kind is None:
+        raise RuntimeError(f"mpi4py loads {library.name}, an MPI that `pipeinfer launch` does not know: run its "
+                           f"mpiexec yourself (see README 'On a cluster')")
+    where = f"{library.name} ({library.path})" if library.path else library.name
+    if requested:
+        kind = detect_mpi(requested)
+        if kind != library.kind:
+            raise RuntimeError(f"{requested} is {_NAMES[kind]}'s launcher but mpi4py loads {where}: every rank would "
+                               f"run as a separate one-process job; give {_NAMES[library.kind]}'s mpiexec, or "
+                               f"make mpi4py load {_NAMES[kind]} ({_HOW_TO_LOAD[kind]})")
+        return requested
+    tried = launcher_candidates(library, python, path_env)
+    for cand in tried:
+        try:
+            if detect_mpi(cand) == library.kind:
+                return cand
+        except RuntimeError:
+            continue
+    raise RuntimeError(f"mpi4py loads {where} but no launcher of it was found (tried: {', '.join(tried) or 'none'}): "
+                       f"install it or give --mpiexec")
+
+
+_NAMES = {"mpich": "MPICH", "openmpi": "Open MPI"}
+_HOW_TO_LOAD = {"openmpi": "export MPI4PY_MPIABI=openmpi",
+                "mpich": "unset MPI4PY_MPIABI, or MPI4PY_LIBMPI=/path/to/libmpi.so.12"}
+
+
+def group_hosts(hosts: Sequence[Host]) -> list[Host]:
+    """The lines naming one host brought together where the host first appears (a host's ranks are consecutive, as
+    Open MPI places them); otherwise in the hostfile's order."""
+    first = {name: i for i, name in reversed(list(enumerate(h.name for h in hosts)))}
+    return sorted(hosts, key=lambda h: first[h.name])  # stable: a host's lines keep their order
+
+
+def merged_slots(hosts: Sequence[Host]) -> list[tuple[str, int]]:
+    """(host, slots) for each run of consecutive lines naming one host: one hostfile line per run."""
+    runs: list[tuple[str, int]] = []
+    for h in hosts:
+        if runs and runs[-1][0] == h.name:
+            runs[-1] = (h.name, runs[-1][1] + h.slots)
+        else:
+            runs.append((h.name, h.slots))
+    return runs
+
+
 def format_hostfile(hosts: Sequence[Host], mpi: str) -> str:
-    """Hostfile text in MPI's own spelling (no pipeinfer comments)."""
-    if mpi == "mpich":
-        lines = [f"{h.name}:{h.slots}" for h in hosts]
-    elif mpi == "openmpi":
-        lines = [f"{h.name} slots={h.slots}" for h in hosts]
-    else:
+    """Hostfile text in MPI's own spelling (no pipeinfer comments), the hosts in rank order, one line per host."""
+    if mpi not in MPI_KINDS:
         raise ValueError(f"unknown MPI {mpi!r} (expected one of {MPI_KINDS})")
-    return "\n".join(lines) + "\n"
+    runs = merged_slots(hosts)
+    names = [name for name, _ in runs]
+    apart = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if apart and mpi == "openmpi":
+        # only the draft host can be here: it runs the last rank, and stage ranks before another host's
+        raise ValueError(f"host {apart} would run ranks that are not consecutive (stage ranks, then the draft's, "
+                         f"the last): Open MPI places a host's ranks together; list {apart}'s stage line last")
+    spelling = "{}:{}" if mpi == "mpich" else "{} slots={}"
+    return "".join(spelling.format(name, slots) + "\n" for name, slots in runs)
 
 
 def write_hostfile(hosts: Sequence[Host], mpi: str, path: str | os.PathLike) -> Path:
@@ -317,7 +450,7 @@ def build_command(
     if mpi not in MPI_KINDS:
         raise ValueError(f"unknown MPI {mpi!r} (expected one of {MPI_KINDS})")
     args = list(pipeinfer_args)
-    hosts, added = with_draft_last(hosts, np, args)
+    hosts, added = with_draft_last(group_hosts(hosts), np, args)
     added += settings_args(hosts, np - (hosts[-1].role == "draft"), args)
     if added:  # options must come before a literal "--" in the user's args
         cut = args.index("--") if "--" in args else len(args)
@@ -339,12 +472,6 @@ def build_command(
     return cmd + list(extra) + [python, "-m", "mpi4py", "-m", "pipeinfer"] + args
 
 
-def _default_mpiexec() -> str:
-    """The mpiexec next to this Python (the mpich wheel installs one), else from PATH."""
-    here = shutil.which("mpiexec", path=str(Path(sys.executable).parent))
-    return here or "mpiexec"
-
-
 @click.command("launch", context_settings={"ignore_unknown_options": True,
                                            "allow_interspersed_args": False})
 @click.option("--hostfile", "hostfile_path", required=True,
@@ -352,8 +479,9 @@ def _default_mpiexec() -> str:
 @click.option("--np", "np_", type=click.IntRange(min=1), default=None,
               help="Number of ranks [default: total slots].")
 @click.option("--mpi", type=click.Choice(["auto", *MPI_KINDS]), default="auto", show_default=True,
-              help="MPI flavour of MPIEXEC.")
-@click.option("--mpiexec", default=None, help="mpiexec/mpirun to use [default: next to python].")
+              help="The MPI to run on; auto: the one whose library mpi4py loads (another is refused).")
+@click.option("--mpiexec", default=None,
+              help="mpiexec/mpirun to use [default: the launcher of the MPI library mpi4py loads].")
 @click.option("--write-hostfile", "out_hostfile", type=click.Path(dir_okay=False), default=None,
               help="Where to write the translated hostfile [default: a temporary file].")
 @click.option("--mpi-arg", "mpi_args", multiple=True, metavar="ARG",
@@ -368,9 +496,12 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
     """
     try:
         hosts = parse_hostfile(hostfile_path)
-        mpiexec = mpiexec or _default_mpiexec()
-        if mpi == "auto":
-            mpi = detect_mpi(mpiexec)
+        library = mpi4py_library()
+        if mpi != "auto" and mpi != library.kind:
+            raise RuntimeError(f"--mpi {mpi}, but mpi4py loads {library.name}: every rank would run as a separate "
+                               f"one-process job (make mpi4py load {_NAMES[mpi]}: {_HOW_TO_LOAD[mpi]})")
+        mpiexec = choose_launcher(library, mpiexec)
+        mpi = library.kind
         np_ = np_ or sum(h.slots for h in hosts)
         extra = ["--allow-run-as-root"] if mpi == "openmpi" and os.geteuid() == 0 else []
         extra += list(mpi_args)
@@ -386,21 +517,43 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
             Path(hostfile).unlink(missing_ok=True)
         return
     try:
-        rc = _run_forwarding_signals(cmd)
+        rc = _run_forwarding_signals(cmd, mpi)
     finally:
         if out_hostfile is None:
             Path(hostfile).unlink(missing_ok=True)
     sys.exit(rc if rc >= 0 else 128 - rc)
 
 
-def _run_forwarding_signals(cmd: list[str]) -> int:
-    """Run cmd and return its status; SIGINT/SIGTERM/SIGHUP are passed on to it, never SIGKILL,
-    so mpiexec can stop its ranks on every host."""
-    proc = subprocess.Popen(cmd)
+def signal_to_pass_on(mpi: str, signum: int, first: bool) -> int:
+    """The signal the MPI's launcher gets when this process gets `signum`. The first asks the job to stop cleanly:
+    MPICH's mpiexec forwards SIGINT and SIGTERM to every rank; Open MPI's mpirun answers them by killing the ranks
+    (SIGTERM, then SIGKILL 1 s later) but forwards SIGUSR1 as it is, which the ranks take as a stop
+    (cli/guard.StopSignals). A later one ends the job the MPI's own way."""
+    if mpi == "openmpi":
+        return signal.SIGUSR1 if first else signal.SIGTERM
+    return signum
+
+
+def _run_forwarding_signals(cmd: list[str], mpi: str) -> int:
+    """Run cmd (the MPI's launcher) and return its status. It runs in a session of its own, with no stdin (no rank
+    reads it), so a Ctrl-C in the terminal reaches only this process, which passes on one signal for each
+    SIGINT/SIGTERM/SIGHUP it gets (signal_to_pass_on), never SIGKILL: the launcher stops the ranks on every host."""
+    started: list[subprocess.Popen] = []
+    got: list[int] = []
+
+    def pass_on(signum: int, _frame) -> None:
+        if started:  # (one that came while the launcher started is passed on once it runs)
+            started[0].send_signal(signal_to_pass_on(mpi, signum, first=not got))
+        if mpi == "openmpi" and not got:
+            print("[pipeinfer] launch: stopping the job cleanly (once more: end it now)", file=sys.stderr, flush=True)
+        got.append(signum)
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    old = {s: signal.signal(s, lambda n, _f: proc.send_signal(n)) for s in sigs}
+    old = {s: signal.signal(s, pass_on) for s in sigs}
     try:
-        return proc.wait()
+        started.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True))
+        if got:
+            started[0].send_signal(signal_to_pass_on(mpi, got[0], first=True))
+        return started[0].wait()
     finally:
         for s, h in old.items():
             signal.signal(s, h)

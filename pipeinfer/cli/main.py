@@ -18,7 +18,7 @@ from ..core.errors import UserError
 from ..core.files import prompt_path, read_prompt_file
 from ..core.results import append_result, stats_row
 from ..core.verify import SamplingParams
-from .guard import die, mpi_rank, mpi_size, run_guarded
+from .guard import StopSignals, die, mpi_rank, mpi_size, run_guarded
 from .options import PipelineArgs, PipelineSetup, own_fields, pipeline_options, resolve_pipeline
 from .status import StatusLine
 
@@ -98,6 +98,7 @@ def _generate(args: GenerateArgs) -> None:
     prompt = read_prompt(args)
     every_rank = dict(replay_ref=args.replay_ref, replay_accuracy=args.replay_accuracy, prompt_text=prompt.text,
                       chat=bool(prompt.chat))
+    stop = StopSignals().install()  # Ctrl-C or SIGTERM: the text so far, the statistics, exit 0
     if MPI.COMM_WORLD.Get_rank() != 0:  # the other ranks serve the pipeline until the head ends it
         run(setup.run_options(**every_rank))
         return
@@ -106,16 +107,19 @@ def _generate(args: GenerateArgs) -> None:
         _report_failures(args, setup, prompt, head)
     try:
         res = run(setup.run_options(prompt_tokens=head.prompt_tokens, on_tokens=head.on_tokens,
-                                    on_progress=head.on_progress, **every_rank))
+                                    on_progress=head.on_progress, should_stop=lambda: stop.requested, **every_rank))
     finally:
         head.close_status()
+    status = f"stopped: {stop.signal_name}" if stop.requested else "ok"
     head.end_text(res.tokens, ranges=[[r.start, r.end] for r in res.ranges], stats=res.stats.to_dict(),
-                  peak_rss_mb=res.peak_rss_mb)
+                  peak_rss_mb=res.peak_rss_mb, status=status)
+    if stop.requested:
+        print(f"[pipeinfer] stopped by {stop.signal_name} after {len(res.tokens)} tokens", file=sys.stderr, flush=True)
     if not args.quiet:
         _print_report(setup, res)
     if args.results:
         _write_row(args.results, _results_row(setup, res.ranges, prompt.name, res.stats, args.replay_accuracy,
-                                              res.peak_rss_mb))
+                                              res.peak_rss_mb, status=status))
 
 
 def read_prompt(args: GenerateArgs) -> Prompt:
@@ -246,8 +250,6 @@ class ServeArgs:
 
 
 def _serve(args: ServeArgs) -> None:
-    import signal
-
     from mpi4py import MPI
 
     from ..ranks.startup import open_session
@@ -257,8 +259,8 @@ def _serve(args: ServeArgs) -> None:
     setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, sampling=SamplingParams(), stop_at_eos=True)
     if rank == 0:
         _check_port_free(args.host, args.port)  # before the models load
-    else:  # a stage rank ends when the head shuts the pipeline down, not on the terminal's Ctrl-C
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C or SIGTERM: rank 0 stops the server (below); a stage rank ends when the head shuts the pipeline down
+    stop = StopSignals().install()
     session = open_session(setup.run_options())
     if session is None:
         return
@@ -280,21 +282,34 @@ def _serve(args: ServeArgs) -> None:
     app = create_app(ServeConfig(model_id, args.pipe.ctx_size, args.pipe.cells_reserve(), args.n_predict), generator,
                      tok, lambda messages: apply_chat(tok, messages))
     generator.start()
-    print(f"[pipeinfer] serving '{model_id}' on http://{args.host}:{args.port}/v1 (mode {args.pipe.mode}, "
-          f"{len(session.ranges)} rank(s)); Ctrl-C stops", file=sys.stderr, flush=True)
     try:
-        uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                      timeout_graceful_shutdown=5)).run()
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down for: the normal way to stop
-        pass
+        if not stop.requested:  # (a stop asked for while the models loaded: no server)
+            print(f"[pipeinfer] serving '{model_id}' on http://{args.host}:{args.port}/v1 (mode {args.pipe.mode}, "
+                  f"{len(session.ranges)} rank(s)); Ctrl-C stops", file=sys.stderr, flush=True)
+            _http_server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                        timeout_graceful_shutdown=5), stop).run()
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # mpiexec forwards Ctrl-C again: finish shutting down
         print("[pipeinfer] stopping: finishing the request in progress, then shutting the pipeline down",
               file=sys.stderr, flush=True)
         generator.stop()
         session.close()
     if generator.fatal:
         raise UserError(f"the pipeline failed: {generator.fatal}")
+
+
+def _http_server(config, stop: StopSignals):
+    """uvicorn's server, ended by every stop signal: uvicorn catches SIGINT and SIGTERM itself while it runs (the
+    liveness hub is told at once all the same), a stop signal it does not catch (SIGUSR1) sets its should_exit."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)  # first: a second Ctrl-C still forces uvicorn's exit, as it would
+            stop.on_signal(sig)
+
+    server = Server(config)
+    stop.then = lambda: setattr(server, "should_exit", True)
+    return server
 
 
 def _check_port_free(host: str, port: int) -> None:

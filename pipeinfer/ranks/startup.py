@@ -22,9 +22,11 @@ from ..core.topology import (
     LayerRange,
     Topology,
     layer_ranges,
+    mpi_library,
     parse_per_rank_ints,
     parse_split,
     split_from_speeds,
+    world_size_mismatch,
 )
 from ..engine.kernels import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, resolve_draft_max
 from ..engine.stagefile import check_splittable, ensure_stage_file, read_info
@@ -60,6 +62,7 @@ class RunOptions:
     draft_head: int | None = DRAFT_HEAD_AUTO  # --draft-head: tokens the draft's output head keeps (None: all)
     on_tokens: object = None                  # callable(list of new token ids), rank 0
     on_progress: object = None                # callable(Stats, runs in flight), rank 0
+    should_stop: object = None                # callable() -> bool, rank 0: True ends the generation early (a signal)
 
 
 @dataclass
@@ -83,7 +86,7 @@ def run(opts: RunOptions, comm=None) -> RunResult | None:
         return None  # a stage rank: it served the pipeline until the head shut it down
     try:
         stats = session.generate(opts.prompt_tokens, prompt_text=opts.prompt_text, chat=opts.chat,
-                                 on_tokens=opts.on_tokens, on_progress=opts.on_progress)
+                                 on_tokens=opts.on_tokens, on_progress=opts.on_progress, should_stop=opts.should_stop)
     finally:
         stats_per_rank, rss = session.close()
     stats.stage_stats = stats_per_rank
@@ -214,6 +217,8 @@ def _join(opts: RunOptions, comm) -> _Ranks:
     """Every rank on one protocol and build, liveness started; with --draft-at rank, the draft rank split off."""
     from mpi4py import MPI
     world = comm or MPI.COMM_WORLD
+    if comm is None:
+        check_world_size(world.Get_size(), MPI.Get_library_version())
     versions = world.allgather(PROTOCOL_VERSION)
     if len(set(versions)) != 1:
         raise UserError(f"ranks run different pipeinfer protocol versions: {versions}")
@@ -231,6 +236,14 @@ def _join(opts: RunOptions, comm) -> _Ranks:
     is_draft = world.Get_rank() == world.Get_size() - 1
     stages = world.Split(1 if is_draft else 0, world.Get_rank())
     return _Ranks(world, stages, draft_comm=world.Dup(), live=live, is_draft=is_draft)
+
+
+def check_world_size(world_size: int, library_version: str) -> None:
+    """Every rank, first: MPI's world is the job the launcher started. A launcher of another MPI than the library
+    mpi4py loads starts N processes that each see a world of one: N separate jobs would each generate the text."""
+    msg = world_size_mismatch(world_size, mpi_library(library_version)[1], os.environ)
+    if msg:
+        raise UserError(msg)
 
 
 def _agree_model(opts: RunOptions, ranks: _Ranks):

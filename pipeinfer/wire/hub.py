@@ -7,6 +7,8 @@ so that mpiexec's clean-up, which kills the ranks' process groups, does not take
 What the hub concludes about a rank (liveness.Word names the lines):
   BYE then EOF                  a clean end
   ABORTING                      that rank's own error line says why the job ends: stay quiet
+  STOPPING                      a stop was asked for (a signal): what ends from now on is no failure: stay quiet,
+                                and tell rank 0 (STOP) when the signal went to another rank alone
   EOF without either            the process is gone (killed, crashed): LOST, seen at once, since the kernel
                                 closes its socket before mpiexec even learns that it exited
   no line for stall_timeout     stopped (SIGSTOP), hung, or its host or network is down: SILENT
@@ -28,6 +30,7 @@ from .hosts import host_name, who
 from .liveness import CONNECT_TIMEOUT_S, Word, debug_log, line_of, parse_line, stderr_line, warn
 
 ROW_WAIT_S = 5.0       # how long the hub waits for rank 0 to write the row itself
+STOP_GRACE_S = 0.5     # a stop signal to a rank other than 0 reaches rank 0 through the hub unless it had its own
 LOST = "lost"          # a rank's state once its connection closed without BYE, ABORTING or ROW_WRITTEN
 
 
@@ -46,7 +49,9 @@ class Hub:
         self.state: dict[int, str] = {}   # the rank's last word (BYE, ABORTING, ROW_WRITTEN), or LOST
         self.in_flight: int | None = None
         self.row: tuple[str, dict] | None = None
-        self.quiet = False                # some rank aborts on purpose: its line says why
+        self.quiet = False                # some rank aborts on purpose (its line says why), or a stop was asked for
+        self.stopping: dict[int, tuple[str, float]] = {}  # ranks asked to stop: (why, when)
+        self.stop_passed_on = False       # rank 0 was told of a stop asked for on another rank (STOP)
         self.t0 = time.monotonic()
 
     def serve(self) -> None:
@@ -83,6 +88,7 @@ class Hub:
                         s.close()
                 else:
                     self._receive(next(r for r, c in self.conns.items() if c is s))
+            self._pass_stop_on(time.monotonic())
             ended = (Word.BYE, Word.ROW_WRITTEN)
             if self.quiet or (self.state and all(self.state.get(r) in ended for r in range(self.n))):
                 if not self.conns:
@@ -129,6 +135,23 @@ class Hub:
             elif word == Word.ABORTING:
                 self.state[r] = word
                 self.quiet = True
+            elif word == Word.STOPPING:
+                # a requested stop: the ranks end by themselves, or the launcher ends them (Open MPI's mpirun kills
+                # them 1 s after its SIGTERM); a rank gone without BYE from now on is no failure to report
+                debug_log(f"hub: rank {r} asked to stop ({rest})")
+                self.quiet = True
+                self.stopping.setdefault(r, (rest, time.monotonic()))
+
+    def _pass_stop_on(self, now: float) -> None:
+        """A stop asked for on another rank alone (rank 0 has said nothing for STOP_GRACE_S; a launcher signals
+        every rank at once): tell rank 0, which stops the job cleanly as if it had the signal itself."""
+        if self.stop_passed_on or 0 in self.stopping or 0 not in self.conns:
+            return
+        late = [(r, why) for r, (why, t) in sorted(self.stopping.items()) if now - t >= STOP_GRACE_S]
+        if late:
+            r, why = late[0]
+            _hub_send(self.conns[0], line_of(Word.STOP, f"{why} on rank {r}"))
+            self.stop_passed_on = True
 
     def _check(self, now: float) -> tuple[int, str] | None:
         lost = [r for r in range(self.n) if self.state.get(r) == LOST]

@@ -10,6 +10,9 @@ lines on the connection are declared once, in `Word`; this module is the rank's 
 
 A rank ends with BYE (a clean end) or ABORTING (its own error line says why the job ends); a connection
 that closes without either is a LOST rank, and one without a line for stall_timeout a SILENT one (hub.py).
+A rank asked to stop (SIGINT, SIGTERM, SIGUSR1: cli/guard.StopSignals) first sends STOPPING: from then on the
+hub names no rank, since the launcher may end them itself (Open MPI's mpirun kills its ranks 1 s after its SIGTERM);
+when that rank is not rank 0, the hub tells rank 0 (STOP), which stops the job as if it had the signal itself.
 On a failure the hub prints the one line ("pipeinfer: error: rank 1 (host h1, pid 42) went silent: ..."),
 asks rank 0 (when alive) to finish the text on stdout and write the --results row marked `failed: ...`,
 writes that row itself from the last snapshot when rank 0 cannot (it is the lost or silent one, or
@@ -46,6 +49,8 @@ ABORT_GRACE_S = 2.0    # after MPI_Abort returns, how long the proxy has to end 
 _current: "Liveness | None" = None
 _failure_hook: Callable[[str], None] | None = None
 _row_provider: Callable[[], tuple[str, dict] | None] | None = None
+_stop_reason: str | None = None  # announce_stop's: a stop was asked for on this rank
+_stop_hook: Callable[[str], None] | None = None
 
 
 class Word(str, enum.Enum):
@@ -56,6 +61,8 @@ class Word(str, enum.Enum):
     ROW = "R"             # rank 0 -> hub: JSON [results path, the --results row so far], when it changed
     BYE = "b"             # rank -> hub: a clean end (EOF follows)
     ABORTING = "a"        # rank -> hub: this rank ends the job on purpose; its own error line says why
+    STOPPING = "s"        # rank -> hub: a stop was asked for (a signal, "s SIGTERM"): ranks that end now are no failure
+    STOP = "S"            # hub -> rank 0: stop the job cleanly, as asked on another rank ("S SIGTERM on rank 2")
     ROW_WRITTEN = "W"     # rank 0 -> hub, answering END_JOB: the text is finished and the failed row written
     END_JOB = "X"         # hub -> rank: the job ends, the rest of the line says why (rank 0 writes the row first)
 
@@ -89,10 +96,28 @@ def set_row_provider(fn: Callable[[], tuple[str, dict] | None] | None) -> None:
     _row_provider = fn
 
 
+def set_stop_hook(fn: Callable[[str], None] | None) -> None:
+    """Rank 0: fn(why) stops the job cleanly when a stop was asked for on another rank (a signal to that rank
+    alone); it runs in the liveness thread."""
+    global _stop_hook
+    _stop_hook = fn
+
+
 def announce_abort() -> None:
     """Tell the hub that this rank ends the job on purpose (its own error line says why)."""
     if _current is not None:
         _current.close(Word.ABORTING)
+
+
+def announce_stop(why: str) -> None:
+    """Tell the hub that a stop was asked for (why: the signal's name), so that ranks the launcher ends from here on
+    (Open MPI's mpirun kills them 1 s after its SIGTERM) are not reported as lost. Safe in a signal handler: it
+    sends now only when the liveness lock is free, else the liveness thread sends it within half an interval."""
+    global _stop_reason
+    _stop_reason = _stop_reason or why
+    live = _current
+    if live is not None:
+        live.send_stop_if_free()
 
 
 class Liveness:
@@ -105,6 +130,7 @@ class Liveness:
         self.in_flight: Callable[[], int] | None = None  # rank 0: runs in flight, for the hub's message
         self._lock = threading.Lock()
         self._closed = False
+        self._stop_sent = False
         self._sock: socket.socket | None = None
         self._hub = None
         info = self._start_hub() if self.rank == 0 else None
@@ -167,6 +193,7 @@ class Liveness:
             with self._lock:
                 if self._closed:
                     return
+                self._send_stop()
                 if now >= next_beat:
                     n = _call(self.in_flight) if self.rank == 0 else None
                     self._send(line_of(Word.HEARTBEAT, n))
@@ -204,6 +231,8 @@ class Liveness:
                 if word == Word.END_JOB:
                     self._end_job(rest)
                     return
+                if word == Word.STOP and _stop_hook is not None:
+                    _stop_hook(rest)
 
     def _hub_gone(self) -> None:
         with self._lock:
@@ -235,6 +264,20 @@ class Liveness:
         # off from mpiexec (this host's link is down) never kills, and the rank would run on forever
         time.sleep(ABORT_GRACE_S)
         os._exit(FAILURE_EXIT_CODE)
+
+    def send_stop_if_free(self) -> None:
+        """STOPPING now, unless the lock is held (a signal handler may run in a thread that holds it)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._send_stop()
+            finally:
+                self._lock.release()
+
+    def _send_stop(self) -> None:
+        """STOPPING, once, when a stop was asked for on this rank (the caller holds the lock)."""
+        if _stop_reason and not self._stop_sent and not self._closed and self._sock is not None:
+            self._send(line_of(Word.STOPPING, _stop_reason))
+            self._stop_sent = True
 
     def _send(self, text: str) -> None:
         try:
