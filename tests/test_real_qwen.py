@@ -123,11 +123,11 @@ def test_speculative_256_tokens_two_ranks(qwen, code_prompt, reference):
 
 # PipeInfer keeps every sequence's KV cells in position order (kvplan.py: retired cells, compaction), so
 # its attention sums the canonical prefix in the same order as a plain run and the output is exact even
-# through near-ties (this prompt has a top-2 margin of 0.013 at token 20). n_ctx 1024 makes retired
+# through near-ties (this prompt has a top-2 margin of 0.013 at token 20). n_ctx 640 makes retired
 # cells fill the cache: the run compacts on the way.
 def test_pipeinfer_256_tokens_two_ranks(qwen, code_prompt, reference):
-    # fixed 4-token micro-batches: enough cancelled cells that the 1024-cell context needs compacting
-    out = mpirun(2, {"model": qwen, "prompt": code_prompt, "n": 256, "n_ctx": 1024, "mode": "pipeinfer",
+    # fixed 4-token micro-batches: enough cancelled cells that the 640-cell context needs compacting
+    out = mpirun(2, {"model": qwen, "prompt": code_prompt, "n": 256, "n_ctx": 640, "mode": "pipeinfer",
                      "drafter": "ngram", "p_accept": 0.5, "micro_batch": "fixed"}, timeout=900)
     assert len(out["tokens"]) == 256
     assert_greedy_equal(out["tokens"], reference)

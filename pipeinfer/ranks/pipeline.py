@@ -27,7 +27,7 @@ from ..core.protocol import (
     pack_sampling,
 )
 from ..core.topology import Topology
-from ..core.verify import SamplingParams, row_tokens
+from ..core.verify import SamplingParams
 
 if TYPE_CHECKING:  # llama.cpp and MPI stay unimported where only the interface is used (the twin, twin.py)
     from ..engine.stage import StageEngine, TokenEmbedder
@@ -63,8 +63,7 @@ class Pipeline:
         flags = Flag.SPECULATIVE if speculative else Flag.NONE
         self.engine.apply_kv_ops(batch.prefix_ops)
         if not self.distributed:
-            logits = self.engine.decode(batch)
-            self._local.append(Result(run_id, False, row_tokens(logits, batch.output_pos, self.sampling)))
+            self._local.append(Result(run_id, False, self.engine.decode_tokens(batch, None, self.sampling)))
         else:
             meta = batch.pack_meta()
             hidden = self.engine.decode(batch, self.embedder(batch.tokens))

@@ -31,7 +31,7 @@ from ..core.protocol import (
     unpack_sampling,
 )
 from ..core.topology import Topology
-from ..core.verify import SamplingParams, row_tokens
+from ..core.verify import SamplingParams
 from ..engine.stage import DecodeAborted, StageEngine
 from ..wire.transport import Transport, bad_message
 
@@ -140,8 +140,6 @@ class StageWorker:
                 batch = self._valid(Batch.unpack_meta, meta, hdr)
                 out = self._run(hdr, batch, activ)
                 cancelled = out is None
-                if out is not None and self.topo.is_last:  # logits -> the token verification needs per row
-                    out = row_tokens(out, batch.output_pos, self.sampling)
         if cancelled:
             # pass an empty transaction on: later stages and the head's FIFO stay aligned
             self.cancelled.add(hdr.run_id)
@@ -158,7 +156,9 @@ class StageWorker:
             self.tx.send(self.topo.next_rank, hdr, (Tag.META, meta), (Tag.ACTIV, out))
 
     def _run(self, hdr: Header, batch: Batch, activ: np.ndarray) -> np.ndarray | None:
-        """Decode one run; None when it was cancelled mid-decode (non-speculative runs never are)."""
+        """Decode one run: hidden states for the next stage, or on the last stage the token verification needs
+        after each output row (the logits stay in llama.cpp); None when it was cancelled mid-decode
+        (non-speculative runs never are)."""
         self.engine.apply_kv_ops(batch.prefix_ops)
         run_id = hdr.run_id
         if hdr.flags & Flag.SPECULATIVE:
@@ -168,7 +168,10 @@ class StageWorker:
             self.engine.should_abort = should_abort
         t0 = time.perf_counter()
         try:
-            out = self.engine.decode(batch, activ)
+            if self.topo.is_last:
+                out = self.engine.decode_tokens(batch, activ, self.sampling)
+            else:
+                out = self.engine.decode(batch, activ)
         except DecodeAborted:
             self.stats.n_cancelled_mid += 1
             return None

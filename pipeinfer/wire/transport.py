@@ -4,10 +4,16 @@ Sends are non-blocking (Isend) so a stage never stalls on a slow receiver; each 
 kept alive with its request until the request completes, and completed requests are pruned. Waiting
 never sits in a blocking MPI call: MPICH busy-polls there and steals the CPU from a neighbouring rank's
 decode on a shared machine (measured 90x slower), so we Iprobe and sleep `poll_s` between probes.
+Each probe asks twice (`arrived`): MPICH's Iprobe only makes progress when it finds nothing, so a
+message that came in during a sleep is seen one probe late. A payload that follows its header is
+already on its way, so its wait starts with short sleeps.
 """
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -16,6 +22,55 @@ from mpi4py import MPI
 from ..core.protocol import HEADER_LEN, Header, ProtocolError, Tag
 
 MAX_PENDING_SENDS = 64  # bound on in-flight Isends before we wait for the oldest
+PAYLOAD_FIRST_SLEEP_S = 2e-5  # a payload's wait sleeps this long first, doubling up to poll_s
+
+
+def arrived(comm: MPI.Comm, source: int, tag: int, status: MPI.Status | None = None) -> bool:
+    """Is a message from `source` on `tag` waiting? MPICH's Iprobe, finding nothing queued, makes progress
+    (which may pull the message in) and answers False without looking again, so a message that arrived
+    while this rank slept would be seen only a poll interval later: ask a second time at once (tests/mpi_probe.py:
+    one Iprobe finds no such message, two find every one). In the 2-rank pipeline the head had the payload behind
+    a result's header 0.60 ms late, and now at once (launch/bench_overhead.py)."""
+    return comm.Iprobe(source=source, tag=tag, status=status) or comm.Iprobe(source=source, tag=tag, status=status)
+
+
+FINE_POLL_S = 5e-5   # sleep between probes while a header is due
+FINE_LEAD_S = 1e-3   # fine polling starts this long before the next header is due ...
+FINE_SPAN_S = 5e-3   # ... and lasts at most this long per wait (it costs about 12% of a core while it lasts)
+
+
+@dataclass
+class ArrivalWindow:
+    """When, within a wait for the next header from one source, that header is due: a steady pipeline sends
+    at a steady rhythm, so the recent waits that had to sleep say when the next one ends. A rank probes every
+    poll_s, and every FINE_POLL_S inside the window [lower quartile of the recent waits - FINE_LEAD_S,
+    + FINE_SPAN_S], so that it notices a header about 0.1 ms after it arrived instead of half a poll_s
+    later, while polling finely only for a few ms per wait."""
+    recent: deque = field(default_factory=lambda: deque(maxlen=8))  # seconds the last waits lasted
+
+    def window(self) -> tuple[float, float]:
+        """(from, until): seconds into a wait during which it polls finely; empty until a wait was recorded."""
+        if not self.recent:
+            return math.inf, math.inf
+        due = sorted(self.recent)[len(self.recent) // 4]
+        start = max(0.0, due - FINE_LEAD_S)
+        return start, start + FINE_SPAN_S
+
+    def record(self, waited_s: float) -> None:
+        """A wait that slept ended after waited_s (one that found its header waiting says nothing of when it came)."""
+        if waited_s > 0:
+            self.recent.append(waited_s)
+
+
+def poll_sleep_s(waited_s: float, window: tuple[float, float], poll_s: float) -> float:
+    """How long to sleep before the next probe, waited_s into a wait: finely inside the window, never past
+    its start, else poll_s."""
+    start, until = window
+    if start <= waited_s < until:
+        return min(FINE_POLL_S, poll_s)
+    if waited_s < start:
+        return min(poll_s, max(start - waited_s, 0.0))
+    return poll_s
 
 
 class Transport:
@@ -26,6 +81,7 @@ class Transport:
         self._pending: list[tuple[MPI.Request, tuple]] = []
         self.t_wait_s = 0.0  # time spent waiting for a message (pipeline idle time on this rank)
         self.bytes_sent = 0  # payload and header bytes this rank sent (cancellations included)
+        self._arrivals: dict[int, ArrivalWindow] = {}  # by source: when its next header is due
 
     # ---- sending
     def _isend(self, comm: MPI.Comm, buf: np.ndarray, dest: int, tag: int) -> None:
@@ -58,17 +114,24 @@ class Transport:
 
     # ---- receiving
     def wait_header(self, source: int, while_idle: Callable[[], None] | None = None) -> Header:
-        """Block politely for the next transaction header from `source`, running while_idle between probes."""
+        """Block politely for the next transaction header from `source`, running while_idle between probes
+        (probing finely only while the header is due: ArrivalWindow)."""
         t0 = time.perf_counter()
-        while not self.pipe.Iprobe(source=source, tag=Tag.BEGIN):
-            if while_idle is not None:
-                while_idle()
-            time.sleep(self.poll_s)
+        if not arrived(self.pipe, source, Tag.BEGIN):
+            rhythm = self._arrivals.setdefault(source, ArrivalWindow())
+            window = rhythm.window()
+            while True:
+                if while_idle is not None:
+                    while_idle()
+                time.sleep(poll_sleep_s(time.perf_counter() - t0, window, self.poll_s))
+                if arrived(self.pipe, source, Tag.BEGIN):
+                    break
+            rhythm.record(time.perf_counter() - t0)
         self.t_wait_s += time.perf_counter() - t0
         return self.recv_header(source)
 
     def header_ready(self, source: int) -> bool:
-        return self.pipe.Iprobe(source=source, tag=Tag.BEGIN)
+        return arrived(self.pipe, source, Tag.BEGIN)
 
     def recv_header(self, source: int) -> Header:
         buf = np.empty(HEADER_LEN, dtype=np.int32)
@@ -87,8 +150,10 @@ class Transport:
     def _recv(self, comm: MPI.Comm, buf: np.ndarray, source: int, tag: int) -> None:
         """Receive the next message on `tag` into buf, which it must fill exactly (checked before Recv)."""
         status = MPI.Status()
-        while not comm.Iprobe(source=source, tag=tag, status=status):  # payloads follow closely; still polite
-            time.sleep(self.poll_s)
+        sleep_s = min(PAYLOAD_FIRST_SLEEP_S, self.poll_s)
+        while not arrived(comm, source, tag, status):  # payloads follow their header closely; still polite
+            time.sleep(sleep_s)
+            sleep_s = min(2 * sleep_s, self.poll_s)
         n = status.Get_count(MPI.BYTE)
         if n != buf.nbytes:
             raise bad_message(source, f"{n} bytes on tag {Tag(tag).name}, its header announced {buf.nbytes}")
@@ -108,7 +173,7 @@ class Transport:
     def try_recv_i32(self, comm: MPI.Comm, source: int, tag: Tag) -> np.ndarray | None:
         """The next i32 message of any size on `tag` from `source`, or None when none is waiting (never blocks)."""
         status = MPI.Status()
-        if not comm.Iprobe(source=source, tag=tag, status=status):
+        if not arrived(comm, source, tag, status):
             return None
         buf = np.empty(status.Get_count(MPI.BYTE) // 4, dtype=np.int32)
         comm.Recv(buf, source=source, tag=tag)

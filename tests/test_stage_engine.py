@@ -1,0 +1,114 @@
+"""The stage engine's own costs, cut without changing a bit: the node filter in front of the hidden-state capture,
+tokens read from llama.cpp's logits in place, and the weights in huge pages (synthetic GGUFs, real llama.cpp)."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import PROMPT
+from synth import make_llama_gguf
+from synth_arch import make_arch_gguf
+from pipeinfer.core.protocol import Batch, kv_ops
+from pipeinfer.core.verify import SamplingParams, row_tokens
+from pipeinfer.engine.stage import DecodeAborted, StageEngine, TokenEmbedder, anonymous_regions, name_prefix
+from pipeinfer.engine.stagefile import ensure_stage_file, read_info
+
+
+def _engine(path, cls=StageEngine, **kw):
+    args = dict(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1, n_threads_batch=1)
+    return cls(path, **(args | kw))
+
+
+def _batch(n, p0, all_out=False):
+    out = np.ones(n, np.int32) if all_out else np.eye(1, n, n - 1, dtype=np.int32)[0]
+    return Batch(np.zeros(n, np.int32), np.arange(p0, p0 + n, dtype=np.int32), [[0]] * n, out, kv_ops())
+
+
+class EveryNode(StageEngine):
+    """The capture as it was: every graph node goes to the full name check (_on_tensor)."""
+
+    def _node_filter(self):
+        return self._on_tensor
+
+
+def test_name_prefix():
+    assert name_prefix(b"l_out-13") == int.from_bytes(b"l_out-13", "little")
+    assert name_prefix(b"l_out-5") == int.from_bytes(b"l_out-5\0", "little")  # 7 characters: the NUL is the 8th byte
+    assert name_prefix(b"inp_scaled") == int.from_bytes(b"inp_scal", "little")
+    assert name_prefix(b"l_out") is None  # too short: bytes after its NUL are not defined
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: the capture and the input hook (inp_scaled) both
+def test_node_filter_captures_what_every_node_check_captures(tmp_path, models, arch):
+    src = models["f32"] if arch == "llama" else make_arch_gguf(tmp_path / "g2.gguf", "gemma2")
+    n_layer = read_info(src).n_layer
+    stage = ensure_stage_file(src, 1, n_layer - 1, with_vocab=False)  # a middle stage: hidden states in and out
+    fast, slow = (_engine(stage, cls, embd_input=True, capture_hidden=True) for cls in (StageEngine, EveryNode))
+    rng = np.random.default_rng(0)
+    pos = 0
+    for n in (len(PROMPT), 1, 3, 1):
+        h = rng.standard_normal((n, fast.n_embd), dtype=np.float32)
+        got, want = fast.decode(_batch(n, pos), h), slow.decode(_batch(n, pos), h)
+        assert got.shape == (n, fast.n_embd)
+        assert np.array_equal(got, want)
+        pos += n
+
+
+def test_abort_is_polled_only_while_a_decode_may_be_cancelled(models):
+    eng = _engine(models["f32"], embd_input=False, capture_hidden=False)
+    polls = []
+    whole = Batch(np.asarray(PROMPT, np.int32), np.arange(len(PROMPT), dtype=np.int32), [[0]] * len(PROMPT),
+                  np.ones(len(PROMPT), np.int32), kv_ops())
+    want = eng.decode(whole)
+    eng.clear_kv()
+    eng.should_abort = lambda: polls.append(1) or True
+    with pytest.raises(DecodeAborted):
+        eng.decode(whole)
+    assert polls and eng.seq_pos_range(0) == (-1, -1)  # the aborted batch left no cell behind
+    eng.should_abort, n_polls = None, len(polls)
+    assert np.array_equal(eng.decode(whole), want)
+    assert len(polls) == n_polls
+
+
+def test_decode_tokens_reads_the_logits_in_place(models):
+    src = models["q8"]
+    a, b = (_engine(src, embd_input=False, capture_hidden=False) for _ in range(2))
+    toks = np.asarray(PROMPT, np.int32)
+    for sp in (SamplingParams(), SamplingParams(temp=0.8, top_k=20, seed=7)):
+        for eng in (a, b):
+            eng.clear_kv()
+        for p0, n in ((0, len(toks)), (len(toks), 1), (len(toks) + 1, 3)):
+            batch = Batch(toks[:n], np.arange(p0, p0 + n, dtype=np.int32), [[0]] * n, np.ones(n, np.int32), kv_ops())
+            got = a.decode_tokens(batch, None, sp)
+            want = row_tokens(b.decode(batch), batch.output_pos, sp)
+            assert got.dtype == np.int32 and np.array_equal(got, want)
+
+
+def _thp_available() -> bool:
+    p = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return p.exists() and "[never]" not in p.read_text()
+
+
+def test_weights_in_huge_pages_give_the_same_bits(tmp_path, monkeypatch):
+    """Logits and captured hidden states are bit for bit those of llama.cpp's file mapping (PIPEINFER_HUGE_PAGES=0),
+    and where the kernel has THP the weights are in huge pages. The model is 46 MB: glibc serves smaller blocks
+    from its heap, which stays in small pages, while a real model's weights get mappings of their own."""
+    src = make_llama_gguf(tmp_path / "big.gguf", n_layer=2, n_embd=512, n_head=4, n_head_kv=2, n_ff=2048, n_vocab=4096)
+    first = ensure_stage_file(src, 0, 1, with_vocab=False)
+    emb = TokenEmbedder(src)(np.asarray(PROMPT))
+    outputs, huge = {}, {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("PIPEINFER_HUGE_PAGES", setting)
+        whole = _engine(src, embd_input=False, capture_hidden=False)
+        mid = _engine(first, embd_input=True, capture_hidden=True)
+        batch = Batch(np.asarray(PROMPT, np.int32), np.arange(len(PROMPT), dtype=np.int32), [[0]] * len(PROMPT),
+                      np.ones(len(PROMPT), np.int32), kv_ops())
+        outputs[setting] = (whole.decode(batch), mid.decode(batch, emb))
+        huge[setting] = whole.huge_page_bytes
+        whole.close()
+        mid.close()
+    for a, b in zip(outputs["0"], outputs["1"]):
+        assert np.array_equal(a, b)
+    assert huge["0"] == 0
+    if _thp_available() and anonymous_regions():
+        assert huge["1"] >= 2 << 20
