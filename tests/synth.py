@@ -92,6 +92,19 @@ def _weights(n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab, seed, logit_scal
     return W, succ
 
 
+def add_vocab(w, n_vocab: int) -> None:
+    """A SentencePiece-style ("llama") tokenizer of n_vocab pieces (_vocab), <unk> <s> </s> first, no BOS added."""
+    toks, types = _vocab(n_vocab)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(toks)
+    w.add_token_scores([0.0] * N_SPECIAL + [-float(i) for i in range(N_SPECIAL, n_vocab)])
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+
+
 def _vocab(n_vocab):
     """SentencePiece-style pieces: <unk> <s> </s>, then unique CV-syllable words like '▁bafe', 'ki'."""
     cons, vows = "bdfgklmnprstvz", "aeiou"
@@ -144,15 +157,7 @@ def make_llama_gguf(path, *, n_layer=4, n_embd=64, n_head=4, n_head_kv=2, n_ff=1
     w.add_layer_norm_rms_eps(_EPS)
     w.add_rope_freq_base(10000.0)
     w.add_file_type(ftype)
-    toks, types = _vocab(n_vocab)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(toks)
-    w.add_token_scores([0.0] * N_SPECIAL + [-float(i) for i in range(N_SPECIAL, n_vocab)])
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    add_vocab(w, n_vocab)
     w.add_add_eos_token(False)
     for name, arr in W.items():
         arr = arr.astype(np.float32)

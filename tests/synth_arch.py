@@ -23,7 +23,7 @@ from typing import Callable
 import gguf
 import numpy as np
 
-from synth import N_SPECIAL, _vocab
+from synth import N_SPECIAL, add_vocab
 
 E, H, KV, HD, FF, V = 64, 4, 2, 16, 128, 256     # n_embd, heads, kv heads, head size, n_ff, vocabulary
 X, XU, FX = 4, 2, 32                              # experts, experts used per token, expert n_ff
@@ -214,15 +214,7 @@ def _write(path, v: Variant, tensors: dict, qtype: str) -> None:
             w.add_uint32(name, val)
         else:
             w.add_float32(name, val)
-    toks, types = _vocab(V)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(toks)
-    w.add_token_scores([0.0] * N_SPECIAL + [-float(i) for i in range(N_SPECIAL, V)])
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    add_vocab(w, V)
     for name, arr in tensors.items():
         arr = arr.astype(np.float32)
         if qtype == "q8_0" and arr.ndim >= 2 and arr.shape[-1] % 32 == 0:
