@@ -138,7 +138,8 @@ def weight_bytes(model: str | os.PathLike) -> tuple[float, float]:
     from ..engine.ggufheader import read_header
     from ..engine.stagefile import read_info
     from .cluster import active_bytes_per_layer
-    fields, tensors = read_header(model).fields, read_header(model).tensors
+    header = read_header(model)
+    fields, tensors = header.fields, header.tensors
     arch, n_layer = fields["general.architecture"], read_info(model).n_layer
     per_layer = active_bytes_per_layer({n: t.nbytes for n, t in tensors.items()}, n_layer,
                                        int(fields.get(f"{arch}.expert_count", 0)),
