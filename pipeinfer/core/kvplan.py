@@ -31,14 +31,15 @@ CANONICAL = 0
 
 
 class PartitionPool:
-    """FIFO free list of sequence-id ranges [1 + k*size, 1 + (k+1)*size); the id after them is garbage."""
+    """FIFO free list of sequence-id ranges [1 + k*size, 1 + (k+1)*size); the garbage sequence is the
+    context's last id (after the partitions and the other generations' canonical sequences, SeqLayout)."""
 
-    def __init__(self, n_partitions: int, size: int, n_seq_max: int):
-        if n_partitions < 1 or size < 1 or 2 + n_partitions * size > n_seq_max:
+    def __init__(self, n_partitions: int, size: int, n_seq_max: int, n_lanes: int = 1):
+        if n_partitions < 1 or size < 1 or 2 + n_partitions * size + n_lanes - 1 > n_seq_max:
             raise ValueError(f"{n_partitions} partitions of {size} sequences do not fit in {n_seq_max} sequence ids")
         self.size = size
         self.n_partitions = n_partitions
-        self.garbage_seq = garbage_seq(2 + n_partitions * size)
+        self.garbage_seq = garbage_seq(2 + n_partitions * size + n_lanes - 1)
         self._free = deque(range(n_partitions))
 
     def take(self) -> int | None:
@@ -57,13 +58,27 @@ class PartitionPool:
         return len(self._free)
 
 
-def plan_partitions(max_branches: int, max_in_flight: int, n_seq_max: int = 256) -> tuple[int, int]:
-    """(n_partitions, n_seq_max for the context) for the given tree width and in-flight runs
-    (sequence 0, the partitions, and the garbage sequence)."""
-    n_part = max(1, min(max_in_flight, (n_seq_max - 2) // max_branches))
-    if n_part * max_branches + 2 > n_seq_max:
-        raise ValueError(f"--max-branches {max_branches} leaves no room within {n_seq_max} sequences")
-    return n_part, 2 + n_part * max_branches
+def plan_partitions(max_branches: int, max_in_flight: int, n_seq_max: int = 256, n_lanes: int = 1) -> tuple[int, int]:
+    """(n_partitions, n_seq_max for the context) for the given tree width, in-flight runs and generations
+    at once (sequence 0, the partitions, the other generations' canonical sequences, the garbage sequence)."""
+    room = n_seq_max - 2 - (n_lanes - 1)
+    n_part = max(1, min(max_in_flight, room // max_branches))
+    if n_part * max_branches > room:
+        raise ValueError(f"--max-branches {max_branches} with --parallel {n_lanes} leaves no room within "
+                         f"{n_seq_max} sequences")
+    return n_part, 2 + n_part * max_branches + n_lanes - 1
+
+
+def lane_seq_max(n_part: int, size: int, n_lanes: int) -> int:
+    """Sequence ids a context needs (SeqLayout.n_seq_max): one without partitions or other lanes."""
+    return 1 if n_part == 0 and n_lanes == 1 else 2 + n_part * size + n_lanes - 1
+
+
+def lane_canonical(lane: int, n_part: int, size: int) -> int:
+    """The canonical sequence of generation slot `lane` (several generations at once, scheduler.py): slot 0
+    keeps sequence 0, so one generation at a time lays its cache out as before; slot k >= 1 takes the id after
+    the partitions' (1 .. n_part*size) and before the garbage sequence (always the last id)."""
+    return 0 if lane == 0 else n_part * size + lane
 
 
 def garbage_seq(n_seq_max: int) -> int | None:
@@ -78,22 +93,23 @@ def cells_reserve(n_partitions: int, n_max: int) -> int:
     return (n_partitions + 1) * (n_max + 1) if n_partitions else 1
 
 
-def prefix_ops(seqs: list[int], n_kv0: int, parent_seq: int | None, first_pos: int) -> np.ndarray:
+def prefix_ops(seqs: list[int], n_kv0: int, parent_seq: int | None, first_pos: int,
+               canon: int = CANONICAL) -> np.ndarray:
     """Ops a stage applies before decoding a run whose first node sits at first_pos in `seqs`.
 
-    The canonical prefix [0, n_kv0) comes from sequence 0; speculative cells [n_kv0, first_pos) come
+    The canonical prefix [0, n_kv0) comes from the generation's canonical sequence `canon`; speculative cells [n_kv0, first_pos) come
     from the parent run's main branch, which the stage decoded earlier (runs are handled in order).
     """
     ops = []
     for s in seqs:
         ops.append(rm(s))  # defensive: partitions are cleared when freed, so this removes nothing
-        ops.append(cp(CANONICAL, s, 0, n_kv0))
+        ops.append(cp(canon, s, 0, n_kv0))
         if parent_seq is not None and first_pos > n_kv0:
             ops.append(cp(parent_seq, s, n_kv0, first_pos))
     return kv_ops(*ops)
 
 
-def retire_starts(nodes: list[tuple[int, list[int]]]) -> dict[int, int]:
+def retire_starts(nodes: list[tuple[int, list[int]]], canon: int = CANONICAL) -> dict[int, int]:
     """For a run's nodes (pos, seq_ids): each sequence -> first position of the cells it *owns*.
 
     A tree cell carries every branch through it; the lowest of those ids owns it. Branch ids grow as
@@ -104,7 +120,7 @@ def retire_starts(nodes: list[tuple[int, list[int]]]) -> dict[int, int]:
     """
     starts: dict[int, int] = {}
     for pos, seq_ids in nodes:
-        if CANONICAL in seq_ids:
+        if canon in seq_ids:
             continue
         owner = min(seq_ids)
         starts[owner] = min(starts.get(owner, pos), pos)
@@ -112,15 +128,16 @@ def retire_starts(nodes: list[tuple[int, list[int]]]) -> dict[int, int]:
 
 
 def commit_ops(branch_seq: int | None, n_kv0: int, end: int, seqs: list[int], starts: dict[int, int],
-               garbage_seq: int) -> np.ndarray:
-    """Accept cells [n_kv0, end) of `branch_seq` into sequence 0, then retire the run's partition:
+               garbage_seq: int, canon: int = CANONICAL) -> np.ndarray:
+    """Accept cells [n_kv0, end) of `branch_seq` into the canonical sequence `canon`, then retire the run's partition:
     its own cells (`starts`, from retire_starts) join the garbage sequence before the partition's tags
     go, so no cell is freed; the canonical and parent cells it saw keep their other tags."""
     ops = []
     if branch_seq is not None and end > n_kv0:
-        ops.append(cp(branch_seq, CANONICAL, n_kv0, end))
+        ops.append(cp(branch_seq, canon, n_kv0, end))
     for s in seqs:
         if s in starts:
             ops.append(cp(s, garbage_seq, starts[s]))
         ops.append(rm(s))
     return kv_ops(*ops)
+

@@ -32,6 +32,7 @@ class Stats:
     accept_hist: dict[int, int] = field(default_factory=dict)  # tokens gained per verified run -> count
     draft_len_hist: dict[int, int] = field(default_factory=dict)  # draft tokens asked per micro-batch -> count
     n_kv0: int = 0                 # positions in canonical sequence 0 at the end
+    t_queue_s: float = 0.0         # waited for admission (several generations at once: ranks/scheduler.py)
     t_start_s: float = 0.0         # prompt processing starts
     t_prompt_done_s: float = 0.0   # the prompt's logits gave the first token
     t_first_s: float = 0.0         # first token accepted after prompt processing

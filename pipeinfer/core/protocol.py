@@ -74,7 +74,8 @@ class KvOp(enum.IntEnum):
     RM = 1     # seq_rm(seq_src, p0, p1)
     CP = 2     # seq_cp(seq_src, seq_dst, p0, p1)
     KEEP = 3   # seq_keep(seq_src)
-    COMPACT = 4  # keep only seq_src, repacked into cells 0..n-1 in position order (stage.py)
+    COMPACT = 4  # keep only seq_src (and the seq_src of the COMPACT ops right after it), repacked into cells
+                 # 0..n-1 in position order, one sequence after another (stage.py)
 
 
 # HEADER: i32[8]

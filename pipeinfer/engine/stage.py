@@ -380,8 +380,13 @@ class StageEngine:
 
     # ---- KV sequences
     def apply_kv_ops(self, ops: np.ndarray) -> None:
-        """ops: i32[k, 5] rows (KvOp, seq_src, seq_dst, p0, p1), applied in order."""
-        for op, src, dst, p0, p1 in np.asarray(ops).reshape(-1, 5).tolist():
+        """ops: i32[k, 5] rows (KvOp, seq_src, seq_dst, p0, p1), applied in order; consecutive COMPACT rows
+        are one compaction that keeps every sequence they name."""
+        rows = np.asarray(ops).reshape(-1, 5).tolist()
+        i = 0
+        while i < len(rows):
+            op, src, dst, p0, p1 = rows[i]
+            i += 1
             if op == KvOp.RM:
                 if not llama_cpp.llama_memory_seq_rm(self.mem, src, p0, p1):
                     raise RuntimeError(f"seq_rm({src}, {p0}, {p1}) failed")
@@ -390,20 +395,30 @@ class StageEngine:
             elif op == KvOp.KEEP:
                 llama_cpp.llama_memory_seq_keep(self.mem, src)
             elif op == KvOp.COMPACT:
-                self._compact(src)
+                keep = [src]
+                while i < len(rows) and rows[i][0] == KvOp.COMPACT:
+                    keep.append(rows[i][1])
+                    i += 1
+                self._compact(keep)
             else:
                 raise ValueError(f"unknown KV op {op}")
 
-    def _compact(self, seq: int) -> None:
-        """Keep only `seq`, repacked into cells 0..n-1 in the order it held them (kvplan.py: garbage).
-        llama.cpp writes a sequence's cells in cell order and restores them from cell 0 of an empty
-        cache, so K/V bytes and order are unchanged and the holes are gone."""
-        n = llama_cpp.llama_state_seq_get_size(self.ctx, seq)
-        buf = (ctypes.c_uint8 * n)()
-        got = llama_cpp.llama_state_seq_get_data(self.ctx, buf, n, seq)
+    def _compact(self, seqs: list[int]) -> None:
+        """Keep only `seqs`, each repacked in the order it held its cells, one after another from cell 0
+        (kvplan.py: garbage). llama.cpp writes a sequence's cells in cell order and restores them into the
+        first free cells, so each sequence's K/V bytes and order are unchanged and the holes are gone."""
+        saved = []
+        for seq in seqs:
+            n = llama_cpp.llama_state_seq_get_size(self.ctx, seq)
+            buf = (ctypes.c_uint8 * n)()
+            got = llama_cpp.llama_state_seq_get_data(self.ctx, buf, n, seq)
+            if got != n:
+                raise RuntimeError(f"KV compaction of sequence {seq} failed ({got} of {n} bytes)")
+            saved.append((seq, buf, got))
         llama_cpp.llama_memory_clear(self.mem, False)
-        if got != n or llama_cpp.llama_state_seq_set_data(self.ctx, buf, got, seq) != got:
-            raise RuntimeError(f"KV compaction of sequence {seq} failed ({got} of {n} bytes)")
+        for seq, buf, n in saved:
+            if llama_cpp.llama_state_seq_set_data(self.ctx, buf, n, seq) != n:
+                raise RuntimeError(f"KV compaction of sequence {seq} failed (restoring {n} bytes)")
 
     def clear_kv(self) -> None:
         """Forget every cell (the next one goes to cell 0)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -165,7 +165,8 @@ class Head:
                  on_tokens: Callable[[list[int]], None] | None = None,
                  on_progress: Callable[[Stats, int], None] | None = None,
                  should_stop: Callable[[], bool] | None = None, first_run_id: int = 0,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, canon: int = CANONICAL,
+                 new_run_id: Callable[[], int] | None = None):
         if cfg.mode not in MODES:
             raise ValueError(f"unknown mode {cfg.mode!r}")
         if cfg.p_recovery is None:
@@ -178,6 +179,8 @@ class Head:
         self.on_progress = on_progress      # (stats, runs in flight) after every emission, for a live status line
         self.should_stop = should_stop      # polled after every result: True ends the generation early
         self.clock = clock                  # seconds; the digital twin (twin/sim.py) passes its virtual clock
+        self.canon = canon                  # this generation's canonical sequence (scheduler.py: one per generation)
+        self._shared_run_ids = new_run_id   # several generations on one pipeline draw run ids from one counter
         self.accepted: list[int] = []
         self.n_kv0 = 0                      # positions in sequence 0 once every issued transaction is applied
         self.flights: dict[int, Flight] = {}  # in launch order
@@ -197,17 +200,29 @@ class Head:
         self._n_stale0 = drafter.n_stale if self.asynchronous else 0
         self._n_calls0 = drafter.n_calls if self.asynchronous else 0
         self._draft_bytes0 = self._draft_link_bytes()
+        self.room: Callable[[], bool] = lambda: True  # scheduler.py: False while the stages have no idle time
+
+    # ================================================================ the drafter lent and taken back (scheduler.py)
+    def lend(self, drafter: Drafter, pool: PartitionPool) -> None:
+        """This generation may speculate from now on (PipeInfer), with `drafter` and the partitions of `pool`."""
+        self.cfg = replace(self.cfg, mode="pipeinfer")
+        self.drafter, self.pool = drafter, pool
+        self.asynchronous = bool(getattr(drafter, "asynchronous", False))
+        self._n_stale0 = drafter.n_stale if self.asynchronous else 0
+        self._n_calls0 = drafter.n_calls if self.asynchronous else 0
+        self._draft_bytes0 = self._draft_link_bytes()
+        self.drafter.prefill(self.accepted[:self._n_prompt])
+
+    def revoke(self) -> None:
+        """No more speculative runs (those in flight are verified as usual; the partitions stay to free theirs)."""
+        if self.asynchronous:
+            self.stats.n_draft_stale += self.drafter.n_stale - self._n_stale0
+            self.stats.n_draft_calls += self.drafter.n_calls - self._n_calls0
+        self.drafter, self.asynchronous = None, False
 
     # ================================================================ the algorithm
     def generate(self, prompt: list[int]) -> list[int]:
-        if not prompt:
-            raise ValueError("empty prompt")
-        self.stats.t_start_s = self.clock()
-        self.stats.n_prompt = self._n_prompt = len(prompt)
-        self.pipe.set_sampling(self.cfg.sampling)
-        self._launch_prompt(prompt)
-        if self.drafter is not None:
-            self.drafter.prefill(prompt)  # while the target's stages process the prompt
+        self.start(prompt)
         while not self.done:
             if self.n_cells_bound + self._cells_reserve() > self.cfg.n_ctx:
                 self._compact()
@@ -218,25 +233,60 @@ class Head:
                     self.drafter.wait(self.pipe.result_ready)  # a draft or a result, whichever comes first
                     if not self.pipe.result_ready():
                         continue
-            self._handle(self.pipe.next_result())
-            if self.asynchronous and self.cfg.mode == "pipeinfer" and not self._quiet():
-                self._steer_drafter()  # re-root it now, before this rank's next decode
-            if self.should_stop is not None and self.should_stop():
-                self.done = True  # a client left or a stop string matched: cancel what is in flight
-            if not self.done:
-                self._cover_last_token()
+            self.take(self.pipe.next_result())
+        return self.finish()
+
+    def start(self, prompt: list[int], chunk: int | None = None) -> None:
+        """Launch the prompt (all of it; with `chunk`, its first `chunk` tokens: launch_prompt_chunk the rest)."""
+        if not prompt:
+            raise ValueError("empty prompt")
+        self.stats.t_start_s = self.clock()
+        self.stats.n_prompt = self._n_prompt = len(prompt)
+        self.pipe.set_sampling(self.cfg.sampling)
+        self.accepted = list(prompt)
+        self._prompt_chunk = chunk or self.cfg.n_batch
+        while self.n_kv0 < len(prompt):
+            self.launch_prompt_chunk()
+            if chunk is not None:
+                break
+        if self.drafter is not None:
+            self.drafter.prefill(prompt)  # while the target's stages process the prompt
+
+    def take(self, res) -> None:
+        """One result of this generation's runs: verify and commit it, cancel what it made useless, and keep
+        the next token covered."""
+        self._handle(res)
+        if self.asynchronous and self.cfg.mode == "pipeinfer" and not self._quiet() and self.drafter is not None:
+            self._steer_drafter()  # re-root it now, before this rank's next decode
+        if self.should_stop is not None and self.should_stop():
+            self.done = True  # a client left or a stop string matched: cancel what is in flight
+        if not self.done:
+            self._cover_last_token()
+
+    def finish(self) -> list[int]:
+        """Cancel and collect what is left in flight (one generation on the pipeline); the generated tokens."""
         self._drain()
+        return self.result()
+
+    def result(self) -> list[int]:
         if self.asynchronous:
-            self.stats.n_draft_stale = self.drafter.n_stale - self._n_stale0
-            self.stats.n_draft_calls = self.drafter.n_calls - self._n_calls0
+            self.stats.n_draft_stale += self.drafter.n_stale - self._n_stale0
+            self.stats.n_draft_calls += self.drafter.n_calls - self._n_calls0
             if self.drafter.remote:
                 self.stats.draft_link_bytes = [b - b0 for b, b0 in zip(self._draft_link_bytes(), self._draft_bytes0)]
         return self.accepted[self._n_prompt:self._n_prompt + self.stats.n_generated]
 
+    @property
+    def prompt_pending(self) -> bool:
+        """Prompt tokens not launched yet (start with a chunk)."""
+        return self.n_kv0 < self._n_prompt
+
     def _speculate(self) -> None:
         """Keep the pipeline full while no result is waiting (continuous, asynchronous speculation)."""
         cut = self.cfg.cut
-        while self.pool.n_free > 0 and (not self.pipe.result_ready() or self._single_rank_turn()):
+        if self.prompt_pending:
+            return
+        while self.pool.n_free > 0 and (not self.pipe.result_ready() or self._single_rank_turn()) and self.room():
             if not self.cfg.continuous and any(f.speculative and not f.cancelled for f in self.flights.values()):
                 return
             p_accept = max(0.0, cut.p_accept + self.adjust)
@@ -319,10 +369,10 @@ class Head:
             branch_seq, end = None, self.n_kv0
             if verdict is not None and verdict.deepest >= 0:
                 node = fl.run.nodes[verdict.deepest]
-                branch_seq = next(s for s in node.seq_ids if s != CANONICAL) if node.pos >= self.n_kv0 else None
+                branch_seq = next(s for s in node.seq_ids if s != self.canon) if node.pos >= self.n_kv0 else None
                 end = max(end, node.pos + 1)
-            starts = retire_starts([(n.pos, n.seq_ids) for n in fl.run.nodes])
-            self.pipe.kv(commit_ops(branch_seq, self.n_kv0, end, fl.seqs, starts, self.pool.garbage_seq))
+            starts = retire_starts([(n.pos, n.seq_ids) for n in fl.run.nodes], self.canon)
+            self.pipe.kv(commit_ops(branch_seq, self.n_kv0, end, fl.seqs, starts, self.pool.garbage_seq, self.canon))
             self.n_kv0 = end
             self.pool.give_back(fl.partition)
         if len(self.accepted) > m_before:  # the chain's drafts these positions decided (before _prune_chain)
@@ -340,6 +390,8 @@ class Head:
 
     def _cover_last_token(self) -> None:
         """Make sure some run in flight predicts the token after the last accepted one."""
+        if self.prompt_pending:
+            return  # the prompt's last chunk predicts it
         m = len(self.accepted)
         for fl in self.flights.values():
             if not fl.cancelled and any(n.pos == m - 1 and n.row >= 0 and consistent(fl.run, i, self.accepted)
@@ -359,25 +411,29 @@ class Head:
         return self._next_run
 
     def _new_run_id(self) -> int:
-        self._next_run += 1
+        if self._shared_run_ids is not None:
+            self._next_run = self._shared_run_ids()
+        else:
+            self._next_run += 1
         return self._next_run
 
-    def _launch_prompt(self, prompt: list[int]) -> None:
-        self.accepted = list(prompt)
-        for start in range(0, len(prompt), self.cfg.n_batch):
-            chunk = prompt[start:start + self.cfg.n_batch]
-            last = start + len(chunk) == len(prompt)
-            nodes = [Node(t, start + k, k - 1, [CANONICAL], 0 if (last and k == len(chunk) - 1) else -1)
-                     for k, t in enumerate(chunk)]
-            self._launch(Flight(TreeRun(self._new_run_id(), nodes), speculative=False), kv_ops())
-        self.n_kv0 = len(prompt)
+    def launch_prompt_chunk(self) -> None:
+        """The next chunk of the prompt, as one non-speculative run; the last chunk's last row predicts the first
+        token."""
+        start, n = self.n_kv0, self._n_prompt
+        chunk = self.accepted[start:min(n, start + min(self._prompt_chunk, self.cfg.n_batch))]
+        last = start + len(chunk) == n
+        nodes = [Node(t, start + k, k - 1, [self.canon], 0 if (last and k == len(chunk) - 1) else -1)
+                 for k, t in enumerate(chunk)]
+        self._launch(Flight(TreeRun(self._new_run_id(), nodes), speculative=False), kv_ops())
+        self.n_kv0 = start + len(chunk)
 
     def _launch_nonspec(self) -> None:
         m = len(self.accepted)
         if self.n_kv0 != m - 1:
             raise RuntimeError(f"internal: sequence 0 ends at {self.n_kv0}, expected {m - 1}")
         self.chain.clear()
-        run = TreeRun(self._new_run_id(), [Node(self.accepted[-1], m - 1, -1, [CANONICAL], 0)])
+        run = TreeRun(self._new_run_id(), [Node(self.accepted[-1], m - 1, -1, [self.canon], 0)])
         self._launch(Flight(run, speculative=False), kv_ops())
         self.n_kv0 = m
 
@@ -389,7 +445,7 @@ class Head:
         first_pos = len(context)
         nodes, prefix, parent_id, parent_seq = [], {}, NO_RUN, None
         if lead:  # synchronous mode: the last accepted token joins sequence 0 and every branch
-            nodes.append(Node(context[-1], first_pos - 1, -1, [CANONICAL] + seqs, 0))
+            nodes.append(Node(context[-1], first_pos - 1, -1, [self.canon] + seqs, 0))
             n_kv0 = first_pos - 1
         else:     # PipeInfer: build on sequence 0 plus the speculation chain's cells
             n_kv0 = self.n_kv0
@@ -403,7 +459,8 @@ class Head:
             nodes.append(Node(d.token, first_pos + d.depth, parent, [seqs[b] for b in sorted(d.branches)],
                               off + i, drafted=True))
         run = TreeRun(self._new_run_id(), nodes, prefix)
-        self._launch(Flight(run, True, k, seqs, parent_id), prefix_ops(seqs, n_kv0, parent_seq, first_pos - lead))
+        self._launch(Flight(run, True, k, seqs, parent_id),
+                     prefix_ops(seqs, n_kv0, parent_seq, first_pos - lead, self.canon))
         self.stats.n_spec_runs += 1
         self.stats.n_drafted += len(tree)
         if lead:
@@ -418,11 +475,25 @@ class Head:
         """Collect every run in flight, then have every stage repack sequence 0 (kvplan.py: garbage)."""
         while self.flights:
             self._handle(self.pipe.next_result())
-        self.pipe.kv(kv_ops(compact(CANONICAL)))
+        self.pipe.kv(kv_ops(compact(self.canon)))
         self.n_cells_bound = self.n_kv0
         self.stats.n_compactions += 1
         if not self.done:
             self._cover_last_token()
+
+    # the steps the scheduler of several generations drives (scheduler.py); generate() is them for one
+    def speculate(self) -> None:
+        self._speculate()
+
+    def handle(self, res) -> None:
+        self._handle(res)
+
+    def cover(self) -> None:
+        self._cover_last_token()
+
+    def compacted(self) -> None:
+        """Every stage repacked the canonical sequences (a compaction the scheduler made): retired cells are gone."""
+        self.n_cells_bound = self.n_kv0
 
     def _launch(self, fl: Flight, pre_ops: np.ndarray) -> None:
         run = fl.run
@@ -499,12 +570,16 @@ class Head:
                 self.pipe.cancel(dead)
             self._prune_chain()
 
-    def _drain(self) -> None:
-        """Cancel what is left, collect every result, free every partition."""
+    def cancel_all(self) -> None:
+        """Cancel every speculative run in flight (the generation is over)."""
         left = [rid for rid, fl in self.flights.items() if fl.speculative and not fl.cancelled]
         for rid in left:
             self.flights[rid].cancelled = True
         if left and self.cfg.cancel:
             self.pipe.cancel(left)
+
+    def _drain(self) -> None:
+        """Cancel what is left, collect every result, free every partition."""
+        self.cancel_all()
         while self.flights:
             self._handle(self.pipe.next_result())

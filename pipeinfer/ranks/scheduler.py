@@ -1,0 +1,303 @@
+"""Several generations at once on one pipeline (`serve --parallel N`, `generate --prompts FILE`).
+
+With one generation an N-stage pipeline holds one token's work unless the draft is right; with N generations
+every stage is busy on work that is certain to be used, and no speculation beats that. So the scheduler runs:
+
+    until every request is answered:
+        admit waiting requests, first come first served, while a slot is free and their cells fit
+        if the runs of one more round might not fit the context: collect every run, repack the canonical
+            sequences (COMPACT), and go on
+        certain work first: a generation still in its prompt launches its next chunk once its last one left
+            the head (so a long prompt does not stall the others' tokens); every other generation keeps its
+            next token covered (Head.take launches it when a result leaves it uncovered)
+        speculation only where a stage would otherwise idle: while fewer generations decode than there are
+            stages, the oldest one holds the drafter (PipeInfer, with its reactive cutoffs; alone, exactly
+            PipeInfer; beside others, only while fewer runs are in flight than there are stages)
+        take the oldest result and hand it to the generation that launched it (results come in launch order)
+        a finished generation (length, end of generation, stop string, disconnect) cancels its runs; once
+            the last of them is collected its answer is delivered and its slot waits for the next COMPACT
+
+KV cache (kvplan.py): each generation slot has a canonical sequence of its own (lane_canonical); the partitions
+and the garbage sequence are shared, and only the drafter's holder takes partitions. A finished generation's
+cells are not freed (a hole would be refilled out of position order, kvplan.py): its slot is dirty until the
+next COMPACT, which keeps every live canonical sequence and drops the rest. There are twice as many slots as
+--parallel, so a request rarely waits for a compaction. Admission reserves the worst case of every admitted
+generation (prompt + max tokens) plus one round of speculative runs: the cells never run out; a request that
+does not fit waits in the queue.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from ..core.kvplan import PartitionPool, cells_reserve, lane_canonical
+from ..core.metrics import Stats
+from ..core.protocol import compact, kv_ops, rm
+from ..core.verify import SamplingParams
+from .head import GenConfig, Head
+
+# prompt tokens per chunk while other generations decode: on the 2-core host a 64-token chunk of half of
+# Qwen2.5-Coder-1.5B costs about what 6 single-token decodes cost, so a newcomer's prompt delays the others'
+# next tokens by at most that much per chunk
+PROMPT_CHUNK = 64
+
+
+@dataclass
+class Request:
+    """One generation asked of the scheduler; the callbacks run on the scheduler's thread."""
+    prompt: list[int]
+    n_predict: int
+    sampling: SamplingParams = SamplingParams()
+    prompt_text: str | None = None
+    chat: bool = False
+    on_tokens: Callable[[list[int]], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+    on_done: Callable[[list[int], Stats], None] | None = None  # the answer's tokens and statistics
+    t_queued_s: float = 0.0
+
+
+@dataclass
+class _Gen:
+    req: Request
+    head: Head
+    lane: int
+    need: int   # canonical cells it may hold at most: prompt + max tokens
+
+
+class _LanePipe:
+    """What one generation's Head sees of the shared pipeline: its launches are recorded as its own, and its
+    sampling parameters go down the pipeline (in order with the runs) only before a run of its own."""
+
+    def __init__(self, sched: Scheduler, gen_ref: list):
+        self.sched, self._gen_ref = sched, gen_ref
+        self.sampling = SamplingParams()
+
+    @property
+    def distributed(self) -> bool:
+        return self.sched.pipe.distributed
+
+    def set_sampling(self, sp: SamplingParams) -> None:
+        self.sampling = sp
+
+    def launch(self, run_id: int, batch, speculative: bool, parent_id: int) -> None:
+        self.sched.launch(self._gen_ref[0], run_id, batch, speculative, parent_id, self.sampling)
+
+    def kv(self, ops) -> None:
+        self.sched.pipe.kv(ops)
+
+    def cancel(self, run_ids: list[int]) -> None:
+        self.sched.pipe.cancel(run_ids)
+
+    def result_ready(self) -> bool:
+        return self.sched.pipe.result_ready()
+
+    def next_result(self):
+        raise RuntimeError("internal: a generation under the scheduler takes results from it")
+
+
+@dataclass
+class SchedulerStats:
+    n_admitted: int = 0
+    n_finished: int = 0
+    n_compactions: int = 0
+    n_lends: int = 0                     # times the drafter went to another generation
+    max_active: int = 0
+    waits_for_cells: int = 0             # rounds a request waited because its cells did not fit
+    admitted_order: list[int] = field(default_factory=list)  # request numbers in admission order
+
+
+class Scheduler:
+    """Rank 0's scheduler for many generations over one Pipeline (or the twin's SimPipeline).
+
+    Why one class: admission, the cell budget, the drafter's lease and the routing of results all read and
+    change the same state together (the generations in flight, their slots, the runs each launched); the
+    per-generation algorithm stays in Head, the KV arithmetic in kvplan.py.
+    """
+
+    def __init__(self, pipe, cfg: GenConfig, *, n_stages: int, n_parallel: int, pool: PartitionPool | None,
+                 n_part: int, drafter_for=None, eos: set[int] = frozenset(), first_run_id: int = 0,
+                 clock: Callable[[], float] = time.perf_counter, prompt_chunk: int = PROMPT_CHUNK):
+        if cfg.mode == "speculative":
+            raise ValueError("several generations at once run in iterative or pipeinfer mode")
+        if cfg.mode == "pipeinfer" and (pool is None or drafter_for is None):
+            raise ValueError("pipeinfer mode needs a drafter and a partition pool")
+        self.pipe, self.cfg, self.pool, self.drafter_for = pipe, cfg, pool, drafter_for
+        self.n_stages, self.n_parallel, self.eos, self.clock = n_stages, n_parallel, set(eos), clock
+        self.prompt_chunk = prompt_chunk
+        size = cfg.cut.max_branches
+        self.n_lanes = 2 * n_parallel if n_parallel > 1 else 1
+        self._canon = [lane_canonical(k, n_part, size) for k in range(self.n_lanes)]
+        self._clean = deque(range(self.n_lanes))
+        self._dirty: list[int] = []
+        self.n_cells_dead = 0                 # cells of finished generations, until the next COMPACT
+        self.reserve = cells_reserve(pool.n_partitions, cfg.cut.n_max) if pool is not None else 0
+        self.waiting: deque[tuple[int, Request]] = deque()
+        self.gens: list[_Gen] = []            # admission order
+        self.owner: dict[int, _Gen] = {}      # run id -> the generation that launched it
+        self.holder: _Gen | None = None       # the generation the drafter is lent to
+        self._run_id = first_run_id
+        self._sampling_sent: SamplingParams | None = None
+        self._n_requests = 0
+        self.stats = SchedulerStats()
+
+    # ================================================================ the loop
+    def submit(self, req: Request) -> None:
+        need = len(req.prompt) + req.n_predict
+        if not req.prompt:
+            raise ValueError("empty prompt")
+        if need + self.reserve > self.cfg.n_ctx:
+            raise ValueError(f"prompt ({len(req.prompt)} tokens) + max tokens ({req.n_predict}) does not fit the "
+                             f"context ({self.cfg.n_ctx} cells, {self.reserve} kept for speculative runs)")
+        if not req.t_queued_s:
+            req.t_queued_s = self.clock()
+        self.waiting.append((self._n_requests, req))
+        self._n_requests += 1
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.gens)
+
+    def run(self) -> None:
+        """Until every submitted request is answered."""
+        while self.busy:
+            self.step()
+
+    def step(self) -> None:
+        """One round: admit, compact if needed, launch certain work, speculate where there is room, take a result."""
+        self._admit()
+        if not self.gens:
+            return
+        if self._cells_short():
+            self._compact()
+            return
+        for g in self.gens:
+            if g.head.prompt_pending and not g.head.flights:
+                g.head.launch_prompt_chunk()
+        holder = self._lease()
+        if holder is not None and not holder.head.done:
+            holder.head.speculate()
+            if holder.head.asynchronous and not self.pipe.result_ready():
+                holder.head.drafter.wait(self.pipe.result_ready)  # a draft or a result, whichever comes first
+                if not self.pipe.result_ready():
+                    return
+        if self.pipe.in_flight:
+            self._take(self.pipe.next_result())
+        for g in [g for g in self.gens if g.head.done and not g.head.flights]:
+            self._finish(g)
+
+    # ================================================================ admission and the cell budget
+    def _admit(self) -> None:
+        while self.waiting and len(self.gens) < self.n_parallel:
+            if not self._clean:
+                self._compact()  # every free slot is dirty: repack to clean them
+                continue
+            num, req = self.waiting[0]
+            need = len(req.prompt) + req.n_predict
+            if sum(g.need for g in self.gens) + need + self.reserve > self.cfg.n_ctx:
+                self.stats.waits_for_cells += 1
+                return  # first come first served: the next request waits for cells, no one overtakes it
+            self.waiting.popleft()
+            self._start(num, req, need)
+
+    def _start(self, num: int, req: Request, need: int) -> None:
+        lane = self._clean.popleft()
+        ref: list = [None]
+        cfg = replace(self.cfg, mode="iterative", n_predict=req.n_predict, sampling=req.sampling)
+        head = Head(_LanePipe(self, ref), cfg, eos=self.eos, on_tokens=req.on_tokens, should_stop=req.should_stop,
+                    clock=self.clock, canon=self._canon[lane], new_run_id=self._new_run_id)
+        g = _Gen(req, head, lane, need)
+        ref[0] = g
+        alone = not self.gens
+        self.gens.append(g)
+        self.stats.n_admitted += 1
+        self.stats.max_active = max(self.stats.max_active, len(self.gens))
+        self.stats.admitted_order.append(num)
+        head.start(req.prompt, chunk=None if alone else self.prompt_chunk)
+        head.stats.t_queue_s = max(0.0, head.stats.t_start_s - req.t_queued_s)
+
+    def _cells_short(self) -> bool:
+        """Whether one more round's runs might not fit: a token per generation, a prompt chunk, the speculation."""
+        bound = sum(g.head.n_cells_bound for g in self.gens) + self.n_cells_dead
+        chunk = self.prompt_chunk if any(g.head.prompt_pending for g in self.gens) else 0
+        return bound + len(self.gens) + chunk + self.reserve > self.cfg.n_ctx
+
+    def _compact(self) -> None:
+        """Collect every run in flight, then have every stage keep only the live canonical sequences, repacked."""
+        while self.pipe.in_flight:
+            res = self.pipe.next_result()
+            self.owner.pop(res.run_id).head.handle(res)
+        for g in [g for g in self.gens if g.head.done]:
+            self._finish(g)
+        live = [self._canon[g.lane] for g in self.gens]
+        self.pipe.kv(kv_ops(*[compact(s) for s in live]) if live else kv_ops(rm(-1)))
+        for g in self.gens:
+            g.head.compacted()
+        self._clean.extend(sorted(self._dirty))
+        self._dirty.clear()
+        self.n_cells_dead = 0
+        self.stats.n_compactions += 1
+        for g in self.gens:
+            if not g.head.done:
+                g.head.cover()
+
+    # ================================================================ the drafter's lease
+    def _lease(self) -> _Gen | None:
+        """The generation that may speculate: the oldest decoding one, while fewer decode than there are stages."""
+        if self.cfg.mode != "pipeinfer":
+            return None
+        decoding = [g for g in self.gens if not g.head.done]
+        want = None
+        if len(decoding) < self.n_stages:
+            want = next((g for g in decoding if not g.head.prompt_pending), None)
+        if want is not self.holder:
+            if self.holder is not None:
+                self.holder.head.revoke()
+            if want is not None:
+                want.head.lend(self.drafter_for(want.req.prompt, want.req.prompt_text, want.req.chat), self.pool)
+                self.stats.n_lends += 1
+            self.holder = want
+        if want is not None:
+            sole = len(self.gens) == 1
+            want.head.room = (lambda: True) if sole else (lambda: len(self.pipe.in_flight) < self.n_stages)
+        return want
+
+    # ================================================================ runs and results
+    def _new_run_id(self) -> int:
+        self._run_id += 1
+        return self._run_id
+
+    @property
+    def last_run_id(self) -> int:
+        return self._run_id
+
+    def launch(self, g: _Gen, run_id: int, batch, speculative: bool, parent_id: int, sp: SamplingParams) -> None:
+        if sp != self._sampling_sent:  # the last stage draws this generation's tokens by its parameters
+            self.pipe.set_sampling(sp)
+            self._sampling_sent = sp
+        self.owner[run_id] = g
+        self.pipe.launch(run_id, batch, speculative, parent_id)
+
+    def _take(self, res) -> None:
+        g = self.owner.pop(res.run_id)
+        if g.head.done:
+            g.head.handle(res)
+            return
+        g.head.take(res)
+        if g.head.done:
+            g.head.cancel_all()
+
+    def _finish(self, g: _Gen) -> None:
+        """Every run of a finished generation is back: deliver its answer; its slot waits for a COMPACT."""
+        if self.holder is g:
+            g.head.revoke()
+            self.holder = None
+        self.gens.remove(g)
+        self._dirty.append(g.lane)
+        self.n_cells_dead += g.head.n_cells_bound
+        self.stats.n_finished += 1
+        tokens = g.head.result()
+        g.head.stats.n_kv0 = g.head.n_kv0
+        if g.req.on_done is not None:
+            g.req.on_done(tokens, g.head.stats)

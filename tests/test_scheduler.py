@@ -1,0 +1,191 @@
+"""Several generations at once (ranks/scheduler.py) against the fake two-stage pipeline of test_head_logic:
+its KV cache checks every cell a token sees, so a generation reading another's cells, a cell out of position
+order or a cell freed in the middle of the cache fails the run. Each answer must equal its prompt's target-alone
+answer, whatever ran beside it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_head_logic import FakePipeline, KvError, ToyDrafter, ToyStage, logits_flat, logits_greedy, target_alone
+
+from pipeinfer.core.kvplan import PartitionPool, lane_canonical, plan_partitions
+from pipeinfer.core.protocol import KvOp
+from pipeinfer.core.verify import SamplingParams
+from pipeinfer.ranks.head import GenConfig
+from pipeinfer.ranks.scheduler import Request, Scheduler
+from pipeinfer.spec.drafter import Cutoffs
+
+PROMPTS = [[5, 17, 2, 9, 11, 3, 8, 1, 20, 14], [4, 4, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17],
+           [28, 1], [9, 9, 9, 9, 2], [13, 6, 21, 0, 3, 3]]
+
+
+class LaneStage(ToyStage):
+    """ToyStage with several canonical sequences: consecutive COMPACT ops keep every sequence they name."""
+
+    def check_canonical(self) -> None:
+        pass  # each generation's output is checked against its own target-alone answer instead
+
+    def apply(self, ops: np.ndarray) -> None:
+        rows = np.asarray(ops).reshape(-1, 5)
+        if len(rows) == 1 and rows[0][0] == KvOp.RM and rows[0][1] == -1:
+            self.cells = []  # seq_rm(-1): every cell (llama.cpp), so the next one goes to cell 0
+            return
+        keep = [int(r[1]) for r in rows if r[0] == KvOp.COMPACT]
+        if keep:
+            assert all(r[0] == KvOp.COMPACT for r in rows), "COMPACT travels alone"
+            self.cells = [c for c in self.cells if c.seqs & set(keep)]
+            for c in self.cells:
+                c.seqs &= set(keep)
+            self.n_compactions += 1
+            return
+        super().apply(ops)
+
+
+class LanePipeline(FakePipeline):
+    def __init__(self, canon: set[int], **kw):
+        super().__init__([], **kw)
+        self.canon = canon
+        self.stages = [LaneStage(s.name, s.logits_fn, [], s.garbage) for s in self.stages]
+        self.sampling_sent: list[SamplingParams] = []
+
+    def _check_fresh(self, stage, batch) -> None:
+        for s in {s for ids in batch.seq_ids for s in ids} - self.canon:
+            if stage.seq_cells(s):
+                raise KvError(f"{stage.name}: sequence {s} still holds {sorted(stage.seq_cells(s))} at a new run")
+
+    def set_sampling(self, sp) -> None:
+        self.sampling_sent.append(sp)
+        if self.distributed:
+            self.queue.append(("sampling", sp))
+        else:
+            self.sampling = sp
+
+    def _step(self) -> None:
+        if self.queue and self.queue[0][0] == "sampling":
+            self.sampling = self.queue.popleft()[1]
+            return
+        super()._step()
+
+    def _tokens(self, batch, logits):
+        from pipeinfer.core.verify import row_tokens
+        return row_tokens(logits, batch.output_pos, self.sampling)
+
+    def kv(self, ops) -> None:
+        if len(ops) == 0:
+            return
+        self.stages[0].apply(ops)
+        if self.distributed:
+            self.queue.append(("kv", ops))
+
+
+def make(mode: str, *, n_parallel: int, n_ctx: int = 4096, max_in_flight: int = 4, n_max: int = 3,
+         logits_fn=logits_greedy, n_stages: int = 2, error_rate: float = 0.2, poll_every: int = 3):
+    n_lanes = 2 * n_parallel if n_parallel > 1 else 1
+    n_part, n_seq = plan_partitions(1, max_in_flight, n_lanes=n_lanes)
+    canon = {lane_canonical(k, n_part, 1) for k in range(n_lanes)}
+    pipe = LanePipeline(canon, logits_fn=logits_fn, poll_every=poll_every, garbage=n_seq - 1)
+    pool = PartitionPool(n_part, 1, n_seq, n_lanes=n_lanes) if mode == "pipeinfer" else None
+    lent = iter(range(1 << 30))
+    cfg = GenConfig(mode=mode, n_ctx=n_ctx, cut=Cutoffs(0.5, 0.1, n_max, 1), p_recovery=0.5)
+    sched = Scheduler(pipe, cfg, n_stages=n_stages, n_parallel=n_parallel, pool=pool, n_part=n_part,
+                      drafter_for=lambda p, t, c: ToyDrafter(error_rate, next(lent), 0.9))  # one per lease
+    return sched, pipe, pool
+
+
+def submit_all(sched, jobs, logits_fn=logits_greedy):
+    """jobs: (prompt, n_predict, sampling, stop_after); returns {i: (tokens, expected)} once answered."""
+    got: dict[int, list[int]] = {}
+    for i, (prompt, n, sp, stop_after) in enumerate(jobs):
+        streamed: list[int] = []
+
+        def done(tokens, stats, i=i, streamed=streamed):
+            assert tokens == streamed
+            got[i] = tokens
+        stop = (lambda s=streamed, k=stop_after: len(s) >= k) if stop_after else None
+        sched.submit(Request(list(prompt), n, sp, on_tokens=streamed.extend, should_stop=stop, on_done=done))
+    sched.run()
+    out = {}
+    for i, (prompt, n, sp, stop_after) in enumerate(jobs):
+        want = target_alone(prompt, n, logits_fn, sp)[len(prompt):]
+        out[i] = (got[i], want, stop_after)
+    return out
+
+
+def assert_exact(results):
+    for i, (tokens, want, stop_after) in results.items():
+        if stop_after:
+            assert len(tokens) >= stop_after and tokens == want[:len(tokens)], i
+        else:
+            assert tokens == want, i
+
+
+def assert_all_free(sched, pipe, pool):
+    assert not sched.gens and not sched.waiting and not pipe.in_flight and not sched.owner
+    if pool is not None:
+        assert pool.n_free == pool.n_partitions
+    pipe.finish() if hasattr(pipe, "finish") else None
+    for stage in pipe.stages:  # nothing but retired cells and finished generations' canonical cells
+        live = {s for c in stage.cells for s in c.seqs} - {pipe.garbage} - pipe.canon
+        assert not live, f"{stage.name}: sequences {sorted(live)} still hold cells"
+
+
+@pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])
+@pytest.mark.parametrize("n_parallel", [1, 2, 4])
+def test_concurrent_answers_equal_single(mode, n_parallel):
+    sched, pipe, pool = make(mode, n_parallel=n_parallel)
+    jobs = [(p, 12 + 3 * i, SamplingParams(), 0) for i, p in enumerate(PROMPTS)]
+    assert_exact(submit_all(sched, jobs))
+    assert_all_free(sched, pipe, pool)
+    assert sched.stats.max_active == min(n_parallel, len(PROMPTS))
+
+
+def test_seeded_sampling_per_generation():
+    """Each generation's tokens are drawn with its own seed and temperature, whatever shares the pipeline."""
+    sched, pipe, pool = make("pipeinfer", n_parallel=3, logits_fn=logits_flat)
+    jobs = [(p, 15, SamplingParams(temp=0.8 + 0.1 * i, seed=i), 0) for i, p in enumerate(PROMPTS[:4])]
+    assert_exact(submit_all(sched, jobs, logits_flat))
+    assert len(pipe.sampling_sent) > 4  # the parameters switch as the generations take turns
+
+
+def test_stop_cancels_only_that_generation():
+    sched, pipe, pool = make("pipeinfer", n_parallel=3)
+    jobs = [(p, 30, SamplingParams(), 4 if i % 2 else 0) for i, p in enumerate(PROMPTS)]
+    assert_exact(submit_all(sched, jobs))
+    assert_all_free(sched, pipe, pool)
+
+
+def test_interleaved_when_full_speculative_only_with_room():
+    """With as many generations as stages nothing speculative is launched; alone, the drafter is lent."""
+    sched, pipe, pool = make("pipeinfer", n_parallel=2, error_rate=0.0)
+    jobs = [(p, 20, SamplingParams(), 0) for p in PROMPTS[:2]]
+    assert_exact(submit_all(sched, jobs))
+    assert sched.stats.n_lends >= 1
+    sched2, pipe2, _ = make("pipeinfer", n_parallel=1, error_rate=0.0)
+    assert_exact(submit_all(sched2, [(PROMPTS[0], 20, SamplingParams(), 0)]))
+    assert sum(pipe2.speculative.values()) > 0
+
+
+def test_admission_waits_for_cells_and_compacts():
+    """A context too small for every request at once: requests wait (first come first served), the scheduler
+    compacts, and every answer is still exact; none is lost."""
+    sched, pipe, pool = make("pipeinfer", n_parallel=4, n_ctx=120)
+    jobs = [(p, 25, SamplingParams(), 0) for p in PROMPTS]
+    assert_exact(submit_all(sched, jobs))
+    assert sched.stats.waits_for_cells > 0 and sched.stats.n_compactions > 0
+    assert sched.stats.admitted_order == sorted(sched.stats.admitted_order)
+    assert_all_free(sched, pipe, pool)
+
+
+def test_request_that_never_fits_is_refused():
+    sched, _, _ = make("iterative", n_parallel=2, n_ctx=40)
+    with pytest.raises(ValueError, match="does not fit the context"):
+        sched.submit(Request(list(range(30)), 20))
+
+
+def test_long_prompt_is_chunked_beside_others():
+    sched, pipe, _ = make("iterative", n_parallel=2)
+    sched.prompt_chunk = 4
+    long_prompt = [(7 * i) % 29 for i in range(40)]
+    res = submit_all(sched, [(PROMPTS[1], 30, SamplingParams(), 0), (long_prompt, 5, SamplingParams(), 0)])
+    assert_exact(res)
