@@ -2,16 +2,19 @@
 """Load test (not a unit test) of `pipeinfer serve`: loopback only, bounded, stops by itself.
 
     python launch/serve_load.py [--requests 64] [--clients 8] [--max-tokens 16] [--out results/serve_load.csv]
-                                [-- SERVE ARGS...]
+                                [--config '--parallel 1' --config ''] [-- SERVE ARGS...]
+    python launch/serve_load.py --sweep 1,2,4,8 --requests-per-client 4 --out results/serve_sweep.csv
 
-Starts `mpiexec -n 2 pipeinfer serve` on a free loopback port (default model and draft, 1 thread per rank;
-SERVE ARGS replace those), then:
-1. asks each (prompt, seed) of the mix once, alone: the reference answers;
+For each --config in turn (default: `--parallel 1`, today's one-at-a-time server, then the default) starts
+`mpiexec -n 2 pipeinfer serve` on a free loopback port (default model and draft, 1 thread per rank; SERVE ARGS
+replace those), then:
+1. (first server only) asks each (prompt, seed) of the mix once, alone: the reference answers;
 2. runs --requests requests from --clients concurrent clients with the `openai` package: a third streaming,
-   a third not, a third disconnecting after the first piece of generated text;
+   a third not, a third disconnecting after the first piece of generated text (with --sweep: for each client
+   count, clients x --requests-per-client requests, streaming and not);
 3. checks that every completed request's text equals the reference for its prompt and seed and that no
-   request is lost, prints p50/p95 latency and tokens/s, writes one CSV row per request and a summary, and
-   stops the server.
+   request is lost, prints p50/p95 latency and tokens/s and their ratios to the first config's measured in
+   the same run, writes one CSV row per request, one summary row per (config, load), and stops the server.
 """
 from __future__ import annotations
 
@@ -78,104 +81,161 @@ def stop_server(proc: subprocess.Popen) -> int:
     return proc.returncode
 
 
+def ask(client, model: str, port: int, prompt: str, temp: float, seed: int, how: str, max_tokens: int) -> dict:
+    """One request: plain, streamed, or streamed and hung up after the first piece of text ("disconnect")."""
+    kw = dict(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+              temperature=temp, seed=seed)
+    t0 = time.perf_counter()
+    if how == "plain":
+        r = client.chat.completions.create(**kw)
+        return {"text": r.choices[0].message.content, "tokens": r.usage.completion_tokens,
+                "latency_s": time.perf_counter() - t0, "first_s": time.perf_counter() - t0}
+    if how == "stream":
+        parts, first, n = [], None, 0
+        for ch in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+            if ch.choices and ch.choices[0].delta.content:
+                first = first or time.perf_counter() - t0
+                parts.append(ch.choices[0].delta.content)
+            if ch.usage:
+                n = ch.usage.completion_tokens
+        return {"text": "".join(parts), "tokens": n, "latency_s": time.perf_counter() - t0, "first_s": first}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)  # "disconnect"
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(kw, stream=True, max_tokens=256)),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    first = None
+    while first is None:  # read up to the first generated text, then hang up mid-stream
+        line = resp.fp.readline()
+        if not line:
+            break
+        if line.startswith(b"data: {"):
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            if choices[0].get("delta", {}).get("content"):
+                first = time.perf_counter() - t0
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    return {"text": None, "tokens": 0, "latency_s": time.perf_counter() - t0, "first_s": first}
+
+
+MIX = [(p, t, s) for p in PROMPTS for t, s in SEEDS]
+
+
+def run_load(serve_args: list[str], log_path: Path, loads: list[tuple[int, int]], max_tokens: int,
+             kinds: tuple[str, ...], reference: dict | None) -> tuple[list[dict], list[dict], dict]:
+    """One server with these options; for each (clients, requests) in `loads` a burst of requests.
+    Returns the per-request rows, one summary per load, and the reference answers (asked alone, first)."""
+    port = free_port()
+    proc = start_server(port, serve_args, log_path)
+    from openai import OpenAI
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    rows, summaries, lock = [], [], threading.Lock()
+    try:
+        if reference is None:
+            reference = {m: ask(client, model, port, *m, "plain", max_tokens)["text"] for m in MIX}
+            print(f"reference answers: {len(reference)} (prompt, temperature, seed) alone", flush=True)
+        for n_clients, n_requests in loads:
+            jobs = [(MIX[i % len(MIX)], kinds[i % len(kinds)]) for i in range(n_requests)]
+            burst: list[dict] = []
+
+            def one(i: int) -> None:
+                (prompt, temp, seed), how = jobs[i]
+                try:
+                    r = ask(client, model, port, prompt, temp, seed, how, max_tokens)
+                    status = "ok" if how == "disconnect" or r["text"] == reference[(prompt, temp, seed)] else "differs"
+                except Exception as e:  # a lost request: counted, not hidden
+                    r, status = {"text": None, "tokens": 0, "latency_s": float("nan"), "first_s": None}, f"error: {e}"
+                with lock:
+                    burst.append({"serve_args": " ".join(serve_args), "clients": n_clients, "request": i, "kind": how,
+                                  "prompt": PROMPTS.index(prompt), "temperature": temp, "seed": seed, "status": status,
+                                  "completion_tokens": r["tokens"], "latency_s": round(r["latency_s"], 3),
+                                  "first_piece_s": round(r["first_s"], 3) if r["first_s"] else ""})
+
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(n_clients) as pool:
+                list(pool.map(one, range(n_requests)))
+            wall = time.perf_counter() - t0
+            burst.sort(key=lambda r: r["request"])
+            rows += burst
+            summaries.append(summarize(burst, wall, n_clients, serve_args))
+            print(summaries[-1]["line"], flush=True)
+        health = json.loads(urlopen_health(port))
+        for s in summaries:
+            s["queue_empty"] = health.get("queued") == 0
+    finally:
+        rc = stop_server(proc)
+    for s in summaries:
+        s["server_exit"] = rc
+    return rows, summaries, reference
+
+
+def summarize(burst: list[dict], wall_s: float, n_clients: int, serve_args: list[str]) -> dict:
+    done = [r for r in burst if r["kind"] != "disconnect"]
+    lat = np.array([r["latency_s"] for r in done])
+    n_tokens = sum(r["completion_tokens"] for r in done)
+    bad = [r for r in burst if r["status"] != "ok"]
+    out = {"serve_args": " ".join(serve_args), "clients": n_clients, "requests": len(burst), "completed": len(done),
+           "wall_s": round(wall_s, 2), "tokens_per_s": round(n_tokens / wall_s, 3),
+           "p50_s": round(float(np.percentile(lat, 50)), 3), "p95_s": round(float(np.percentile(lat, 95)), 3),
+           "bad": len(bad)}
+    out["line"] = (f"[{out['serve_args']}] {len(burst)} requests from {n_clients} clients ({len(done)} completed) in "
+                   f"{wall_s:.1f} s; latency p50 {out['p50_s']:.2f} s, p95 {out['p95_s']:.2f} s; "
+                   f"{out['tokens_per_s']:.2f} completion tokens/s; {len(bad)} lost or different")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--sweep", default=None, help="client counts, e.g. 1,2,4,8: each with --requests-per-client")
+    ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--config", action="append", default=None,
+                    help="serve options of one server to compare (repeat) [default: '--parallel 1' and '' (the "
+                         "default); with --sweep also '--mode iterative']")
     ap.add_argument("--out", default=str(ROOT / "results" / "serve_load.csv"))
-    ap.add_argument("serve_args", nargs="*", help="pipeinfer serve options [default: -t 1 -c 2048]")
+    ap.add_argument("serve_args", nargs="*", help="options every server gets [default: -t 1 -c 2048]")
     args = ap.parse_args()
-    serve_args = args.serve_args or ["-t", "1", "-c", "2048"]
+    common = args.serve_args or ["-t", "1", "-c", "2048"]
+    configs = args.config or (["--parallel 1", "--mode iterative", ""] if args.sweep else ["--parallel 1", ""])
+    if args.sweep:
+        loads = [(int(c), int(c) * args.requests_per_client) for c in args.sweep.split(",")]
+        kinds: tuple[str, ...] = ("plain", "stream")
+    else:
+        loads, kinds = [(args.clients, args.requests)], ("plain", "stream", "disconnect")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    proc = start_server(port, serve_args, out.with_suffix(".server.log"))
-    from openai import OpenAI
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
-    model = client.models.list().data[0].id
-    try:
-        def ask(prompt: str, temp: float, seed: int, how: str) -> dict:
-            kw = dict(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
-                      temperature=temp, seed=seed)
-            t0 = time.perf_counter()
-            if how == "plain":
-                r = client.chat.completions.create(**kw)
-                return {"text": r.choices[0].message.content, "tokens": r.usage.completion_tokens,
-                        "latency_s": time.perf_counter() - t0, "first_s": time.perf_counter() - t0}
-            if how == "stream":
-                parts, first, n = [], None, 0
-                for ch in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
-                    if ch.choices and ch.choices[0].delta.content:
-                        first = first or time.perf_counter() - t0
-                        parts.append(ch.choices[0].delta.content)
-                    if ch.usage:
-                        n = ch.usage.completion_tokens
-                return {"text": "".join(parts), "tokens": n, "latency_s": time.perf_counter() - t0, "first_s": first}
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)  # "disconnect"
-            conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(kw, stream=True, max_tokens=256)),
-                         headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            first = None
-            while first is None:  # read up to the first generated text, then hang up mid-stream
-                line = resp.fp.readline()
-                if not line:
-                    break
-                if line.startswith(b"data: {"):
-                    choices = json.loads(line[6:]).get("choices") or [{}]
-                    if choices[0].get("delta", {}).get("content"):
-                        first = time.perf_counter() - t0
-            conn.sock.shutdown(socket.SHUT_RDWR)
-            conn.close()
-            return {"text": None, "tokens": 0, "latency_s": time.perf_counter() - t0, "first_s": first}
-
-        mix = [(p, t, s) for p in PROMPTS for t, s in SEEDS]
-        reference = {m: ask(*m, "plain")["text"] for m in mix}
-        print(f"reference answers: {len(reference)} (prompt, temperature, seed) alone", flush=True)
-
-        jobs = [(mix[i % len(mix)], ("plain", "stream", "disconnect")[i % 3]) for i in range(args.requests)]
-        rows, lock = [], threading.Lock()
-
-        def one(i: int) -> None:
-            (prompt, temp, seed), how = jobs[i]
-            try:
-                r = ask(prompt, temp, seed, how)
-                status = "ok" if how == "disconnect" or r["text"] == reference[(prompt, temp, seed)] else "differs"
-            except Exception as e:  # a lost request: counted, not hidden
-                r, status = {"text": None, "tokens": 0, "latency_s": float("nan"), "first_s": None}, f"error: {e}"
-            with lock:
-                rows.append({"request": i, "kind": how, "prompt": PROMPTS.index(prompt), "temperature": temp,
-                             "seed": seed, "status": status, "completion_tokens": r["tokens"],
-                             "latency_s": round(r["latency_s"], 3),
-                             "first_piece_s": round(r["first_s"], 3) if r["first_s"] else ""})
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(args.clients) as pool:
-            list(pool.map(one, range(args.requests)))
-        wall = time.perf_counter() - t0
-        health = json.loads(urlopen_health(port))
-    finally:
-        rc = stop_server(proc)
-    rows.sort(key=lambda r: r["request"])
-    done = [r for r in rows if r["kind"] != "disconnect"]
-    lat = np.array([r["latency_s"] for r in done])
-    n_tokens = sum(r["completion_tokens"] for r in done)
-    bad = [r for r in rows if r["status"] != "ok"]
-    summary = (f"{args.requests} requests from {args.clients} clients ({len(done)} completed, "
-               f"{args.requests - len(done)} disconnected mid-stream) in {wall:.1f} s; "
-               f"latency p50 {np.percentile(lat, 50):.2f} s, p95 {np.percentile(lat, 95):.2f} s; "
-               f"{n_tokens / wall:.2f} completion tokens/s overall; "
-               f"{len(bad)} lost or different from the single-request answer; queue empty at the end: "
-               f"{health.get('queued') == 0}; server exit code {rc}; serve args: {' '.join(serve_args)}")
-    print(summary)
+    rows, summaries, reference = [], [], None
+    for k, config in enumerate(configs):
+        serve_args = common + config.split()
+        r, s, reference = run_load(serve_args, out.with_suffix(f".server{k}.log"), loads, args.max_tokens, kinds,
+                                   reference)
+        rows += r
+        summaries += s
+    lines = [s.pop("line") for s in summaries]
+    base = {s["clients"]: s for s in summaries if s["serve_args"] == " ".join(common + configs[0].split())}
+    for s in summaries:
+        b = base[s["clients"]]
+        s["tokens_per_s_ratio"] = round(s["tokens_per_s"] / b["tokens_per_s"], 3) if b["tokens_per_s"] else None
+        s["p50_ratio"] = round(s["p50_s"] / b["p50_s"], 3) if b["p50_s"] else None
+    ratios = [f"[{s['serve_args']}] {s['clients']} clients: tokens/s x{s['tokens_per_s_ratio']}, p50 x{s['p50_ratio']} "
+              f"of [{' '.join(common + configs[0].split())}]" for s in summaries]
+    text = "\n".join(lines + ratios) + "\n"
+    print("\n".join(ratios))
     with open(out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    out.with_suffix(".txt").write_text(summary + "\n")
-    print(f"wrote {out}")
-    if bad or rc != 0:
-        raise SystemExit(f"FAILED: {bad[:3]} (server exit {rc})")
+    with open(out.with_name(out.stem + "_summary.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(summaries[0]))
+        w.writeheader()
+        w.writerows(summaries)
+    out.with_suffix(".txt").write_text(text)
+    print(f"wrote {out}, {out.with_name(out.stem + '_summary.csv')}, {out.with_suffix('.txt')}")
+    bad = [s for s in summaries if s["bad"] or s["server_exit"] != 0 or not s.get("queue_empty", True)]
+    if bad:
+        raise SystemExit(f"FAILED: {bad}")
 
 
 def urlopen_health(port: int) -> bytes:

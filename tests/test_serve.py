@@ -92,9 +92,9 @@ def client(srv):
     return OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=120)
 
 
-def generate_text(models, n: int, *extra) -> str:
+def generate_text(models, n: int, *extra, prompt: str = PROMPT) -> str:
     """What `pipeinfer generate` prints for the prompt (the reference a served answer must equal)."""
-    p = cli(["generate", "-m", str(models["q8"]), "-p", PROMPT, "--no-chat", "-n", str(n), "-q", "--drafter", "ngram",
+    p = cli(["generate", "-m", str(models["q8"]), "-p", prompt, "--no-chat", "-n", str(n), "-q", "--drafter", "ngram",
              *extra], n=2)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.endswith("\n")
@@ -209,6 +209,59 @@ def test_disconnect_mid_stream_cancels_and_leaves_nothing_behind(server, models)
     # the next answer is untouched by the cancelled one (its runs and KV cells are gone)
     assert client(server).completions.create(model="synthetic", prompt=PROMPT, max_tokens=20).choices[0].text == \
         generate_text(models, 20)
+
+
+def test_concurrent_requests_equal_their_single_answers(server, models):
+    """Requests at once (the server runs 2 at a time, one per stage; the rest queue): different prompts, lengths,
+    seeds, stop strings, streaming and not, two clients hanging up mid-stream; each answer equals the one
+    `generate` gives alone, and afterwards nothing is generating, queued or holding a partition."""
+    jobs = [(PROMPT, 20, 0.0, 0, None, "plain"), ("lo ki ba", 14, 2.0, 5, None, "stream"),
+            ("ki ki", 18, 0.0, 0, "cut", "plain"), ("ba lo", 11, 0.9, 2, None, "stream"),
+            (PROMPT, 16, 2.0, 7, None, "plain"), ("ki ba ki lo", 25, 0.0, 0, "cut", "stream"),
+            (PROMPT, 300, 0.0, 0, None, "hang-up"), ("lo ki ba", 300, 0.0, 0, None, "hang-up")]
+    refs = [generate_text(models, n, "--temp", str(t), "--top-p", "0.95", "--seed", str(sd), prompt=p)
+            if how != "hang-up" else None for p, n, t, sd, _, how in jobs]
+    stops = [refs[i][len(refs[i]) // 2:len(refs[i]) // 2 + 2] if jobs[i][4] == "cut" else None for i in range(len(jobs))]
+    got: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        prompt, n, temp, seed, _, how = jobs[i]
+        body = {"model": "synthetic", "prompt": prompt, "max_tokens": n, "temperature": temp, "top_p": 0.95,
+                "seed": seed, "stop": stops[i]}
+        if how == "hang-up":
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+            conn.request("POST", "/v1/completions", body=json.dumps(dict(body, stream=True)),
+                         headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            r.fp.readline()
+            conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.close()
+            return
+        c = client(server)
+        if how == "plain":
+            got[i] = c.completions.create(**body).choices[0].text
+        else:
+            got[i] = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **body))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, ref in enumerate(refs):
+        if ref is not None:
+            want = ref[:ref.index(stops[i])] if stops[i] else ref
+            assert got[i] == want, (i, jobs[i])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = json.loads(server.request("GET", "/health")[2])
+        if health["generating"] == 0 and health["runs_in_flight"] == 0:
+            break
+        time.sleep(0.2)
+    assert health["parallel"] == 2 and health["queued"] == 0 and health["generating"] == 0, health
+    assert health["most_generating"] == 2, health  # two answers were generated at once
+    assert health["runs_in_flight"] == 0 and health["partitions_free"] == health["partitions"] > 0, health
+    assert "2 request(s) at once" in server.text()
 
 
 def test_full_queue_gets_503_with_retry_after(models, tmp_path):

@@ -48,6 +48,10 @@ def main() -> None:
 @click.option("--results", default=None, help="append one CSV row of results to this file")
 @click.option("-q", "--quiet", is_flag=True, help="no statistics on stderr")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (text, tokens, stats) instead of streaming")
+@click.option("--prompts", default=None,
+              help="a file of prompts (one per line, or JSON lines): run them all, several at once; one JSON line each")
+@click.option("--parallel", default=None, type=click.IntRange(1, 64),
+              help="with --prompts: prompts generated at once [default: one per pipeline stage]")
 def generate(**kw) -> None:
     """Generate text with the target model split across the MPI ranks."""
     run_guarded(_generate, GenerateArgs.of(kw))
@@ -72,6 +76,8 @@ class GenerateArgs:
     results: str | None
     quiet: bool
     as_json: bool
+    prompts: str | None
+    parallel: int | None
 
     @classmethod
     def of(cls, kw: dict) -> GenerateArgs:
@@ -95,6 +101,8 @@ def _generate(args: GenerateArgs) -> None:
         raise UserError("--drafter replay needs --replay-ref FILE.json (from an earlier --json run)")
     setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, stop_at_eos=not args.ignore_eos,
                              sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.seed))
+    if args.prompts:
+        return _generate_batch(args, setup)
     prompt = read_prompt(args)
     every_rank = dict(replay_ref=args.replay_ref, replay_accuracy=args.replay_accuracy, prompt_text=prompt.text,
                       chat=bool(prompt.chat))
@@ -120,6 +128,26 @@ def _generate(args: GenerateArgs) -> None:
     if args.results:
         _write_row(args.results, _results_row(setup, res.ranges, prompt.name, res.stats, args.replay_accuracy,
                                               res.peak_rss_mb, status=status))
+
+
+def _generate_batch(args: GenerateArgs, setup: PipelineSetup) -> None:
+    """--prompts FILE on every rank: rank 0 runs the batch (batch.py), the others serve the pipeline."""
+    from mpi4py import MPI
+
+    from ..ranks.startup import open_session
+    from .batch import run_batch
+    if args.prompt or args.prompt_file or args.prompt_name or args.as_json:
+        raise UserError("--prompts FILE replaces -p/-f/--prompt-name and prints JSON lines (no --json)")
+    if args.pipe.drafter == "replay":
+        raise UserError("--drafter replay follows one reference answer: not with --prompts")
+    if setup.gen.mode == "speculative":
+        raise UserError("--prompts runs iterative or pipeinfer mode (several generations at once)")
+    parallel = _parallel(args.parallel, setup)
+    stop = StopSignals().install()
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        open_session(setup.run_options(parallel=parallel))
+        return
+    run_batch(args, setup, parallel, stop, _results_row, _write_row)
 
 
 def read_prompt(args: GenerateArgs) -> Prompt:
@@ -226,8 +254,10 @@ def _print_report(setup: PipelineSetup, res) -> None:
 @click.option("-n", "--n-predict", default=256, show_default=True, type=click.IntRange(1),
               help="max_tokens of a request that gives none (within the context)")
 @click.option("--max-queue", default=16, show_default=True, type=click.IntRange(1),
-              help="requests waiting beyond the one generating; more get 503 with Retry-After")
+              help="requests waiting beyond those generating; more get 503 with Retry-After")
 @click.option("--results", default=None, help="append one CSV row per request to this file")
+@click.option("--parallel", default=None, type=click.IntRange(1, 64),
+              help="requests generated at once [default: one per pipeline stage; 1: one after another]")
 def serve(**kw) -> None:
     """Serve the model over an OpenAI-compatible HTTP API from rank 0 (streaming and not)."""
     run_guarded(_serve, ServeArgs.of(kw))
@@ -243,6 +273,7 @@ class ServeArgs:
     n_predict: int
     max_queue: int
     results: str | None
+    parallel: int | None
 
     @classmethod
     def of(cls, kw: dict) -> ServeArgs:
@@ -261,7 +292,8 @@ def _serve(args: ServeArgs) -> None:
         _check_port_free(args.host, args.port)  # before the models load
     # Ctrl-C or SIGTERM: rank 0 stops the server (below); a stage rank ends when the head shuts the pipeline down
     stop = StopSignals().install()
-    session = open_session(setup.run_options())
+    parallel = _parallel(args.parallel, setup)
+    session = open_session(setup.run_options(parallel=parallel))
     if session is None:
         return
     import uvicorn
@@ -278,14 +310,14 @@ def _serve(args: ServeArgs) -> None:
             except UserError as e:  # the answer went out; a row that cannot be written must not stop the server
                 print(f"[serve] {job.request_id}: {e}", file=sys.stderr, flush=True)
 
-    generator = Generator(session, args.max_queue, on_done=on_done)
+    generator = Generator(session, args.max_queue, on_done=on_done, parallel=parallel)
     app = create_app(ServeConfig(model_id, args.pipe.ctx_size, args.pipe.cells_reserve(), args.n_predict), generator,
                      tok, lambda messages: apply_chat(tok, messages))
     generator.start()
     try:
         if not stop.requested:  # (a stop asked for while the models loaded: no server)
             print(f"[pipeinfer] serving '{model_id}' on http://{args.host}:{args.port}/v1 (mode {args.pipe.mode}, "
-                  f"{len(session.ranges)} rank(s)); Ctrl-C stops", file=sys.stderr, flush=True)
+                  f"{len(session.ranges)} rank(s), {parallel} request(s) at once); Ctrl-C stops", file=sys.stderr, flush=True)
             _http_server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                         timeout_graceful_shutdown=5), stop).run()
     finally:
@@ -295,6 +327,16 @@ def _serve(args: ServeArgs) -> None:
         session.close()
     if generator.fatal:
         raise UserError(f"the pipeline failed: {generator.fatal}")
+
+
+def _parallel(asked: int | None, setup: PipelineSetup) -> int:
+    """Generations at once: --parallel, else one per target stage (every stage busy on certain work); the
+    synchronous speculative baseline runs one at a time."""
+    if setup.gen.mode == "speculative":
+        if asked not in (None, 1):
+            raise UserError("--mode speculative runs one request at a time (--parallel 1)")
+        return 1
+    return asked or setup.n_target_ranks
 
 
 def _http_server(config, stop: StopSignals):

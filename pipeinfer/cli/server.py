@@ -6,7 +6,8 @@ Endpoints: POST /v1/chat/completions and /v1/completions (streaming as server-se
 not fit the context, 404 for an unknown model, 503 + Retry-After when the queue is full.
 
 Threads on rank 0: uvicorn's event loop takes requests; one generation thread owns the pipeline (every
-MPI call and llama.cpp decode happens there) and runs queued jobs one at a time, first come first served.
+MPI call and llama.cpp decode happens there) and runs queued jobs first come first served: one at a time
+(--parallel 1), or up to N at once through the scheduler (ranks/scheduler.py: --parallel N).
 Tokens go back to the request's handler through an asyncio queue. A client that disconnects (or a stop
 string that matches) sets the job's stop flag: the head stops launching, cancels its runs in flight
 through the pipeline's cancellation, and collects them, so no run or KV cell is left behind; each
@@ -96,16 +97,58 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
-class Generator:
-    """The generation thread: owns the head session; runs jobs in arrival order."""
+class _Answer:
+    """One job's text on its way out: token ids decoded as a stream, stop strings held back and matched."""
 
-    def __init__(self, session, max_queue: int, log=None, on_done=None):
+    def __init__(self, job: Job, tok):
+        from ..engine.tokenizer import StreamDecoder
+        self.job, self.dec, self.stop = job, StreamDecoder(tok), StopMatcher(job.stops)
+        self.t_start_s = time.perf_counter()
+
+    def on_tokens(self, tokens: list[int]) -> None:
+        text = self.stop.feed(self.dec.feed(tokens))
+        if text:
+            self.job.push(("text", text))
+
+    def should_stop(self) -> bool:
+        return self.job.cancelled.is_set() or self.stop.hit
+
+    def finish(self, stats, log, on_done) -> None:
+        """The held-back text, the log line, the results row, then `done` (last: by the time a client has its
+        whole answer, its log line and results row are written)."""
+        job = self.job
+        tail = self.stop.feed(self.dec.flush())
+        tail += self.stop.flush()
+        if tail:
+            job.push(("text", tail))
+        finish = "stop" if self.stop.hit or stats.n_generated < job.n_predict else "length"
+        if job.cancelled.is_set():
+            finish = "cancelled"
+        queued = stats.t_queue_s or (self.t_start_s - job.t_queued_s)
+        log(f"[serve] {job.request_id}: {len(job.prompt_tokens)} prompt + {stats.n_generated} tokens, "
+            f"queued {queued:.2f} s, prompt {stats.t_prompt_done_s - stats.t_start_s:.2f} s, "
+            f"ttft {stats.ttft_s:.3f} s, {stats.gen_tokens_per_s:.2f} tokens/s, "
+            f"acceptance {stats.acceptance_rate * 100:.0f}%, {finish}")
+        if on_done is not None:
+            on_done(job, stats, finish)
+        job.push(("done", {"finish_reason": finish, "prompt_tokens": len(job.prompt_tokens),
+                           "completion_tokens": stats.n_generated, "stats": stats}))
+
+
+class Generator:
+    """The generation thread: owns the head session. With --parallel 1 it runs jobs one at a time in arrival
+    order; with --parallel N the session's scheduler (ranks/scheduler.py) runs up to N at once, admitting them
+    first come first served."""
+
+    def __init__(self, session, max_queue: int, log=None, on_done=None, parallel: int = 1):
         self.session, self.tok = session, session.tok
+        self.parallel = parallel
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.on_done = on_done  # callable(job, stats, finish_reason), e.g. a --results row
         self.fatal: str | None = None
-        self.thread = threading.Thread(target=self._loop, name="pipeinfer-generation", daemon=True)
+        loop = self._loop if parallel == 1 else self._loop_many
+        self.thread = threading.Thread(target=loop, name="pipeinfer-generation", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
@@ -120,7 +163,7 @@ class Generator:
                                code="queue_full") from None
 
     def stop(self) -> None:
-        while True:  # drop what waits, then tell the thread to end after the job it runs
+        while True:  # drop what waits, then tell the thread to end after the jobs it runs
             try:
                 job = self.jobs.get_nowait()
             except queue.Empty:
@@ -130,8 +173,14 @@ class Generator:
         self.jobs.put(None)
         self.thread.join()
 
+    def _fail(self, e: Exception, jobs) -> None:
+        """The pipeline is gone (a rank failed): fail these and every later request."""
+        self.fatal = f"{type(e).__name__}: {e}"
+        for job in jobs:
+            job.push(("error", f"the pipeline failed: {self.fatal}"))
+        self.log(f"[serve] fatal: {self.fatal}")
+
     def _loop(self) -> None:
-        from ..engine.tokenizer import StreamDecoder
         while True:
             job = self.jobs.get()
             if job is None:
@@ -139,39 +188,58 @@ class Generator:
             if job.cancelled.is_set():
                 self.log(f"[serve] {job.request_id}: cancelled while queued")
                 continue
-            dec, stop = StreamDecoder(self.tok), StopMatcher(job.stops)
-
-            def on_tokens(tokens: list[int]) -> None:
-                text = stop.feed(dec.feed(tokens))
-                if text:
-                    job.push(("text", text))
-
-            t_start = time.perf_counter()
+            ans = _Answer(job, self.tok)
             try:
                 stats = self.session.generate(job.prompt_tokens, n_predict=job.n_predict, sampling=job.sampling,
-                                              prompt_text=job.prompt_text, chat=job.chat, on_tokens=on_tokens,
-                                              should_stop=lambda: job.cancelled.is_set() or stop.hit)
-            except Exception as e:  # the pipeline is gone (a rank failed): fail this and every later request
-                self.fatal = f"{type(e).__name__}: {e}"
-                job.push(("error", f"the pipeline failed: {self.fatal}"))
-                self.log(f"[serve] fatal: {self.fatal}")
+                                              prompt_text=job.prompt_text, chat=job.chat, on_tokens=ans.on_tokens,
+                                              should_stop=ans.should_stop)
+            except Exception as e:
+                self._fail(e, [job])
                 return
-            tail = stop.feed(dec.flush())
-            tail += stop.flush()
-            if tail:
-                job.push(("text", tail))
-            finish = "stop" if stop.hit or stats.n_generated < job.n_predict else "length"
-            if job.cancelled.is_set():
-                finish = "cancelled"
-            self.log(f"[serve] {job.request_id}: {len(job.prompt_tokens)} prompt + {stats.n_generated} tokens, "
-                     f"queued {t_start - job.t_queued_s:.2f} s, prompt {stats.t_prompt_done_s - stats.t_start_s:.2f} s, "
-                     f"ttft {stats.ttft_s:.3f} s, {stats.gen_tokens_per_s:.2f} tokens/s, "
-                     f"acceptance {stats.acceptance_rate * 100:.0f}%, {finish}")
-            if self.on_done is not None:
-                self.on_done(job, stats, finish)
-            # last: by the time a client has its whole answer, its log line and results row are written
-            job.push(("done", {"finish_reason": finish, "prompt_tokens": len(job.prompt_tokens),
-                               "completion_tokens": stats.n_generated, "stats": stats}))
+            ans.finish(stats, self.log, self.on_done)
+
+    def _loop_many(self) -> None:
+        sched = self.session.scheduler()
+        running: dict[int, Job] = {}
+        stopping = False
+        while True:
+            while not stopping and not sched.waiting:  # the next job (the rest wait in the bounded queue)
+                try:
+                    job = self.jobs.get(block=not sched.busy)
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                elif job.cancelled.is_set():
+                    self.log(f"[serve] {job.request_id}: cancelled while queued")
+                else:
+                    self._admit(sched, job, running)
+            if not sched.busy:
+                if stopping:
+                    return
+                continue
+            try:
+                sched.step()
+            except Exception as e:
+                self._fail(e, list(running.values()))
+                return
+
+    def _admit(self, sched, job: Job, running: dict) -> None:
+        ans = _Answer(job, self.tok)
+
+        def done(tokens: list[int], stats) -> None:
+            running.pop(id(job), None)
+            ans.finish(stats, self.log, self.on_done)
+        req = self.session.request(job.prompt_tokens, n_predict=job.n_predict, sampling=job.sampling,
+                                   prompt_text=job.prompt_text, chat=job.chat, on_tokens=ans.on_tokens,
+                                   should_stop=ans.should_stop, on_done=done)
+        req.t_queued_s = job.t_queued_s
+        try:
+            sched.submit(req)
+        except ValueError as e:  # does not fit the context as the stages planned it
+            job.push(("error", str(e)))
+            return
+        running[id(job)] = job
 
 
 # ------------------------------------------------------------------------------------ request bodies
@@ -401,7 +469,9 @@ def create_app(cfg: ServeConfig, generator: Generator, tokenizer, apply_chat_tem
     async def health():
         if generator.fatal:
             return JSONResponse({"status": "error", "error": generator.fatal}, status_code=503)
-        return {"status": "ok", "queued": generator.jobs.qsize()}
+        load = generator.session.load()
+        return {"status": "ok", "queued": generator.jobs.qsize() + load.pop("waiting"), "parallel": generator.parallel,
+                **load}
 
     @app.get("/v1/models")
     async def models():

@@ -5,7 +5,8 @@ simulate: one generation of the real Head scheduler on a cluster described by a 
           re-split, scaled to another model or to more hosts, with other links.
 plan:     searches layer split, draft placement, micro-batch cap and -pr on a profile's cluster for the
           fastest simulated configuration, and prints the `pipeinfer launch` line that runs it beside the
-          predicted tokens/s of iterative, speculative and pipeinfer.
+          predicted tokens/s of iterative, speculative and pipeinfer; with --clients N, the throughput and
+          latency of a server under N closed-loop clients instead, for three schedules.
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from ..twin.plan import (
     build_cluster,
     launch_line,
     load_profile,
+    load_table,
     search,
+    serve_load,
     stage_table,
 )
 from ..twin.profile import ProfileOptions, run_profile
@@ -165,12 +168,22 @@ def simulate_cmd(**kw) -> None:
 @click.option("--draft-host/--no-draft-host", default=False,
               help="consider a host of its own for the draft (the hostfile then needs one more line)")
 @click.option("--hostfile", default="hosts.txt", show_default=True, help="the hostfile named in the printed command")
+@click.option("--clients", default=None, type=click.IntRange(1),
+              help="instead of the search: a server under this many closed-loop clients (throughput, p50/p95 latency, "
+                   "fraction of the stages' limit) with --parallel 1 PipeInfer, interleaving and the default")
+@click.option("--parallel", default=None, type=click.IntRange(1),
+              help="with --clients: generations at once [default: the number of stages]")
+@click.option("--n-prompt", default=64, show_default=True, type=click.IntRange(1), help="with --clients: prompt tokens")
 def plan_cmd(profile_path: str, agreement: float | None, propose: float, n_predict: int, draft_host: bool,
-             hostfile: str) -> None:
+             hostfile: str, clients: int | None, parallel: int | None, n_prompt: int) -> None:
     """Search the fastest configuration for a profiled cluster and print the command that runs it."""
     prof = load_profile(profile_path)
     limit = int(prof.get("exact_batch", 3))
     confidence = (prof.get("draft") or {}).get("confidence") if agreement is None else None
+    if clients is not None:
+        _plan_clients(prof, clients, parallel or len(prof["ranks"]), n_predict, n_prompt,
+                      0.7 if agreement is None else agreement, propose, confidence, draft_host)
+        return
     t0 = time.perf_counter()
     try:
         best = search(prof, agreement=0.7 if agreement is None else agreement, n_predict=n_predict, exact_limit=limit,
@@ -191,6 +204,25 @@ def plan_cmd(profile_path: str, agreement: float | None, propose: float, n_predi
     click.echo(launch_line(prof, win, hostfile))
     if win.draft_on == "own":
         click.echo(f"note: the draft runs on a host of its own: give it a line '# pipeinfer: role=draft' in {hostfile}")
+
+
+def _plan_clients(prof: dict, clients: int, parallel: int, n_predict: int, n_prompt: int, agreement: float,
+                  propose: float, confidence: list | None, draft_host: bool) -> None:
+    """plan --clients: the three schedules under the load, on the profiled cluster (its split and links)."""
+    t0 = time.perf_counter()
+    try:
+        rows = serve_load(prof, n_clients=clients, n_parallel=parallel, n_predict=n_predict, n_prompt=n_prompt,
+                          agreement=agreement, propose=propose, confidence=confidence,
+                          draft_on="own" if draft_host else "head")
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    draft = (f"the profiled draft's measured confidence ({len(confidence)} positions)" if confidence else
+             f"agreement {agreement:g}, proposing at {propose:g} of calls")
+    res = rows[0].result
+    click.echo(f"plan: {len(prof['ranks'])} ranks, {draft}; {clients} closed-loop clients, {len(res.requests)} requests "
+               f"of {n_prompt} + {n_predict} tokens ({time.perf_counter() - t0:.1f} s of simulation)")
+    click.echo(f"the stages' limit: {res.limit_tokens_per_s:.2f} tokens/s (every stage busy with single-token decodes)")
+    click.echo(load_table(rows))
 
 
 @click.command("profile")

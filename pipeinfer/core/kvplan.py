@@ -69,6 +69,12 @@ def plan_partitions(max_branches: int, max_in_flight: int, n_seq_max: int = 256,
     return n_part, 2 + n_part * max_branches + n_lanes - 1
 
 
+def lane_count(n_parallel: int) -> int:
+    """Generation slots for --parallel N: twice N (a finished generation's slot stays dirty until the next
+    COMPACT, scheduler.py), one for one generation at a time."""
+    return 2 * n_parallel if n_parallel > 1 else 1
+
+
 def lane_seq_max(n_part: int, size: int, n_lanes: int) -> int:
     """Sequence ids a context needs (SeqLayout.n_seq_max): one without partitions or other lanes."""
     return 1 if n_part == 0 and n_lanes == 1 else 2 + n_part * size + n_lanes - 1

@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from ..core.kvplan import PartitionPool, cells_reserve, lane_canonical
+from ..core.kvplan import PartitionPool, cells_reserve, lane_canonical, lane_count
 from ..core.metrics import Stats
 from ..core.protocol import compact, kv_ops, rm
 from ..core.verify import SamplingParams
@@ -127,7 +127,7 @@ class Scheduler:
         self.n_stages, self.n_parallel, self.eos, self.clock = n_stages, n_parallel, set(eos), clock
         self.prompt_chunk = prompt_chunk
         size = cfg.cut.max_branches
-        self.n_lanes = 2 * n_parallel if n_parallel > 1 else 1
+        self.n_lanes = lane_count(n_parallel)
         self._canon = [lane_canonical(k, n_part, size) for k in range(self.n_lanes)]
         self._clean = deque(range(self.n_lanes))
         self._dirty: list[int] = []

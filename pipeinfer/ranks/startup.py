@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from ..core.errors import UserError
-from ..core.kvplan import PartitionPool, garbage_seq, plan_partitions
+from ..core.kvplan import PartitionPool, garbage_seq, lane_count, lane_seq_max, plan_partitions
 from ..core.metrics import Stats
 from ..core.protocol import PROTOCOL_VERSION, Limits, kv_ops, rm
 from ..core.topology import (
@@ -35,6 +35,7 @@ from ..spec.factory import DraftSpec, make_drafter
 from ..wire.transport import polite_barrier
 from .handshake import build_id, model_fingerprint
 from .head import GenConfig, Head, auto_p_recovery
+from .scheduler import Request, Scheduler
 
 
 @dataclass
@@ -54,6 +55,7 @@ class RunOptions:
     prompt_text: str | None = None            # raw user prompt (a translating drafter formats its own prompt)
     chat: bool = False                        # whether the prompt was chat-formatted
     max_in_flight: int = 8
+    parallel: int = 1                         # generations at once (scheduler.py); 1: one after another
     poll_s: float = 0.0005
     kernels: str = DEFAULT_KERNELS            # kernels.py: repack | no-repack | fast (not batch-invariant)
     stall_timeout: float = 60.0               # liveness.py: a rank silent this long ends the job (0: only losses)
@@ -117,6 +119,40 @@ class HeadSession:
     n_generations: int = 0
     _next_run: int = 0
     _n_runs: int = 0
+    _sched: Scheduler | None = None
+
+    def scheduler(self) -> Scheduler:
+        """The scheduler of several generations at once (--parallel), from an empty KV cache on every stage;
+        submit Requests made by `request` and run it."""
+        if self._sched is None:
+            if self.n_generations:
+                self.pipe.kv(kv_ops(rm(-1)))
+            self._sched = Scheduler(self.pipe, self.cfg, n_stages=self.pipe.topo.n_ranks, n_parallel=self.opts.parallel,
+                                    pool=self.pool, n_part=self.pool.n_partitions if self.pool else 0,
+                                    drafter_for=self.drafter_for, eos=self.eos, first_run_id=self._next_run)
+        return self._sched
+
+    def load(self) -> dict:
+        """What the pipeline holds now, for /health (read from another thread: a snapshot, not a lock)."""
+        sched = self._sched
+        return {"generating": len(sched.gens) if sched else None, "waiting": len(sched.waiting) if sched else 0,
+                "most_generating": sched.stats.max_active if sched else None,
+                "runs_in_flight": len(self.pipe.in_flight),
+                "partitions_free": self.pool.n_free if self.pool else 0,
+                "partitions": self.pool.n_partitions if self.pool else 0}
+
+    def request(self, prompt: list[int], *, n_predict: int | None = None, sampling=None, prompt_text: str | None = None,
+                chat: bool = False, on_tokens=None, should_stop=None, on_done=None) -> Request:
+        """A Request for `scheduler()`; on_done(tokens, stats) gets the statistics `generate` reports."""
+        def done(tokens: list[int], stats: Stats) -> None:
+            self._n_runs += stats.n_runs
+            self.n_generations += 1
+            stats.kernels, stats.exact_batch, stats.draft_at = self.opts.kernels, self.exact_per_rank, self.opts.draft_at
+            if on_done is not None:
+                on_done(tokens, stats)
+        return Request(list(prompt), self.cfg.n_predict if n_predict is None else n_predict,
+                       self.cfg.sampling if sampling is None else sampling, prompt_text, chat, on_tokens, should_stop,
+                       done)
 
     def generate(self, prompt: list[int], *, n_predict: int | None = None, sampling=None, prompt_text: str | None = None,
                  chat: bool = False, on_tokens=None, on_progress=None, should_stop=None) -> Stats:
@@ -286,10 +322,11 @@ def _load_stage(opts: RunOptions, comm, plan: _LayerPlan) -> _Stage:
     """This rank's stage engine, the generation settings resolved on every stage, the links between them."""
     rank, size = comm.Get_rank(), comm.Get_size()
     topo = Topology(rank, size, tuple(plan.ranges))
+    n_lanes = lane_count(opts.parallel)
     if opts.gen.mode == "iterative":
-        n_part, n_seq_max = 0, 1
+        n_part, n_seq_max = 0, lane_seq_max(0, 1, n_lanes)
     else:
-        n_part, n_seq_max = plan_partitions(opts.gen.cut.max_branches, opts.max_in_flight)
+        n_part, n_seq_max = plan_partitions(opts.gen.cut.max_branches, opts.max_in_flight, n_lanes=n_lanes)
     n_batch = min(opts.gen.n_batch, opts.n_ctx)
     engine, exact = _load_engine(opts, topo, plan.threads[rank], plan.threads_b[rank], n_batch, n_seq_max)
     exact_per_rank = comm.allgather(exact)
@@ -354,7 +391,7 @@ def _open_head(opts: RunOptions, ranks: _Ranks, plan: _LayerPlan, stage: _Stage)
     pipe = Pipeline(stage.topo, stage.engine, embedder=embedder, transport=stage.transport, limits=stage.limits)
     pool = None
     if cfg.mode != "iterative":
-        pool = PartitionPool(stage.n_part, cfg.cut.max_branches, stage.n_seq_max)
+        pool = PartitionPool(stage.n_part, cfg.cut.max_branches, stage.n_seq_max, lane_count(opts.parallel))
     drafter_for, beside = _head_drafter(opts, ranks, plan, stage)
     tok = Tokenizer(opts.model)
     eos = set() if not cfg.stop_at_eos else {t for t in tok.eos}

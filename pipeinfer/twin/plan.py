@@ -4,7 +4,8 @@ simulate: one generation of the real Head scheduler on a cluster described by a 
           optionally re-split, scaled to another model or to more hosts, with other links.
 plan:     searches layer split, draft placement, micro-batch cap and -pr on a profile's cluster
           for the fastest simulated configuration, and prints the `pipeinfer launch` line that runs it
-          beside the predicted tokens/s of iterative, speculative and pipeinfer.
+          beside the predicted tokens/s of iterative, speculative and pipeinfer; with --clients, a server
+          under that load instead (serve_load: throughput and latency of three schedules).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from .cluster import (
     speed_factor,
     stage_cost_from_model,
 )
-from .sim import SimResult, simulate
+from .sim import ClientsResult, SimResult, simulate, simulate_clients
 
 PLAN_P_RECOVERY = (None, 0.1, 0.25, 0.5)   # None: auto (0.5 / (ranks - 1))
 PLAN_P_ACCEPT = (0.1, 0.3, 0.5, 0.7)
@@ -161,3 +162,44 @@ def launch_line(prof: dict, cand: Candidate, hostfile: str = "hosts.txt") -> str
         # the twin's placements: in series on the head, or a host of its own (a hostfile line with role=draft)
         parts.append("--draft-at rank" if cand.draft_on == "own" else "--draft-at head")
     return " ".join(parts)
+
+
+# ==================================================================== plan --clients: a server under load
+@dataclass
+class LoadRow:
+    """One schedule of `pipeinfer serve` under the load, and how it fared."""
+    label: str
+    mode: str
+    parallel: int
+    result: ClientsResult
+
+
+def serve_load(prof: dict, *, n_clients: int, n_parallel: int, n_predict: int, n_prompt: int, agreement: float,
+               propose: float = 1.0, confidence: list | None = None, base: GenConfig = GenConfig(stop_at_eos=False),
+               draft_on: str = "head", requests_per_client: int = 4) -> list[LoadRow]:
+    """`n_clients` closed-loop clients on the profiled cluster, served three ways: one generation at a time with
+    PipeInfer (--parallel 1: a request's fastest answer, the others queue), interleaving (iterative, n_parallel
+    generations, nothing speculative) and the default (pipeinfer with n_parallel: interleaving, the drafter lent
+    where a stage would idle). PipeInfer's micro-batches are capped at the profile's exact batch limit."""
+    cluster = build_cluster(prof, Shape(draft_on=draft_on))
+    cap = int(prof.get("exact_batch", 3))
+    rows = []
+    for label, mode, parallel in (("pipeinfer", "pipeinfer", 1), ("interleaving", "iterative", n_parallel),
+                                  ("default", "pipeinfer", n_parallel)):
+        gen = replace(base, mode=mode, n_predict=n_predict, p_recovery=None if mode == "pipeinfer" else 0.0,
+                      cut=replace(base.cut, n_max=cap if mode == "pipeinfer" else 1))
+        res = simulate_clients(cluster, gen, n_clients=n_clients, n_requests=max(4, requests_per_client * n_clients),
+                               n_prompt=n_prompt, n_parallel=parallel, agreement=agreement, propose=propose,
+                               confidence=confidence, max_in_flight=max(8, cluster.n_ranks + 2))
+        rows.append(LoadRow(label, mode, parallel, res))
+    return rows
+
+
+def load_table(rows: list[LoadRow]) -> str:
+    lines = []
+    for row in rows:
+        r = row.result
+        lines.append(f"  {row.label:<13} --mode {row.mode:<9} --parallel {row.parallel:<3} {r.tokens_per_s:8.2f} tokens/s "
+                     f"({100 * r.fraction_of_limit:5.1f}% of the limit)   latency p50 {r.p50_latency_s:7.2f} s, "
+                     f"p95 {r.p95_latency_s:7.2f} s")
+    return "\n".join(lines)

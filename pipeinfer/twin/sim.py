@@ -25,15 +25,17 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import numpy as np
 
-from ..core.kvplan import PartitionPool, plan_partitions
+from ..core.kvplan import PartitionPool, cells_reserve, lane_count, plan_partitions
 from ..core.metrics import Stats
-from ..core.protocol import HEADER_LEN, NO_RUN, Batch, Kind
+from ..core.protocol import HEADER_LEN, NO_RUN, Batch, Kind, kv_ops
 from ..ranks.head import GenConfig, Head, auto_p_recovery
 from ..ranks.pipeline import Result
+from ..ranks.scheduler import Request, Scheduler, SchedulerStats
 from ..spec.drafter import Cutoffs, DraftNode, ReplayDrafter
 from .cluster import Cluster
 
@@ -66,6 +68,7 @@ class Txn:
     output_pos: np.ndarray | None = None
     n_meta: int = 0
     cancelled: bool = False
+    reference: list[int] | None = None   # the launching generation's tokens (None: the pipeline's one reference)
 
     def wire_bytes(self, n_embd: int, to_head: bool) -> int:
         """Bytes of this transaction on the wire, as protocol.py lays it out."""
@@ -123,6 +126,9 @@ class SimPipeline:
         self._machine = cluster.machine_of or [f"host{r}" for r in range(cluster.n_ranks)]
         # compute in progress, by rank (0: the head's thread): [work left in seconds alone, slowdown, since]
         self._active: dict[int, list[float]] = {}
+        # several generations at once (simulate_clients): run id -> the reference of the generation that launched
+        # it, asked at launch (the scheduler knows the run's owner then); None: every run answers from `reference`
+        self.reference_of: Callable[[int], list[int]] | None = None
 
     # ---- the event queue
     def _post(self, t_s: float, fn, *args) -> None:
@@ -209,7 +215,8 @@ class SimPipeline:
     def _result(self, t_s: float, txn: Txn) -> None:
         tokens = None
         if not txn.cancelled:  # the target's token after each output row: the reference's next token
-            tokens = np.array([self.ref[p + 1] if p + 1 < len(self.ref) else 0 for p in txn.output_pos], dtype=np.int32)
+            ref = self.ref if txn.reference is None else txn.reference
+            tokens = np.array([ref[p + 1] if p + 1 < len(ref) else 0 for p in txn.output_pos], dtype=np.int32)
         self._arrived.append(Result(txn.run_id, txn.cancelled, tokens))
 
     # ---- compute that shares a machine (processor sharing: every rank of a machine that computes slows down)
@@ -279,7 +286,7 @@ class SimPipeline:
         self.stages[0].trace.n_decoded += 1
         self.stages[0].trace.n_tokens += batch.n_tokens
         txn = Txn(Kind.DECODE, run_id, parent_id, speculative, batch.n_tokens, batch.n_outputs, batch.output_pos,
-                  len(batch.pack_meta()))
+                  len(batch.pack_meta()), reference=self.reference_of(run_id) if self.reference_of else None)
         self._sent_from_head(txn)
         self.in_flight.append(run_id)
 
@@ -449,6 +456,28 @@ def reference_tokens(n_prompt: int, n_predict: int, seed: int = 0) -> list[int]:
     return rng.integers(10, 30000, n_prompt + n_predict + 64).tolist()
 
 
+def _resolved(cluster: Cluster, gen: GenConfig) -> GenConfig:
+    """What start-up resolves on a real cluster: -pr auto, and each stage's measured decode times (PipeInfer sizes
+    its micro-batches by them)."""
+    if gen.p_recovery is None:
+        gen = replace(gen, p_recovery=auto_p_recovery(cluster.n_ranks))
+    if gen.mode == "pipeinfer" and gen.adaptive_draft and gen.stage_ms is None and gen.cut.n_max > 1:
+        # what runner.stage_costs measures at start-up: each stage's decode time for 1..cap tokens
+        gen = replace(gen, stage_ms=tuple(tuple(st.ms(b) for b in range(1, gen.cut.n_max + 1)) for st in cluster.stages))
+    return gen
+
+
+def _replay_drafter(ref: list[int], seed: int, cost: SimDraftCost, agreement: float, propose: float,
+                    confidence: list | None) -> ReplayDrafter:
+    """The twin's draft for one reference: right with probability `agreement` and proposing at `propose` of its
+    calls, or, given measured (confidence, right) pairs, as they and the cutoff decide."""
+    if confidence:
+        return _ConfidenceReplay(ref, confidence, seed, cost)
+    drafter = _ChainAwareReplay(ref, agreement, n_vocab=30000, seed=seed, burner=cost)
+    drafter.propose = propose
+    return drafter
+
+
 def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prompt: int = 64,
              reference: list[int] | None = None, max_in_flight: int = 8, seed: int = 0,
              propose: float = 1.0, confidence: list | None = None) -> SimResult:
@@ -458,22 +487,13 @@ def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prom
     clock = VirtualClock()
     ref = reference or reference_tokens(n_prompt, gen.n_predict, seed)
     n_prompt = min(n_prompt, len(ref) - 1)
-    if gen.p_recovery is None:
-        gen = replace(gen, p_recovery=auto_p_recovery(cluster.n_ranks))
-    if gen.mode == "pipeinfer" and gen.adaptive_draft and gen.stage_ms is None and gen.cut.n_max > 1:
-        # what runner.stage_costs measures at start-up: each stage's decode time for 1..cap tokens
-        gen = replace(gen, stage_ms=tuple(tuple(st.ms(b) for b in range(1, gen.cut.n_max + 1)) for st in cluster.stages))
+    gen = _resolved(cluster, gen)
     pipe = SimPipeline(cluster, ref, clock)
     pool = drafter = None
     if gen.mode != "iterative":
         n_part, n_seq_max = plan_partitions(gen.cut.max_branches, max_in_flight)
         pool = PartitionPool(n_part, gen.cut.max_branches, n_seq_max)
-        cost = SimDraftCost(cluster, clock, pipe)
-        if confidence:
-            drafter = _ConfidenceReplay(ref, confidence, seed, cost)
-        else:
-            drafter = _ChainAwareReplay(ref, agreement, n_vocab=30000, seed=seed, burner=cost)
-            drafter.propose = propose
+        drafter = _replay_drafter(ref, seed, SimDraftCost(cluster, clock, pipe), agreement, propose, confidence)
     head = Head(pipe, gen, pool, drafter, clock=clock)
     tokens = head.generate(ref[:n_prompt])
     expect = ref[n_prompt:n_prompt + len(tokens)]
@@ -483,3 +503,180 @@ def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prom
     head.stats.stage_stats = stages
     head.stats.n_kv0 = head.n_kv0
     return SimResult(tokens, head.stats, stages, gen.p_recovery)
+
+
+# ==================================================================== several clients at once (ranks/scheduler.py)
+def throughput_limit(cluster: Cluster) -> float:
+    """Tokens/s of the stages when every one is busy with one single-token decode at a time (interleaved
+    generations, nothing speculative, no prompt): one token per the slowest server's time per token,
+
+        limit = 1 / max( head (rank 0):  stage_ms[0](1) + 2 x head_overhead_ms   (its decode, a launch and a
+                                         result on its thread)
+                         rank r >= 1:    stage_ms[r](1)
+                         link r:         bytes of one token's message / bandwidth   (activations; the last link
+                                         the result) )
+
+    each rank's time multiplied by the slowdown of every rank of its machine computing at once (SimPipeline's
+    processor sharing). A link's latency lengthens every token's round trip but not the rate: messages of other
+    tokens are on their way meanwhile, so with enough generations in flight it is hidden. Prompt chunks, drafting
+    and speculative runs are work this limit does not count, which is why a server below it can still be busy."""
+    one = Batch(np.zeros(1, np.int32), np.zeros(1, np.int32), [[0]], np.ones(1, np.int32), kv_ops())
+    msg = Txn(Kind.DECODE, n_tokens=1, n_outputs=1, n_meta=len(one.pack_meta()))
+    machine = cluster.machine_of or [f"host{r}" for r in range(cluster.n_ranks)]
+    per_token_s = []
+    for r, st in enumerate(cluster.stages):
+        k = machine.count(machine[r])
+        cores = cluster.cores_of[r] if cluster.cores_of else k
+        slowdown = cluster.shared_slowdown * max(1.0, k / cores) if k > 1 else 1.0
+        own_ms = st.ms(1) + (2 * cluster.head_overhead_ms if r == 0 else 0.0)
+        per_token_s.append(own_ms * slowdown / 1e3)
+        per_token_s.append(cluster.links[r].transfer_s(msg.wire_bytes(cluster.n_embd, r == cluster.n_ranks - 1)))
+    return 1.0 / max(per_token_s)
+
+
+@dataclass
+class RequestResult:
+    """One request's life in virtual seconds."""
+    t_arrival_s: float   # sent by its client
+    t_first_s: float     # its first token
+    t_done_s: float      # its last token
+    t_queue_s: float     # waited for admission (a slot, or cells)
+    n_tokens: int
+
+    @property
+    def latency_s(self) -> float:
+        return self.t_done_s - self.t_arrival_s
+
+    @property
+    def ttft_s(self) -> float:
+        return self.t_first_s - self.t_arrival_s
+
+
+@dataclass
+class ClientsResult:
+    """A server's run under load: every request, the stages' limit, and the server's throughput."""
+    requests: list[RequestResult]            # in the order they were sent
+    limit_tokens_per_s: float                # throughput_limit(cluster)
+    stages: list[dict] = field(default_factory=list)
+    sched: SchedulerStats | None = None
+
+    @property
+    def makespan_s(self) -> float:
+        """From the first request sent to the last token of the last answer."""
+        return max(r.t_done_s for r in self.requests) - min(r.t_arrival_s for r in self.requests)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(r.n_tokens for r in self.requests) / self.makespan_s if self.makespan_s > 0 else 0.0
+
+    @property
+    def fraction_of_limit(self) -> float:
+        return self.tokens_per_s / self.limit_tokens_per_s
+
+    def latency_pct_s(self, q: float) -> float:
+        return float(np.percentile([r.latency_s for r in self.requests], q))
+
+    def ttft_pct_s(self, q: float) -> float:
+        return float(np.percentile([r.ttft_s for r in self.requests], q))
+
+    @property
+    def p50_latency_s(self) -> float:
+        return self.latency_pct_s(50)
+
+    @property
+    def p95_latency_s(self) -> float:
+        return self.latency_pct_s(95)
+
+
+class _Clients:
+    """simulate_clients' side of the server: the requests (each its own reference sequence), when each is sent,
+    the answers checked against their references. The scheduler hands a request's prompt to drafter_for and
+    the SimPipeline asks for a run's reference by run id; both find the request by its prompt (the very list
+    object it was sent with), so no reference is confused with another however the runs interleave."""
+
+    def __init__(self, n_requests: int, n_prompt: int, n_predict: int, seed: int, clock: VirtualClock):
+        self.refs = [reference_tokens(n_prompt, n_predict, seed + i) for i in range(n_requests)]
+        self.prompts = [ref[:n_prompt] for ref in self.refs]
+        self.num_of = {id(p): i for i, p in enumerate(self.prompts)}
+        self.n_prompt, self.n_predict, self.seed, self.clock = n_prompt, n_predict, seed, clock
+        self.pending: deque[tuple[float, int]] = deque()   # (when sent, request number), in time order
+        self.n_sent = 0
+        self.closed_loop = False
+        self.results: dict[int, RequestResult] = {}
+
+    def send(self, t_s: float) -> None:
+        if self.n_sent < len(self.refs):
+            self.pending.append((t_s, self.n_sent))
+            self.n_sent += 1
+
+    def request(self, i: int, t_s: float) -> Request:
+        def done(tokens: list[int], stats: Stats) -> None:
+            if tokens != self.refs[i][self.n_prompt:self.n_prompt + self.n_predict]:
+                raise RuntimeError(f"internal: the twin's answer to request {i} differs from its reference")
+            self.results[i] = RequestResult(t_s, stats.t_prompt_done_s, stats.t_last_s, stats.t_queue_s, len(tokens))
+            if self.closed_loop:   # the client sends its next request once this answer is complete
+                self.send(self.clock())
+        return Request(self.prompts[i], self.n_predict, on_done=done, t_queued_s=t_s)
+
+    def reference_of_prompt(self, prompt: list[int]) -> list[int]:
+        return self.refs[self.num_of[id(prompt)]]
+
+    def drive(self, sched: Scheduler) -> None:
+        """Send what is due, run a round; idle with the next request in the future: jump the clock to it."""
+        while self.pending or sched.busy:
+            while self.pending and self.pending[0][0] <= self.clock():
+                t_s, i = self.pending.popleft()
+                sched.submit(self.request(i, t_s))
+            if sched.busy:
+                sched.step()
+            elif self.pending:
+                self.clock.advance_to(self.pending[0][0])
+
+
+def simulate_clients(cluster: Cluster, gen: GenConfig, *, n_clients: int | None = None,
+                     rate_per_s: float | None = None, n_requests: int, n_prompt: int = 64, n_parallel: int = 1,
+                     agreement: float = 0.9, seed: int = 0, max_in_flight: int = 8, propose: float = 1.0,
+                     confidence: list | None = None, n_ctx: int | None = None) -> ClientsResult:
+    """The real Scheduler (ranks/scheduler.py) serving `n_requests` requests of n_prompt + gen.n_predict tokens on
+    the twin, in virtual time: `n_clients` closed-loop clients (each sends its next request when its last answer
+    is complete), or requests arriving as a Poisson process of `rate_per_s`. gen.mode is the schedule: pipeinfer
+    (the drafter lent where stages would idle) or iterative (interleaving only); n_parallel generations at once.
+    Request i's tokens are reference_tokens(n_prompt, n_predict, seed + i), its draft the replay draft simulate()
+    uses on that reference. n_ctx (None): room for every slot's request at once, so that the context never makes a
+    request wait (pass one to study a tight context)."""
+    if (n_clients is None) == (rate_per_s is None):
+        raise ValueError("give n_clients (closed loop) or rate_per_s (Poisson arrivals), not both")
+    clock = VirtualClock()
+    gen = replace(_resolved(cluster, gen), stop_at_eos=False)
+    pipe = SimPipeline(cluster, [], clock)
+    clients = _Clients(n_requests, n_prompt, gen.n_predict, seed, clock)
+    n_lanes, size = lane_count(n_parallel), gen.cut.max_branches
+    pool, n_part, drafter_for = None, 0, None
+    if gen.mode == "pipeinfer":
+        n_part, n_seq_max = plan_partitions(size, max_in_flight, n_lanes=n_lanes)
+        pool = PartitionPool(n_part, size, n_seq_max, n_lanes=n_lanes)
+        cost = SimDraftCost(cluster, clock, pipe)   # one draft model, lent from generation to generation
+
+        def drafter_for(prompt, text, chat):
+            i = clients.num_of[id(prompt)]
+            return _replay_drafter(clients.refs[i], seed + i, cost, agreement, propose, confidence)
+    if n_ctx is None:
+        need = 2 * n_parallel * (n_prompt + gen.n_predict) if n_parallel > 1 else n_prompt + gen.n_predict
+        n_ctx = max(gen.n_ctx, need + cells_reserve(n_part, gen.cut.n_max) * (1 + n_lanes))
+    sched = Scheduler(pipe, replace(gen, n_ctx=n_ctx), n_stages=cluster.n_ranks, n_parallel=n_parallel, pool=pool,
+                      n_part=n_part, drafter_for=drafter_for, clock=clock)
+    pipe.reference_of = lambda run_id: clients.reference_of_prompt(sched.owner[run_id].req.prompt)
+    if n_clients is not None:
+        clients.closed_loop = True
+        for _ in range(n_clients):
+            clients.send(0.0)
+    else:
+        t_s = 0.0
+        for dt_s in np.random.default_rng([seed, 17]).exponential(1.0 / rate_per_s, n_requests):
+            t_s += float(dt_s)
+            clients.send(t_s)
+    clients.drive(sched)
+    if len(clients.results) != n_requests:
+        raise RuntimeError(f"internal: {len(clients.results)} of {n_requests} requests answered")
+    return ClientsResult([clients.results[i] for i in range(n_requests)], throughput_limit(cluster),
+                         pipe.stage_stats(), sched.stats)

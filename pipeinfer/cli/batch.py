@@ -1,0 +1,103 @@
+"""`pipeinfer generate --prompts FILE`: an offline batch, every prompt of a file through one pipeline, several
+at once (ranks/scheduler.py; --parallel, default one per stage), one JSON line per answer on stdout and one
+--results row per prompt.
+
+FILE has one prompt per line, or JSON lines: {"prompt": "...", "n_predict": 64, "seed": 1, "temp": 0.7,
+"chat": false} (every key but "prompt" optional; the command line's values are the defaults). Blank lines are
+skipped. Answers print as they finish: {"index", "prompt", "text", "tokens", "n_generated", "finish", "ttft_s",
+"tokens_per_s", "queue_s"}, index counting the file's prompts from 0.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.errors import UserError
+from ..core.verify import SamplingParams
+
+
+@dataclass(frozen=True)
+class BatchPrompt:
+    index: int
+    text: str
+    chat: bool
+    n_predict: int
+    sampling: SamplingParams
+
+
+def read_batch(path: str, *, chat: bool, n_predict: int, sampling: SamplingParams) -> list[BatchPrompt]:
+    """The prompts of FILE (module docstring), each with its own settings or the command line's."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--prompts {path}: {e}") from None
+    out: list[BatchPrompt] = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if not line.lstrip().startswith("{"):
+            out.append(BatchPrompt(len(out), line, chat, n_predict, sampling))
+            continue
+        try:
+            obj = json.loads(line)
+            text = obj["prompt"]
+            if not isinstance(text, str) or not text:
+                raise ValueError("'prompt' must be a non-empty string")
+            sp = SamplingParams(float(obj.get("temp", sampling.temp)), int(obj.get("top_k", sampling.top_k)),
+                                float(obj.get("top_p", sampling.top_p)), int(obj.get("seed", sampling.seed)))
+            n = int(obj.get("n_predict", n_predict))
+            if n < 1 or sp.temp < 0 or not 0 < sp.top_p <= 1:
+                raise ValueError("n_predict >= 1, temp >= 0 and 0 < top_p <= 1")
+            out.append(BatchPrompt(len(out), text, bool(obj.get("chat", chat)), n, sp))
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(f"--prompts {path}, line {no}: not a prompt ({type(e).__name__}: {e})") from None
+    if not out:
+        raise UserError(f"--prompts {path}: no prompts in the file")
+    return out
+
+
+def run_batch(args, setup, parallel: int, stop, results_row, write_row) -> None:
+    """Rank 0: every prompt through the scheduler; a JSON line per answer, a summary on stderr."""
+    from ..engine.tokenizer import Tokenizer, apply_chat
+    from ..ranks.startup import open_session
+    prompts = read_batch(args.prompts, chat=True if args.chat is None else args.chat, n_predict=args.n_predict,
+                         sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.seed))
+    tok = Tokenizer(setup.model)
+    reserve = args.pipe.cells_reserve()
+    encoded = []
+    for p in prompts:
+        ids = tok.encode(apply_chat(tok, p.text) if p.chat else p.text)
+        if len(ids) + p.n_predict + reserve > args.pipe.ctx_size:
+            raise UserError(f"--prompts {args.prompts}: prompt {p.index} ({len(ids)} tokens) + {p.n_predict} to "
+                            f"generate + {reserve} for runs in flight does not fit the context of "
+                            f"{args.pipe.ctx_size} tokens (-c/--ctx-size)")
+        encoded.append(ids)
+    tok.close()
+    session = open_session(setup.run_options(parallel=parallel))
+    name = Path(args.prompts).stem
+    n_tokens, t0 = 0, time.perf_counter()
+    try:
+        sched = session.scheduler()
+        for p, ids in zip(prompts, encoded):
+            def done(tokens: list[int], stats, p=p) -> None:
+                nonlocal n_tokens
+                n_tokens += len(tokens)
+                finish = "stopped" if stop.requested else ("length" if len(tokens) >= p.n_predict else "stop")
+                print(json.dumps({"index": p.index, "prompt": p.text, "text": session.tok.decode(tokens),
+                                  "tokens": tokens, "n_generated": len(tokens), "finish": finish,
+                                  "ttft_s": round(stats.ttft_s, 4), "tokens_per_s": round(stats.gen_tokens_per_s, 3),
+                                  "queue_s": round(stats.t_queue_s, 3)}), flush=True)
+                if args.results:
+                    write_row(args.results, results_row(setup, session.ranges, f"{name}:{p.index}", stats))
+            sched.submit(session.request(ids, n_predict=p.n_predict, sampling=p.sampling, prompt_text=p.text,
+                                         chat=p.chat, should_stop=lambda: stop.requested, on_done=done))
+        sched.run()
+    finally:
+        session.close()
+    wall_s = time.perf_counter() - t0
+    if not args.quiet:
+        print(f"[pipeinfer] {len(prompts)} prompts, {parallel} at once: {n_tokens} tokens in {wall_s:.1f} s, "
+              f"{n_tokens / wall_s:.2f} tokens/s", file=sys.stderr)

@@ -1,0 +1,89 @@
+"""The twin serving many clients with the real scheduler (twin/sim.py simulate_clients, ranks/scheduler.py):
+each request answered from its own reference, throughput near the stages' limit once every stage has a
+generation, one client as fast as simulate()'s PipeInfer, Poisson arrivals, and `pipeinfer plan --clients`."""
+import pytest
+
+from test_twin import equal_stages, gen, hand_profile
+
+from pipeinfer.twin import sim
+from pipeinfer.twin.cluster import Link
+from pipeinfer.twin.sim import simulate, simulate_clients, throughput_limit
+
+from conftest import cli as run_cli
+
+
+def uniform(n_stages: int = 4):
+    """Equal 10 ms stages, 100 us links at 1 Gbit/s, a 1 ms draft on the head: the limit is 100 tokens/s."""
+    return equal_stages(n_stages, ms=10.0, latency_s=1e-4, bandwidth_Bps=125e6, draft_ms=1.0)
+
+
+@pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])
+def test_answers_equal_their_references_under_concurrency(mode):
+    # low agreement: cancellations, several generations at once and compactions, each answer checked inside
+    res = simulate_clients(uniform(3), gen(mode, 40, 2, None), n_clients=5, n_requests=9, n_prompt=12,
+                           n_parallel=3, agreement=0.5, seed=4)
+    assert [r.n_tokens for r in res.requests] == [40] * 9
+    assert res.sched.max_active == 3 and res.sched.n_compactions > 0
+    assert res.sched.n_lends > 0 if mode == "pipeinfer" else res.sched.n_lends == 0
+
+
+def test_a_run_answered_from_another_generation_is_caught(monkeypatch):
+    """The check is live: route every run to request 0's reference and the other answers differ."""
+    monkeypatch.setattr(sim._Clients, "reference_of_prompt", lambda self, prompt: self.refs[0])
+    with pytest.raises(RuntimeError, match="differs from its reference"):
+        simulate_clients(uniform(2), gen("iterative", 16), n_clients=2, n_requests=2, n_prompt=8, n_parallel=2)
+
+
+@pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])
+def test_clients_equal_to_stages_reach_the_limit(mode):
+    cl = uniform(4)
+    assert throughput_limit(cl) == pytest.approx(100.0, rel=0.01)
+    res = simulate_clients(cl, gen(mode, 64, 1, None), n_clients=4, n_requests=8, n_prompt=16, n_parallel=4,
+                           agreement=0.8)
+    assert res.fraction_of_limit >= 0.9
+
+
+@pytest.mark.parametrize("n_parallel", [1, 4])
+def test_one_client_is_as_fast_as_pipeinfer_alone(n_parallel):
+    cl, g = uniform(4), gen("pipeinfer", 64, 1, None)
+    alone = simulate(cl, g, agreement=0.8, n_prompt=16, seed=3).stats
+    res = simulate_clients(cl, g, n_clients=1, n_requests=1, n_prompt=16, n_parallel=n_parallel, agreement=0.8, seed=3)
+    assert res.requests[0].latency_s == pytest.approx(alone.t_last_s - alone.t_start_s, rel=0.03)
+    assert res.requests[0].ttft_s == pytest.approx(alone.t_prompt_done_s - alone.t_start_s, rel=0.03)
+
+
+def test_poisson_arrivals_all_finish_and_idle_time_is_skipped():
+    cl, g = uniform(4), gen("pipeinfer", 32, 1, None)
+    one = simulate_clients(cl, g, n_clients=1, n_requests=1, n_prompt=16, agreement=0.8).requests[0].latency_s
+    sparse = simulate_clients(cl, g, rate_per_s=0.05, n_requests=6, n_prompt=16, n_parallel=4, agreement=0.8)
+    arrivals = [r.t_arrival_s for r in sparse.requests]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 20 * one   # the clock jumped to each arrival
+    assert all(r.n_tokens == 32 for r in sparse.requests)
+    assert all(r.latency_s < 1.5 * one for r in sparse.requests)        # rarely two at once
+    busy = simulate_clients(cl, g, rate_per_s=80.0 / 32, n_requests=12, n_prompt=16, n_parallel=4, agreement=0.8)
+    assert len(busy.requests) == 12 and busy.sched.max_active > 1 and busy.p95_latency_s >= busy.p50_latency_s
+
+
+def test_throughput_limit_is_the_slowest_server():
+    # head: 10 ms decode + a launch and a result of 1 ms; a slow last stage; then a thin link
+    cl = equal_stages(3, ms=10.0)
+    cl.head_overhead_ms = 1.0
+    assert throughput_limit(cl) == pytest.approx(1 / 0.012)
+    cl.stages = cl.stages[:2] + [type(cl.stages[0])([20.0], 0.0)]
+    assert throughput_limit(cl) == pytest.approx(50.0)
+    cl.links = [Link(1.0, 1e3)] * 3   # a token's activations (64 floats + header + metadata) take > 256 ms
+    assert throughput_limit(cl) < 4.0
+    with pytest.raises(ValueError, match="not both"):
+        simulate_clients(cl, gen("iterative"), n_clients=1, rate_per_s=1.0, n_requests=1)
+
+
+def test_plan_clients_reports_three_schedules(tmp_path):
+    prof = hand_profile(tmp_path, slow=1.0)
+    out = run_cli(["plan", "--profile", str(prof), "--agreement", "0.8", "-n", "24", "--n-prompt", "8",
+                   "--clients", "2"])
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "2 closed-loop clients" in lines[0] and "the stages' limit" in lines[1]
+    assert [ln.split()[0] for ln in lines[2:5]] == ["pipeinfer", "interleaving", "default"]
+    assert "--parallel 1 " in lines[2] and "--parallel 2 " in lines[3] and "% of the limit" in lines[4]
+    assert "pipeinfer launch" not in out.stdout   # the search is not run
