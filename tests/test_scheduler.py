@@ -80,14 +80,15 @@ class LanePipeline(FakePipeline):
 
 
 def make(mode: str, *, n_parallel: int, n_ctx: int = 4096, max_in_flight: int = 4, n_max: int = 3,
-         logits_fn=logits_greedy, n_stages: int = 2, error_rate: float = 0.2, poll_every: int = 3):
+         logits_fn=logits_greedy, n_stages: int = 2, error_rate: float = 0.2, poll_every: int = 3,
+         p_recovery: float = 0.5):
     n_lanes = 2 * n_parallel if n_parallel > 1 else 1
     n_part, n_seq = plan_partitions(1, max_in_flight, n_lanes=n_lanes)
     canon = {lane_canonical(k, n_part, 1) for k in range(n_lanes)}
     pipe = LanePipeline(canon, logits_fn=logits_fn, poll_every=poll_every, garbage=n_seq - 1)
     pool = PartitionPool(n_part, 1, n_seq, n_lanes=n_lanes) if mode == "pipeinfer" else None
     lent = iter(range(1 << 30))
-    cfg = GenConfig(mode=mode, n_ctx=n_ctx, cut=Cutoffs(0.5, 0.1, n_max, 1), p_recovery=0.5)
+    cfg = GenConfig(mode=mode, n_ctx=n_ctx, cut=Cutoffs(0.5, 0.1, n_max, 1), p_recovery=p_recovery)
     sched = Scheduler(pipe, cfg, n_stages=n_stages, n_parallel=n_parallel, pool=pool, n_part=n_part,
                       drafter_for=lambda p, t, c: ToyDrafter(error_rate, next(lent), 0.9))  # one per lease
     return sched, pipe, pool
@@ -189,3 +190,26 @@ def test_long_prompt_is_chunked_beside_others():
     long_prompt = [(7 * i) % 29 for i in range(40)]
     res = submit_all(sched, [(PROMPTS[1], 30, SamplingParams(), 0), (long_prompt, 5, SamplingParams(), 0)])
     assert_exact(res)
+
+
+def test_no_admitted_generation_starves():
+    """Between two launches of one generation's runs (once its prompt is in), the others launch at most one run
+    each plus what speculation may add while a stage would idle (fewer than the stages): its inter-token delay is
+    bounded by the load, not by how long the others' answers are."""
+    # 3 at once on 4 stages: the oldest speculates; nothing but the room rule keeps it from 8 runs ahead
+    sched, pipe, _ = make("pipeinfer", n_parallel=3, n_stages=4, max_in_flight=8, p_recovery=0.0, error_rate=0.0)
+    order: list[int] = []
+    launch = sched.launch
+
+    def record(g, *a):
+        order.append(id(g))
+        launch(g, *a)
+    sched.launch = record
+    jobs = [(PROMPTS[0], 60, SamplingParams(), 0), (PROMPTS[1], 8, SamplingParams(), 0),
+            (PROMPTS[3], 40, SamplingParams(), 0), (PROMPTS[4], 30, SamplingParams(), 0)]
+    assert_exact(submit_all(sched, jobs))
+    for g in set(order):
+        at = [i for i, x in enumerate(order) if x == g]
+        gaps = [b - a - 1 for a, b in zip(at[1:], at[2:])]  # after its prompt
+        assert max(gaps, default=0) <= (sched.n_parallel - 1) + sched.n_stages, gaps
+    assert sched.stats.n_lends >= 1 and sum(pipe.speculative.values()) > 0

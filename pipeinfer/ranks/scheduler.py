@@ -189,6 +189,8 @@ class Scheduler:
 
     # ================================================================ admission and the cell budget
     def _admit(self) -> None:
+        if self.waiting and not self.gens and self._dirty:
+            self._compact()  # nothing in flight: every cell goes, and the newcomer starts from cell 0, as alone
         while self.waiting and len(self.gens) < self.n_parallel:
             if not self._clean:
                 self._compact()  # every free slot is dirty: repack to clean them
