@@ -56,12 +56,14 @@ def cluster_70b(prof: dict, n_stages: int, profiled: tuple[float, float]) -> Clu
 
 def workload_limit(cluster: Cluster, n_prompt: int, n_predict: int) -> float:
     """Completion tokens/s with the bottleneck stage always busy on this workload: per request its prompt (in
-    chunks of PROMPT_CHUNK, each one batch) and n_predict single-token decodes."""
+    chunks of PROMPT_CHUNK, each one batch; the last chunk's run gives the first token) and n_predict - 1
+    single-token decodes."""
     chunks = [min(PROMPT_CHUNK, n_prompt - k) for k in range(0, n_prompt, PROMPT_CHUNK)]
     per_request_s = []
     for r, st in enumerate(cluster.stages):
-        head_ms = 2 * cluster.head_overhead_ms * (n_predict + len(chunks)) if r == 0 else 0.0
-        per_request_s.append((sum(st.ms(c) for c in chunks) + n_predict * st.ms(1) + head_ms) / 1e3)
+        n_runs = len(chunks) + n_predict - 1
+        head_ms = 2 * cluster.head_overhead_ms * n_runs if r == 0 else 0.0
+        per_request_s.append((sum(st.ms(c) for c in chunks) + (n_predict - 1) * st.ms(1) + head_ms) / 1e3)
     return n_predict / max(per_request_s)
 
 

@@ -13,7 +13,7 @@ from pipeinfer.core.kvplan import PartitionPool, lane_canonical, plan_partitions
 from pipeinfer.core.protocol import KvOp
 from pipeinfer.core.verify import SamplingParams
 from pipeinfer.ranks.head import GenConfig
-from pipeinfer.ranks.scheduler import Request, Scheduler
+from pipeinfer.ranks.scheduler import Request, Scheduler, pipeline_depth
 from pipeinfer.spec.drafter import Cutoffs
 
 PROMPTS = [[5, 17, 2, 9, 11, 3, 8, 1, 20, 14], [4, 4, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17],
@@ -213,3 +213,11 @@ def test_no_admitted_generation_starves():
         gaps = [b - a - 1 for a, b in zip(at[1:], at[2:])]  # after its prompt
         assert max(gaps, default=0) <= (sched.n_parallel - 1) + sched.n_stages, gaps
     assert sched.stats.n_lends >= 1 and sum(pipe.speculative.values()) > 0
+
+
+def test_pipeline_depth():
+    assert pipeline_depth(4, None) == 4
+    assert pipeline_depth(4, ((10.0, 19.0),) * 4) == 4                  # balanced: every stage
+    assert pipeline_depth(32, ((62.0,),) * 31 + ((599.0,),)) == 5       # a slow last stage fills at 5 in flight
+    assert pipeline_depth(2, ((25.0,), (31.0,))) == 2
+    assert pipeline_depth(3, ((1.0,), (1.0,), (100.0,))) == 2

@@ -212,7 +212,7 @@ def test_disconnect_mid_stream_cancels_and_leaves_nothing_behind(server, models)
 
 
 def test_concurrent_requests_equal_their_single_answers(server, models):
-    """Requests at once (the server runs 2 at a time, one per stage; the rest queue): different prompts, lengths,
+    """Requests at once (the server runs 6 at a time, 3 per stage): different prompts, lengths,
     seeds, stop strings, streaming and not, two clients hanging up mid-stream; each answer equals the one
     `generate` gives alone, and afterwards nothing is generating, queued or holding a partition."""
     jobs = [(PROMPT, 20, 0.0, 0, None, "plain"), ("lo ki ba", 14, 2.0, 5, None, "stream"),
@@ -258,10 +258,10 @@ def test_concurrent_requests_equal_their_single_answers(server, models):
         if health["generating"] == 0 and health["runs_in_flight"] == 0:
             break
         time.sleep(0.2)
-    assert health["parallel"] == 2 and health["queued"] == 0 and health["generating"] == 0, health
-    assert health["most_generating"] == 2, health  # two answers were generated at once
+    assert health["parallel"] == 6 and health["queued"] == 0 and health["generating"] == 0, health
+    assert health["most_generating"] >= 3, health  # answers were generated at once (as many as the cells allow)
     assert health["runs_in_flight"] == 0 and health["partitions_free"] == health["partitions"] > 0, health
-    assert "2 request(s) at once" in server.text()
+    assert "6 request(s) at once" in server.text()
 
 
 def test_full_queue_gets_503_with_retry_after(models, tmp_path):

@@ -10,9 +10,9 @@ every stage is busy on work that is certain to be used, and no speculation beats
         certain work first: a generation still in its prompt launches its next chunk once its last one left
             the head (so a long prompt does not stall the others' tokens); every other generation keeps its
             next token covered (Head.take launches it when a result leaves it uncovered)
-        speculation only where a stage would otherwise idle: while fewer generations decode than there are
-            stages, the oldest one holds the drafter (PipeInfer, with its reactive cutoffs; alone, exactly
-            PipeInfer; beside others, only while fewer runs are in flight than there are stages)
+        speculation only where a stage would otherwise idle: while fewer generations decode than the pipeline
+            is deep (pipeline_depth), the oldest one holds the drafter (PipeInfer, with its reactive cutoffs;
+            alone, exactly PipeInfer; beside others, only while fewer runs are in flight than that depth)
         take the oldest result and hand it to the generation that launched it (results come in launch order)
         a finished generation (length, end of generation, stop string, disconnect) cancels its runs; once
             the last of them is collected its answer is delivered and its slot waits for the next COMPACT
@@ -27,6 +27,7 @@ does not fit waits in the queue.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -42,6 +43,19 @@ from .head import GenConfig, Head
 # Qwen2.5-Coder-1.5B costs about what 6 single-token decodes cost, so a newcomer's prompt delays the others'
 # next tokens by at most that much per chunk
 PROMPT_CHUNK = 64
+
+
+def pipeline_depth(n_stages: int, stage_ms: tuple[tuple[float, ...], ...] | None) -> int:
+    """Runs in flight that keep the slowest stage busy: the pass time over the slowest stage's time,
+    ceil(sum of stages' single-token ms / max), never more than the stages. On a balanced pipeline that is
+    the number of stages; on one whose last stage carries the output projection of a large vocabulary it is
+    fewer, and runs beyond it only queue at that stage (so speculating there takes time from certain work)."""
+    if not stage_ms or any(not ms for ms in stage_ms):
+        return n_stages
+    one = [ms[0] for ms in stage_ms]
+    if max(one) <= 0:
+        return n_stages
+    return max(1, min(n_stages, math.ceil(sum(one) / max(one) - 1e-9)))
 
 
 @dataclass
@@ -125,6 +139,7 @@ class Scheduler:
             raise ValueError("pipeinfer mode needs a drafter and a partition pool")
         self.pipe, self.cfg, self.pool, self.drafter_for = pipe, cfg, pool, drafter_for
         self.n_stages, self.n_parallel, self.eos, self.clock = n_stages, n_parallel, set(eos), clock
+        self.depth = pipeline_depth(n_stages, cfg.stage_ms)  # runs in flight that fill the slowest stage
         self.prompt_chunk = prompt_chunk
         size = cfg.cut.max_branches
         self.n_lanes = lane_count(n_parallel)
@@ -246,12 +261,13 @@ class Scheduler:
 
     # ================================================================ the drafter's lease
     def _lease(self) -> _Gen | None:
-        """The generation that may speculate: the oldest decoding one, while fewer decode than there are stages."""
+        """The generation that may speculate: the oldest decoding one, while fewer decode than the pipeline's
+        depth (pipeline_depth: the stages, or fewer where one stage is slower than the rest)."""
         if self.cfg.mode != "pipeinfer":
             return None
         decoding = [g for g in self.gens if not g.head.done]
         want = None
-        if len(decoding) < self.n_stages:
+        if len(decoding) < self.depth:
             want = next((g for g in decoding if not g.head.prompt_pending), None)
         if want is not self.holder:
             if self.holder is not None:
@@ -262,7 +278,7 @@ class Scheduler:
             self.holder = want
         if want is not None:
             sole = len(self.gens) == 1
-            want.head.room = (lambda: True) if sole else (lambda: len(self.pipe.in_flight) < self.n_stages)
+            want.head.room = (lambda: True) if sole else (lambda: len(self.pipe.in_flight) < self.depth)
         return want
 
     # ================================================================ runs and results
