@@ -9,16 +9,16 @@ own) with 8 and 32 stages. 1, 2, 4, ..., 64 closed-loop clients (each sends its 
 answer is complete; `--waves` requests per client) are served by three schedules:
 
     pipeinfer-1   one generation at a time, PipeInfer (--parallel 1): the latency of one request alone
-    interleave    --mode iterative --parallel STAGES: one token per generation in flight, no speculation
-    default       --mode pipeinfer --parallel STAGES: interleaving, and the drafter lent where a stage would idle
+    interleave    --mode iterative, --parallel as serve's default (3 per stage, at most 64): one token per
+                  generation in flight, no speculation
+    default       --mode pipeinfer, the same --parallel: interleaving, and the drafter lent where a stage would idle
 
 Each row: the server's throughput (completion tokens / makespan), its fraction of the stages' limit
 (sim.throughput_limit: every stage busy with single-token decodes), and the fraction of the *workload's* limit,
 which also charges each request's prompt at its batch cost on the bottleneck stage (the stages cannot decode
 while they process prompts; the limit above does not count that work), p50/p95 latency (sent to last token)
 and TTFT, and the bottleneck stage's busy share. `--prompt-check P` adds rows of P-token prompts and as many
-output tokens at clients = stages and 2 x stages, and the default with twice the stages' generations at once,
-to show what prompt work costs. Writes the CSV, a PNG beside it, and prints a table.
+output tokens at clients = stages and 2 x stages, to show what prompt work costs. Writes the CSV, a PNG beside it, and prints a table.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from twin_scaling import BPW_Q4_K_M, LLAMA_70B  # noqa: E402
 
 from pipeinfer.ranks.head import GenConfig  # noqa: E402
-from pipeinfer.ranks.scheduler import PROMPT_CHUNK  # noqa: E402
+from pipeinfer.ranks.scheduler import default_parallel  # noqa: E402
 from pipeinfer.spec.drafter import Cutoffs  # noqa: E402
 from pipeinfer.twin.cluster import Cluster, Link  # noqa: E402
 from pipeinfer.twin.plan import Shape, build_cluster, load_profile  # noqa: E402
@@ -55,10 +55,9 @@ def cluster_70b(prof: dict, n_stages: int, profiled: tuple[float, float]) -> Clu
 
 
 def workload_limit(cluster: Cluster, n_prompt: int, n_predict: int) -> float:
-    """Completion tokens/s with the bottleneck stage always busy on this workload: per request its prompt (in
-    chunks of PROMPT_CHUNK, each one batch; the last chunk's run gives the first token) and n_predict - 1
-    single-token decodes."""
-    chunks = [min(PROMPT_CHUNK, n_prompt - k) for k in range(0, n_prompt, PROMPT_CHUNK)]
+    """Completion tokens/s with the bottleneck stage always busy on this workload: per request its prompt (one
+    batch of n_prompt tokens, as alone; its run gives the first token) and n_predict - 1 single-token decodes."""
+    chunks = [n_prompt]
     per_request_s = []
     for r, st in enumerate(cluster.stages):
         n_runs = len(chunks) + n_predict - 1
@@ -70,7 +69,7 @@ def workload_limit(cluster: Cluster, n_prompt: int, n_predict: int) -> float:
 def run_one(cluster: Cluster, n_stages: int, schedule: str, n_clients: int, args, n_prompt: int, n_predict: int,
             n_parallel: int | None = None) -> dict:
     mode = "iterative" if schedule == "interleave" else "pipeinfer"
-    parallel = n_parallel or (1 if schedule == "pipeinfer-1" else n_stages)
+    parallel = n_parallel or (1 if schedule == "pipeinfer-1" else default_parallel(n_stages))
     draft_max = 1 if mode == "iterative" else args.draft_max
     gen = GenConfig(mode=mode, n_predict=n_predict, cut=Cutoffs(0.5, 0.1, draft_max, 1), p_recovery=None,
                     stop_at_eos=False)
@@ -121,15 +120,13 @@ def main() -> None:
                 for schedule in ("interleave", "default"):
                     rows.append(run_one(cluster, n_stages, schedule, n_clients, args, n, n))
                     print_row(rows[-1])
-            rows.append(run_one(cluster, n_stages, "default", 2 * n_stages, args, n, n, n_parallel=2 * n_stages))
-            print_row(rows[-1])
     out = Path(args.out)
     with out.open("w", newline="") as f:
         w = csv.DictWriter(f, list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     main_rows = [r for r in rows if r["n_prompt"] == args.n_prompt and r["n_predict"] == args.n_predict
-                 and r["parallel"] in (1, r["stages"])]
+                 and r["parallel"] in (1, default_parallel(r["stages"]))]
     plot(main_rows, out.with_suffix(".png"), args)
     print(f"wrote {out} and {out.with_suffix('.png')} ({time.perf_counter() - t0:.0f} s of simulation)")
 

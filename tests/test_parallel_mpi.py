@@ -77,3 +77,7 @@ def test_compaction_and_admission_under_a_small_context(models, references, tmp_
     assert p.returncode == 0, p.stderr[-3000:]
     answers = {a["index"]: a["tokens"] for a in map(json.loads, p.stdout.splitlines())}
     assert [answers[i] for i in range(len(JOBS))] == references
+    summary = p.stderr.splitlines()[-1]
+    waits = int(summary.split(" rounds waiting for KV cells")[0].rsplit(" ", 1)[1])
+    compactions = int(summary.split(" compactions")[0].rsplit(" ", 1)[1])
+    assert waits > 0 and compactions > 0, summary

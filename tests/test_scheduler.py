@@ -4,6 +4,8 @@ order or a cell freed in the middle of the cache fails the run. Each answer must
 answer, whatever ran beside it."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -184,12 +186,21 @@ def test_request_that_never_fits_is_refused():
         sched.submit(Request(list(range(30)), 20))
 
 
-def test_long_prompt_is_chunked_beside_others():
-    sched, pipe, _ = make("iterative", n_parallel=2)
-    sched.prompt_chunk = 4
+def test_a_prompt_beside_others_goes_in_the_chunks_it_takes_alone():
+    """Smaller chunks would change the prompt's numerics on real stages (the answer would differ from the
+    single-request one): a newcomer's prompt is launched in n_batch chunks whatever runs beside it."""
     long_prompt = [(7 * i) % 29 for i in range(40)]
-    res = submit_all(sched, [(PROMPTS[1], 30, SamplingParams(), 0), (long_prompt, 5, SamplingParams(), 0)])
-    assert_exact(res)
+    sizes = {}
+    for n_parallel in (1, 2):
+        sched, pipe, _ = make("iterative", n_parallel=n_parallel)
+        sched.cfg = replace(sched.cfg, n_batch=16)
+        launched = []
+        launch = pipe.launch
+        pipe.launch = lambda run_id, batch, *a: (launched.append(batch.n_tokens), launch(run_id, batch, *a))
+        jobs = [(PROMPTS[1], 30, SamplingParams(), 0), (long_prompt, 5, SamplingParams(), 0)]
+        assert_exact(submit_all(sched, jobs))
+        sizes[n_parallel] = sorted(n for n in launched if n > 1)
+    assert sizes[1] == sizes[2] == [3, 8, 16, 16]
 
 
 def test_no_admitted_generation_starves():

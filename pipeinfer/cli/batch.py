@@ -79,6 +79,7 @@ def run_batch(args, setup, parallel: int, stop, results_row, write_row) -> None:
     session = open_session(setup.run_options(parallel=parallel))
     name = Path(args.prompts).stem
     n_tokens, t0 = 0, time.perf_counter()
+    sched = None
     try:
         sched = session.scheduler()
         for p, ids in zip(prompts, encoded):
@@ -99,5 +100,7 @@ def run_batch(args, setup, parallel: int, stop, results_row, write_row) -> None:
         session.close()
     wall_s = time.perf_counter() - t0
     if not args.quiet:
+        st = sched.stats
         print(f"[pipeinfer] {len(prompts)} prompts, {parallel} at once: {n_tokens} tokens in {wall_s:.1f} s, "
-              f"{n_tokens / wall_s:.2f} tokens/s", file=sys.stderr)
+              f"{n_tokens / wall_s:.2f} tokens/s; at most {st.max_active} generating, {st.waits_for_cells} rounds "
+              f"waiting for KV cells, {st.n_compactions} compactions", file=sys.stderr)

@@ -329,20 +329,15 @@ def _serve(args: ServeArgs) -> None:
         raise UserError(f"the pipeline failed: {generator.fatal}")
 
 
-PARALLEL_PER_STAGE = 3  # measured (README, Many users): 2 ranks, 8 clients: 2 at once 1.25x, 4 1.47x, 6 1.63x,
-                        # 8 1.71x the one-at-a-time server's tokens/s; p50 latency 0.85, 0.71, 0.74, 0.81x
-
-
 def _parallel(asked: int | None, setup: PipelineSetup) -> int:
-    """Generations at once: --parallel, else PARALLEL_PER_STAGE per target stage. One per stage would keep every
-    stage busy if every run cost the same; a newcomer's prompt holds a stage for many token-times, and the
-    others' next tokens queued at the other stages are what keeps those busy meanwhile. The synchronous
-    speculative baseline runs one at a time."""
+    """Generations at once: --parallel, else ranks.scheduler.default_parallel (3 per target stage); the
+    synchronous speculative baseline runs one at a time."""
+    from ..ranks.scheduler import default_parallel
     if setup.gen.mode == "speculative":
         if asked not in (None, 1):
             raise UserError("--mode speculative runs one request at a time (--parallel 1)")
         return 1
-    return asked or min(64, PARALLEL_PER_STAGE * setup.n_target_ranks)
+    return asked or default_parallel(setup.n_target_ranks)
 
 
 def _http_server(config, stop: StopSignals):

@@ -19,6 +19,7 @@ import click
 from ..core.results import append_result, stats_row
 from ..engine.kernels import DEFAULT_KERNELS, KERNELS
 from ..ranks.head import MODES, GenConfig
+from ..ranks.scheduler import default_parallel
 from ..spec.drafter import Cutoffs
 from ..twin.plan import (
     Shape,
@@ -172,7 +173,7 @@ def simulate_cmd(**kw) -> None:
               help="instead of the search: a server under this many closed-loop clients (throughput, p50/p95 latency, "
                    "fraction of the stages' limit) with --parallel 1 PipeInfer, interleaving and the default")
 @click.option("--parallel", default=None, type=click.IntRange(1),
-              help="with --clients: generations at once [default: the number of stages]")
+              help="with --clients: generations at once [default: 3 per stage, as serve]")
 @click.option("--n-prompt", default=64, show_default=True, type=click.IntRange(1), help="with --clients: prompt tokens")
 def plan_cmd(profile_path: str, agreement: float | None, propose: float, n_predict: int, draft_host: bool,
              hostfile: str, clients: int | None, parallel: int | None, n_prompt: int) -> None:
@@ -181,7 +182,7 @@ def plan_cmd(profile_path: str, agreement: float | None, propose: float, n_predi
     limit = int(prof.get("exact_batch", 3))
     confidence = (prof.get("draft") or {}).get("confidence") if agreement is None else None
     if clients is not None:
-        _plan_clients(prof, clients, parallel or len(prof["ranks"]), n_predict, n_prompt,
+        _plan_clients(prof, clients, parallel or default_parallel(len(prof["ranks"])), n_predict, n_prompt,
                       0.7 if agreement is None else agreement, propose, confidence, draft_host)
         return
     t0 = time.perf_counter()

@@ -236,19 +236,14 @@ class Head:
             self.take(self.pipe.next_result())
         return self.finish()
 
-    def start(self, prompt: list[int], chunk: int | None = None) -> None:
-        """Launch the prompt (all of it; with `chunk`, its first `chunk` tokens: launch_prompt_chunk the rest)."""
+    def start(self, prompt: list[int]) -> None:
+        """Launch the prompt, in chunks of n_batch tokens (non-speculative runs)."""
         if not prompt:
             raise ValueError("empty prompt")
         self.stats.t_start_s = self.clock()
         self.stats.n_prompt = self._n_prompt = len(prompt)
         self.pipe.set_sampling(self.cfg.sampling)
-        self.accepted = list(prompt)
-        self._prompt_chunk = chunk or self.cfg.n_batch
-        while self.n_kv0 < len(prompt):
-            self.launch_prompt_chunk()
-            if chunk is not None:
-                break
+        self._launch_prompt(prompt)
         if self.drafter is not None:
             self.drafter.prefill(prompt)  # while the target's stages process the prompt
 
@@ -276,16 +271,9 @@ class Head:
                 self.stats.draft_link_bytes = [b - b0 for b, b0 in zip(self._draft_link_bytes(), self._draft_bytes0)]
         return self.accepted[self._n_prompt:self._n_prompt + self.stats.n_generated]
 
-    @property
-    def prompt_pending(self) -> bool:
-        """Prompt tokens not launched yet (start with a chunk)."""
-        return self.n_kv0 < self._n_prompt
-
     def _speculate(self) -> None:
         """Keep the pipeline full while no result is waiting (continuous, asynchronous speculation)."""
         cut = self.cfg.cut
-        if self.prompt_pending:
-            return
         while self.pool.n_free > 0 and (not self.pipe.result_ready() or self._single_rank_turn()) and self.room():
             if not self.cfg.continuous and any(f.speculative and not f.cancelled for f in self.flights.values()):
                 return
@@ -390,8 +378,6 @@ class Head:
 
     def _cover_last_token(self) -> None:
         """Make sure some run in flight predicts the token after the last accepted one."""
-        if self.prompt_pending:
-            return  # the prompt's last chunk predicts it
         m = len(self.accepted)
         for fl in self.flights.values():
             if not fl.cancelled and any(n.pos == m - 1 and n.row >= 0 and consistent(fl.run, i, self.accepted)
@@ -417,16 +403,15 @@ class Head:
             self._next_run += 1
         return self._next_run
 
-    def launch_prompt_chunk(self) -> None:
-        """The next chunk of the prompt, as one non-speculative run; the last chunk's last row predicts the first
-        token."""
-        start, n = self.n_kv0, self._n_prompt
-        chunk = self.accepted[start:min(n, start + min(self._prompt_chunk, self.cfg.n_batch))]
-        last = start + len(chunk) == n
-        nodes = [Node(t, start + k, k - 1, [self.canon], 0 if (last and k == len(chunk) - 1) else -1)
-                 for k, t in enumerate(chunk)]
-        self._launch(Flight(TreeRun(self._new_run_id(), nodes), speculative=False), kv_ops())
-        self.n_kv0 = start + len(chunk)
+    def _launch_prompt(self, prompt: list[int]) -> None:
+        self.accepted = list(prompt)
+        for start in range(0, len(prompt), self.cfg.n_batch):
+            chunk = prompt[start:start + self.cfg.n_batch]
+            last = start + len(chunk) == len(prompt)
+            nodes = [Node(t, start + k, k - 1, [self.canon], 0 if (last and k == len(chunk) - 1) else -1)
+                     for k, t in enumerate(chunk)]
+            self._launch(Flight(TreeRun(self._new_run_id(), nodes), speculative=False), kv_ops())
+        self.n_kv0 = len(prompt)
 
     def _launch_nonspec(self) -> None:
         m = len(self.accepted)
