@@ -184,6 +184,30 @@ def summarize(burst: list[dict], wall_s: float, n_clients: int, serve_args: list
     return out
 
 
+def plot_sweep(summary_csv: Path, png: Path) -> None:
+    """Server tokens/s and p50 latency against concurrent clients, one line per config."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = list(csv.DictReader(open(summary_csv)))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for cfg in dict.fromkeys(r["serve_args"] for r in rows):
+        mine = sorted((r for r in rows if r["serve_args"] == cfg), key=lambda r: int(r["clients"]))
+        x = [int(r["clients"]) for r in mine]
+        label = cfg.replace("-t 1 -c 2048", "").strip() or "default"
+        ax1.plot(x, [float(r["tokens_per_s"]) for r in mine], marker="o", label=label)
+        ax2.plot(x, [float(r["p50_s"]) for r in mine], marker="o", label=label)
+    for ax, what in ((ax1, "completion tokens/s (server)"), (ax2, "p50 latency (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+    ax1.legend()
+    fig.suptitle("pipeinfer serve, 2 ranks x 1 thread on 2 cores (launch/serve_load.py --sweep)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=64)
@@ -195,6 +219,7 @@ def main() -> None:
                     help="serve options of one server to compare (repeat) [default: '--parallel 1' and '' (the "
                          "default); with --sweep also '--mode iterative']")
     ap.add_argument("--out", default=str(ROOT / "results" / "serve_load.csv"))
+    ap.add_argument("--replot", action="store_true", help="only redraw the sweep's PNG from OUT's summary CSV")
     ap.add_argument("serve_args", nargs="*", help="options every server gets [default: -t 1 -c 2048]")
     args = ap.parse_args()
     common = args.serve_args or ["-t", "1", "-c", "2048"]
@@ -206,6 +231,8 @@ def main() -> None:
         loads, kinds = [(args.clients, args.requests)], ("plain", "stream", "disconnect")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        return plot_sweep(out.with_name(out.stem + "_summary.csv"), out.with_suffix(".png"))
     rows, summaries, reference = [], [], None
     for k, config in enumerate(configs):
         serve_args = common + config.split()
@@ -232,6 +259,8 @@ def main() -> None:
         w.writeheader()
         w.writerows(summaries)
     out.with_suffix(".txt").write_text(text)
+    if args.sweep:
+        plot_sweep(out.with_name(out.stem + "_summary.csv"), out.with_suffix(".png"))
     print(f"wrote {out}, {out.with_name(out.stem + '_summary.csv')}, {out.with_suffix('.txt')}")
     bad = [s for s in summaries if s["bad"] or s["server_exit"] != 0 or not s.get("queue_empty", True)]
     if bad:
