@@ -81,3 +81,27 @@ def test_compaction_and_admission_under_a_small_context(models, references, tmp_
     waits = int(summary.split(" rounds waiting for KV cells")[0].rsplit(" ", 1)[1])
     compactions = int(summary.split(" compactions")[0].rsplit(" ", 1)[1])
     assert waits > 0 and compactions > 0, summary
+
+
+@pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])
+def test_replayed_answers_go_on_as_the_uninterrupted_ones(models, references, tmp_path, mode):
+    """A request resumed from the tokens it had streamed (JSON key "replay", as the supervisor resumes one after
+    a lost host): on real stages the rest of its answer equals the uninterrupted answer, greedy and seeded."""
+    lines = []
+    for (text, n, temp, seed), ref in zip(JOBS[:4], references):
+        for cut in (1, n // 2, n - 1):
+            lines.append(json.dumps({"prompt": text, "n_predict": n - cut, "temp": temp, "seed": seed,
+                                     "replay": ref[:cut], "cut": cut}))
+    f = tmp_path / "resume.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    args = ["generate", "-m", str(models["q8"]), "--prompts", str(f), "--no-chat", "--mode", mode, "-c", "512"]
+    if mode == "pipeinfer":
+        args += ["--draft", str(models["draft60"]), "--draft-at", "head"]
+    p = cli(args, n=2, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    answers = {a["index"]: a["tokens"] for a in map(json.loads, p.stdout.splitlines())}
+    k = 0
+    for (text, n, temp, seed), ref in zip(JOBS[:4], references):
+        for cut in (1, n // 2, n - 1):
+            assert answers[k] == ref[cut:], (text, cut)
+            k += 1

@@ -232,3 +232,23 @@ def test_pipeline_depth():
     assert pipeline_depth(32, ((62.0,),) * 31 + ((599.0,),)) == 5       # a slow last stage fills at 5 in flight
     assert pipeline_depth(2, ((25.0,), (31.0,))) == 2
     assert pipeline_depth(3, ((1.0,), (1.0,), (100.0,))) == 2
+
+
+@pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])
+def test_a_resumed_request_continues_the_uninterrupted_answer(mode):
+    """A request resumed after a lost pipeline (its prompt, then the tokens it had streamed, replayed one per run)
+    goes on exactly as the uninterrupted answer, whatever point it was cut at and whatever runs beside it."""
+    full = target_alone(PROMPTS[0], 30)[len(PROMPTS[0]):]
+    sched, pipe, pool = make(mode, n_parallel=3)
+    got: dict[int, list[int]] = {}
+    cuts = (0, 1, 2, 7, 29)
+    for cut in cuts:
+        streamed: list[int] = []
+        sched.submit(Request(list(PROMPTS[0]), 30 - cut, on_tokens=streamed.extend, replay=full[:cut],
+                             on_done=lambda tokens, stats, cut=cut, s=streamed: got.update({cut: (tokens, list(s))})))
+    sched.submit(Request(list(PROMPTS[2]), 12))  # beside them, another request
+    sched.run()
+    for cut in cuts:
+        tokens, streamed = got[cut]
+        assert tokens == streamed == full[cut:], cut
+    assert_all_free(sched, pipe, pool)

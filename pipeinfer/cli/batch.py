@@ -3,7 +3,10 @@ at once (ranks/scheduler.py; --parallel, default one per stage), one JSON line p
 --results row per prompt.
 
 FILE has one prompt per line, or JSON lines: {"prompt": "...", "n_predict": 64, "seed": 1, "temp": 0.7,
-"chat": false} (every key but "prompt" optional; the command line's values are the defaults). Blank lines are
+"chat": false, "replay": [token ids]} (every key but "prompt" optional; the command line's values are the
+defaults; "replay": tokens the answer already has, e.g. from an interrupted run: they are decoded after the
+prompt as they were first generated, and the answer goes on exactly as the uninterrupted one would, for
+n_predict more tokens). Blank lines are
 skipped. Answers print as they finish: {"index", "prompt", "text", "tokens", "n_generated", "finish", "ttft_s",
 "tokens_per_s", "queue_s"}, index counting the file's prompts from 0.
 """
@@ -26,6 +29,7 @@ class BatchPrompt:
     chat: bool
     n_predict: int
     sampling: SamplingParams
+    replay: tuple[int, ...] = ()
 
 
 def read_batch(path: str, *, chat: bool, n_predict: int, sampling: SamplingParams) -> list[BatchPrompt]:
@@ -49,9 +53,10 @@ def read_batch(path: str, *, chat: bool, n_predict: int, sampling: SamplingParam
             sp = SamplingParams(float(obj.get("temp", sampling.temp)), int(obj.get("top_k", sampling.top_k)),
                                 float(obj.get("top_p", sampling.top_p)), int(obj.get("seed", sampling.seed)))
             n = int(obj.get("n_predict", n_predict))
-            if n < 1 or sp.temp < 0 or not 0 < sp.top_p <= 1:
-                raise ValueError("n_predict >= 1, temp >= 0 and 0 < top_p <= 1")
-            out.append(BatchPrompt(len(out), text, bool(obj.get("chat", chat)), n, sp))
+            replay = tuple(int(t) for t in obj.get("replay", ()))
+            if n < 1 or sp.temp < 0 or not 0 < sp.top_p <= 1 or any(t < 0 for t in replay):
+                raise ValueError("n_predict >= 1, temp >= 0, 0 < top_p <= 1 and token ids >= 0")
+            out.append(BatchPrompt(len(out), text, bool(obj.get("chat", chat)), n, sp, replay))
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"--prompts {path}, line {no}: not a prompt ({type(e).__name__}: {e})") from None
     if not out:
@@ -70,7 +75,10 @@ def run_batch(args, setup, parallel: int, stop, results_row, write_row) -> None:
     encoded = []
     for p in prompts:
         ids = tok.encode(apply_chat(tok, p.text) if p.chat else p.text)
-        if len(ids) + p.n_predict + reserve > args.pipe.ctx_size:
+        if any(t >= tok.n_vocab for t in p.replay):
+            raise UserError(f"--prompts {args.prompts}: prompt {p.index} replays a token id outside the vocabulary "
+                            f"({tok.n_vocab} tokens)")
+        if len(ids) + len(p.replay) + p.n_predict + reserve > args.pipe.ctx_size:
             raise UserError(f"--prompts {args.prompts}: prompt {p.index} ({len(ids)} tokens) + {p.n_predict} to "
                             f"generate + {reserve} for runs in flight does not fit the context of "
                             f"{args.pipe.ctx_size} tokens (-c/--ctx-size)")
@@ -94,7 +102,8 @@ def run_batch(args, setup, parallel: int, stop, results_row, write_row) -> None:
                 if args.results:
                     write_row(args.results, results_row(setup, session.ranges, f"{name}:{p.index}", stats))
             sched.submit(session.request(ids, n_predict=p.n_predict, sampling=p.sampling, prompt_text=p.text,
-                                         chat=p.chat, should_stop=lambda: stop.requested, on_done=done))
+                                         chat=p.chat, should_stop=lambda: stop.requested, on_done=done,
+                                         replay=list(p.replay)))
         sched.run()
     finally:
         session.close()

@@ -236,16 +236,20 @@ class Head:
             self.take(self.pipe.next_result())
         return self.finish()
 
-    def start(self, prompt: list[int]) -> None:
-        """Launch the prompt, in chunks of n_batch tokens (non-speculative runs)."""
+    def start(self, prompt: list[int], replay: list[int] = ()) -> None:
+        """Launch the prompt, in chunks of n_batch tokens (non-speculative runs), then `replay`: tokens this
+        answer already has (streamed before the pipeline was lost), one per run, as they were first decoded, so
+        the cells and every token after them are bit for bit the uninterrupted answer's; cfg.n_predict then
+        counts only the tokens after them."""
         if not prompt:
             raise ValueError("empty prompt")
         self.stats.t_start_s = self.clock()
-        self.stats.n_prompt = self._n_prompt = len(prompt)
+        self.stats.n_prompt = len(prompt)
+        self._n_prompt = len(prompt) + len(replay)  # where this start's new tokens begin in `accepted`
         self.pipe.set_sampling(self.cfg.sampling)
-        self._launch_prompt(prompt)
+        self._launch_prompt(prompt, list(replay))
         if self.drafter is not None:
-            self.drafter.prefill(prompt)  # while the target's stages process the prompt
+            self.drafter.prefill(self.accepted)  # while the target's stages process the prompt
 
     def take(self, res) -> None:
         """One result of this generation's runs: verify and commit it, cancel what it made useless, and keep
@@ -403,15 +407,19 @@ class Head:
             self._next_run += 1
         return self._next_run
 
-    def _launch_prompt(self, prompt: list[int]) -> None:
-        self.accepted = list(prompt)
-        for start in range(0, len(prompt), self.cfg.n_batch):
-            chunk = prompt[start:start + self.cfg.n_batch]
-            last = start + len(chunk) == len(prompt)
+    def _launch_prompt(self, prompt: list[int], replay: list[int]) -> None:
+        """The prompt's chunks (the last row of the last one predicts the next token), then each replayed token
+        alone: a generated token was decoded alone or in a micro-batch within the exact batch limit, which gives
+        the same cells."""
+        self.accepted = list(prompt) + replay
+        runs = [(start, prompt[start:start + self.cfg.n_batch]) for start in range(0, len(prompt), self.cfg.n_batch)]
+        runs += [(len(prompt) + k, [t]) for k, t in enumerate(replay)]
+        for i, (start, chunk) in enumerate(runs):
+            last = i == len(runs) - 1
             nodes = [Node(t, start + k, k - 1, [self.canon], 0 if (last and k == len(chunk) - 1) else -1)
                      for k, t in enumerate(chunk)]
             self._launch(Flight(TreeRun(self._new_run_id(), nodes), speculative=False), kv_ops())
-        self.n_kv0 = len(prompt)
+        self.n_kv0 = len(self.accepted)
 
     def _launch_nonspec(self) -> None:
         m = len(self.accepted)

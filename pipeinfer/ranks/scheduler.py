@@ -80,6 +80,8 @@ class Request:
     should_stop: Callable[[], bool] | None = None
     on_done: Callable[[list[int], Stats], None] | None = None  # the answer's tokens and statistics
     t_queued_s: float = 0.0
+    replay: list[int] = field(default_factory=list)  # tokens the answer already has (a resumed request, Head.start):
+                                                     # n_predict, on_tokens and on_done count only those after them
 
 
 @dataclass
@@ -168,11 +170,11 @@ class Scheduler:
 
     # ================================================================ the loop
     def submit(self, req: Request) -> None:
-        need = len(req.prompt) + req.n_predict
+        need = len(req.prompt) + len(req.replay) + req.n_predict
         if not req.prompt:
             raise ValueError("empty prompt")
         if need + self.reserve > self.cfg.n_ctx:
-            raise ValueError(f"prompt ({len(req.prompt)} tokens) + max tokens ({req.n_predict}) does not fit the "
+            raise ValueError(f"prompt ({len(req.prompt) + len(req.replay)} tokens) + max tokens ({req.n_predict}) does not fit the "
                              f"context ({self.cfg.n_ctx} cells, {self.reserve} kept for speculative runs)")
         if not req.t_queued_s:
             req.t_queued_s = self.clock()
@@ -221,7 +223,7 @@ class Scheduler:
                 self._compact()  # every free slot is dirty: repack to clean them
                 continue
             num, req = self.waiting[0]
-            need = len(req.prompt) + req.n_predict
+            need = len(req.prompt) + len(req.replay) + req.n_predict
             if sum(g.need for g in self.gens) + need + self.reserve > self.cfg.n_ctx:
                 self.stats.waits_for_cells += 1
                 return  # first come first served: the next request waits for cells, no one overtakes it
@@ -240,7 +242,7 @@ class Scheduler:
         self.stats.n_admitted += 1
         self.stats.max_active = max(self.stats.max_active, len(self.gens))
         self.stats.admitted_order.append(num)
-        head.start(req.prompt)  # in the chunks it would take alone (n_batch): smaller ones change the numerics
+        head.start(req.prompt, req.replay)  # in the chunks it takes alone (n_batch): smaller ones change the numerics
         head.stats.t_queue_s = max(0.0, head.stats.t_start_s - req.t_queued_s)
 
     def _cells_short(self) -> bool:

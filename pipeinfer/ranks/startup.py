@@ -142,7 +142,7 @@ class HeadSession:
                 "partitions": self.pool.n_partitions if self.pool else 0}
 
     def request(self, prompt: list[int], *, n_predict: int | None = None, sampling=None, prompt_text: str | None = None,
-                chat: bool = False, on_tokens=None, should_stop=None, on_done=None) -> Request:
+                chat: bool = False, on_tokens=None, should_stop=None, on_done=None, replay=()) -> Request:
         """A Request for `scheduler()`; on_done(tokens, stats) gets the statistics `generate` reports."""
         def done(tokens: list[int], stats: Stats) -> None:
             self._n_runs += stats.n_runs
@@ -152,7 +152,7 @@ class HeadSession:
                 on_done(tokens, stats)
         return Request(list(prompt), self.cfg.n_predict if n_predict is None else n_predict,
                        self.cfg.sampling if sampling is None else sampling, prompt_text, chat, on_tokens, should_stop,
-                       done)
+                       done, replay=list(replay))
 
     def generate(self, prompt: list[int], *, n_predict: int | None = None, sampling=None, prompt_text: str | None = None,
                  chat: bool = False, on_tokens=None, on_progress=None, should_stop=None) -> Stats:
