@@ -258,6 +258,11 @@ def _print_report(setup: PipelineSetup, res) -> None:
 @click.option("--results", default=None, help="append one CSV row per request to this file")
 @click.option("--parallel", default=None, type=click.IntRange(1, 64),
               help="requests generated at once [default: 3 per pipeline stage; 1: one after another]")
+@click.option("--np", "np", default=None, type=click.IntRange(1),
+              help="run without mpiexec: start the pipeline on this many ranks as a supervised job that re-forms "
+                   "without a lost rank and resumes every request (on this machine, or --hostfile's hosts)")
+@click.option("--hostfile", default=None, help="with or without --np: the supervised job's hosts (as `launch`)")
+@click.option("--attach", default=None, hidden=True, help="rank 0 of a supervised job: the supervisor's socket")
 def serve(**kw) -> None:
     """Serve the model over an OpenAI-compatible HTTP API from rank 0 (streaming and not)."""
     run_guarded(_serve, ServeArgs.of(kw))
@@ -274,6 +279,9 @@ class ServeArgs:
     max_queue: int
     results: str | None
     parallel: int | None
+    np: int | None
+    hostfile: str | None
+    attach: str | None
 
     @classmethod
     def of(cls, kw: dict) -> ServeArgs:
@@ -281,6 +289,8 @@ class ServeArgs:
 
 
 def _serve(args: ServeArgs) -> None:
+    if args.np or args.hostfile:
+        return _supervise(args)
     from mpi4py import MPI
 
     from ..ranks.startup import open_session
@@ -288,13 +298,20 @@ def _serve(args: ServeArgs) -> None:
         raise UserError("--drafter replay is a benchmark instrument for generate, not for serve")
     rank = MPI.COMM_WORLD.Get_rank()
     setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, sampling=SamplingParams(), stop_at_eos=True)
-    if rank == 0:
+    if rank == 0 and not args.attach:
         _check_port_free(args.host, args.port)  # before the models load
     # Ctrl-C or SIGTERM: rank 0 stops the server (below); a stage rank ends when the head shuts the pipeline down
     stop = StopSignals().install()
     parallel = _parallel(args.parallel, setup)
     session = open_session(setup.run_options(parallel=parallel))
     if session is None:
+        return
+    if args.attach:  # rank 0 of a supervised server's job (supervisor.py): the supervisor has the HTTP side
+        from .attach import run_attached
+        try:
+            run_attached(session, args.attach, parallel, stop)
+        finally:
+            session.close()
         return
     import uvicorn
 
@@ -327,6 +344,72 @@ def _serve(args: ServeArgs) -> None:
         session.close()
     if generator.fatal:
         raise UserError(f"the pipeline failed: {generator.fatal}")
+
+
+def _child_args(argv: list[str]) -> list[str]:
+    """The supervised job's `serve` options: this command's, less the supervisor's own."""
+    args = argv[argv.index("serve") + 1:]
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in ("--np", "--hostfile"):
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def _supervise(args: ServeArgs) -> None:
+    """`serve --np N` / `--hostfile HOSTS` outside mpiexec: the HTTP server here, the pipeline a child job that is
+    re-formed on the slots that remain when a rank is lost (supervisor.py)."""
+    import uvicorn
+
+    from ..engine.tokenizer import Tokenizer, apply_chat
+    from .launch import parse_hostfile, rank_hosts
+    from .server import ServeConfig, create_app
+    from .supervisor import Supervisor
+    if mpi_size() > 1:
+        raise UserError("--np/--hostfile start the pipeline's MPI job themselves: run `pipeinfer serve` without mpiexec")
+    if args.hostfile:
+        try:
+            hosts = parse_hostfile(args.hostfile)
+            slots = [h.name for h in rank_hosts(hosts, args.np or sum(h.slots for h in hosts))]
+        except (ValueError, OSError) as e:
+            raise UserError(f"--hostfile {args.hostfile}: {e}") from None
+    else:
+        slots = ["localhost"] * args.np
+    setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, sampling=SamplingParams(), stop_at_eos=True)
+    _check_port_free(args.host, args.port)
+    stop = StopSignals().install()
+    tok = Tokenizer(setup.model)
+    model_id = _model_id(args)
+
+    def on_done(job, stats, finish):
+        if args.results:
+            try:
+                _write_row(args.results, _results_row(setup, [None] * len(sup.slots), f"serve:{finish}", stats))
+            except UserError as e:
+                print(f"[serve] {job.request_id}: {e}", file=sys.stderr, flush=True)
+    sup = Supervisor(slots, _child_args(sys.argv), tok, on_done=on_done)
+    try:
+        sup.start()
+        app = create_app(ServeConfig(model_id, args.pipe.ctx_size, args.pipe.cells_reserve(), args.n_predict), sup,
+                         tok, lambda messages: apply_chat(tok, messages))
+        if not stop.requested:
+            print(f"[pipeinfer] serving '{model_id}' on http://{args.host}:{args.port}/v1 (mode {args.pipe.mode}, "
+                  f"{len(slots)} rank(s) in a supervised job, {sup.parallel} request(s) at once); Ctrl-C stops",
+                  file=sys.stderr, flush=True)
+            _http_server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                        timeout_graceful_shutdown=5), stop).run()
+    finally:
+        print("[pipeinfer] stopping: the pipeline's job finishes the requests in progress, then shuts down",
+              file=sys.stderr, flush=True)
+        sup.stop()
+    if sup.fatal:
+        raise UserError(f"the pipeline failed: {sup.fatal}")
 
 
 def _parallel(asked: int | None, setup: PipelineSetup) -> int:

@@ -173,6 +173,11 @@ class Generator:
         self.jobs.put(None)
         self.thread.join()
 
+    def load(self) -> dict:
+        """For /health: what waits and what the pipeline holds now (a snapshot read from another thread)."""
+        load = self.session.load()
+        return {"queued": self.jobs.qsize() + load.pop("waiting"), **load}
+
     def _fail(self, e: Exception, jobs) -> None:
         """The pipeline is gone (a rank failed): fail these and every later request."""
         self.fatal = f"{type(e).__name__}: {e}"
@@ -469,9 +474,8 @@ def create_app(cfg: ServeConfig, generator: Generator, tokenizer, apply_chat_tem
     async def health():
         if generator.fatal:
             return JSONResponse({"status": "error", "error": generator.fatal}, status_code=503)
-        load = generator.session.load()
-        return {"status": "ok", "queued": generator.jobs.qsize() + load.pop("waiting"), "parallel": generator.parallel,
-                **load}
+        load = generator.load()
+        return {"status": "degraded" if load.get("degraded") else "ok", "parallel": generator.parallel, **load}
 
     @app.get("/v1/models")
     async def models():
