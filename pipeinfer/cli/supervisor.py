@@ -272,8 +272,9 @@ class Supervisor:
     def load(self) -> dict:
         with self._lock:
             n = len(self._records)
-        return {"generating": n, "ranks": len(self.slots), "degraded": bool(self.lost), "lost": list(self.lost),
-                "reforms": self.n_reforms}
+        # every request goes to rank 0 at once: what it has not answered yet is generating or queued there
+        return {"queued": 0, "generating": n, "ranks": len(self.slots), "degraded": bool(self.lost),
+                "lost": list(self.lost), "reforms": self.n_reforms}
 
     def stop(self) -> None:
         self._stopping = True
