@@ -119,7 +119,9 @@ def test_a_lost_rank_costs_seconds_not_answers(models, refs, tmp_path, mode, vic
     """Three requests stream at once (greedy and seeded); one rank is killed (or frozen) mid-answer: the job
     re-forms on 2 slots, every answer equals the no-failure answer, /health says degraded and names the rank,
     and the server goes on serving."""
-    args = ["--np", "3", "-m", str(models["q8"]), "--mode", mode, "-c", "2048", "--stall-timeout", "3"]
+    rows = tmp_path / "rows.csv"
+    args = ["--np", "3", "-m", str(models["q8"]), "--mode", mode, "-c", "2048", "--stall-timeout", "3",
+            "--results", str(rows)]
     if mode == "pipeinfer":
         args += ["--draft", str(models["draft60"]), "--draft-at", "head"]
     jobs = JOBS
@@ -151,6 +153,9 @@ def test_a_lost_rank_costs_seconds_not_answers(models, refs, tmp_path, mode, vic
         assert "re-forming the pipeline without rank" in srv.text() and "request(s) resumed" in srv.text()
         after = srv.stream({"model": "t-q8", "prompt": PROMPT, "max_tokens": 30})  # and it goes on serving
         assert after and refs[0].startswith(universal_newlines(after))
+        from pipeinfer.core.results import read_results
+        statuses = sorted(r["status"] for r in read_results(rows))
+        assert statuses[-1] == "ok: resumed 1" and statuses.count("ok") >= 1, statuses
     finally:
         code = srv.stop()
         for pid in job_ranks().values():  # a frozen rank left behind would hold the machine
@@ -178,3 +183,31 @@ def test_no_slot_left_is_one_line_and_a_clean_stop(models, tmp_path):
     errors = [ln for ln in srv.text().splitlines() if ln.startswith("pipeinfer: error:")]
     assert len(errors) == 1 and "no slot left" in errors[0], srv.text()[-2000:]
     assert "Traceback" not in srv.text()
+
+
+def test_generate_resumes_after_a_lost_rank(models, refs, tmp_path):
+    """`generate --np 3` (no mpiexec): rank 1 killed while the text streams; the job re-forms on 2 ranks and the
+    text on stdout is the uninterrupted run's; the --results row says the answer was resumed."""
+    rows = tmp_path / "rows.csv"
+    cmd = [sys.executable, "-m", "pipeinfer", "generate", "--np", "3", "-m", str(models["q8"]), "-p", PROMPT,
+           "--no-chat", "-n", "600", "--mode", "iterative", "-c", "2048", "-q", "--results", str(rows)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        head = p.stdout.read(40)  # the text has begun
+        os.kill(job_ranks()[1], signal.SIGKILL)
+        rest = p.stdout.read()  # (not communicate(): it reads the pipe past what p.stdout has buffered)
+        err = p.stderr.read()
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0, err[-2000:]
+    assert (head + rest).rstrip("\n") == refs[0]
+    assert "re-forming the pipeline without rank 1" in err and "Traceback" not in err, err[-2000:]
+    from pipeinfer.core.results import read_results
+    assert [r["status"] for r in read_results(rows)] == ["ok: resumed 1"]
+
+
+def test_resume_on_failure_needs_a_supervisor(models):
+    p = cli(["generate", "-m", str(models["q8"]), "-p", PROMPT, "--resume-on-failure"], n=2)
+    assert p.returncode != 0 and "needs --np N or --hostfile HOSTS" in p.stderr and "Traceback" not in p.stderr

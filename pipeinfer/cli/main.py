@@ -52,6 +52,11 @@ def main() -> None:
               help="a file of prompts (one per line, or JSON lines): run them all, several at once; one JSON line each")
 @click.option("--parallel", default=None, type=click.IntRange(1, 64),
               help="with --prompts: prompts generated at once [default: 3 per pipeline stage]")
+@click.option("--np", "np", default=None, type=click.IntRange(1),
+              help="run without mpiexec: start the pipeline on this many ranks as a supervised job that re-forms "
+                   "without a lost rank and resumes the generation (on this machine, or --hostfile's hosts)")
+@click.option("--hostfile", default=None, help="with or without --np: the supervised job's hosts (as `launch`)")
+@click.option("--resume-on-failure", is_flag=True, help="the same as --np/--hostfile's supervision (which it needs)")
 def generate(**kw) -> None:
     """Generate text with the target model split across the MPI ranks."""
     run_guarded(_generate, GenerateArgs.of(kw))
@@ -78,6 +83,9 @@ class GenerateArgs:
     as_json: bool
     prompts: str | None
     parallel: int | None
+    np: int | None
+    hostfile: str | None
+    resume_on_failure: bool
 
     @classmethod
     def of(cls, kw: dict) -> GenerateArgs:
@@ -94,6 +102,8 @@ class Prompt:
 def _generate(args: GenerateArgs) -> None:
     """Every rank: the options resolved and the prompt read; rank 0 tokenizes and streams the answer, then
     reports; the other ranks serve the pipeline."""
+    if args.np or args.hostfile or args.resume_on_failure:
+        return _generate_supervised(args)
     from mpi4py import MPI
 
     from ..ranks.startup import run
@@ -128,6 +138,35 @@ def _generate(args: GenerateArgs) -> None:
     if args.results:
         _write_row(args.results, _results_row(setup, res.ranges, prompt.name, res.stats, args.replay_accuracy,
                                               res.peak_rss_mb, status=status))
+
+
+def _generate_supervised(args: GenerateArgs) -> None:
+    """--np N / --hostfile HOSTS outside mpiexec: the generation survives a lost rank (resume.py)."""
+    from .resume import generate_supervised
+    if not (args.np or args.hostfile):
+        raise UserError("--resume-on-failure needs --np N or --hostfile HOSTS, run without mpiexec: the process that "
+                        "resumes must outlive the MPI job")
+    if args.prompts or args.pipe.drafter == "replay":
+        raise UserError("--np/--hostfile supervise one prompt (not --prompts, not the replay drafter)")
+    slots = _slots(args.np, args.hostfile)
+    setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, stop_at_eos=not args.ignore_eos,
+                             sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.seed))
+    stop = StopSignals().install()
+    generate_supervised(args, setup, slots, read_prompt(args), stop, _results_row, _write_row)
+
+
+def _slots(np: int | None, hostfile: str | None) -> list[str]:
+    """The supervised job's ranks' hosts, rank 0 first: --hostfile's slots (--np of them), or --np on this machine."""
+    from .launch import parse_hostfile, rank_hosts
+    if mpi_size() > 1:
+        raise UserError("--np/--hostfile start the pipeline's MPI job themselves: run pipeinfer without mpiexec")
+    if not hostfile:
+        return ["localhost"] * np
+    try:
+        hosts = parse_hostfile(hostfile)
+        return [h.name for h in rank_hosts(hosts, np or sum(h.slots for h in hosts))]
+    except (ValueError, OSError) as e:
+        raise UserError(f"--hostfile {hostfile}: {e}") from None
 
 
 def _generate_batch(args: GenerateArgs, setup: PipelineSetup) -> None:
@@ -368,29 +407,21 @@ def _supervise(args: ServeArgs) -> None:
     import uvicorn
 
     from ..engine.tokenizer import Tokenizer, apply_chat
-    from .launch import parse_hostfile, rank_hosts
     from .server import ServeConfig, create_app
     from .supervisor import Supervisor
-    if mpi_size() > 1:
-        raise UserError("--np/--hostfile start the pipeline's MPI job themselves: run `pipeinfer serve` without mpiexec")
-    if args.hostfile:
-        try:
-            hosts = parse_hostfile(args.hostfile)
-            slots = [h.name for h in rank_hosts(hosts, args.np or sum(h.slots for h in hosts))]
-        except (ValueError, OSError) as e:
-            raise UserError(f"--hostfile {args.hostfile}: {e}") from None
-    else:
-        slots = ["localhost"] * args.np
+    slots = _slots(args.np, args.hostfile)
     setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, sampling=SamplingParams(), stop_at_eos=True)
     _check_port_free(args.host, args.port)
     stop = StopSignals().install()
     tok = Tokenizer(setup.model)
     model_id = _model_id(args)
 
-    def on_done(job, stats, finish):
+    def on_done(job, stats, finish, n_resumes=0):
         if args.results:
+            status = f"ok: resumed {n_resumes}" if n_resumes else "ok"
             try:
-                _write_row(args.results, _results_row(setup, [None] * len(sup.slots), f"serve:{finish}", stats))
+                _write_row(args.results, _results_row(setup, [None] * len(sup.slots), f"serve:{finish}", stats,
+                                                      status=status))
             except UserError as e:
                 print(f"[serve] {job.request_id}: {e}", file=sys.stderr, flush=True)
     sup = Supervisor(slots, _child_args(sys.argv), tok, on_done=on_done)

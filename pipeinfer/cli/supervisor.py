@@ -178,6 +178,8 @@ class Supervisor:
             return
         if msg["op"] == "tokens":
             rec.tokens += msg["tokens"]
+            if hasattr(rec.job, "on_token_ids"):  # generate --np (resume.py) keeps the ids
+                rec.job.on_token_ids(msg["tokens"])
             rec.answer.on_tokens(msg["tokens"])
         elif msg["op"] == "done":
             stats = _stats_from(msg["stats"])
@@ -186,7 +188,8 @@ class Supervisor:
                 self._records.pop(rec.jid, None)
             if rec.n_resumes:
                 self.log(f"[serve] {rec.job.request_id}: resumed {rec.n_resumes} time(s)")
-            rec.answer.finish(stats, self.log, self.on_done)
+            on_done = self.on_done and (lambda job, st, fin: self.on_done(job, st, fin, rec.n_resumes))
+            rec.answer.finish(stats, self.log, on_done)
         elif msg["op"] == "error":
             with self._lock:
                 self._records.pop(rec.jid, None)

@@ -1,0 +1,108 @@
+"""`pipeinfer generate --np N` / `--hostfile HOSTS` (run without mpiexec): one generation that survives a lost
+rank. The supervisor (supervisor.py) runs the pipeline as a child job and, when a rank is lost or goes silent,
+re-forms it on the slots left and resumes the generation from the tokens already printed; the text on stdout
+just pauses, and it is the text an uninterrupted run prints.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import uuid
+
+from ..core.errors import UserError
+
+# generate's own options (the pipeline's go to the supervised job's `serve --attach` as they are)
+_WITH_VALUE = {"-p", "--prompt", "-f", "--file", "--prompt-name", "-n", "--n-predict", "--temp", "--top-k", "--top-p",
+               "--seed", "--replay-ref", "--replay-accuracy", "--results", "--prompts", "--parallel", "--np",
+               "--hostfile"}
+_FLAGS = {"--chat", "--no-chat", "--ignore-eos", "-q", "--quiet", "--json", "--resume-on-failure"}
+
+
+def pipeline_args(argv: list[str]) -> list[str]:
+    """generate's command line less generate's own options: what the supervised job's rank 0 takes."""
+    args = argv[argv.index("generate") + 1:]
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in _WITH_VALUE:
+            skip = "=" not in a
+        elif name not in _FLAGS:
+            out.append(a)
+    return out
+
+
+class StdoutJob:
+    """server.Job's shape for the supervisor: the text goes to stdout as it comes (or, with --json, at the end)."""
+
+    def __init__(self, prompt_tokens: list[int], n_predict: int, sampling, prompt_text: str, chat: bool,
+                 as_json: bool):
+        self.prompt_tokens, self.n_predict, self.sampling = prompt_tokens, n_predict, sampling
+        self.prompt_text, self.chat, self.stops, self.as_json = prompt_text, chat, [], as_json
+        self.request_id = uuid.uuid4().hex[:24]
+        self.t_queued_s = time.perf_counter()
+        self.cancelled = threading.Event()
+        self.finished = threading.Event()
+        self.tokens: list[int] = []
+        self.text = ""
+        self.outcome: tuple | None = None   # ("done", info) or ("error", message)
+
+    def on_token_ids(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+
+    def push(self, event: tuple) -> None:
+        if event[0] == "text":
+            self.text += event[1]
+            if not self.as_json:
+                sys.stdout.write(event[1])
+                sys.stdout.flush()
+            return
+        self.outcome = event
+        self.finished.set()
+
+
+def generate_supervised(args, setup, slots: list[str], prompt, stop, results_row, write_row) -> None:
+    """The generation under the supervisor; the answer on stdout, the statistics and a --results row as usual."""
+    from ..core.verify import SamplingParams
+    from ..engine.tokenizer import Tokenizer, apply_chat
+    from .supervisor import Supervisor
+    if args.ignore_eos:
+        raise UserError("--ignore-eos is not available with --np/--hostfile yet (the supervised job stops at EOS)")
+    tok = Tokenizer(setup.model)
+    ids = tok.encode(apply_chat(tok, prompt.text) if prompt.chat else prompt.text)
+    job = StdoutJob(ids, args.n_predict, SamplingParams(args.temp, args.top_k, args.top_p, args.seed), prompt.text,
+                    bool(prompt.chat), args.as_json)
+    resumed: list[int] = []
+
+    def log(msg: str) -> None:
+        if not args.quiet or "re-form" in msg:
+            print(msg.replace("[serve]", "[pipeinfer]"), file=sys.stderr, flush=True)
+
+    def on_done(_job, stats, finish, n_resumes=0):
+        resumed.append(n_resumes)
+        if args.results:
+            status = f"ok: resumed {n_resumes}" if n_resumes else "ok"
+            write_row(args.results, results_row(setup, [None] * len(sup.slots), prompt.name, stats, status=status))
+    sup = Supervisor(slots, pipeline_args(sys.argv), tok, log=log, on_done=on_done)
+    try:
+        sup.start()
+        sup.submit(job)
+        while not job.finished.wait(0.2):
+            if stop.requested:
+                job.cancelled.set()
+    finally:
+        sup.stop()
+    if job.outcome is None or job.outcome[0] == "error":
+        raise UserError(sup.fatal or (job.outcome[1] if job.outcome else "the generation did not finish"))
+    info = job.outcome[1]
+    if args.as_json:
+        print(json.dumps({"text": job.text, "tokens": job.tokens, "prompt_tokens": ids,
+                          "stats": info["stats"].to_dict(), "resumed": resumed[0] if resumed else 0,
+                          "lost": sup.lost}))
+    else:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
