@@ -84,3 +84,63 @@ def test_network_cut_to_a_worker_host(tmp_path):
     assert r["stdout_bytes_at_fault"] > 0 and r["stdout_bytes"] >= r["stdout_bytes_at_fault"], ctx
     assert (r["results_status"] or "").startswith(case.results_status), ctx
     _cleaned_up()
+
+
+def test_supervised_server_survives_a_cut_link(models, tmp_path):
+    """`serve --hostfile` over the emulated cluster (h0, h1, h2): h2's link goes down while three answers stream;
+    the supervisor re-forms the job on h0 and h1 and every answer equals its no-failure answer."""
+    why = F.netns_unavailable()
+    if why:
+        pytest.skip(why)
+    import threading
+
+    from test_supervisor import JOBS, Supervised, job_ranks, reference, universal_newlines
+    script = str(ROOT / "launch" / "netns-cluster.sh")
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    up = subprocess.run(["bash", script, "up", "3"], capture_output=True, text=True, env=env, timeout=120)
+    try:
+        assert up.returncode == 0, up.stderr[-2000:]
+        hosts = tmp_path / "hosts.txt"
+        hosts.write_text("h0\nh1\nh2\n")
+        refs = [reference(models, n, "--temp", str(t), "--top-p", "0.95", "--seed", str(sd), prompt=p)
+                for p, n, t, sd in JOBS]
+        os.environ["PIPEINFER_MPI_ARGS"] = (f"-iface brpi -launcher ssh -launcher-exec {ROOT}/launch/netns-exec "
+                                            "-genv UCX_TLS tcp -genv FI_PROVIDER tcp")
+        try:
+            srv = Supervised(["--hostfile", str(hosts), "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048",
+                              "--stall-timeout", "3"], tmp_path / "sup.log")
+        finally:
+            del os.environ["PIPEINFER_MPI_ARGS"]
+        got: dict[int, str] = {}
+        cut = threading.Event()
+
+        def on_piece(k: int) -> None:
+            if k == 20 and not cut.is_set():
+                cut.set()
+                subprocess.run(["ip", "link", "set", "pi-h2", "down"], check=True)
+
+        def ask(i: int) -> None:
+            p, n, t, sd = JOBS[i]
+            got[i] = srv.stream({"model": "t-q8", "prompt": p, "max_tokens": n, "temperature": t, "top_p": 0.95,
+                                 "seed": sd}, on_piece if i == 0 else None)
+        try:
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(JOBS))]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            assert cut.is_set()
+            for i, ref in enumerate(refs):
+                assert universal_newlines(got[i]) == ref, (i, srv.text()[-2000:])
+            health = srv.health()
+            assert health["status"] == "degraded" and health["lost"] == ["rank 2 (host h2)"], health
+        finally:
+            code = srv.stop()
+            for pid in job_ranks().values():
+                os.kill(pid, 9)
+        assert code == 0, srv.text()[-3000:]
+        assert "re-forming the pipeline without rank 2 (host h2)" in srv.text()
+        print(next(ln for ln in srv.text().splitlines() if "re-formed in" in ln))  # the README's number
+    finally:
+        subprocess.run(["bash", script, "down", "3"], capture_output=True, env=env, timeout=120)
+    _cleaned_up()

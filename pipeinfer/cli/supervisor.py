@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -98,6 +99,7 @@ class Supervisor:
             else:
                 hosts.append(Host(name, 1))
         extra = ["--allow-run-as-root"] if mpi == "openmpi" and os.geteuid() == 0 else []
+        extra += shlex.split(os.environ.get("PIPEINFER_MPI_ARGS", ""))  # the launcher's own options (README)
         return build_command(hosts, len(self.slots), mpi, ["serve", "--attach", self._sock_path] + self.child_args,
                              mpiexec=choose_launcher(library, None), extra=extra,
                              hostfile=os.path.join(self._dir, "hosts.txt"))
