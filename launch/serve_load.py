@@ -4,6 +4,11 @@
     python launch/serve_load.py [--requests 64] [--clients 8] [--max-tokens 16] [--out results/serve_load.csv]
                                 [--config '--parallel 1' --config ''] [-- SERVE ARGS...]
     python launch/serve_load.py --sweep 1,2,4,8 --requests-per-client 4 --out results/serve_sweep.csv
+    python launch/serve_load.py --config '--np 3' --kill-rank 1 --kill-after 10 --out results/serve_lost_rank.csv
+
+A config with --np starts a supervised server (no mpiexec: it runs the pipeline's job itself); --kill-rank R
+SIGKILLs rank R of that job --kill-after seconds into each load, and the summary says how long the streams
+paused (every request must still complete with its reference answer).
 
 For each --config in turn (default: `--parallel 1`, today's one-at-a-time server, then the default) starts
 `mpiexec -n 2 pipeinfer serve` on a free loopback port (default model and draft, 1 thread per rank; SERVE ARGS
@@ -96,6 +101,7 @@ def ask(client, model: str, port: int, prompt: str, temp: float, seed: int, how:
         parts, first, n = [], None, 0
         for ch in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
             if ch.choices and ch.choices[0].delta.content:
+                PIECES_AT.append(time.monotonic())
                 first = first or time.perf_counter() - t0
                 parts.append(ch.choices[0].delta.content)
             if ch.usage:
@@ -120,10 +126,39 @@ def ask(client, model: str, port: int, prompt: str, temp: float, seed: int, how:
 
 
 MIX = [(p, t, s) for p in PROMPTS for t, s in SEEDS]
+PIECES_AT: list[float] = []  # when each streamed piece arrived (time.monotonic), every request
+
+
+def job_ranks() -> dict[int, int]:
+    """rank -> pid of a supervised server's pipeline job (its ranks run `serve --attach`; MPICH sets PMI_RANK)."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"--attach" in cmd and b"pipeinfer" in cmd:
+            out.update({int(e[9:]): int(pid) for e in env if e.startswith(b"PMI_RANK=")})
+    return out
+
+
+def kill_later(rank: int, after_s: float, fault: dict) -> threading.Timer:
+    """SIGKILL rank `rank` of the supervised job `after_s` seconds from now; `fault` gets when."""
+    def kill() -> None:
+        pid = job_ranks().get(rank)
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            fault["t_kill"] = time.monotonic()
+            print(f"killed rank {rank} (pid {pid}) {after_s:.0f} s into the load", flush=True)
+    timer = threading.Timer(after_s, kill)
+    timer.start()
+    return timer
 
 
 def run_load(serve_args: list[str], log_path: Path, loads: list[tuple[int, int]], max_tokens: int,
-             kinds: tuple[str, ...], reference: dict | None) -> tuple[list[dict], list[dict], dict]:
+             kinds: tuple[str, ...], reference: dict | None, kill: tuple[int, float] | None = None
+             ) -> tuple[list[dict], list[dict], dict]:
     """One server with these options; for each (clients, requests) in `loads` a burst of requests.
     Returns the per-request rows, one summary per load, and the reference answers (asked alone, first)."""
     port = free_port()
@@ -154,12 +189,21 @@ def run_load(serve_args: list[str], log_path: Path, loads: list[tuple[int, int]]
                                   "first_piece_s": round(r["first_s"], 3) if r["first_s"] else ""})
 
             t0 = time.perf_counter()
+            fault: dict = {}
+            timer = kill_later(kill[0], kill[1], fault) if kill and "--np" in serve_args else None
             with ThreadPoolExecutor(n_clients) as pool:
                 list(pool.map(one, range(n_requests)))
             wall = time.perf_counter() - t0
+            if timer is not None:
+                timer.cancel()
             burst.sort(key=lambda r: r["request"])
             rows += burst
             summaries.append(summarize(burst, wall, n_clients, serve_args))
+            if "t_kill" in fault:  # the longest pause of the streams from the kill on (pieces already sent still
+                times = [fault["t_kill"]] + sorted(t for t in PIECES_AT if t > fault["t_kill"])  # arrive first)
+                summaries[-1]["stall_s"] = round(max(b - a for a, b in zip(times, times[1:])), 2) if times[1:] else None
+                summaries[-1]["line"] += (f"; rank {kill[0]} killed {kill[1]:.0f} s in: the streams paused "
+                                          f"{summaries[-1]['stall_s']} s at most")
             print(summaries[-1]["line"], flush=True)
         health = json.loads(urlopen_health(port))
         for s in summaries:
@@ -222,6 +266,9 @@ def main() -> None:
                          "default); with --sweep also '--mode iterative']")
     ap.add_argument("--out", default=str(ROOT / "results" / "serve_load.csv"))
     ap.add_argument("--replot", action="store_true", help="only redraw the sweep's PNG from OUT's summary CSV")
+    ap.add_argument("--kill-rank", type=int, default=None,
+                    help="supervised configs (--np): SIGKILL this rank of the pipeline's job during each load")
+    ap.add_argument("--kill-after", type=float, default=10.0, help="seconds into the load [default: 10]")
     ap.add_argument("serve_args", nargs="*", help="options every server gets [default: -t 1 -c 2048]")
     args = ap.parse_args()
     common = args.serve_args or ["-t", "1", "-c", "2048"]
@@ -238,8 +285,9 @@ def main() -> None:
     rows, summaries, reference = [], [], None
     for k, config in enumerate(configs):
         serve_args = common + config.split()
+        kill = (args.kill_rank, args.kill_after) if args.kill_rank is not None else None
         r, s, reference = run_load(serve_args, out.with_suffix(f".server{k}.log"), loads, args.max_tokens, kinds,
-                                   reference)
+                                   reference, kill)
         rows += r
         summaries += s
     lines = [s.pop("line") for s in summaries]
@@ -257,7 +305,7 @@ def main() -> None:
         w.writeheader()
         w.writerows(rows)
     with open(out.with_name(out.stem + "_summary.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(summaries[0]))
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for x in summaries for k in x)), restval="")
         w.writeheader()
         w.writerows(summaries)
     out.with_suffix(".txt").write_text(text)
