@@ -94,7 +94,7 @@ def test_supervised_server_survives_a_cut_link(models, tmp_path):
         pytest.skip(why)
     import threading
 
-    from test_supervisor import JOBS, Supervised, job_ranks, reference, universal_newlines
+    from test_supervisor import JOBS, Supervised, job_ranks, reference, stream_jobs, universal_newlines
     script = str(ROOT / "launch" / "netns-cluster.sh")
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     up = subprocess.run(["bash", script, "up", "3"], capture_output=True, text=True, env=env, timeout=120)
@@ -111,7 +111,6 @@ def test_supervised_server_survives_a_cut_link(models, tmp_path):
                               "--stall-timeout", "3"], tmp_path / "sup.log")
         finally:
             del os.environ["PIPEINFER_MPI_ARGS"]
-        got: dict[int, str] = {}
         cut = threading.Event()
 
         def on_piece(k: int) -> None:
@@ -119,16 +118,8 @@ def test_supervised_server_survives_a_cut_link(models, tmp_path):
                 cut.set()
                 subprocess.run(["ip", "link", "set", "pi-h2", "down"], check=True)
 
-        def ask(i: int) -> None:
-            p, n, t, sd = JOBS[i]
-            got[i] = srv.stream({"model": "t-q8", "prompt": p, "max_tokens": n, "temperature": t, "top_p": 0.95,
-                                 "seed": sd}, on_piece if i == 0 else None)
         try:
-            threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(JOBS))]
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
+            got = stream_jobs(srv, JOBS, on_piece)
             assert cut.is_set()
             for i, ref in enumerate(refs):
                 assert universal_newlines(got[i]) == ref, (i, srv.text()[-2000:])

@@ -10,27 +10,30 @@ import time
 
 import pytest
 
-from conftest import cli
+from conftest import ROOT, cli
 from test_serve import PROMPT, free_port
+
+sys.path.insert(0, str(ROOT / "launch"))
+from serve_load import job_ranks  # noqa: E402  (rank -> pid of the supervised job's ranks)
 
 pytestmark = pytest.mark.mpi
 
 
-def job_ranks() -> dict[int, int]:
-    """rank -> pid of the supervised job's ranks (their command line has --attach; MPICH puts PMI_RANK in their
-    environment)."""
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if b"--attach" in cmd and b"pipeinfer" in cmd:
-            for e in env:
-                if e.startswith(b"PMI_RANK="):
-                    out[int(e[len(b"PMI_RANK="):])] = int(pid)
-    return out
+def stream_jobs(srv, jobs, on_first_piece) -> dict[int, str]:
+    """Every job (prompt, max_tokens, temperature, seed) streamed at once; on_first_piece(k) sees the first job's
+    k-th piece (to cause a failure mid-answer). Returns each job's text."""
+    got: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        p, n, t, sd = jobs[i]
+        got[i] = srv.stream({"model": "t-q8", "prompt": p, "max_tokens": n, "temperature": t, "top_p": 0.95,
+                             "seed": sd}, on_first_piece if i == 0 else None)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got
 
 
 class Supervised:
@@ -127,7 +130,6 @@ def test_a_lost_rank_costs_seconds_not_answers(models, refs, tmp_path, mode, vic
     jobs = JOBS
     srv = Supervised(args, tmp_path / "sup.log")
     try:
-        got: dict[int, str] = {}
         killed = threading.Event()
 
         def on_piece(k: int) -> None:
@@ -135,15 +137,7 @@ def test_a_lost_rank_costs_seconds_not_answers(models, refs, tmp_path, mode, vic
                 killed.set()
                 os.kill(job_ranks()[victim], how)
 
-        def ask(i: int) -> None:
-            p, n, t, sd = jobs[i]
-            got[i] = srv.stream({"model": "t-q8", "prompt": p, "max_tokens": n, "temperature": t, "top_p": 0.95,
-                                 "seed": sd}, on_piece if i == 0 else None)
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(jobs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        got = stream_jobs(srv, jobs, on_piece)
         assert killed.is_set()
         for i, ref in enumerate(refs):
             assert universal_newlines(got[i]) == ref, (i, jobs[i], srv.text()[-2000:])

@@ -385,22 +385,6 @@ def _serve(args: ServeArgs) -> None:
         raise UserError(f"the pipeline failed: {generator.fatal}")
 
 
-def _child_args(argv: list[str]) -> list[str]:
-    """The supervised job's `serve` options: this command's, less the supervisor's own."""
-    args = argv[argv.index("serve") + 1:]
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-            continue
-        name = a.split("=", 1)[0]
-        if name in ("--np", "--hostfile"):
-            skip = "=" not in a
-            continue
-        out.append(a)
-    return out
-
-
 def _supervise(args: ServeArgs) -> None:
     """`serve --np N` / `--hostfile HOSTS` outside mpiexec: the HTTP server here, the pipeline a child job that is
     re-formed on the slots that remain when a rank is lost (supervisor.py)."""
@@ -408,7 +392,7 @@ def _supervise(args: ServeArgs) -> None:
 
     from ..engine.tokenizer import Tokenizer, apply_chat
     from .server import ServeConfig, create_app
-    from .supervisor import Supervisor
+    from .supervisor import Supervisor, child_args
     slots = _slots(args.np, args.hostfile)
     setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, sampling=SamplingParams(), stop_at_eos=True)
     _check_port_free(args.host, args.port)
@@ -424,7 +408,7 @@ def _supervise(args: ServeArgs) -> None:
                                                       status=status))
             except UserError as e:
                 print(f"[serve] {job.request_id}: {e}", file=sys.stderr, flush=True)
-    sup = Supervisor(slots, _child_args(sys.argv), tok, on_done=on_done)
+    sup = Supervisor(slots, child_args(sys.argv, "serve", {"--np", "--hostfile"}), tok, on_done=on_done)
     try:
         sup.start()
         app = create_app(ServeConfig(model_id, args.pipe.ctx_size, args.pipe.cells_reserve(), args.n_predict), sup,

@@ -20,22 +20,6 @@ _WITH_VALUE = {"-p", "--prompt", "-f", "--file", "--prompt-name", "-n", "--n-pre
 _FLAGS = {"--chat", "--no-chat", "--ignore-eos", "-q", "--quiet", "--json", "--resume-on-failure"}
 
 
-def pipeline_args(argv: list[str]) -> list[str]:
-    """generate's command line less generate's own options: what the supervised job's rank 0 takes."""
-    args = argv[argv.index("generate") + 1:]
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-            continue
-        name = a.split("=", 1)[0]
-        if name in _WITH_VALUE:
-            skip = "=" not in a
-        elif name not in _FLAGS:
-            out.append(a)
-    return out
-
-
 class StdoutJob:
     """server.Job's shape for the supervisor: the text goes to stdout as it comes (or, with --json, at the end)."""
 
@@ -69,7 +53,7 @@ def generate_supervised(args, setup, slots: list[str], prompt, stop, results_row
     """The generation under the supervisor; the answer on stdout, the statistics and a --results row as usual."""
     from ..core.verify import SamplingParams
     from ..engine.tokenizer import Tokenizer, apply_chat
-    from .supervisor import Supervisor
+    from .supervisor import Supervisor, child_args
     if args.ignore_eos:
         raise UserError("--ignore-eos is not available with --np/--hostfile yet (the supervised job stops at EOS)")
     tok = Tokenizer(setup.model)
@@ -87,7 +71,7 @@ def generate_supervised(args, setup, slots: list[str], prompt, stop, results_row
         if args.results:
             status = f"ok: resumed {n_resumes}" if n_resumes else "ok"
             write_row(args.results, results_row(setup, [None] * len(sup.slots), prompt.name, stats, status=status))
-    sup = Supervisor(slots, pipeline_args(sys.argv), tok, log=log, on_done=on_done)
+    sup = Supervisor(slots, child_args(sys.argv, "generate", _WITH_VALUE, _FLAGS), tok, log=log, on_done=on_done)
     try:
         sup.start()
         sup.submit(job)

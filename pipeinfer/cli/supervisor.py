@@ -32,6 +32,22 @@ from ..core.errors import UserError
 from ..core.metrics import Stats
 
 _FAILED_RANK = re.compile(r"rank (\d+) \(host ([^,)]+)")
+
+
+def child_args(argv: list[str], command: str, with_value: set[str], flags: set[str] = frozenset()) -> list[str]:
+    """`command`'s arguments in argv less the named options (--opt VALUE, --opt=VALUE, flags): what the
+    supervised job's rank 0 takes of this process's command line."""
+    out, skip = [], False
+    for a in argv[argv.index(command) + 1:]:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in with_value:
+            skip = "=" not in a
+        elif name not in flags:
+            out.append(a)
+    return out
 START_TIMEOUT_S = 600.0
 
 
@@ -78,26 +94,17 @@ class Supervisor:
         self._out = None
         self._child: subprocess.Popen | None = None
         self._stopping = False
-        self._threads: list[threading.Thread] = []
 
     # ---------------------------------------------------------------- the child job
     def start(self) -> None:
         self._start_child()
-        for target in (self._watch_cancels,):
-            t = threading.Thread(target=target, daemon=True)
-            t.start()
-            self._threads.append(t)
+        threading.Thread(target=self._watch_cancels, daemon=True).start()
 
     def _command(self) -> list[str]:
         from .launch import Host, build_command, choose_launcher, mpi4py_library
         library = mpi4py_library()
         mpi = library.kind
-        hosts: list[Host] = []
-        for name in self.slots:  # consecutive slots of one host are one hostfile line
-            if hosts and hosts[-1].name == name:
-                hosts[-1] = Host(name, hosts[-1].slots + 1)
-            else:
-                hosts.append(Host(name, 1))
+        hosts = [Host(name) for name in self.slots]  # one slot each; the hostfile merges a host's lines
         extra = ["--allow-run-as-root"] if mpi == "openmpi" and os.geteuid() == 0 else []
         extra += shlex.split(os.environ.get("PIPEINFER_MPI_ARGS", ""))  # the launcher's own options (README)
         return build_command(hosts, len(self.slots), mpi, ["serve", "--attach", self._sock_path] + self.child_args,

@@ -32,14 +32,14 @@ CANONICAL = 0
 
 class PartitionPool:
     """FIFO free list of sequence-id ranges [1 + k*size, 1 + (k+1)*size); the garbage sequence is the
-    context's last id (after the partitions and the other generations' canonical sequences, SeqLayout)."""
+    context's last id (after the partitions and the other generations' canonical sequences, lane_seq_max)."""
 
     def __init__(self, n_partitions: int, size: int, n_seq_max: int, n_lanes: int = 1):
-        if n_partitions < 1 or size < 1 or 2 + n_partitions * size + n_lanes - 1 > n_seq_max:
+        if n_partitions < 1 or size < 1 or lane_seq_max(n_partitions, size, n_lanes) > n_seq_max:
             raise ValueError(f"{n_partitions} partitions of {size} sequences do not fit in {n_seq_max} sequence ids")
         self.size = size
         self.n_partitions = n_partitions
-        self.garbage_seq = garbage_seq(2 + n_partitions * size + n_lanes - 1)
+        self.garbage_seq = garbage_seq(lane_seq_max(n_partitions, size, n_lanes))
         self._free = deque(range(n_partitions))
 
     def take(self) -> int | None:
@@ -66,7 +66,7 @@ def plan_partitions(max_branches: int, max_in_flight: int, n_seq_max: int = 256,
     if n_part * max_branches > room:
         raise ValueError(f"--max-branches {max_branches} with --parallel {n_lanes} leaves no room within "
                          f"{n_seq_max} sequences")
-    return n_part, 2 + n_part * max_branches + n_lanes - 1
+    return n_part, lane_seq_max(n_part, max_branches, n_lanes)
 
 
 def lane_count(n_parallel: int) -> int:
@@ -76,7 +76,8 @@ def lane_count(n_parallel: int) -> int:
 
 
 def lane_seq_max(n_part: int, size: int, n_lanes: int) -> int:
-    """Sequence ids a context needs (SeqLayout.n_seq_max): one without partitions or other lanes."""
+    """Sequence ids a context needs: sequence 0, the partitions, the other lanes' canonical sequences and the
+    garbage sequence (the last id); one alone, without partitions or other lanes."""
     return 1 if n_part == 0 and n_lanes == 1 else 2 + n_part * size + n_lanes - 1
 
 
@@ -103,8 +104,9 @@ def prefix_ops(seqs: list[int], n_kv0: int, parent_seq: int | None, first_pos: i
                canon: int = CANONICAL) -> np.ndarray:
     """Ops a stage applies before decoding a run whose first node sits at first_pos in `seqs`.
 
-    The canonical prefix [0, n_kv0) comes from the generation's canonical sequence `canon`; speculative cells [n_kv0, first_pos) come
-    from the parent run's main branch, which the stage decoded earlier (runs are handled in order).
+    The canonical prefix [0, n_kv0) comes from the generation's canonical sequence `canon`; speculative
+    cells [n_kv0, first_pos) come from the parent run's main branch, which the stage decoded earlier (runs
+    are handled in order).
     """
     ops = []
     for s in seqs:
@@ -135,8 +137,8 @@ def retire_starts(nodes: list[tuple[int, list[int]]], canon: int = CANONICAL) ->
 
 def commit_ops(branch_seq: int | None, n_kv0: int, end: int, seqs: list[int], starts: dict[int, int],
                garbage_seq: int, canon: int = CANONICAL) -> np.ndarray:
-    """Accept cells [n_kv0, end) of `branch_seq` into the canonical sequence `canon`, then retire the run's partition:
-    its own cells (`starts`, from retire_starts) join the garbage sequence before the partition's tags
+    """Accept cells [n_kv0, end) of `branch_seq` into the canonical sequence `canon`, then retire the run's
+    partition: its own cells (`starts`, from retire_starts) join the garbage sequence before the partition's tags
     go, so no cell is freed; the canonical and parent cells it saw keep their other tags."""
     ops = []
     if branch_seq is not None and end > n_kv0:
@@ -146,4 +148,3 @@ def commit_ops(branch_seq: int | None, n_kv0: int, end: int, seqs: list[int], st
             ops.append(cp(s, garbage_seq, starts[s]))
         ops.append(rm(s))
     return kv_ops(*ops)
-

@@ -228,7 +228,7 @@ class Head:
                 self._compact()
                 continue
             if self.cfg.mode == "pipeinfer":
-                self._speculate()
+                self.speculate()
                 if self.asynchronous and not self.pipe.result_ready():
                     self.drafter.wait(self.pipe.result_ready)  # a draft or a result, whichever comes first
                     if not self.pipe.result_ready():
@@ -254,13 +254,13 @@ class Head:
     def take(self, res) -> None:
         """One result of this generation's runs: verify and commit it, cancel what it made useless, and keep
         the next token covered."""
-        self._handle(res)
+        self.handle(res)
         if self.asynchronous and self.cfg.mode == "pipeinfer" and not self._quiet() and self.drafter is not None:
             self._steer_drafter()  # re-root it now, before this rank's next decode
         if self.should_stop is not None and self.should_stop():
             self.done = True  # a client left or a stop string matched: cancel what is in flight
         if not self.done:
-            self._cover_last_token()
+            self.cover()
 
     def finish(self) -> list[int]:
         """Cancel and collect what is left in flight (one generation on the pipeline); the generated tokens."""
@@ -275,7 +275,7 @@ class Head:
                 self.stats.draft_link_bytes = [b - b0 for b, b0 in zip(self._draft_link_bytes(), self._draft_bytes0)]
         return self.accepted[self._n_prompt:self._n_prompt + self.stats.n_generated]
 
-    def _speculate(self) -> None:
+    def speculate(self) -> None:
         """Keep the pipeline full while no result is waiting (continuous, asynchronous speculation)."""
         cut = self.cfg.cut
         while self.pool.n_free > 0 and (not self.pipe.result_ready() or self._single_rank_turn()) and self.room():
@@ -351,7 +351,7 @@ class Head:
         # one rank: results are ready at once, so speculate one micro-batch per round instead of never
         return not self.pipe.distributed and not any(f.speculative for f in self.flights.values())
 
-    def _handle(self, res) -> None:
+    def handle(self, res) -> None:
         """Verify the oldest run, commit what it proved, cancel what it made useless."""
         fl = self.flights.pop(res.run_id)
         verdict, m_before = None, len(self.accepted)
@@ -380,7 +380,7 @@ class Head:
         self._prune_chain()
         self._cancel_useless()
 
-    def _cover_last_token(self) -> None:
+    def cover(self) -> None:
         """Make sure some run in flight predicts the token after the last accepted one."""
         m = len(self.accepted)
         for fl in self.flights.values():
@@ -467,22 +467,12 @@ class Head:
     def _compact(self) -> None:
         """Collect every run in flight, then have every stage repack sequence 0 (kvplan.py: garbage)."""
         while self.flights:
-            self._handle(self.pipe.next_result())
+            self.handle(self.pipe.next_result())
         self.pipe.kv(kv_ops(compact(self.canon)))
         self.n_cells_bound = self.n_kv0
         self.stats.n_compactions += 1
         if not self.done:
-            self._cover_last_token()
-
-    # the steps the scheduler of several generations drives (scheduler.py); generate() is them for one
-    def speculate(self) -> None:
-        self._speculate()
-
-    def handle(self, res) -> None:
-        self._handle(res)
-
-    def cover(self) -> None:
-        self._cover_last_token()
+            self.cover()
 
     def compacted(self) -> None:
         """Every stage repacked the canonical sequences (a compaction the scheduler made): retired cells are gone."""
@@ -575,4 +565,4 @@ class Head:
         """Cancel what is left, collect every result, free every partition."""
         self.cancel_all()
         while self.flights:
-            self._handle(self.pipe.next_result())
+            self.handle(self.pipe.next_result())

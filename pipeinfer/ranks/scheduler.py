@@ -40,8 +40,6 @@ from ..core.protocol import compact, kv_ops, rm
 from ..core.verify import SamplingParams
 from .head import GenConfig, Head
 
-
-
 # generations at once by default, per stage (`serve`/`generate --prompts` --parallel): one per stage would keep
 # every stage busy if every run cost the same, but a newcomer's prompt holds a stage for many token-times, and
 # the other generations' next tokens queued at the other stages are what keeps those busy meanwhile. Measured
@@ -83,13 +81,17 @@ class Request:
     replay: list[int] = field(default_factory=list)  # tokens the answer already has (a resumed request, Head.start):
                                                      # n_predict, on_tokens and on_done count only those after them
 
+    @property
+    def need(self) -> int:
+        """Canonical cells it may hold at most: prompt, replayed tokens, max new tokens."""
+        return len(self.prompt) + len(self.replay) + self.n_predict
+
 
 @dataclass
 class _Gen:
     req: Request
     head: Head
     lane: int
-    need: int   # canonical cells it may hold at most: prompt + max tokens
 
 
 class _LanePipe:
@@ -170,10 +172,9 @@ class Scheduler:
 
     # ================================================================ the loop
     def submit(self, req: Request) -> None:
-        need = len(req.prompt) + len(req.replay) + req.n_predict
         if not req.prompt:
             raise ValueError("empty prompt")
-        if need + self.reserve > self.cfg.n_ctx:
+        if req.need + self.reserve > self.cfg.n_ctx:
             raise ValueError(f"prompt ({len(req.prompt) + len(req.replay)} tokens) + max tokens ({req.n_predict}) does not fit the "
                              f"context ({self.cfg.n_ctx} cells, {self.reserve} kept for speculative runs)")
         if not req.t_queued_s:
@@ -223,20 +224,19 @@ class Scheduler:
                 self._compact()  # every free slot is dirty: repack to clean them
                 continue
             num, req = self.waiting[0]
-            need = len(req.prompt) + len(req.replay) + req.n_predict
-            if sum(g.need for g in self.gens) + need + self.reserve > self.cfg.n_ctx:
+            if sum(g.req.need for g in self.gens) + req.need + self.reserve > self.cfg.n_ctx:
                 self.stats.waits_for_cells += 1
                 return  # first come first served: the next request waits for cells, no one overtakes it
             self.waiting.popleft()
-            self._start(num, req, need)
+            self._start(num, req)
 
-    def _start(self, num: int, req: Request, need: int) -> None:
+    def _start(self, num: int, req: Request) -> None:
         lane = self._clean.popleft()
         ref: list = [None]
         cfg = replace(self.cfg, mode="iterative", n_predict=req.n_predict, sampling=req.sampling)
         head = Head(_LanePipe(self, ref), cfg, eos=self.eos, on_tokens=req.on_tokens, should_stop=req.should_stop,
                     clock=self.clock, canon=self._canon[lane], new_run_id=self._new_run_id)
-        g = _Gen(req, head, lane, need)
+        g = _Gen(req, head, lane)
         ref[0] = g
         self.gens.append(g)
         self.stats.n_admitted += 1
