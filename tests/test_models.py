@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import zipfile
 from pathlib import Path
@@ -448,12 +449,35 @@ def _pipeline_for(*argv: str):
     return resolve_pipeline(PipelineArgs.of(ctx.params), n_predict=8, sampling=SamplingParams(), stop_at_eos=True)
 
 
-def test_the_default_target_gets_the_default_draft_by_name_or_by_path(tmp_path):
-    target, draft = _fake_install(DEFAULT_TARGET), _fake_install(DEFAULT_DRAFT)
-    for model in (DEFAULT_TARGET, str(target)):
+def test_the_default_target_gets_the_default_draft_by_what_it_is_not_by_its_name(tmp_path, monkeypatch):
+    target, draft = _fake_install(DEFAULT_TARGET), _fake_install(DEFAULT_DRAFT)  # sparse: their heads are zeros
+    zeros_head = hashlib.sha256(bytes(models.HEAD_BYTES)).hexdigest()
+    monkeypatch.setitem(MODELS, DEFAULT_TARGET, dataclasses.replace(MODELS[DEFAULT_TARGET], head_sha256=zeros_head))
+    renamed = tmp_path / "my-model.gguf"  # the same bytes under another name and place
+    with open(renamed, "wb") as f:
+        f.truncate(MODELS[DEFAULT_TARGET].size)
+    for model in (DEFAULT_TARGET, str(target), str(renamed)):
         setup = _pipeline_for("-m", model, "-p", "hi")
         assert (setup.draft, setup.drafter) == (str(draft), "model"), model
+        assert setup.drafter_note() == f"drafter: {draft.name} (thread)"
+    same_size = tmp_path / "same-size.gguf"  # as large as the default target, but other bytes: another model
+    with open(same_size, "wb") as f:
+        f.write(b"GGUF other")
+        f.truncate(MODELS[DEFAULT_TARGET].size)
     other = tmp_path / "other.gguf"
     other.write_bytes(b"GGUF")
-    assert _pipeline_for("-m", str(other), "-p", "hi").drafter == "ngram"   # any other target: no draft model
+    for model in (same_size, other):
+        setup = _pipeline_for("-m", str(model), "-p", "hi")
+        assert (setup.draft, setup.drafter) == (None, "ngram"), model   # no draft model known: n-grams
+        assert setup.drafter_note().startswith(f"drafter: ngram (no draft model is known for {model.name}: "
+                                               "give --draft SMALL.gguf")
+    assert _pipeline_for("-m", str(other), "-p", "hi", "--drafter", "ngram").drafter_note() == "drafter: ngram"
     assert _pipeline_for("-m", str(target), "-p", "hi", "--mode", "iterative").draft is None
+
+
+def test_identify_reads_only_the_head_and_the_size(tmp_path):
+    assert models.identify(tmp_path / "missing.gguf") is None
+    small = tmp_path / "small.gguf"
+    small.write_bytes(b"GGUF")
+    assert models.identify(small) is None
+    assert all(spec.head_sha256 and len(spec.head_sha256) == 64 for spec in MODELS.values())

@@ -241,3 +241,9 @@ def test_profile_times_the_gemma_draft_translated(qwen, gemma):
     assert tr["proposals_per_call"] * 4 * N_TRANSLATED >= N_TRANSLATED, "it proposed too little to be timed"
     # each proposal costs about one draft decode: the healed token and the window's text are held in seq 0
     assert 0.8 <= tr["decodes_per_proposal"] < 2.0, tr
+
+
+def test_the_real_models_are_known_by_their_bytes(qwen, gemma):
+    """The registered head hashes are those of the real files (models.identify: the default drafter by content)."""
+    from pipeinfer.engine.models import DEFAULT_DRAFT, DEFAULT_TARGET, identify
+    assert (identify(qwen), identify(gemma)) == (DEFAULT_TARGET, DEFAULT_DRAFT)

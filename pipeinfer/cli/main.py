@@ -282,6 +282,7 @@ def _print_report(setup: PipelineSetup, res) -> None:
     cutoff = {"iterative": "", "speculative": f", cutoff -pa {gen.cut.p_accept:g}"}.get(
         gen.mode, f", cutoff -pa {gen.cut.p_accept:g} -pr {res.p_recovery:g}")
     print(f"\n[pipeinfer] mode {gen.mode}{cutoff}, {len(res.ranges)} rank(s): {ranges}", file=sys.stderr)
+    print(f"[pipeinfer] {setup.drafter_note()}", file=sys.stderr)
     print(res.stats.report(), file=sys.stderr)
 
 

@@ -176,6 +176,16 @@ class PipelineSetup:
                                                                              Path(self.draft or "").name)
         return label if self.draft_at == "head" else f"{label} ({self.draft_at})"
 
+    def drafter_note(self) -> str:
+        """Which drafter ran, for the statistics; where it was the n-gram fallback, how to give a better one."""
+        if self.args.mode == "iterative":
+            return "drafter: none (iterative)"
+        note = f"drafter: {self.draft_label()}"
+        if self.drafter == "ngram" and self.args.drafter is None:
+            note += (f" (no draft model is known for {Path(self.model).name}: give --draft SMALL.gguf, a small model "
+                     "of the same family or vocabulary, for more accepted tokens)")
+        return note
+
     def run_options(self, **more):
         """ranks.startup.RunOptions for these options; `more`: what the command adds (prompt, callbacks)."""
         from ..ranks.startup import RunOptions
@@ -188,21 +198,22 @@ class PipelineSetup:
                           draft_head=a.draft_head, **more)
 
 
-def _is_default_target(model: str) -> bool:
-    """The default target, whether named by the registry or by the path of its file."""
-    from ..engine.models import DEFAULT_TARGET
-    default = installed(DEFAULT_TARGET)
-    return default is not None and Path(model).resolve() == Path(default).resolve()
+def _known_draft(model: str) -> str | None:
+    """The installed draft file known to suit the target, by what the target file is (models.identify), not by
+    the name it was given: the default target named by its registry name, its path or a copy drafts alike."""
+    from ..engine.models import KNOWN_DRAFTS, identify
+    name = KNOWN_DRAFTS.get(identify(model) or "")
+    return installed(name) if name else None
 
 
 def resolve_pipeline(a: PipelineArgs, *, n_predict: int, sampling: SamplingParams,
                      stop_at_eos: bool) -> PipelineSetup:
     """The model files (registry names resolved), the drafter and its place, checked against each other."""
-    from ..engine.models import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_model
+    from ..engine.models import DEFAULT_TARGET, resolve_model
     model = str(resolve_model(a.model or DEFAULT_TARGET))
     draft = str(resolve_model(a.draft)) if a.draft else None
-    if draft is None and a.drafter is None and _is_default_target(model) and a.mode != "iterative":
-        draft = installed(DEFAULT_DRAFT)  # the default demo: Qwen target, Gemma draft through text translation
+    if draft is None and a.drafter is None and a.mode != "iterative":
+        draft = _known_draft(model)  # the default demo: Qwen target, Gemma draft through text translation
     drafter = a.drafter or ("model" if draft else "ngram")
     draft_at = a.draft_at
     if draft_at == "auto":  # measured: results/bench_draft_layout.csv (README, The draft beside the pipeline)

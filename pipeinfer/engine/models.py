@@ -43,6 +43,7 @@ __all__ = [
     "DEFAULT_DRAFT",
     "DEFAULT_TARGET",
     "MODELS",
+    "KNOWN_DRAFTS",
     "ModelError",
     "ModelSpec",
     "Part",
@@ -52,6 +53,7 @@ __all__ = [
     "fetch",
     "find_wheel",
     "get_spec",
+    "identify",
     "is_installed",
     "model_path",
     "models_dir",
@@ -99,6 +101,7 @@ class ModelSpec:
     architecture: str
     n_layer: int
     assembly: str = "concat"
+    head_sha256: str | None = None  # of the file's first HEAD_BYTES: who a file is, whatever its name (identify)
 
     @property
     def packages(self) -> tuple[str, ...]:
@@ -137,6 +140,7 @@ MODELS: dict[str, ModelSpec] = {
         role="target",
         architecture="qwen2",
         n_layer=28,
+        head_sha256="7d9d92779dab2d108a0b9a1831ee8eb8805e92cd1cc6a241a248e982da0fffb7",
     ),
     "gemma3-270m": ModelSpec(
         name="gemma3-270m",
@@ -148,11 +152,15 @@ MODELS: dict[str, ModelSpec] = {
         role="draft",
         architecture="gemma3",
         n_layer=18,
+        head_sha256="372ce529397cf1cc6274b4a1c4489f4a2f17e1d7ecfd5f87b36a29240dce0dbd",
     ),
 }
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "gemma3-270m"
+# the draft model known to suit a registered target (its name); a target missing here drafts with n-grams
+KNOWN_DRAFTS = {DEFAULT_TARGET: DEFAULT_DRAFT}
+HEAD_BYTES = 1 << 20  # the GGUF header, metadata and vocabulary start: what tells two models apart, cheaply
 
 
 # --------------------------------------------------------------------------- cache
@@ -205,6 +213,22 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
             )
         return p
     raise ModelError(f"model file not found: {raw}")
+
+
+def identify(path: str | os.PathLike) -> str | None:
+    """The registered model a file is, by its content (its size and the sha256 of its first HEAD_BYTES), not by
+    its name or place: a copy of the default model under any name is the default model. None: not registered."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+    except OSError:
+        return None
+    candidates = [spec for spec in MODELS.values() if spec.size == size and spec.head_sha256]
+    if not candidates:
+        return None
+    with open(p, "rb") as f:
+        head = hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()
+    return next((spec.name for spec in candidates if spec.head_sha256 == head), None)
 
 
 # --------------------------------------------------------------------------- assembly
