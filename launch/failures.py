@@ -61,6 +61,7 @@ class Case:
     prep: str | None = None   # a bad input file to make (see _prepare)
     results_status: str | None = None  # expected start of the --results row's status (faults)
     extra: dict = field(default_factory=dict)
+    resumes: bool = False     # a supervised run (`generate --np/--hostfile`, no mpiexec): it re-forms and goes on
 
 
 GEN = ["generate", "-p", "hi", "--ignore-eos", "-t", "1"]
@@ -72,6 +73,13 @@ def _long(stall: float) -> list[str]:
 
 
 LONG = _long(STALL)
+N_RESUMED = 600  # tokens of a supervised run that survives its fault (the whole answer, resumed)
+
+
+def _resumed(stall: float, *where: str) -> list[str]:
+    return LONG[:LONG.index("-n")] + ["-m", "{big}", "-n", str(N_RESUMED), "-c", "4096", "--mode", "pipeinfer",
+                                      "--drafter", "ngram", "--stall-timeout", f"{stall:g}",
+                                      "--results", "{tmp}/results.csv", *where]
 
 CASES: list[Case] = [
     # ---- faults (3 ranks, PipeInfer, a 3,000-token generation; the fault comes once text is streaming)
@@ -86,6 +94,21 @@ CASES: list[Case] = [
     Case("netcut-worker", "network cut to a worker host (h2 of 3 emulated hosts, `ip link set pi-h2 down`)", 3,
          _long(NET_STALL), "rank 2 (host h2", 3, fault=(CUT, 2), results_status="failed: rank 2 (host h2",
          test="tests/test_netns.py::test_network_cut_to_a_worker_host", extra={"netns": True}),
+    # ---- the same faults under the supervisor (`generate --np 3`, no mpiexec): the job re-forms on the slots
+    # left and the generation goes on where it was; exit 0, the whole text, the row says it resumed
+    Case("kill-worker-resumed", "rank 1 of 3 killed, supervised (`generate --np 3`)", 3, _resumed(STALL, "--np", "3"),
+         "", 0, fault=(signal.SIGKILL, 1), results_status="ok: resumed 1", resumes=True),
+    Case("stop-worker-resumed", "rank 1 of 3 stopped, supervised", 3, _resumed(STALL, "--np", "3"), "", 0,
+         fault=(signal.SIGSTOP, 1), results_status="ok: resumed 1", resumes=True),
+    Case("kill-head-resumed", "rank 0 of 3 killed, supervised", 3, _resumed(STALL, "--np", "3"), "", 0,
+         fault=(signal.SIGKILL, 0), results_status="ok: resumed 1", resumes=True),
+    Case("netcut-worker-resumed", "network cut to h2 of 3 emulated hosts, supervised (`--hostfile`)", 3,
+         _resumed(NET_STALL, "--hostfile", "{tmp}/hosts-netns"), "", 0, fault=(CUT, 2), prep="hosts-netns",
+         results_status="ok: resumed 1", resumes=True, extra={"netns": True},
+         test="tests/test_netns.py::test_supervised_generate_survives_a_cut_link"),
+    Case("no-slot-left", "the only rank killed, supervised (`generate --np 1`): nothing to re-form on", 1,
+         _resumed(STALL, "--np", "1"), "no slot left to run the pipeline on", 1, fault=(signal.SIGKILL, 0),
+         resumes=True),
     # ---- bad input (2 ranks unless said)
     Case("gguf-cut-header", "GGUF truncated in its header", 2, GEN + ["-m", "{tmp}/cut-header.gguf"],
          "truncated GGUF header: the file ends in its fixed header", 1, prep="cut-header"),
@@ -150,6 +173,8 @@ def _prepare(kind: str, tmp: Path, models: dict) -> None:
         _write_arch(tmp / "mamba.gguf", "mamba")
     elif kind == "v600":
         make_llama_gguf(tmp / "v600.gguf", n_layer=2, n_vocab=600)
+    elif kind == "hosts-netns":
+        (tmp / "hosts-netns").write_text("h0\nh1\nh2\n")
     elif kind == "hosts-bad":
         (tmp / "hosts-bad").write_text("node1:2\nnode2:two\n")
     elif kind == "hosts-role":
@@ -260,6 +285,11 @@ def _command(case: Case, args: list[str], tmp: Path, mpi: str = "mpich") -> list
     base = [sys.executable, "-m", "mpi4py", "-m", "pipeinfer"]
     if case.extra.get("cmd"):
         return mpi_run(mpi, case.n) + [a.format(python=sys.executable, root=ROOT) for a in case.extra["cmd"]]
+    if case.resumes:  # the supervisor starts the job itself (on the emulated hosts: up, run, down, always)
+        if not case.extra.get("netns"):
+            return [sys.executable, "-m", "pipeinfer"] + args
+        return ["bash", "-c", f'bash {NETNS} up {case.n} >&2 || exit 1; trap "bash {NETNS} down {case.n} >&2" EXIT; '
+                '"$@"', "netns", sys.executable, "-m", "pipeinfer"] + args
     if case.extra.get("netns"):
         # one rank per emulated host: rank I runs in namespace hI
         return ["bash", str(NETNS), "run", str(case.n), "--"] + base + args
@@ -320,6 +350,9 @@ def run_case(case: Case, models: dict, tmp: Path, timeout: float = 120, mpi: str
     cmd = _command(case, [a.format(**fill) for a in case.args], tmp, mpi)
     tag = uuid.uuid4().hex
     env = mpi_env(mpi, PIPEINFER_FAULT_TAG=tag, MPIEXEC=MPIEXEC)  # netns-cluster.sh runs this mpiexec
+    if case.resumes and case.extra.get("netns"):  # how the supervisor's launcher reaches the emulated hosts
+        env["PIPEINFER_MPI_ARGS"] = (f"-iface brpi -launcher ssh -launcher-exec {ROOT}/launch/netns-exec "
+                                     "-genv UCX_TLS tcp -genv FI_PROVIDER tcp")
     if os.path.exists(tmp / "results.csv"):
         os.unlink(tmp / "results.csv")
     t0 = time.monotonic()
@@ -365,23 +398,25 @@ def run_case(case: Case, models: dict, tmp: Path, timeout: float = 120, mpi: str
         _netns_down(err.decode(errors="replace"))
     stderr = err.decode(errors="replace").replace(f"{tmp}/", "")  # file names as the user gave them
     errors = [l for l in stderr.splitlines() if l.startswith("pipeinfer: error")]
-    status = None
+    status, n_generated = None, None
     if case.results_status is not None or case.fault:
         from pipeinfer.core.results import read_results
         rows = read_results(tmp / "results.csv")
-        status = rows[-1]["status"] if rows else None
+        status, n_generated = (rows[-1]["status"], rows[-1]["n_generated"]) if rows else (None, None)
+    reform = [ln for ln in stderr.splitlines() if "re-formed in" in ln]
     return {
         "case": case.name, "mpi": mpi, "what": case.what, "exit_code": p.returncode,
         "seconds": round(t_end - (t_fault or t0), 1), "from": "fault" if t_fault else "start",
         "ranks_gone_s": round(t_ranks - t_fault, 1) if t_ranks else None,
         "error": errors[0] if errors else "", "n_error_lines": len(errors), "traceback": "Traceback" in stderr,
         "stdout_bytes_at_fault": text_before if t_fault else None, "stdout_bytes": len(out),
-        "results_status": status, "stderr_tail": stderr[-1500:],
+        "results_status": status, "n_generated": n_generated, "reform": reform[0] if reform else "",
+        "stderr_tail": stderr[-1500:],
     }
 
 
 COLS = ["case", "mpi", "what", "exit_code", "seconds", "from", "error", "n_error_lines", "traceback",
-        "stdout_bytes_at_fault", "stdout_bytes", "results_status", "ranks_gone_s", "test"]
+        "stdout_bytes_at_fault", "stdout_bytes", "results_status", "n_generated", "reform", "ranks_gone_s", "test"]
 MPI_LABEL = {"mpich": "MPICH", "openmpi": "Open MPI"}
 
 
@@ -397,6 +432,9 @@ def _table(rows: list[dict]) -> str:
                 kept += f"; every rank process gone {r['ranks_gone_s']} s after the fault"
         when = f"{r['seconds']} after the fault" if r["from"] == "fault" else f"{r['seconds']} from start"
         err = r["error"].replace("|", "\\|") or "(none: mpiexec's BAD TERMINATION notice)"
+        if r.get("reform") and str(r["exit_code"]) == "0":  # a supervised run went on: its re-form line
+            err = "(no error) " + r["reform"]
+            when += " (the whole answer)"
         mpi = MPI_LABEL.get(r.get("mpi") or "mpich", r.get("mpi"))
         lines.append(f"| {r['what']} | {mpi} | `{err}` | {r['exit_code']} | {when} | {kept} |")
     return "\n".join(lines)

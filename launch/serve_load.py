@@ -5,10 +5,15 @@
                                 [--config '--parallel 1' --config ''] [-- SERVE ARGS...]
     python launch/serve_load.py --sweep 1,2,4,8 --requests-per-client 4 --out results/serve_sweep.csv
     python launch/serve_load.py --config '--np 3' --kill-rank 1 --kill-after 10 --out results/serve_lost_rank.csv
+    python launch/serve_load.py --netns 3 --config '--hostfile {hosts} --stall-timeout 10' --kill-rank 2 \
+                                --fault cut --out results/serve_netcut.csv
 
-A config with --np starts a supervised server (no mpiexec: it runs the pipeline's job itself); --kill-rank R
-SIGKILLs rank R of that job --kill-after seconds into each load, and the summary says how long the streams
-paused (every request must still complete with its reference answer).
+A config with --np or --hostfile starts a supervised server (no mpiexec: it runs the pipeline's job itself);
+--kill-rank R injects --fault into rank R of that job --kill-after seconds into each load: `kill` (SIGKILL),
+`stop` (SIGSTOP: a frozen rank, found by the stall timeout) or `cut` (its emulated host's link taken down,
+--netns only), and the summary says how long the streams paused (every request must still complete with its
+reference answer). --netns N runs the configs on N emulated hosts (launch/netns-cluster.sh: root, iproute2;
+`{hosts}` in a config is their hostfile, h0 first; the supervisor reaches them through PIPEINFER_MPI_ARGS).
 
 For each --config in turn (default: `--parallel 1`, today's one-at-a-time server, then the default) starts
 `mpiexec -n 2 pipeinfer serve` on a free loopback port (default model and draft, 1 thread per rank; SERVE ARGS
@@ -24,6 +29,7 @@ replace those), then:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import http.client
 import json
@@ -59,7 +65,7 @@ def start_server(port: int, serve_args: list[str], log_path: Path) -> subprocess
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     cmd = [mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pipeinfer", "serve", "--host", "127.0.0.1",
            "--port", str(port)] + serve_args
-    if "--np" in serve_args:  # a supervised server starts its pipeline's job itself (cli/supervisor.py)
+    if supervised(serve_args):  # a supervised server starts its pipeline's job itself (cli/supervisor.py)
         cmd = [sys.executable, "-m", "pipeinfer", "serve", "--host", "127.0.0.1", "--port", str(port)] + serve_args
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 600
@@ -143,21 +149,31 @@ def job_ranks() -> dict[int, int]:
     return out
 
 
-def kill_later(rank: int, after_s: float, fault: dict) -> threading.Timer:
-    """SIGKILL rank `rank` of the supervised job `after_s` seconds from now; `fault` gets when."""
-    def kill() -> None:
+def kill_later(rank: int, after_s: float, fault: dict, how: str = "kill") -> threading.Timer:
+    """Inject `how` (kill, stop, cut) into rank `rank` of the supervised job `after_s` seconds from now;
+    `fault` gets when, and the pid of a stopped rank (to be killed at the end)."""
+    def inject() -> None:
         pid = job_ranks().get(rank)
-        if pid is not None:
-            os.kill(pid, signal.SIGKILL)
-            fault["t_kill"] = time.monotonic()
-            print(f"killed rank {rank} (pid {pid}) {after_s:.0f} s into the load", flush=True)
-    timer = threading.Timer(after_s, kill)
+        if pid is None:
+            return
+        if how == "cut":  # the root side of host h<rank>'s veth pair (one rank per emulated host)
+            subprocess.run(["ip", "link", "set", f"pi-h{rank}", "down"], check=True)
+        else:
+            os.kill(pid, signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+            fault["stopped"] = pid if how == "stop" else None
+        fault["t_kill"] = time.monotonic()
+        print(f"{how}: rank {rank} (pid {pid}) {after_s:.0f} s into the load", flush=True)
+    timer = threading.Timer(after_s, inject)
     timer.start()
     return timer
 
 
+def supervised(serve_args: list[str]) -> bool:
+    return "--np" in serve_args or "--hostfile" in serve_args
+
+
 def run_load(serve_args: list[str], log_path: Path, loads: list[tuple[int, int]], max_tokens: int,
-             kinds: tuple[str, ...], reference: dict | None, kill: tuple[int, float] | None = None
+             kinds: tuple[str, ...], reference: dict | None, kill: tuple[int, float, str] | None = None
              ) -> tuple[list[dict], list[dict], dict]:
     """One server with these options; for each (clients, requests) in `loads` a burst of requests.
     Returns the per-request rows, one summary per load, and the reference answers (asked alone, first)."""
@@ -190,7 +206,7 @@ def run_load(serve_args: list[str], log_path: Path, loads: list[tuple[int, int]]
 
             t0 = time.perf_counter()
             fault: dict = {}
-            timer = kill_later(kill[0], kill[1], fault) if kill and "--np" in serve_args else None
+            timer = kill_later(kill[0], kill[1], fault, kill[2]) if kill and supervised(serve_args) else None
             with ThreadPoolExecutor(n_clients) as pool:
                 list(pool.map(one, range(n_requests)))
             wall = time.perf_counter() - t0
@@ -202,8 +218,10 @@ def run_load(serve_args: list[str], log_path: Path, loads: list[tuple[int, int]]
             if "t_kill" in fault:  # the longest pause of the streams from the kill on (pieces already sent still
                 times = [fault["t_kill"]] + sorted(t for t in PIECES_AT if t > fault["t_kill"])  # arrive first)
                 summaries[-1]["stall_s"] = round(max(b - a for a, b in zip(times, times[1:])), 2) if times[1:] else None
-                summaries[-1]["line"] += (f"; rank {kill[0]} killed {kill[1]:.0f} s in: the streams paused "
+                summaries[-1]["line"] += (f"; rank {kill[0]} {kill[2]} {kill[1]:.0f} s in: the streams paused "
                                           f"{summaries[-1]['stall_s']} s at most")
+            if fault.get("stopped"):  # the frozen rank the re-formed job left behind
+                os.kill(fault["stopped"], signal.SIGKILL)
             print(summaries[-1]["line"], flush=True)
         health = json.loads(urlopen_health(port))
         for s in summaries:
@@ -269,6 +287,8 @@ def main() -> None:
     ap.add_argument("--kill-rank", type=int, default=None,
                     help="supervised configs (--np): SIGKILL this rank of the pipeline's job during each load")
     ap.add_argument("--kill-after", type=float, default=10.0, help="seconds into the load [default: 10]")
+    ap.add_argument("--fault", choices=["kill", "stop", "cut"], default="kill", help="what --kill-rank does")
+    ap.add_argument("--netns", type=int, default=None, help="run on this many emulated hosts ({hosts} in --config)")
     ap.add_argument("serve_args", nargs="*", help="options every server gets [default: -t 1 -c 2048]")
     args = ap.parse_args()
     common = args.serve_args or ["-t", "1", "-c", "2048"]
@@ -282,12 +302,15 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.replot:
         return plot_sweep(out.with_name(out.stem + "_summary.csv"), out.with_suffix(".png"))
+    if args.fault == "cut" and not args.netns:
+        ap.error("--fault cut takes an emulated host's link down: give --netns N")
     rows, summaries, reference = [], [], None
     for k, config in enumerate(configs):
-        serve_args = common + config.split()
-        kill = (args.kill_rank, args.kill_after) if args.kill_rank is not None else None
-        r, s, reference = run_load(serve_args, out.with_suffix(f".server{k}.log"), loads, args.max_tokens, kinds,
-                                   reference, kill)
+        kill = (args.kill_rank, args.kill_after, args.fault) if args.kill_rank is not None else None
+        with emulated_hosts(args.netns, out.with_suffix(".hosts")) as hosts:
+            serve_args = common + config.replace("{hosts}", str(hosts)).split()
+            r, s, reference = run_load(serve_args, out.with_suffix(f".server{k}.log"), loads, args.max_tokens, kinds,
+                                       reference, kill)
         rows += r
         summaries += s
     lines = [s.pop("line") for s in summaries]
@@ -315,6 +338,27 @@ def main() -> None:
     bad = [s for s in summaries if s["bad"] or s["server_exit"] != 0 or not s.get("queue_empty", True)]
     if bad:
         raise SystemExit(f"FAILED: {bad}")
+
+
+@contextlib.contextmanager
+def emulated_hosts(n: int | None, hostfile: Path):
+    """n hosts of the emulated cluster for one server (up, then down whatever happens), their hostfile, and the
+    launcher options that reach them in PIPEINFER_MPI_ARGS; nothing when n is None."""
+    if not n:
+        yield None
+        return
+    script = ["bash", str(ROOT / "launch" / "netns-cluster.sh")]
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    subprocess.run(script + ["up", str(n)], check=True, env=env, capture_output=True)
+    hostfile.write_text("".join(f"h{i}\n" for i in range(n)))
+    os.environ["PIPEINFER_MPI_ARGS"] = (f"-iface brpi -launcher ssh -launcher-exec {ROOT}/launch/netns-exec "
+                                        "-genv UCX_TLS tcp -genv FI_PROVIDER tcp")
+    try:
+        yield hostfile
+    finally:
+        del os.environ["PIPEINFER_MPI_ARGS"]
+        subprocess.run(script + ["down", str(n)], env=env, capture_output=True)
+        hostfile.unlink(missing_ok=True)
 
 
 def urlopen_health(port: int) -> bytes:

@@ -29,6 +29,18 @@ def test_every_row_has_a_test():
         assert (f"def {name}(" in text) if name else c in HERE, c.name
 
 
+def check_resumed(case, r: dict) -> None:
+    """A supervised run's row: the job re-formed and the whole answer came, or (no slot left) one line, exit 1."""
+    ctx = f"{r['error']}\n{r['stderr_tail']}"
+    if case.exit_code != 0:
+        assert r["n_error_lines"] == 1 and case.match in r["error"], ctx
+        assert r["seconds"] < F.STALL + 10, ctx
+        return
+    assert r["n_error_lines"] == 0 and "re-formed in" in r["reform"], ctx
+    assert r["stdout_bytes"] > r["stdout_bytes_at_fault"] > 0, ctx
+    assert r["results_status"] == case.results_status and r["n_generated"] == F.N_RESUMED, ctx
+
+
 @pytest.mark.parametrize("case", HERE, ids=[c.name for c in HERE])
 def test_failure_row(case, fmodels, tmp_path):
     r = F.run_case(case, fmodels, tmp_path)
@@ -40,8 +52,11 @@ def test_failure_row(case, fmodels, tmp_path):
         assert r["n_error_lines"] == 1 and case.match in r["error"], ctx
         assert r["seconds"] < 30, ctx
         return
-    sig, rank = case.fault
     assert r["from"] == "fault", "the fault was not injected: " + ctx
+    if case.resumes:
+        check_resumed(case, r)
+        return
+    sig, rank = case.fault
     assert r["seconds"] < F.STALL + 10, ctx
     assert r["stdout_bytes_at_fault"] > 0 and r["stdout_bytes"] >= r["stdout_bytes_at_fault"], ctx
     if rank == 0 and sig == F.signal.SIGKILL:

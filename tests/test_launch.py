@@ -72,6 +72,14 @@ def test_parse_bad_lines(text, lineno, what):
         parse_hostfile_text(text)
 
 
+def test_parse_memory_setting():
+    hosts = parse_hostfile_text("big:2 # pipeinfer: mem=64\nsmall # pipeinfer: mem=7.5\nother\n")
+    assert [h.mem for h in hosts] == [64.0, 7.5, None]
+    for bad in ("mem=lots", "mem=0", "mem=-1", "mem=inf"):
+        with pytest.raises(ValueError, match=r"<hostfile>:1: mem"):
+            parse_hostfile_text(f"a # pipeinfer: {bad}\n")
+
+
 def test_parse_empty():
     with pytest.raises(ValueError, match="no hosts"):
         parse_hostfile_text("# nothing\n\n")

@@ -135,3 +135,17 @@ def test_supervised_server_survives_a_cut_link(models, tmp_path):
     finally:
         subprocess.run(["bash", script, "down", "3"], capture_output=True, env=env, timeout=120)
     _cleaned_up()
+
+
+def test_supervised_generate_survives_a_cut_link(tmp_path):
+    """launch/failures.py's row: `generate --hostfile` (h0, h1, h2) with h2's link cut while the text streams:
+    the job re-forms on h0 and h1 and the whole answer comes, the --results row saying it was resumed."""
+    why = F.netns_unavailable()
+    if why:
+        pytest.skip(why)
+    from test_failures import check_resumed
+    case = next(c for c in F.CASES if c.name == "netcut-worker-resumed")
+    r = F.run_case(case, F.make_models(tmp_path / "models"), tmp_path, timeout=240)
+    assert r["exit_code"] == 0 and not r["traceback"], r["stderr_tail"]
+    check_resumed(case, r)
+

@@ -2,6 +2,7 @@
 job re-forms on the slots left and every request in flight resumes, its answer unchanged."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -158,6 +159,37 @@ def test_a_lost_rank_costs_seconds_not_answers(models, refs, tmp_path, mode, vic
     assert "Traceback" not in srv.text()
 
 
+def test_rejoin_takes_a_lost_slot_back_while_idle(models, refs, tmp_path):
+    """--rejoin: rank 2 of 3 killed mid-answer: the job re-forms on 2 slots and the answer completes; once no
+    request is in flight, the slot (on this machine, so it answers) is taken back and the job re-planned on 3;
+    /health is ok again and the next answer is the no-failure one."""
+    from pipeinfer.cli.supervisor import REJOIN_CHECK_S
+    srv = Supervised(["--np", "3", "--rejoin", "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048"],
+                     tmp_path / "sup.log")
+    try:
+        killed = threading.Event()
+
+        def on_piece(k: int) -> None:
+            if k == 20 and not killed.is_set():
+                killed.set()
+                os.kill(job_ranks()[2], signal.SIGKILL)
+        got = srv.stream({"model": "t-q8", "prompt": PROMPT, "max_tokens": 600}, on_piece)
+        assert killed.is_set() and universal_newlines(got) == refs[0], srv.text()[-2000:]
+        deadline = time.monotonic() + REJOIN_CHECK_S + 90
+        while srv.health()["ranks"] != 3:
+            assert time.monotonic() < deadline, srv.text()[-2000:]
+            time.sleep(0.5)
+        health = srv.health()
+        assert health["status"] == "ok" and health["lost"] == [] and health["reforms"] == 1, health
+        assert re.search(r"\[serve\] \S+ answer\(s\) again: re-planning the pipeline on 3 slot\(s\) \(was 2\)", srv.text())
+        after = srv.stream({"model": "t-q8", "prompt": PROMPT, "max_tokens": 600})
+        assert universal_newlines(after) == refs[0], srv.text()[-2000:]
+        assert len(job_ranks()) == 3
+    finally:
+        code = srv.stop()
+    assert code == 0 and "Traceback" not in srv.text(), srv.text()[-3000:]
+
+
 def test_no_slot_left_is_one_line_and_a_clean_stop(models, tmp_path):
     srv = Supervised(["--np", "1", "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048"], tmp_path / "sup.log")
     try:
@@ -177,6 +209,36 @@ def test_no_slot_left_is_one_line_and_a_clean_stop(models, tmp_path):
     errors = [ln for ln in srv.text().splitlines() if ln.startswith("pipeinfer: error:")]
     assert len(errors) == 1 and "no slot left" in errors[0], srv.text()[-2000:]
     assert "Traceback" not in srv.text()
+
+
+def test_too_little_memory_on_the_hosts_left_is_one_line(models, tmp_path):
+    """Two hosts (localhost and 127.0.0.1, both this machine to MPI) that declare room for 3/4 of the model each:
+    they start it split in halves; after one is lost the other cannot hold it all: one line naming the host and
+    both sizes, exit 1, the text so far kept on stdout."""
+    gib = models["q8"].stat().st_size / 2**30
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(f"localhost # pipeinfer: mem={0.75 * gib:.6f}\n127.0.0.1 # pipeinfer: mem={0.75 * gib:.6f}\n")
+    cmd = [sys.executable, "-m", "pipeinfer", "generate", "--hostfile", str(hosts), "-m", str(models["q8"]), "-p",
+           PROMPT, "--no-chat", "-n", "600", "--mode", "iterative", "-c", "2048", "-q"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        head = p.stdout.read(40)
+        os.kill(job_ranks()[1], signal.SIGKILL)
+        rest, err = p.stdout.read(), p.stderr.read()
+        code = p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    errors = [ln for ln in err.splitlines() if ln.startswith("pipeinfer: error:")]
+    assert code == 1 and len(errors) == 1, err[-2000:]
+    assert ("the 1 slot(s) left cannot hold the model: host localhost would hold "
+            f"{models['q8'].stat().st_size / 2**30:.2f} GiB of the model on 1 rank(s) and has") in errors[0], errors
+    assert len(head) == 40 and "Traceback" not in err
+    hosts.write_text(f"localhost # pipeinfer: mem={0.75 * gib:.6f}\n")  # nor does one such host start it at all
+    one = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert one.returncode == 1 and one.stdout == "", one.stderr
+    assert one.stderr.startswith("pipeinfer: error: the 1 slot(s) cannot hold the model: host localhost would hold"), (
+        one.stderr)
 
 
 def test_generate_resumes_after_a_lost_rank(models, refs, tmp_path):
@@ -204,4 +266,6 @@ def test_generate_resumes_after_a_lost_rank(models, refs, tmp_path):
 
 def test_resume_on_failure_needs_a_supervisor(models):
     p = cli(["generate", "-m", str(models["q8"]), "-p", PROMPT, "--resume-on-failure"], n=2)
-    assert p.returncode != 0 and "needs --np N or --hostfile HOSTS" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode != 0 and "need --np N or --hostfile HOSTS" in p.stderr and "Traceback" not in p.stderr
+    p = cli(["serve", "-m", str(models["q8"]), "--rejoin"], n=1)
+    assert p.returncode == 1 and p.stderr.startswith("pipeinfer: error: --rejoin needs --np N or --hostfile"), p.stderr

@@ -147,3 +147,17 @@ def test_topology_ring():
 def test_topology_single_rank():
     t = Topology(0, 1, (LayerRange(0, 4),))
     assert t.is_last and t.next_rank == 0 and t.prev_rank == 0
+
+
+def test_memory_shortfall_counts_each_hosts_share_of_the_model():
+    from pipeinfer.core.topology import memory_shortfall
+    gib = 2**30
+    # 3 hosts hold 12 GiB of weights as 4 GiB each, the head's host the 1 GiB draft too
+    assert memory_shortfall(["a", "b", "c"], 12 * gib, gib, {"a": 5 * gib, "b": 4 * gib, "c": 4 * gib}) is None
+    # after c is lost: 6 GiB each, a (7 with the draft) has 5: named, with both numbers
+    assert memory_shortfall(["a", "b"], 12 * gib, gib, {"a": 5 * gib, "b": 8 * gib}) == (
+        "host a would hold 7.00 GiB of the model on 1 rank(s) and has 5.00 GiB")
+    # a host's ranks add up; a host of unknown memory is not checked
+    assert memory_shortfall(["a", "a", "b"], 12 * gib, 0, {"a": 7 * gib}) == (
+        "host a would hold 8.00 GiB of the model on 2 rank(s) and has 7.00 GiB")
+    assert memory_shortfall(["a", "b"], 12 * gib, gib, {}) is None

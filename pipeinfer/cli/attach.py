@@ -12,11 +12,13 @@ strings and every request's state stay in the supervisor, which outlives this MP
 from __future__ import annotations
 
 import json
+import os
 import queue
 import socket
 import threading
 
 from ..core.verify import SamplingParams
+from ..wire.hosts import host_name
 
 
 class _Link:
@@ -56,7 +58,9 @@ def run_attached(session, path: str, parallel: int, stop) -> None:
             pass
         inbox.put(None)  # the supervisor is gone: finish what runs, then end
     threading.Thread(target=read, name="pipeinfer-attach", daemon=True).start()
-    link.send(op="ready", ranks=len(session.ranges), parallel=parallel)
+    # every rank's (host, pid): the supervisor names a rank that the launcher reports by its pid
+    ranks_at = session.live.hosts if session.live is not None else [(host_name(), os.getpid())]
+    link.send(op="ready", ranks=len(session.ranges), parallel=parallel, ranks_at=ranks_at)
     sched = session.scheduler()
     stopping = False
     while True:

@@ -15,7 +15,8 @@ hostfile for either MPI::
 
 Keys: ``threads`` and ``threads_batch`` (positive integers, per rank on that
 host), ``weight`` (positive number, the relative share of layers each rank
-on that host gets) and ``role`` (``stage``, the default, or ``draft``: the
+on that host gets), ``mem`` (GiB the host can give pipeinfer: a supervised
+server checks it before re-forming its job on fewer hosts) and ``role`` (``stage``, the default, or ``draft``: the
 host that runs the draft model on a rank of its own, ``--draft-at rank``; at
 most one, with one slot; it becomes the last rank wherever its line is, and
 its ``threads`` become ``--draft-threads``). Blank lines, whole-line comments and trailing comments
@@ -105,6 +106,7 @@ class Host:
     threads: int | None = None
     threads_batch: int | None = None
     weight: float | None = None
+    mem: float | None = None  # GiB this host can give pipeinfer (the supervisor's check before a re-form)
     role: str = "stage"  # stage | draft
 
 
@@ -130,13 +132,13 @@ def _parse_settings(text: str, where: str) -> dict:
             raise ValueError(f"{where}: expected key=value in pipeinfer comment, got {item!r}")
         if key in ("threads", "threads_batch"):
             settings[key] = _positive_int(value, key, where)
-        elif key == "weight":
+        elif key in ("weight", "mem"):
             try:
                 w = float(value)
             except ValueError:
-                raise ValueError(f"{where}: weight={value!r} is not a number") from None
+                raise ValueError(f"{where}: {key}={value!r} is not a number") from None
             if not w > 0 or w == float("inf"):
-                raise ValueError(f"{where}: weight must be a positive finite number, got {value}")
+                raise ValueError(f"{where}: {key} must be a positive finite number, got {value}")
             settings[key] = w
         elif key == "role":
             if value not in ROLES:
@@ -144,7 +146,7 @@ def _parse_settings(text: str, where: str) -> dict:
             settings[key] = value
         else:
             raise ValueError(f"{where}: unknown pipeinfer setting {key!r} "
-                             "(known: threads, threads_batch, weight, role)")
+                             "(known: threads, threads_batch, weight, mem, role)")
     return settings
 
 

@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -21,6 +22,9 @@ from ..core.verify import SamplingParams
 from .guard import StopSignals, die, mpi_rank, mpi_size, run_guarded
 from .options import PipelineArgs, PipelineSetup, own_fields, pipeline_options, resolve_pipeline
 from .status import StatusLine
+
+if TYPE_CHECKING:
+    from .supervisor import Footprint
 
 
 @click.group()
@@ -57,6 +61,8 @@ def main() -> None:
                    "without a lost rank and resumes the generation (on this machine, or --hostfile's hosts)")
 @click.option("--hostfile", default=None, help="with or without --np: the supervised job's hosts (as `launch`)")
 @click.option("--resume-on-failure", is_flag=True, help="the same as --np/--hostfile's supervision (which it needs)")
+@click.option("--rejoin", is_flag=True, help="with --np/--hostfile: a lost host that answers again is taken back "
+              "while no request is in flight (and at the next re-form)")
 def generate(**kw) -> None:
     """Generate text with the target model split across the MPI ranks."""
     run_guarded(_generate, GenerateArgs.of(kw))
@@ -86,6 +92,7 @@ class GenerateArgs:
     np: int | None
     hostfile: str | None
     resume_on_failure: bool
+    rejoin: bool
 
     @classmethod
     def of(cls, kw: dict) -> GenerateArgs:
@@ -102,7 +109,7 @@ class Prompt:
 def _generate(args: GenerateArgs) -> None:
     """Every rank: the options resolved and the prompt read; rank 0 tokenizes and streams the answer, then
     reports; the other ranks serve the pipeline."""
-    if args.np or args.hostfile or args.resume_on_failure:
+    if args.np or args.hostfile or args.resume_on_failure or args.rejoin:
         return _generate_supervised(args)
     from mpi4py import MPI
 
@@ -144,29 +151,36 @@ def _generate_supervised(args: GenerateArgs) -> None:
     """--np N / --hostfile HOSTS outside mpiexec: the generation survives a lost rank (resume.py)."""
     from .resume import generate_supervised
     if not (args.np or args.hostfile):
-        raise UserError("--resume-on-failure needs --np N or --hostfile HOSTS, run without mpiexec: the process that "
-                        "resumes must outlive the MPI job")
+        raise UserError("--resume-on-failure and --rejoin need --np N or --hostfile HOSTS, run without mpiexec: the "
+                        "process that resumes must outlive the MPI job")
     if args.prompts or args.pipe.drafter == "replay":
         raise UserError("--np/--hostfile supervise one prompt (not --prompts, not the replay drafter)")
-    slots = _slots(args.np, args.hostfile)
     setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, stop_at_eos=not args.ignore_eos,
                              sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.seed))
+    slots, footprint = _slots(args.np, args.hostfile, setup)
     stop = StopSignals().install()
-    generate_supervised(args, setup, slots, read_prompt(args), stop, _results_row, _write_row)
+    generate_supervised(args, setup, slots, footprint, read_prompt(args), stop, _results_row, _write_row)
 
 
-def _slots(np: int | None, hostfile: str | None) -> list[str]:
-    """The supervised job's ranks' hosts, rank 0 first: --hostfile's slots (--np of them), or --np on this machine."""
+def _slots(np: int | None, hostfile: str | None, setup: PipelineSetup) -> tuple[list[str], Footprint]:
+    """The supervised job's ranks' hosts, rank 0 first: --hostfile's slots (--np of them), or --np on this machine;
+    and what the model asks of them (the hostfile's mem= per host)."""
     from .launch import parse_hostfile, rank_hosts
+    from .supervisor import Footprint
     if mpi_size() > 1:
         raise UserError("--np/--hostfile start the pipeline's MPI job themselves: run pipeinfer without mpiexec")
-    if not hostfile:
-        return ["localhost"] * np
-    try:
-        hosts = parse_hostfile(hostfile)
-        return [h.name for h in rank_hosts(hosts, np or sum(h.slots for h in hosts))]
-    except (ValueError, OSError) as e:
-        raise UserError(f"--hostfile {hostfile}: {e}") from None
+    hosts = []
+    if hostfile:
+        try:
+            hosts = parse_hostfile(hostfile)
+            slots = [h.name for h in rank_hosts(hosts, np or sum(h.slots for h in hosts))]
+        except (ValueError, OSError) as e:
+            raise UserError(f"--hostfile {hostfile}: {e}") from None
+    else:
+        slots = ["localhost"] * np
+    beside = setup.draft if setup.draft and setup.draft_at != "rank" else None
+    return slots, Footprint(Path(setup.model).stat().st_size, Path(beside).stat().st_size if beside else 0,
+                            {h.name: h.mem for h in hosts if h.mem})
 
 
 def _generate_batch(args: GenerateArgs, setup: PipelineSetup) -> None:
@@ -302,6 +316,10 @@ def _print_report(setup: PipelineSetup, res) -> None:
               help="run without mpiexec: start the pipeline on this many ranks as a supervised job that re-forms "
                    "without a lost rank and resumes every request (on this machine, or --hostfile's hosts)")
 @click.option("--hostfile", default=None, help="with or without --np: the supervised job's hosts (as `launch`)")
+@click.option("--rejoin", is_flag=True, help="with --np/--hostfile: a lost host that answers again is taken back "
+              "while no request is in flight (and at the next re-form)")
+@click.option("--ignore-eos", is_flag=True, help="generate past the end-of-sequence token (every answer max_tokens "
+              "long: load tests and benchmarks)")
 @click.option("--attach", default=None, hidden=True, help="rank 0 of a supervised job: the supervisor's socket")
 def serve(**kw) -> None:
     """Serve the model over an OpenAI-compatible HTTP API from rank 0 (streaming and not)."""
@@ -321,6 +339,8 @@ class ServeArgs:
     parallel: int | None
     np: int | None
     hostfile: str | None
+    rejoin: bool
+    ignore_eos: bool
     attach: str | None
 
     @classmethod
@@ -331,13 +351,16 @@ class ServeArgs:
 def _serve(args: ServeArgs) -> None:
     if args.np or args.hostfile:
         return _supervise(args)
+    if args.rejoin:
+        raise UserError("--rejoin needs --np N or --hostfile HOSTS (a supervised server, run without mpiexec)")
     from mpi4py import MPI
 
     from ..ranks.startup import open_session
     if args.pipe.drafter == "replay":
         raise UserError("--drafter replay is a benchmark instrument for generate, not for serve")
     rank = MPI.COMM_WORLD.Get_rank()
-    setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, sampling=SamplingParams(), stop_at_eos=True)
+    setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, sampling=SamplingParams(),
+                             stop_at_eos=not args.ignore_eos)
     if rank == 0 and not args.attach:
         _check_port_free(args.host, args.port)  # before the models load
     # Ctrl-C or SIGTERM: rank 0 stops the server (below); a stage rank ends when the head shuts the pipeline down
@@ -394,8 +417,9 @@ def _supervise(args: ServeArgs) -> None:
     from ..engine.tokenizer import Tokenizer, apply_chat
     from .server import ServeConfig, create_app
     from .supervisor import Supervisor, child_args
-    slots = _slots(args.np, args.hostfile)
-    setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, sampling=SamplingParams(), stop_at_eos=True)
+    setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, sampling=SamplingParams(),
+                             stop_at_eos=not args.ignore_eos)
+    slots, footprint = _slots(args.np, args.hostfile, setup)
     _check_port_free(args.host, args.port)
     stop = StopSignals().install()
     tok = Tokenizer(setup.model)
@@ -409,7 +433,8 @@ def _supervise(args: ServeArgs) -> None:
                                                       status=status))
             except UserError as e:
                 print(f"[serve] {job.request_id}: {e}", file=sys.stderr, flush=True)
-    sup = Supervisor(slots, child_args(sys.argv, "serve", {"--np", "--hostfile"}), tok, on_done=on_done)
+    sup = Supervisor(slots, child_args(sys.argv, "serve", {"--np", "--hostfile"}, {"--rejoin"}), tok, on_done=on_done,
+                     footprint=footprint, rejoin=args.rejoin)
     try:
         sup.start()
         app = create_app(ServeConfig(model_id, args.pipe.ctx_size, args.pipe.cells_reserve(), args.n_predict), sup,

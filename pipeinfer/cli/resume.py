@@ -13,11 +13,11 @@ import uuid
 
 from ..core.errors import UserError
 
-# generate's own options (the pipeline's go to the supervised job's `serve --attach` as they are)
+# generate's own options (the pipeline's, and --ignore-eos, go to the supervised job's `serve --attach` as they are)
 _WITH_VALUE = {"-p", "--prompt", "-f", "--file", "--prompt-name", "-n", "--n-predict", "--temp", "--top-k", "--top-p",
                "--seed", "--replay-ref", "--replay-accuracy", "--results", "--prompts", "--parallel", "--np",
                "--hostfile"}
-_FLAGS = {"--chat", "--no-chat", "--ignore-eos", "-q", "--quiet", "--json", "--resume-on-failure"}
+_FLAGS = {"--chat", "--no-chat", "-q", "--quiet", "--json", "--resume-on-failure", "--rejoin"}
 
 
 class StdoutJob:
@@ -49,13 +49,11 @@ class StdoutJob:
         self.finished.set()
 
 
-def generate_supervised(args, setup, slots: list[str], prompt, stop, results_row, write_row) -> None:
+def generate_supervised(args, setup, slots: list[str], footprint, prompt, stop, results_row, write_row) -> None:
     """The generation under the supervisor; the answer on stdout, the statistics and a --results row as usual."""
     from ..core.verify import SamplingParams
     from ..engine.tokenizer import Tokenizer, apply_chat
     from .supervisor import Supervisor, child_args
-    if args.ignore_eos:
-        raise UserError("--ignore-eos is not available with --np/--hostfile yet (the supervised job stops at EOS)")
     tok = Tokenizer(setup.model)
     ids = tok.encode(apply_chat(tok, prompt.text) if prompt.chat else prompt.text)
     job = StdoutJob(ids, args.n_predict, SamplingParams(args.temp, args.top_k, args.top_p, args.seed), prompt.text,
@@ -71,7 +69,8 @@ def generate_supervised(args, setup, slots: list[str], prompt, stop, results_row
         if args.results:
             status = f"ok: resumed {n_resumes}" if n_resumes else "ok"
             write_row(args.results, results_row(setup, [None] * len(sup.slots), prompt.name, stats, status=status))
-    sup = Supervisor(slots, child_args(sys.argv, "generate", _WITH_VALUE, _FLAGS), tok, log=log, on_done=on_done)
+    sup = Supervisor(slots, child_args(sys.argv, "generate", _WITH_VALUE, _FLAGS), tok, log=log, on_done=on_done,
+                     footprint=footprint, rejoin=args.rejoin)
     try:
         sup.start()
         sup.submit(job)

@@ -10,7 +10,8 @@ line naming the rank and its host), the supervisor drops that rank's slot (its h
 the job again on the slots that remain (the layer split re-planned by start-up, as for any rank count) and
 resumes every request that was in flight from its prompt + the tokens it had streamed, replayed as they were
 first decoded (Head.start): the client's stream pauses, and the answer is the one it would have been. A job
-that cannot start (too few slots left, or no slot at all) ends the server with one line. The supervisor's
+that cannot start (no slot left, or too little memory on the hosts left for their share of the model:
+Footprint) ends the server with one line. The supervisor's
 own host is the one that cannot be lost. /health says `degraded` and names the lost slots.
 """
 from __future__ import annotations
@@ -31,7 +32,11 @@ from pathlib import Path
 from ..core.errors import UserError
 from ..core.metrics import Stats
 
-_FAILED_RANK = re.compile(r"rank (\d+) \(host ([^,)]+)")
+_FAILED_RANK = re.compile(r"rank (\d+) \(host ([^,)]+)")  # liveness's line, from rank 0 (or another rank)
+# where the launcher tore the job down before any rank could say who failed: MPICH's Hydra names the pid (and
+# the host as the hostfile names it), Open MPI's mpirun the rank
+_HYDRA_PID = re.compile(r"PID (\d+) RUNNING AT (\S+)")
+_OMPI_RANK = re.compile(r"process rank (\d+) with PID \d+ on node (\S+)")
 
 
 def child_args(argv: list[str], command: str, with_value: set[str], flags: set[str] = frozenset()) -> list[str]:
@@ -49,6 +54,67 @@ def child_args(argv: list[str], command: str, with_value: set[str], flags: set[s
             out.append(a)
     return out
 START_TIMEOUT_S = 600.0
+REJOIN_CHECK_S = 10.0   # --rejoin: how often an idle, degraded supervisor asks whether a lost host answers again
+PROBE_TIMEOUT_S = 20.0  # a launch of `pipeinfer --version` on a host that takes longer: the host is still away
+_LOCAL_NAMES = ("localhost", "127.0.0.1")
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What the model asks of the hosts, checked before every start of the job (a re-form on fewer hosts above
+    all): the target's weights split evenly over the ranks, the draft's beside rank 0; what a host has is its
+    hostfile `mem=` (GiB) and, on this machine, MemAvailable."""
+    weights_bytes: int
+    head_bytes: int = 0
+    declared_gib: dict = field(default_factory=dict)   # host -> GiB (hostfile mem=)
+
+    def shortfall(self, slots: list[str]) -> str | None:
+        from ..core.topology import memory_shortfall
+        available = {h: int(g * 2**30) for h, g in self.declared_gib.items()}
+        here = _mem_available()
+        if here is not None:
+            for host in set(slots) & {*_LOCAL_NAMES, socket.gethostname()}:
+                available[host] = min(available.get(host, here), here)
+        return memory_shortfall(slots, self.weights_bytes, self.head_bytes, available)
+
+
+def _launch_command(slots: list[str], pipeinfer_args: list[str], hostfile: str) -> list[str]:
+    """The launcher's command line that runs `pipeinfer ARGS` with one rank per slot (the MPI mpi4py loads, the
+    hostfile as `launch` writes it, PIPEINFER_MPI_ARGS: the launcher's own options, README)."""
+    from .launch import Host, build_command, choose_launcher, mpi4py_library
+    library = mpi4py_library()
+    mpi = library.kind
+    hosts = [Host(name) for name in slots]  # one slot each; the hostfile merges a host's lines
+    extra = ["--allow-run-as-root"] if mpi == "openmpi" and os.geteuid() == 0 else []
+    extra += shlex.split(os.environ.get("PIPEINFER_MPI_ARGS", ""))
+    return build_command(hosts, len(slots), mpi, pipeinfer_args, mpiexec=choose_launcher(library, None),
+                         extra=extra, hostfile=hostfile)
+
+
+def _answers(host: str, work_dir: str) -> bool:
+    """Whether `host` runs pipeinfer again: a one-rank launch of `pipeinfer --version` there succeeds in time
+    (this machine always does)."""
+    if host in (*_LOCAL_NAMES, socket.gethostname()):
+        return True
+    cmd = _launch_command([host], ["--version"], os.path.join(work_dir, "probe-hosts.txt"))
+    probe = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        return probe.wait(timeout=PROBE_TIMEOUT_S) == 0
+    except subprocess.TimeoutExpired:
+        os.killpg(probe.pid, 9)  # the launcher and what it started (its proxies)
+        probe.wait()
+        return False
+
+
+def _mem_available() -> int | None:
+    """This machine's MemAvailable (bytes), None where /proc/meminfo has none."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return kib * 1024
 
 
 @dataclass
@@ -77,8 +143,14 @@ class Supervisor:
     Why one class: the records of the requests, the socket to the current child and the child's lifecycle change
     together on every failure (stop reading, drop a slot, start again, resend every unfinished record)."""
 
-    def __init__(self, slots: list[str], child_args: list[str], tok, log=None, on_done=None):
+    def __init__(self, slots: list[str], child_args: list[str], tok, log=None, on_done=None,
+                 footprint: Footprint | None = None, rejoin: bool = False):
         self.slots = list(slots)            # one host name per rank, rank 0 first
+        self.footprint, self.rejoin = footprint, rejoin
+        self._places = list(range(len(slots)))  # each slot's rank in the first job (the order a rejoin restores)
+        self._away: dict[int, tuple[str, str]] = {}  # place -> (host, its entry in self.lost) of each lost slot
+        self._retired: subprocess.Popen | None = None  # a job stopped for a re-plan (--rejoin), not failed
+        self._pids: list[int] = []  # the current job's ranks' pids (rank 0 reports them when it attaches)
         self.child_args, self.tok = child_args, tok
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.on_done = on_done
@@ -99,22 +171,21 @@ class Supervisor:
     def start(self) -> None:
         self._start_child()
         threading.Thread(target=self._watch_cancels, daemon=True).start()
+        if self.rejoin:
+            threading.Thread(target=self._watch_returns, daemon=True).start()
 
     def _command(self) -> list[str]:
-        from .launch import Host, build_command, choose_launcher, mpi4py_library
-        library = mpi4py_library()
-        mpi = library.kind
-        hosts = [Host(name) for name in self.slots]  # one slot each; the hostfile merges a host's lines
-        extra = ["--allow-run-as-root"] if mpi == "openmpi" and os.geteuid() == 0 else []
-        extra += shlex.split(os.environ.get("PIPEINFER_MPI_ARGS", ""))  # the launcher's own options (README)
-        return build_command(hosts, len(self.slots), mpi, ["serve", "--attach", self._sock_path] + self.child_args,
-                             mpiexec=choose_launcher(library, None), extra=extra,
-                             hostfile=os.path.join(self._dir, "hosts.txt"))
+        return _launch_command(self.slots, ["serve", "--attach", self._sock_path] + self.child_args,
+                               os.path.join(self._dir, "hosts.txt"))
 
     def _start_child(self) -> None:
         """Start the job on the slots left and wait for its rank 0 to attach (or for the job to fail)."""
         if not self.slots:
             raise UserError(f"no slot left to run the pipeline on (lost: {'; '.join(self.lost)})")
+        short = self.footprint.shortfall(self.slots) if self.footprint else None
+        if short:
+            raise UserError(f"the {len(self.slots)} slot(s) left cannot hold the model: {short}" if self.lost else
+                            f"the {len(self.slots)} slot(s) cannot hold the model: {short}")
         Path(self._sock_path).unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self._sock_path)
@@ -145,6 +216,7 @@ class Supervisor:
         if ready.get("op") != "ready":
             raise UserError(f"the pipeline's rank 0 did not attach: {self._job_error()}")
         self.parallel = ready["parallel"]
+        self._pids = [pid for _host, pid in ready.get("ranks_at", [])]  # each rank's pid, rank 0 first
         t = threading.Thread(target=self._read, args=(reader, self._child), daemon=True)
         t.start()
         with self._lock:  # every request not answered yet goes (again) to the new rank 0
@@ -169,6 +241,58 @@ class Supervisor:
                 pass
             self._child.wait()
 
+    # ---------------------------------------------------------------- --rejoin
+    def _restore(self, places: list[int]) -> list[str]:
+        """The lost slots at these places go back into the slots, in their first job's rank order; their hosts."""
+        hosts = []
+        for p in places:
+            host, label = self._away.pop(p)
+            self.lost.remove(label)
+            self._places.append(p)
+            self.slots.append(host)
+            hosts.append(host)
+        order = sorted(range(len(self.slots)), key=self._places.__getitem__)
+        self._places, self.slots = [self._places[i] for i in order], [self.slots[i] for i in order]
+        return hosts
+
+    def _answering(self, places) -> list[int]:
+        return [p for p in places if _answers(self._away[p][0], self._dir)]
+
+    def _watch_returns(self) -> None:
+        """--rejoin: while no request is in flight, a lost slot whose host answers again (a launch of `pipeinfer
+        --version` there succeeds) is taken back, and the job is re-planned on it: never mid-request."""
+        while not self._stopping and not self.fatal:
+            time.sleep(REJOIN_CHECK_S)
+            with self._lock:
+                idle = not self._records and self._away and not self._stopping
+            if idle:
+                self._replan()
+
+    def _replan(self) -> None:
+        back = self._answering(list(self._away))
+        if not back:
+            return
+        with self._lock:
+            if self._records or self._stopping:  # a request came while the hosts were asked: next time
+                return
+            self._retired = self._child  # its end is no failure (_read)
+            self._send(op="stop")
+            self._out = None  # requests from now on wait for the new job (_start_child sends them)
+        t0, n_before = time.perf_counter(), len(self.slots)
+        hosts = self._restore(back)
+        self.log(f"[serve] {', '.join(hosts)} answer(s) again: re-planning the pipeline on {len(self.slots)} slot(s) "
+                 f"(was {n_before})")
+        try:
+            self._retired.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._kill_child()
+        try:
+            self._start_child()
+        except UserError as e:
+            self._fail(str(e))
+            return
+        self.log(f"[serve] pipeline re-planned in {time.perf_counter() - t0:.1f} s on {len(self.slots)} slot(s)")
+
     # ---------------------------------------------------------------- messages from rank 0
     def _read(self, reader, child: subprocess.Popen) -> None:
         try:
@@ -176,7 +300,7 @@ class Supervisor:
                 self._on_message(json.loads(line))
         except (OSError, ValueError):
             pass
-        if self._stopping:
+        if self._stopping or child is self._retired:
             return
         self._reform(child)
 
@@ -212,16 +336,16 @@ class Supervisor:
         except subprocess.TimeoutExpired:
             self._kill_child()
         cause = self._job_error()
-        m = _FAILED_RANK.search(cause)
-        if m is not None and int(m.group(1)) < len(self.slots):
-            rank, host = int(m.group(1)), m.group(2)
-        elif len(self.slots) == 1 and child.returncode != 0:  # one rank: no liveness watcher names it
-            rank, host = 0, self.slots[0]
-        else:
+        rank, host = self._failed_rank(cause, child)
+        if rank is None:
             self._fail(f"the pipeline ended: {cause}")
             return
         self.lost.append(f"rank {rank} (host {host})")
         del self.slots[rank]
+        lost_place = self._places.pop(rank)
+        self._away[lost_place] = (host, self.lost[-1])
+        if self.rejoin:  # hosts lost earlier that answer again come back now (not the one just lost)
+            self._restore(self._answering(p for p in self._away if p != lost_place))
         self.n_reforms += 1
         self.log(f"[serve] re-forming the pipeline without rank {rank} (host {host}) on {len(self.slots)} "
                  f"slot(s): {cause}")
@@ -236,6 +360,23 @@ class Supervisor:
                 rec.n_resumes += 1
         self.log(f"[serve] pipeline re-formed in {time.perf_counter() - t0:.1f} s on {len(self.slots)} slot(s); "
                  f"{n} request(s) resumed")
+
+    def _failed_rank(self, cause: str, child: subprocess.Popen) -> tuple[int | None, str]:
+        """The rank (and its host) whose failure ended the job: from liveness's line, else from the launcher's
+        report (a pid rank 0 listed when it attached, or Open MPI's rank); a one-rank job's failure is rank 0's."""
+        m = _FAILED_RANK.search(cause)
+        if m is not None and int(m.group(1)) < len(self.slots):
+            return int(m.group(1)), m.group(2)
+        log = Path(self._log_path).read_text(errors="replace") if os.path.exists(self._log_path) else ""
+        m = _OMPI_RANK.search(log)
+        if m is not None and int(m.group(1)) < len(self.slots):
+            return int(m.group(1)), m.group(2)
+        m = _HYDRA_PID.search(log)
+        if m is not None and int(m.group(1)) in self._pids:
+            return self._pids.index(int(m.group(1))), m.group(2)
+        if len(self.slots) == 1 and child.returncode != 0:  # one rank: no liveness watcher names it
+            return 0, self.slots[0]
+        return None, ""
 
     def _fail(self, why: str) -> None:
         self.fatal = why

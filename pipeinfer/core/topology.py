@@ -77,6 +77,21 @@ def split_from_speeds(ms_per_layer: list[float]) -> list[float]:
     return [1.0 / max(t, 1e-9) for t in ms_per_layer]
 
 
+def memory_shortfall(slots: list[str], weights_bytes: int, head_bytes: int, available: dict[str, int]) -> str | None:
+    """Why the hosts in `slots` (one name per rank, rank 0 first) cannot hold the model, or None: each rank holds
+    an even share of the target's weights (the default split), rank 0 also `head_bytes` (the draft model), and a
+    host holds its ranks' shares together. Hosts missing from `available` (bytes) are not known, so not checked."""
+    need: dict[str, float] = {}
+    for rank, host in enumerate(slots):
+        need[host] = need.get(host, 0.0) + weights_bytes / len(slots) + (head_bytes if rank == 0 else 0)
+    for host, n in need.items():
+        if host in available and n > available[host]:
+            k = slots.count(host)
+            return (f"host {host} would hold {n / 2**30:.2f} GiB of the model on {k} rank(s) and has "
+                    f"{available[host] / 2**30:.2f} GiB")
+    return None
+
+
 def parse_per_rank_ints(text: str | None, n_ranks: int, name: str, default: int) -> list[int]:
     """'4,8,8' -> one value per rank; a single value applies to every rank; None -> default."""
     if text is None or str(text).strip() == "":
