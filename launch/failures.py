@@ -108,7 +108,7 @@ CASES: list[Case] = [
          test="tests/test_netns.py::test_supervised_generate_survives_a_cut_link"),
     Case("no-slot-left", "the only rank killed, supervised (`generate --np 1`): nothing to re-form on", 1,
          _resumed(STALL, "--np", "1"), "no slot left to run the pipeline on", 1, fault=(signal.SIGKILL, 0),
-         resumes=True),
+         results_status="failed: no slot left", resumes=True),
     # ---- bad input (2 ranks unless said)
     Case("gguf-cut-header", "GGUF truncated in its header", 2, GEN + ["-m", "{tmp}/cut-header.gguf"],
          "truncated GGUF header: the file ends in its fixed header", 1, prep="cut-header"),
@@ -428,7 +428,7 @@ def _table(rows: list[dict]) -> str:
         if r["from"] == "fault":
             kept = (f"{r['stdout_bytes']} bytes of text on stdout; row: " +
                     (f"`{r['results_status'][:24]}...`" if r["results_status"] else "none"))
-            if r.get("ranks_gone_s"):
+            if r.get("ranks_gone_s") and not r.get("reform"):  # (a resumed run's ranks end with the answer)
                 kept += f"; every rank process gone {r['ranks_gone_s']} s after the fault"
         when = f"{r['seconds']} after the fault" if r["from"] == "fault" else f"{r['seconds']} from start"
         err = r["error"].replace("|", "\\|") or "(none: mpiexec's BAD TERMINATION notice)"

@@ -220,8 +220,9 @@ def run_load(serve_args: list[str], log_path: Path, loads: list[tuple[int, int]]
                 summaries[-1]["stall_s"] = round(max(b - a for a, b in zip(times, times[1:])), 2) if times[1:] else None
                 summaries[-1]["line"] += (f"; rank {kill[0]} {kill[2]} {kill[1]:.0f} s in: the streams paused "
                                           f"{summaries[-1]['stall_s']} s at most")
-            if fault.get("stopped"):  # the frozen rank the re-formed job left behind
-                os.kill(fault["stopped"], signal.SIGKILL)
+            if fault.get("stopped"):  # the frozen rank, if the failed job's teardown left it behind
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(fault["stopped"], signal.SIGKILL)
             print(summaries[-1]["line"], flush=True)
         health = json.loads(urlopen_health(port))
         for s in summaries:
@@ -288,6 +289,8 @@ def main() -> None:
                     help="supervised configs (--np): SIGKILL this rank of the pipeline's job during each load")
     ap.add_argument("--kill-after", type=float, default=10.0, help="seconds into the load [default: 10]")
     ap.add_argument("--fault", choices=["kill", "stop", "cut"], default="kill", help="what --kill-rank does")
+    ap.add_argument("--rounds", type=int, default=1, help="run every config this many times, the order rotating; "
+                    "ratios are medians over the rounds")
     ap.add_argument("--netns", type=int, default=None, help="run on this many emulated hosts ({hosts} in --config)")
     ap.add_argument("serve_args", nargs="*", help="options every server gets [default: -t 1 -c 2048]")
     args = ap.parse_args()
@@ -305,22 +308,31 @@ def main() -> None:
     if args.fault == "cut" and not args.netns:
         ap.error("--fault cut takes an emulated host's link down: give --netns N")
     rows, summaries, reference = [], [], None
-    for k, config in enumerate(configs):
+    runs = [(rnd, configs[(rnd + i) % len(configs)]) for rnd in range(args.rounds) for i in range(len(configs))]
+    for k, (rnd, config) in enumerate(runs):  # each round starts one config later: none always runs first
         kill = (args.kill_rank, args.kill_after, args.fault) if args.kill_rank is not None else None
         with emulated_hosts(args.netns, out.with_suffix(".hosts")) as hosts:
             serve_args = common + config.replace("{hosts}", str(hosts)).split()
             r, s, reference = run_load(serve_args, out.with_suffix(f".server{k}.log"), loads, args.max_tokens, kinds,
                                        reference, kill)
+        for x in r + s:
+            x.update(round=rnd, config=config)
         rows += r
         summaries += s
     lines = [s.pop("line") for s in summaries]
-    base = {s["clients"]: s for s in summaries if s["serve_args"] == " ".join(common + configs[0].split())}
+    base = {(s["round"], s["clients"]): s for s in summaries if s["config"] == configs[0]}
     for s in summaries:
-        b = base[s["clients"]]
+        b = base[(s["round"], s["clients"])]
         s["tokens_per_s_ratio"] = round(s["tokens_per_s"] / b["tokens_per_s"], 3) if b["tokens_per_s"] else None
         s["p50_ratio"] = round(s["p50_s"] / b["p50_s"], 3) if b["p50_s"] else None
-    ratios = [f"[{s['serve_args']}] {s['clients']} clients: tokens/s x{s['tokens_per_s_ratio']}, p50 x{s['p50_ratio']} "
-              f"of [{' '.join(common + configs[0].split())}]" for s in summaries]
+    ratios = []
+    for config in configs:
+        for n_clients in dict.fromkeys(s["clients"] for s in summaries):
+            mine = [s for s in summaries if (s["config"], s["clients"]) == (config, n_clients)]
+            tps, p50 = (float(np.median([s[k] for s in mine])) for k in ("tokens_per_s_ratio", "p50_ratio"))
+            ratios.append(f"[{' '.join(common)} {config}] {n_clients} clients: tokens/s x{tps:.3f}, p50 x{p50:.3f} of "
+                          f"[{' '.join(common)} {configs[0]}]" + (f" (medians of {len(mine)} rounds)" if len(mine) > 1
+                                                                   else ""))
     text = "\n".join(lines + ratios) + "\n"
     print("\n".join(ratios))
     with open(out, "w", newline="") as f:

@@ -35,6 +35,7 @@ def check_resumed(case, r: dict) -> None:
     if case.exit_code != 0:
         assert r["n_error_lines"] == 1 and case.match in r["error"], ctx
         assert r["seconds"] < F.STALL + 10, ctx
+        assert (r["results_status"] or "").startswith(case.results_status) and r["n_generated"] > 0, ctx
         return
     assert r["n_error_lines"] == 0 and "re-formed in" in r["reform"], ctx
     assert r["stdout_bytes"] > r["stdout_bytes_at_fault"] > 0, ctx

@@ -101,6 +101,16 @@ def universal_newlines(text: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+def test_per_rank_options_follow_the_slots_left():
+    from pipeinfer.cli.supervisor import per_rank_args
+    args = ["-m", "x.gguf", "--layer-split", "0.2,0.3,0.5", "-t", "4,2,1", "--threads-batch=8,4,2", "-c", "2048",
+            "-tb", "3"]
+    assert per_rank_args(args, [0, 2], 3) == ["-m", "x.gguf", "--layer-split", "0.2,0.5", "-t", "4,1",
+                                               "--threads-batch=8,2", "-c", "2048", "-tb", "3"]
+    assert per_rank_args(args, [0, 1, 2], 3) == args      # every slot back (--rejoin): the first job's options
+    assert per_rank_args(["--layer-split", "auto"], [1], 2) == ["--layer-split", "auto"]  # re-measured anyway
+
+
 def reference(models, n: int, *extra, prompt: str = PROMPT) -> str:
     p = cli(["generate", "-m", str(models["q8"]), "-p", prompt, "--no-chat", "-n", str(n), "-q", "--mode", "iterative",
              *extra], n=2, timeout=300)
@@ -157,6 +167,27 @@ def test_a_lost_rank_costs_seconds_not_answers(models, refs, tmp_path, mode, vic
             os.kill(pid, signal.SIGKILL)
     assert code == 0, srv.text()[-3000:]
     assert "Traceback" not in srv.text()
+
+
+def test_a_rank_lost_during_the_prompt(models, tmp_path):
+    """Rank 1 is frozen before a long prompt arrives (so no token can come out) and killed a second later, while
+    rank 0 works through the prompt's 8-token chunks: the job re-forms on 2 slots, the prompt is processed again
+    and the answer is the no-failure answer."""
+    prompt = "lo ki ba " * 60  # about 900 tokens: 113 chunks
+    ref = reference(models, 40, "-b", "8", prompt=prompt)
+    srv = Supervised(["--np", "3", "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048", "-b", "8"],
+                     tmp_path / "sup.log")
+    victim = job_ranks()[1]
+    try:
+        os.kill(victim, signal.SIGSTOP)
+        timer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
+        timer.start()
+        got = srv.stream({"model": "t-q8", "prompt": prompt, "max_tokens": 40})
+        assert not timer.is_alive() and universal_newlines(got) == ref, srv.text()[-2000:]
+        assert "re-forming the pipeline without rank 1" in srv.text()
+    finally:
+        code = srv.stop()
+    assert code == 0 and "Traceback" not in srv.text(), srv.text()[-3000:]
 
 
 def test_rejoin_takes_a_lost_slot_back_while_idle(models, refs, tmp_path):

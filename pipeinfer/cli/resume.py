@@ -80,7 +80,13 @@ def generate_supervised(args, setup, slots: list[str], footprint, prompt, stop, 
     finally:
         sup.stop()
     if job.outcome is None or job.outcome[0] == "error":
-        raise UserError(sup.fatal or (job.outcome[1] if job.outcome else "the generation did not finish"))
+        why = sup.fatal or (job.outcome[1] if job.outcome else "the generation did not finish")
+        if args.results:  # the row of what was generated before the failure, as an unsupervised run writes it
+            from ..core.metrics import Stats
+            done = Stats(n_prompt=len(ids), n_generated=len(job.tokens))
+            write_row(args.results, results_row(setup, [None] * len(sup.slots), prompt.name, done,
+                                                status=f"failed: {why}"))
+        raise UserError(why)
     info = job.outcome[1]
     if args.as_json:
         print(json.dumps({"text": job.text, "tokens": job.tokens, "prompt_tokens": ids,

@@ -53,6 +53,26 @@ def child_args(argv: list[str], command: str, with_value: set[str], flags: set[s
         elif name not in flags:
             out.append(a)
     return out
+PER_RANK_OPTIONS = {"--layer-split", "-t", "--threads", "-tb", "--threads-batch"}  # "a,b,c": one value per rank
+
+
+def per_rank_args(args: list[str], places: list[int], n_first: int) -> list[str]:
+    """`args` for a job on the slots at `places` (their ranks in the first job of `n_first` ranks): an option that
+    gives one value per rank keeps the values of those places, in order (a lost rank's share of the layers goes,
+    the rest are re-planned in proportion); every other option as it is."""
+    def keep(value: str) -> str:
+        parts = value.split(",")
+        return ",".join(parts[p] for p in places) if len(parts) == n_first > 1 else value
+    out = list(args)
+    for i, a in enumerate(out):
+        name, eq, value = a.partition("=")
+        if name in PER_RANK_OPTIONS and eq:
+            out[i] = f"{name}={keep(value)}"
+        elif a in PER_RANK_OPTIONS and i + 1 < len(out):
+            out[i + 1] = keep(out[i + 1])
+    return out
+
+
 START_TIMEOUT_S = 600.0
 REJOIN_CHECK_S = 10.0   # --rejoin: how often an idle, degraded supervisor asks whether a lost host answers again
 PROBE_TIMEOUT_S = 20.0  # a launch of `pipeinfer --version` on a host that takes longer: the host is still away
@@ -175,7 +195,8 @@ class Supervisor:
             threading.Thread(target=self._watch_returns, daemon=True).start()
 
     def _command(self) -> list[str]:
-        return _launch_command(self.slots, ["serve", "--attach", self._sock_path] + self.child_args,
+        args = per_rank_args(self.child_args, self._places, len(self._places) + len(self._away))
+        return _launch_command(self.slots, ["serve", "--attach", self._sock_path] + args,
                                os.path.join(self._dir, "hosts.txt"))
 
     def _start_child(self) -> None:

@@ -209,6 +209,9 @@ class StageEngine:
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch  # one ubatch per decode: captured rows stay in batch order
         cparams.n_seq_max = n_seq_max
+        # llama.cpp sizes its output buffer for max(outputs, n_seq_max) rows and asserts that fits n_outputs_max
+        # (n_batch by default): a small -b with many sequences (serve's lanes) aborted the process
+        cparams.n_outputs_max = max(n_batch, n_seq_max)
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads_batch
         cparams.kv_unified = True  # sequences share one cell pool; seq_cp only tags cells
