@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeinfer.cli import launch
+from pipeinfer.core.errors import UserError
 from pipeinfer.cli.launch import (Host, build_command, format_hostfile, mpi_from_version,
                               parse_hostfile, parse_hostfile_text, settings_args)
 
@@ -181,6 +182,37 @@ def test_launch_cmd_dry_run(tmp_path, monkeypatch):
     assert first.startswith(f"mympiexec -f {out} -n 3 ")
     assert first.endswith("-m mpi4py -m pipeinfer generate --n-predict 8 --threads 3,3,5")
     assert out.read_text() == "x:2\ny:1\n"
+
+
+def test_launch_serve_is_the_supervised_server(tmp_path):
+    """`launch -- serve` runs `serve --hostfile` without mpiexec (it survives a lost host); --mpi-arg options go
+    to the supervisor's launcher through PIPEINFER_MPI_ARGS."""
+    hf = tmp_path / "hosts"
+    hf.write_text("x:2\ny\n")
+    res = CliRunner().invoke(launch.launch_cmd, ["--hostfile", str(hf), "--np", "2", "--mpi-arg=-iface",
+                                                 "--mpi-arg=eth1", "--dry-run", "--", "serve", "--port", "9000"])
+    assert res.exit_code == 0, res.output
+    assert res.output.strip() == (f"PIPEINFER_MPI_ARGS='-iface eth1' {sys.executable} -m pipeinfer serve "
+                                  f"--hostfile {hf} --np 2 --port 9000")
+
+
+def test_supervised_placement_takes_the_hostfiles_settings(tmp_path):
+    from types import SimpleNamespace
+
+    from pipeinfer.cli.supervisor import placement
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x" * 1000)
+    hf = tmp_path / "hosts"
+    hf.write_text("a:2 # pipeinfer: threads=4 weight=2 mem=8\nb # pipeinfer: threads=2 weight=1\n")
+    setup = SimpleNamespace(model=str(model), draft=None, draft_at="thread")
+    where = placement(None, str(hf), setup, ["pipeinfer", "serve", "-m", str(model)])
+    assert where.slots == ["a", "a", "b"]
+    assert where.settings == ["--threads", "4,4,2", "--layer-split", "0.4,0.4,0.2"]
+    assert (where.footprint.weights_bytes, where.footprint.declared_gib) == (1000, {"a": 8.0})
+    assert placement(2, str(hf), setup, ["serve", "--threads", "1"]).settings == ["--layer-split", "0.5,0.5"]
+    hf.write_text("a\nd # pipeinfer: role=draft\n")
+    with pytest.raises(UserError, match="role=draft"):
+        placement(None, str(hf), setup, [])
 
 
 def test_dry_run_leaves_no_temporary_hostfile(tmp_path, monkeypatch):

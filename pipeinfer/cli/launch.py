@@ -496,6 +496,8 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
 
     Example: pipeinfer launch --hostfile hosts.txt -- generate --model m.gguf
     """
+    if pipeinfer_args[:1] == ("serve",):
+        return _launch_supervised_serve(hostfile_path, np_, mpi_args, dry_run, list(pipeinfer_args[1:]))
     try:
         hosts = parse_hostfile(hostfile_path)
         library = mpi4py_library()
@@ -524,6 +526,28 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
         if out_hostfile is None:
             Path(hostfile).unlink(missing_ok=True)
     sys.exit(rc if rc >= 0 else 128 - rc)
+
+
+def _launch_supervised_serve(hostfile: str, np: int | None, mpi_args, dry_run: bool, serve_args: list[str]) -> None:
+    """`launch --hostfile H -- serve ARGS` is the supervised server, `serve --hostfile H ARGS` (no mpiexec: it
+    starts the pipeline's job itself and re-forms it when a host is lost); --mpi-arg options reach its
+    launcher through PIPEINFER_MPI_ARGS."""
+    cmd = [sys.executable, "-m", "pipeinfer", "serve", "--hostfile", hostfile] + (["--np", str(np)] if np else [])
+    cmd += serve_args
+    env = dict(os.environ)
+    if mpi_args:
+        env["PIPEINFER_MPI_ARGS"] = shlex.join([*shlex.split(env.get("PIPEINFER_MPI_ARGS", "")), *mpi_args])
+    prefix = f"PIPEINFER_MPI_ARGS={shlex.quote(env['PIPEINFER_MPI_ARGS'])} " if mpi_args else ""
+    click.echo(prefix + shlex.join(cmd))
+    if dry_run:
+        return
+    proc = subprocess.Popen(cmd, env=env)
+    signal.signal(signal.SIGTERM, lambda signum, _frame: proc.send_signal(signum))  # the server's own stop
+    while True:
+        try:
+            sys.exit(proc.wait())
+        except KeyboardInterrupt:  # the server stops on it too (same terminal, same signal): wait for its end
+            continue
 
 
 def signal_to_pass_on(mpi: str, signum: int, first: bool) -> int:

@@ -10,7 +10,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
@@ -23,8 +22,6 @@ from .guard import StopSignals, die, mpi_rank, mpi_size, run_guarded
 from .options import PipelineArgs, PipelineSetup, own_fields, pipeline_options, resolve_pipeline
 from .status import StatusLine
 
-if TYPE_CHECKING:
-    from .supervisor import Footprint
 
 
 @click.group()
@@ -157,30 +154,10 @@ def _generate_supervised(args: GenerateArgs) -> None:
         raise UserError("--np/--hostfile supervise one prompt (not --prompts, not the replay drafter)")
     setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, stop_at_eos=not args.ignore_eos,
                              sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.seed))
-    slots, footprint = _slots(args.np, args.hostfile, setup)
+    from .supervisor import placement
+    where = placement(args.np, args.hostfile, setup, sys.argv)
     stop = StopSignals().install()
-    generate_supervised(args, setup, slots, footprint, read_prompt(args), stop, _results_row, _write_row)
-
-
-def _slots(np: int | None, hostfile: str | None, setup: PipelineSetup) -> tuple[list[str], Footprint]:
-    """The supervised job's ranks' hosts, rank 0 first: --hostfile's slots (--np of them), or --np on this machine;
-    and what the model asks of them (the hostfile's mem= per host)."""
-    from .launch import parse_hostfile, rank_hosts
-    from .supervisor import Footprint
-    if mpi_size() > 1:
-        raise UserError("--np/--hostfile start the pipeline's MPI job themselves: run pipeinfer without mpiexec")
-    hosts = []
-    if hostfile:
-        try:
-            hosts = parse_hostfile(hostfile)
-            slots = [h.name for h in rank_hosts(hosts, np or sum(h.slots for h in hosts))]
-        except (ValueError, OSError) as e:
-            raise UserError(f"--hostfile {hostfile}: {e}") from None
-    else:
-        slots = ["localhost"] * np
-    beside = setup.draft if setup.draft and setup.draft_at != "rank" else None
-    return slots, Footprint(Path(setup.model).stat().st_size, Path(beside).stat().st_size if beside else 0,
-                            {h.name: h.mem for h in hosts if h.mem})
+    generate_supervised(args, setup, where, read_prompt(args), stop, _results_row, _write_row)
 
 
 def _generate_batch(args: GenerateArgs, setup: PipelineSetup) -> None:
@@ -416,10 +393,11 @@ def _supervise(args: ServeArgs) -> None:
 
     from ..engine.tokenizer import Tokenizer, apply_chat
     from .server import ServeConfig, create_app
-    from .supervisor import Supervisor, child_args
+    from .supervisor import Supervisor, child_args, placement
     setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, sampling=SamplingParams(),
                              stop_at_eos=not args.ignore_eos)
-    slots, footprint = _slots(args.np, args.hostfile, setup)
+    where = placement(args.np, args.hostfile, setup, sys.argv)
+    slots = where.slots
     _check_port_free(args.host, args.port)
     stop = StopSignals().install()
     tok = Tokenizer(setup.model)
@@ -433,8 +411,8 @@ def _supervise(args: ServeArgs) -> None:
                                                       status=status))
             except UserError as e:
                 print(f"[serve] {job.request_id}: {e}", file=sys.stderr, flush=True)
-    sup = Supervisor(slots, child_args(sys.argv, "serve", {"--np", "--hostfile"}, {"--rejoin"}), tok, on_done=on_done,
-                     footprint=footprint, rejoin=args.rejoin)
+    sup = Supervisor(slots, child_args(sys.argv, "serve", {"--np", "--hostfile"}, {"--rejoin"}) + where.settings, tok,
+                     on_done=on_done, footprint=where.footprint, rejoin=args.rejoin)
     try:
         sup.start()
         app = create_app(ServeConfig(model_id, args.pipe.ctx_size, args.pipe.cells_reserve(), args.n_predict), sup,

@@ -49,7 +49,7 @@ class StdoutJob:
         self.finished.set()
 
 
-def generate_supervised(args, setup, slots: list[str], footprint, prompt, stop, results_row, write_row) -> None:
+def generate_supervised(args, setup, where, prompt, stop, results_row, write_row) -> None:
     """The generation under the supervisor; the answer on stdout, the statistics and a --results row as usual."""
     from ..core.verify import SamplingParams
     from ..engine.tokenizer import Tokenizer, apply_chat
@@ -69,8 +69,8 @@ def generate_supervised(args, setup, slots: list[str], footprint, prompt, stop, 
         if args.results:
             status = f"ok: resumed {n_resumes}" if n_resumes else "ok"
             write_row(args.results, results_row(setup, [None] * len(sup.slots), prompt.name, stats, status=status))
-    sup = Supervisor(slots, child_args(sys.argv, "generate", _WITH_VALUE, _FLAGS), tok, log=log, on_done=on_done,
-                     footprint=footprint, rejoin=args.rejoin)
+    sup = Supervisor(where.slots, child_args(sys.argv, "generate", _WITH_VALUE, _FLAGS) + where.settings, tok,
+                     log=log, on_done=on_done, footprint=where.footprint, rejoin=args.rejoin)
     try:
         sup.start()
         sup.submit(job)

@@ -127,6 +127,41 @@ def _answers(host: str, work_dir: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a supervised job runs: one host per rank (rank 0 first), what the model asks of them, and the
+    pipeline options the hostfile's per-host settings give (threads=, threads_batch=, weight=)."""
+    slots: list[str]
+    footprint: Footprint
+    settings: list[str]
+
+
+def placement(np: int | None, hostfile: str | None, setup, argv: list[str]) -> Placement:
+    """--hostfile's slots (--np of them), or --np on this machine; `argv`: the user's options (which win over
+    the hostfile's settings)."""
+    from .guard import mpi_size
+    from .launch import parse_hostfile, rank_hosts, settings_args
+    if mpi_size() > 1:
+        raise UserError("--np/--hostfile start the pipeline's MPI job themselves: run pipeinfer without mpiexec")
+    hosts, settings = [], []
+    if hostfile:
+        try:
+            hosts = parse_hostfile(hostfile)
+            if any(h.role == "draft" for h in hosts):
+                raise ValueError("a draft host (role=draft) is not supported by the supervisor yet: leave it out "
+                                 "and the draft runs beside rank 0")
+            n = np or sum(h.slots for h in hosts)
+            slots = [h.name for h in rank_hosts(hosts, n)]
+            settings = settings_args(hosts, n, argv)
+        except (ValueError, OSError) as e:
+            raise UserError(f"--hostfile {hostfile}: {e}") from None
+    else:
+        slots = ["localhost"] * np
+    beside = setup.draft if setup.draft and setup.draft_at != "rank" else None
+    return Placement(slots, Footprint(Path(setup.model).stat().st_size, Path(beside).stat().st_size if beside else 0,
+                                      {h.name: h.mem for h in hosts if h.mem}), settings)
+
+
 def _mem_available() -> int | None:
     """This machine's MemAvailable (bytes), None where /proc/meminfo has none."""
     try:
