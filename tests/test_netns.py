@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -87,14 +88,17 @@ def test_network_cut_to_a_worker_host(tmp_path):
 
 
 def test_supervised_server_survives_a_cut_link(models, tmp_path):
-    """`serve --hostfile` over the emulated cluster (h0, h1, h2): h2's link goes down while three answers stream;
-    the supervisor re-forms the job on h0 and h1 and every answer equals its no-failure answer."""
+    """`serve --hostfile --rejoin` over the emulated cluster (h0, h1, h2): h2's link goes down while three answers
+    stream; the supervisor re-forms the job on h0 and h1 and every answer equals its no-failure answer; when the
+    link comes back, h2 is taken back and the next answer is the no-failure one too."""
     why = F.netns_unavailable()
     if why:
         pytest.skip(why)
     import threading
 
     from test_supervisor import JOBS, Supervised, job_ranks, reference, stream_jobs, universal_newlines
+
+    from pipeinfer.cli.supervisor import PROBE_TIMEOUT_S, REJOIN_CHECK_S
     script = str(ROOT / "launch" / "netns-cluster.sh")
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     up = subprocess.run(["bash", script, "up", "3"], capture_output=True, text=True, env=env, timeout=120)
@@ -108,7 +112,7 @@ def test_supervised_server_survives_a_cut_link(models, tmp_path):
                                             "-genv UCX_TLS tcp -genv FI_PROVIDER tcp")
         try:
             srv = Supervised(["--hostfile", str(hosts), "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048",
-                              "--stall-timeout", "3"], tmp_path / "sup.log")
+                              "--stall-timeout", "3", "--rejoin"], tmp_path / "sup.log")
         finally:
             del os.environ["PIPEINFER_MPI_ARGS"]
         cut = threading.Event()
@@ -125,6 +129,17 @@ def test_supervised_server_survives_a_cut_link(models, tmp_path):
                 assert universal_newlines(got[i]) == ref, (i, srv.text()[-2000:])
             health = srv.health()
             assert health["status"] == "degraded" and health["lost"] == ["rank 2 (host h2)"], health
+            # --rejoin: h2's link comes back; once idle, the supervisor's launch of `pipeinfer --version` there
+            # succeeds and the job is re-planned on h0, h1, h2
+            subprocess.run(["ip", "link", "set", "pi-h2", "up"], check=True)
+            deadline = time.monotonic() + REJOIN_CHECK_S + PROBE_TIMEOUT_S + 90
+            while srv.health()["ranks"] != 3:
+                assert time.monotonic() < deadline, srv.text()[-3000:]
+                time.sleep(1)
+            assert srv.health()["status"] == "ok"
+            assert "h2 answer(s) again: re-planning the pipeline on 3 slot(s) (was 2)" in srv.text()
+            after = srv.stream({"model": "t-q8", "prompt": JOBS[0][0], "max_tokens": JOBS[0][1]})
+            assert universal_newlines(after) == refs[0], srv.text()[-2000:]
         finally:
             code = srv.stop()
             for pid in job_ranks().values():
