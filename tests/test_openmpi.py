@@ -146,6 +146,8 @@ def test_launch_stops_generate_cleanly_and_exits_0(big, tmp_path):
 
 
 def test_serve_starts_answers_and_stops(big, tmp_path):
+    """`launch --hostfile H -- serve` (the supervised server: its job runs on Open MPI's mpirun): an answer
+    streams, Ctrl-C mid-answer lets it finish, exit 0."""
     (tmp_path / "hosts").write_text("localhost:2 # pipeinfer: threads=1\n")
     job = ServeJob(LAUNCH + ["--hostfile", "hosts", "--"], big, tmp_path, ompi_env())
     text, finish = job.stream_while(lambda: os.killpg(job.proc.pid, signal.SIGINT))  # Ctrl-C mid-answer

@@ -397,9 +397,9 @@ class Supervisor:
             self._fail(f"the pipeline ended: {cause}")
             return
         self.lost.append(f"rank {rank} (host {host})")
-        del self.slots[rank]
+        slot = self.slots.pop(rank)  # the host as the hostfile names it (liveness names it by its hostname)
         lost_place = self._places.pop(rank)
-        self._away[lost_place] = (host, self.lost[-1])
+        self._away[lost_place] = (slot, self.lost[-1])
         if self.rejoin:  # hosts lost earlier that answer again come back now (not the one just lost)
             self._restore(self._answering(p for p in self._away if p != lost_place))
         self.n_reforms += 1
