@@ -296,6 +296,39 @@ def test_generate_resumes_after_a_lost_rank(models, refs, tmp_path):
     assert [r["status"] for r in read_results(rows)] == ["ok: resumed 1"]
 
 
+def test_a_supervised_batch_resumes_every_prompt_in_flight(models, tmp_path):
+    """`generate --np 3 --prompts FILE`: a short prompt and three long ones (greedy and seeded) generate at once;
+    once the short one's answer is out, rank 1 is killed: the job re-forms on 2 slots, every answer line equals
+    the unsupervised batch's, the long ones say they resumed, and each has its --results row."""
+    batch = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "ki", "n_predict": 20}] + [{"prompt": p, "n_predict": 1500, "temp": t, "top_p": 0.95,
+                                                    "seed": sd} for p, _n, t, sd in JOBS]
+    batch.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    common = ["generate", "-m", str(models["q8"]), "--prompts", str(batch), "--no-chat", "--mode", "iterative",
+              "-c", "4096", "-q"]
+    ref = cli(common, n=2, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    want = {a["index"]: a["text"] for a in map(json.loads, ref.stdout.splitlines())}
+    rows = tmp_path / "rows.csv"
+    p = subprocess.Popen([sys.executable, "-m", "pipeinfer", *common, "--np", "3", "--results", str(rows)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        first = p.stdout.readline()  # the short answer: the pipeline runs, the long ones are in flight
+        os.kill(job_ranks()[1], signal.SIGKILL)
+        out, err = first + p.stdout.read(), p.stderr.read()
+        code = p.wait(timeout=300)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert code == 0 and "re-formed in" in err, err[-3000:]
+    got = {a["index"]: a for a in map(json.loads, out.splitlines())}
+    assert sorted(got) == [0, 1, 2, 3] and got[0]["resumed"] == 0
+    for i, a in got.items():
+        assert a["text"] == want[i] and a["resumed"] == (i > 0), (i, a["resumed"], err[-2000:])
+    from pipeinfer.core.results import read_results
+    assert sorted(r["status"] for r in read_results(rows)) == ["ok"] + ["ok: resumed 1"] * 3
+
+
 def test_resume_on_failure_needs_a_supervisor(models):
     p = cli(["generate", "-m", str(models["q8"]), "-p", PROMPT, "--resume-on-failure"], n=2)
     assert p.returncode != 0 and "need --np N or --hostfile HOSTS" in p.stderr and "Traceback" not in p.stderr

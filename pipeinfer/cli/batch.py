@@ -64,6 +64,13 @@ def read_batch(path: str, *, chat: bool, n_predict: int, sampling: SamplingParam
     return out
 
 
+def answer_line(p: BatchPrompt, text: str, tokens: list[int], finish: str, stats, **more) -> str:
+    """The JSON line of one answer (module docstring)."""
+    return json.dumps({"index": p.index, "prompt": p.text, "text": text, "tokens": tokens, "n_generated": len(tokens),
+                       "finish": finish, "ttft_s": round(stats.ttft_s, 4),
+                       "tokens_per_s": round(stats.gen_tokens_per_s, 3), "queue_s": round(stats.t_queue_s, 3), **more})
+
+
 def run_batch(args, setup, parallel: int, stop, results_row, write_row) -> None:
     """Rank 0: every prompt through the scheduler; a JSON line per answer, a summary on stderr."""
     from ..engine.tokenizer import Tokenizer, apply_chat
@@ -95,10 +102,7 @@ def run_batch(args, setup, parallel: int, stop, results_row, write_row) -> None:
                 nonlocal n_tokens
                 n_tokens += len(tokens)
                 finish = "stopped" if stop.requested else ("length" if len(tokens) >= p.n_predict else "stop")
-                print(json.dumps({"index": p.index, "prompt": p.text, "text": session.tok.decode(tokens),
-                                  "tokens": tokens, "n_generated": len(tokens), "finish": finish,
-                                  "ttft_s": round(stats.ttft_s, 4), "tokens_per_s": round(stats.gen_tokens_per_s, 3),
-                                  "queue_s": round(stats.t_queue_s, 3)}), flush=True)
+                print(answer_line(p, session.tok.decode(tokens), tokens, finish, stats), flush=True)
                 if args.results:
                     write_row(args.results, results_row(setup, session.ranges, f"{name}:{p.index}", stats))
             sched.submit(session.request(ids, n_predict=p.n_predict, sampling=p.sampling, prompt_text=p.text,

@@ -146,17 +146,19 @@ def _generate(args: GenerateArgs) -> None:
 
 def _generate_supervised(args: GenerateArgs) -> None:
     """--np N / --hostfile HOSTS outside mpiexec: the generation survives a lost rank (resume.py)."""
-    from .resume import generate_supervised
+    from .resume import batch_supervised, generate_supervised
     if not (args.np or args.hostfile):
         raise UserError("--resume-on-failure and --rejoin need --np N or --hostfile HOSTS, run without mpiexec: the "
                         "process that resumes must outlive the MPI job")
-    if args.prompts or args.pipe.drafter == "replay":
-        raise UserError("--np/--hostfile supervise one prompt (not --prompts, not the replay drafter)")
+    if args.pipe.drafter == "replay":
+        raise UserError("--np/--hostfile do not supervise the replay drafter (a benchmark instrument)")
     setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, stop_at_eos=not args.ignore_eos,
                              sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.seed))
     from .supervisor import placement
     where = placement(args.np, args.hostfile, setup, sys.argv)
     stop = StopSignals().install()
+    if args.prompts:
+        return batch_supervised(args, setup, where, stop, _results_row, _write_row)
     generate_supervised(args, setup, where, read_prompt(args), stop, _results_row, _write_row)
 
 

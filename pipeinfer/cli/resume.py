@@ -10,13 +10,13 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 from ..core.errors import UserError
 
 # generate's own options (the pipeline's, and --ignore-eos, go to the supervised job's `serve --attach` as they are)
 _WITH_VALUE = {"-p", "--prompt", "-f", "--file", "--prompt-name", "-n", "--n-predict", "--temp", "--top-k", "--top-p",
-               "--seed", "--replay-ref", "--replay-accuracy", "--results", "--prompts", "--parallel", "--np",
-               "--hostfile"}
+               "--seed", "--replay-ref", "--replay-accuracy", "--results", "--prompts", "--np", "--hostfile"}
 _FLAGS = {"--chat", "--no-chat", "-q", "--quiet", "--json", "--resume-on-failure", "--rejoin"}
 
 
@@ -95,3 +95,54 @@ def generate_supervised(args, setup, where, prompt, stop, results_row, write_row
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
+
+
+def batch_supervised(args, setup, where, stop, results_row, write_row) -> None:
+    """`generate --prompts FILE --np/--hostfile`: every prompt a job of the supervisor (rank 0's scheduler runs
+    --parallel of them at once), each answer a JSON line as it finishes (batch.py's, with "resumed": how many
+    times the job re-formed under it), and the jobs in flight resumed where a rank is lost."""
+    from ..core.verify import SamplingParams
+    from ..engine.tokenizer import Tokenizer, apply_chat
+    from .batch import answer_line, read_batch
+    from .supervisor import Supervisor, child_args
+    prompts = read_batch(args.prompts, chat=True if args.chat is None else args.chat, n_predict=args.n_predict,
+                         sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.seed))
+    if any(p.replay for p in prompts):
+        raise UserError(f"--prompts {args.prompts}: 'replay' is not taken under --np/--hostfile (the supervisor "
+                        "replays what it streamed itself)")
+    tok = Tokenizer(setup.model)
+    jobs = {}
+    for p in prompts:
+        ids = tok.encode(apply_chat(tok, p.text) if p.chat else p.text)
+        jobs[p.index] = StdoutJob(ids, p.n_predict, p.sampling, p.text, p.chat, as_json=True)
+    by_job = {id(job): p for p, job in zip(prompts, jobs.values())}
+    name = Path(args.prompts).stem
+
+    def log(msg: str) -> None:
+        if not args.quiet or "re-form" in msg:
+            print(msg.replace("[serve]", "[pipeinfer]"), file=sys.stderr, flush=True)
+
+    def on_done(job, stats, finish, n_resumes=0):
+        p = by_job[id(job)]
+        print(answer_line(p, job.text, job.tokens, finish, stats, resumed=n_resumes), flush=True)
+        if args.results:
+            status = f"ok: resumed {n_resumes}" if n_resumes else "ok"
+            write_row(args.results, results_row(setup, [None] * len(sup.slots), f"{name}:{p.index}", stats,
+                                                status=status))
+    sup = Supervisor(where.slots, child_args(sys.argv, "generate", _WITH_VALUE, _FLAGS) + where.settings, tok,
+                     log=log, on_done=on_done, footprint=where.footprint, rejoin=args.rejoin)
+    try:
+        sup.start()
+        for job in jobs.values():
+            sup.submit(job)
+        for job in jobs.values():
+            while not job.finished.wait(0.2):
+                if stop.requested:
+                    for j in jobs.values():
+                        j.cancelled.set()
+    finally:
+        sup.stop()
+    failed = [p.index for p in prompts if jobs[p.index].outcome is None or jobs[p.index].outcome[0] == "error"]
+    if failed:
+        raise UserError(sup.fatal or f"prompts {', '.join(map(str, failed))} did not finish")
+
