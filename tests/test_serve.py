@@ -25,13 +25,14 @@ def free_port() -> int:
 
 
 class Server:
-    """mpiexec -n RANKS pipeinfer serve ARGS on a free loopback port; stderr kept in a file."""
+    """mpiexec -n RANKS pipeinfer serve ARGS on a free loopback port; stderr kept in a file. RANKS None: no
+    mpiexec (a supervised server, whose ARGS say --np or --hostfile)."""
 
-    def __init__(self, args: list[str], ranks: int, log_path, timeout: float = 120):
+    def __init__(self, args: list[str], ranks: int | None, log_path, timeout: float = 120):
         self.port = free_port()
         self.log_path = log_path
-        cmd = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "pipeinfer", "serve",
-               "--port", str(self.port)] + args
+        launch = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "mpi4py"] if ranks else [sys.executable]
+        cmd = launch + ["-m", "pipeinfer", "serve", "--port", str(self.port)] + args
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout

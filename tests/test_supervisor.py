@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import ROOT, cli
-from test_serve import PROMPT, free_port
+from test_serve import PROMPT, Server
 
 sys.path.insert(0, str(ROOT / "launch"))
 from serve_load import job_ranks  # noqa: E402  (rank -> pid of the supervised job's ranks)
@@ -37,28 +37,14 @@ def stream_jobs(srv, jobs, on_first_piece) -> dict[int, str]:
     return got
 
 
-class Supervised:
+class Supervised(Server):
+    """A supervised server (`serve --np/--hostfile`, no mpiexec) on a free loopback port."""
+
     def __init__(self, args: list[str], log_path):
-        self.port = free_port()
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "pipeinfer", "serve", "--port", str(self.port)] + args
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.text()[-3000:]
-            try:
-                if self.health()["status"] in ("ok", "degraded"):
-                    return
-            except OSError:
-                time.sleep(0.3)
-        raise AssertionError(self.text()[-3000:])
+        super().__init__(args, None, log_path, timeout=180)
 
     def health(self) -> dict:
-        import http.client
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        conn.request("GET", "/health")
-        return json.loads(conn.getresponse().read())
+        return json.loads(self.request("GET", "/health")[2])
 
     def stream(self, body: dict, on_piece=None) -> str:
         import http.client
@@ -78,22 +64,6 @@ class Supervised:
                 if on_piece:
                     on_piece(k)
         return text
-
-    def text(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return open(self.log_path).read()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
 
 
 def universal_newlines(text: str) -> str:

@@ -355,30 +355,15 @@ def _serve(args: ServeArgs) -> None:
         finally:
             session.close()
         return
-    import uvicorn
-
-    from ..engine.tokenizer import apply_chat
-    from .server import Generator, ServeConfig, create_app
-    tok = session.tok
-    model_id = _model_id(args)
+    from .server import Generator
 
     def on_done(job, stats, finish):
-        if args.results:
-            try:
-                _write_row(args.results, _results_row(setup, session.ranges, f"serve:{finish}", stats))
-            except UserError as e:  # the answer went out; a row that cannot be written must not stop the server
-                print(f"[serve] {job.request_id}: {e}", file=sys.stderr, flush=True)
+        _served_row(args, setup, session.ranges, job, stats, finish)
 
     generator = Generator(session, args.max_queue, on_done=on_done, parallel=parallel)
-    app = create_app(ServeConfig(model_id, args.pipe.ctx_size, args.pipe.cells_reserve(), args.n_predict), generator,
-                     tok, lambda messages: apply_chat(tok, messages))
     generator.start()
     try:
-        if not stop.requested:  # (a stop asked for while the models loaded: no server)
-            print(f"[pipeinfer] serving '{model_id}' on http://{args.host}:{args.port}/v1 (mode {args.pipe.mode}, "
-                  f"{len(session.ranges)} rank(s), {parallel} request(s) at once); Ctrl-C stops", file=sys.stderr, flush=True)
-            _http_server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                        timeout_graceful_shutdown=5), stop).run()
+        _serve_http(args, generator, session.tok, f"{len(session.ranges)} rank(s)", stop)
     finally:
         print("[pipeinfer] stopping: finishing the request in progress, then shutting the pipeline down",
               file=sys.stderr, flush=True)
@@ -391,11 +376,8 @@ def _serve(args: ServeArgs) -> None:
 def _supervise(args: ServeArgs) -> None:
     """`serve --np N` / `--hostfile HOSTS` outside mpiexec: the HTTP server here, the pipeline a child job that is
     re-formed on the slots that remain when a rank is lost (supervisor.py)."""
-    import uvicorn
-
-    from ..engine.tokenizer import Tokenizer, apply_chat
-    from .server import ServeConfig, create_app
-    from .supervisor import Supervisor, child_args, placement
+    from ..engine.tokenizer import Tokenizer
+    from .supervisor import Supervisor, child_args, placement, resumed_status
     setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, sampling=SamplingParams(),
                              stop_at_eos=not args.ignore_eos)
     where = placement(args.np, args.hostfile, setup, sys.argv)
@@ -403,34 +385,48 @@ def _supervise(args: ServeArgs) -> None:
     _check_port_free(args.host, args.port)
     stop = StopSignals().install()
     tok = Tokenizer(setup.model)
-    model_id = _model_id(args)
 
     def on_done(job, stats, finish, n_resumes=0):
-        if args.results:
-            status = f"ok: resumed {n_resumes}" if n_resumes else "ok"
-            try:
-                _write_row(args.results, _results_row(setup, [None] * len(sup.slots), f"serve:{finish}", stats,
-                                                      status=status))
-            except UserError as e:
-                print(f"[serve] {job.request_id}: {e}", file=sys.stderr, flush=True)
+        _served_row(args, setup, [None] * len(sup.slots), job, stats, finish, resumed_status(n_resumes))
     sup = Supervisor(slots, child_args(sys.argv, "serve", {"--np", "--hostfile"}, {"--rejoin"}) + where.settings, tok,
                      on_done=on_done, footprint=where.footprint, rejoin=args.rejoin)
     try:
         sup.start()
-        app = create_app(ServeConfig(model_id, args.pipe.ctx_size, args.pipe.cells_reserve(), args.n_predict), sup,
-                         tok, lambda messages: apply_chat(tok, messages))
-        if not stop.requested:
-            print(f"[pipeinfer] serving '{model_id}' on http://{args.host}:{args.port}/v1 (mode {args.pipe.mode}, "
-                  f"{len(slots)} rank(s) in a supervised job, {sup.parallel} request(s) at once); Ctrl-C stops",
-                  file=sys.stderr, flush=True)
-            _http_server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                        timeout_graceful_shutdown=5), stop).run()
+        _serve_http(args, sup, tok, f"{len(slots)} rank(s) in a supervised job", stop)
     finally:
         print("[pipeinfer] stopping: the pipeline's job finishes the requests in progress, then shuts down",
               file=sys.stderr, flush=True)
         sup.stop()
     if sup.fatal:
         raise UserError(f"the pipeline failed: {sup.fatal}")
+
+
+def _serve_http(args: ServeArgs, generator, tok, ranks: str, stop: StopSignals) -> None:
+    """The OpenAI-compatible app over `generator` (server.Generator, or the Supervisor) on --host/--port until a
+    stop signal; `ranks` says where the pipeline runs. A stop asked for while the models loaded: no server."""
+    import uvicorn
+
+    from ..engine.tokenizer import apply_chat
+    from .server import ServeConfig, create_app
+    model_id = _model_id(args)
+    app = create_app(ServeConfig(model_id, args.pipe.ctx_size, args.pipe.cells_reserve(), args.n_predict), generator,
+                     tok, lambda messages: apply_chat(tok, messages))
+    if stop.requested:
+        return
+    print(f"[pipeinfer] serving '{model_id}' on http://{args.host}:{args.port}/v1 (mode {args.pipe.mode}, {ranks}, "
+          f"{generator.parallel} request(s) at once); Ctrl-C stops", file=sys.stderr, flush=True)
+    _http_server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                timeout_graceful_shutdown=5), stop).run()
+
+
+def _served_row(args: ServeArgs, setup: PipelineSetup, ranges, job, stats, finish: str, status: str = "ok") -> None:
+    """A served request's --results row, if asked for."""
+    if not args.results:
+        return
+    try:
+        _write_row(args.results, _results_row(setup, ranges, f"serve:{finish}", stats, status=status))
+    except UserError as e:  # the answer went out; a row that cannot be written must not stop the server
+        print(f"[serve] {job.request_id}: {e}", file=sys.stderr, flush=True)
 
 
 def _parallel(asked: int | None, setup: PipelineSetup) -> int:

@@ -49,36 +49,48 @@ class StdoutJob:
         self.finished.set()
 
 
+def _run_supervised(args, where, tok, jobs: list[StdoutJob], on_done, stop):
+    """`jobs` on a supervised pipeline until each has finished (a stop signal cancels them all); on_done(sup, job,
+    stats, finish, n_resumes) as each finishes. Returns the stopped supervisor (its fatal, slots, lost)."""
+    from .supervisor import Supervisor, child_args
+
+    def log(msg: str) -> None:
+        if not args.quiet or "re-form" in msg:
+            print(msg.replace("[serve]", "[pipeinfer]"), file=sys.stderr, flush=True)
+    sup = Supervisor(where.slots, child_args(sys.argv, "generate", _WITH_VALUE, _FLAGS) + where.settings, tok,
+                     log=log, on_done=lambda *done: on_done(sup, *done), footprint=where.footprint,
+                     rejoin=args.rejoin)
+    try:
+        sup.start()
+        for job in jobs:
+            sup.submit(job)
+        for job in jobs:
+            while not job.finished.wait(0.2):
+                if stop.requested:
+                    for j in jobs:
+                        j.cancelled.set()
+    finally:
+        sup.stop()
+    return sup
+
+
 def generate_supervised(args, setup, where, prompt, stop, results_row, write_row) -> None:
     """The generation under the supervisor; the answer on stdout, the statistics and a --results row as usual."""
     from ..core.verify import SamplingParams
     from ..engine.tokenizer import Tokenizer, apply_chat
-    from .supervisor import Supervisor, child_args
+    from .supervisor import resumed_status
     tok = Tokenizer(setup.model)
     ids = tok.encode(apply_chat(tok, prompt.text) if prompt.chat else prompt.text)
     job = StdoutJob(ids, args.n_predict, SamplingParams(args.temp, args.top_k, args.top_p, args.seed), prompt.text,
                     bool(prompt.chat), args.as_json)
     resumed: list[int] = []
 
-    def log(msg: str) -> None:
-        if not args.quiet or "re-form" in msg:
-            print(msg.replace("[serve]", "[pipeinfer]"), file=sys.stderr, flush=True)
-
-    def on_done(_job, stats, finish, n_resumes=0):
+    def on_done(sup, _job, stats, finish, n_resumes=0):
         resumed.append(n_resumes)
         if args.results:
-            status = f"ok: resumed {n_resumes}" if n_resumes else "ok"
-            write_row(args.results, results_row(setup, [None] * len(sup.slots), prompt.name, stats, status=status))
-    sup = Supervisor(where.slots, child_args(sys.argv, "generate", _WITH_VALUE, _FLAGS) + where.settings, tok,
-                     log=log, on_done=on_done, footprint=where.footprint, rejoin=args.rejoin)
-    try:
-        sup.start()
-        sup.submit(job)
-        while not job.finished.wait(0.2):
-            if stop.requested:
-                job.cancelled.set()
-    finally:
-        sup.stop()
+            write_row(args.results, results_row(setup, [None] * len(sup.slots), prompt.name, stats,
+                                                status=resumed_status(n_resumes)))
+    sup = _run_supervised(args, where, tok, [job], on_done, stop)
     if job.outcome is None or job.outcome[0] == "error":
         why = sup.fatal or (job.outcome[1] if job.outcome else "the generation did not finish")
         if args.results:  # the row of what was generated before the failure, as an unsupervised run writes it
@@ -104,45 +116,25 @@ def batch_supervised(args, setup, where, stop, results_row, write_row) -> None:
     from ..core.verify import SamplingParams
     from ..engine.tokenizer import Tokenizer, apply_chat
     from .batch import answer_line, read_batch
-    from .supervisor import Supervisor, child_args
+    from .supervisor import resumed_status
     prompts = read_batch(args.prompts, chat=True if args.chat is None else args.chat, n_predict=args.n_predict,
                          sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.seed))
     if any(p.replay for p in prompts):
         raise UserError(f"--prompts {args.prompts}: 'replay' is not taken under --np/--hostfile (the supervisor "
                         "replays what it streamed itself)")
     tok = Tokenizer(setup.model)
-    jobs = {}
-    for p in prompts:
-        ids = tok.encode(apply_chat(tok, p.text) if p.chat else p.text)
-        jobs[p.index] = StdoutJob(ids, p.n_predict, p.sampling, p.text, p.chat, as_json=True)
-    by_job = {id(job): p for p, job in zip(prompts, jobs.values())}
+    jobs = [StdoutJob(tok.encode(apply_chat(tok, p.text) if p.chat else p.text), p.n_predict, p.sampling, p.text,
+                      p.chat, as_json=True) for p in prompts]
+    prompt_of = {id(job): p for p, job in zip(prompts, jobs)}
     name = Path(args.prompts).stem
 
-    def log(msg: str) -> None:
-        if not args.quiet or "re-form" in msg:
-            print(msg.replace("[serve]", "[pipeinfer]"), file=sys.stderr, flush=True)
-
-    def on_done(job, stats, finish, n_resumes=0):
-        p = by_job[id(job)]
+    def on_done(sup, job, stats, finish, n_resumes=0):
+        p = prompt_of[id(job)]
         print(answer_line(p, job.text, job.tokens, finish, stats, resumed=n_resumes), flush=True)
         if args.results:
-            status = f"ok: resumed {n_resumes}" if n_resumes else "ok"
             write_row(args.results, results_row(setup, [None] * len(sup.slots), f"{name}:{p.index}", stats,
-                                                status=status))
-    sup = Supervisor(where.slots, child_args(sys.argv, "generate", _WITH_VALUE, _FLAGS) + where.settings, tok,
-                     log=log, on_done=on_done, footprint=where.footprint, rejoin=args.rejoin)
-    try:
-        sup.start()
-        for job in jobs.values():
-            sup.submit(job)
-        for job in jobs.values():
-            while not job.finished.wait(0.2):
-                if stop.requested:
-                    for j in jobs.values():
-                        j.cancelled.set()
-    finally:
-        sup.stop()
-    failed = [p.index for p in prompts if jobs[p.index].outcome is None or jobs[p.index].outcome[0] == "error"]
+                                                status=resumed_status(n_resumes)))
+    sup = _run_supervised(args, where, tok, jobs, on_done, stop)
+    failed = [p.index for p, job in zip(prompts, jobs) if job.outcome is None or job.outcome[0] == "error"]
     if failed:
         raise UserError(sup.fatal or f"prompts {', '.join(map(str, failed))} did not finish")
-

@@ -11,8 +11,8 @@ the job again on the slots that remain (the layer split re-planned by start-up, 
 resumes every request that was in flight from its prompt + the tokens it had streamed, replayed as they were
 first decoded (Head.start): the client's stream pauses, and the answer is the one it would have been. A job
 that cannot start (no slot left, or too little memory on the hosts left for their share of the model:
-Footprint) ends the server with one line. The supervisor's
-own host is the one that cannot be lost. /health says `degraded` and names the lost slots.
+Footprint) ends the server with one line. The supervisor's own host is the one that cannot be lost. /health
+says `degraded` and names the lost slots.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.errors import UserError
@@ -53,6 +53,8 @@ def child_args(argv: list[str], command: str, with_value: set[str], flags: set[s
         elif name not in flags:
             out.append(a)
     return out
+
+
 PER_RANK_OPTIONS = {"--layer-split", "-t", "--threads", "-tb", "--threads-batch"}  # "a,b,c": one value per rank
 
 
@@ -79,6 +81,23 @@ PROBE_TIMEOUT_S = 20.0  # a launch of `pipeinfer --version` on a host that takes
 _LOCAL_NAMES = ("localhost", "127.0.0.1")
 
 
+def resumed_status(n_resumes: int) -> str:
+    """A supervised answer's --results status."""
+    return f"ok: resumed {n_resumes}" if n_resumes else "ok"
+
+
+def _last_error(log: str) -> str:
+    """A job's one-line error: its last 'pipeinfer: error:' line, else its last line with an error, else its last."""
+    lines = log.splitlines()
+    ours = [ln for ln in lines if "pipeinfer: error:" in ln]
+    errs = [ln for ln in lines if "error" in ln.lower()]
+    return (ours or errs or lines or ["no output"])[-1].strip()
+
+
+def _on_this_machine(host: str) -> bool:
+    return host in (*_LOCAL_NAMES, socket.gethostname())
+
+
 @dataclass(frozen=True)
 class Footprint:
     """What the model asks of the hosts, checked before every start of the job (a re-form on fewer hosts above
@@ -90,11 +109,11 @@ class Footprint:
 
     def shortfall(self, slots: list[str]) -> str | None:
         from ..core.topology import memory_shortfall
+        import psutil
         available = {h: int(g * 2**30) for h, g in self.declared_gib.items()}
-        here = _mem_available()
-        if here is not None:
-            for host in set(slots) & {*_LOCAL_NAMES, socket.gethostname()}:
-                available[host] = min(available.get(host, here), here)
+        here = psutil.virtual_memory().available  # (MemAvailable on Linux)
+        for host in filter(_on_this_machine, set(slots)):
+            available[host] = min(available.get(host, here), here)
         return memory_shortfall(slots, self.weights_bytes, self.head_bytes, available)
 
 
@@ -114,7 +133,7 @@ def _launch_command(slots: list[str], pipeinfer_args: list[str], hostfile: str) 
 def _answers(host: str, work_dir: str) -> bool:
     """Whether `host` runs pipeinfer again: a one-rank launch of `pipeinfer --version` there succeeds in time
     (this machine always does)."""
-    if host in (*_LOCAL_NAMES, socket.gethostname()):
+    if _on_this_machine(host):
         return True
     cmd = _launch_command([host], ["--version"], os.path.join(work_dir, "probe-hosts.txt"))
     probe = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -162,16 +181,6 @@ def placement(np: int | None, hostfile: str | None, setup, argv: list[str]) -> P
                                       {h.name: h.mem for h in hosts if h.mem}), settings)
 
 
-def _mem_available() -> int | None:
-    """This machine's MemAvailable (bytes), None where /proc/meminfo has none."""
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-    return kib * 1024
-
-
 @dataclass
 class _Record:
     """One request as the supervisor keeps it across child jobs."""
@@ -181,14 +190,6 @@ class _Record:
     tokens: list[int] = field(default_factory=list)  # streamed so far
     cancel_sent: bool = False
     n_resumes: int = 0
-
-
-def _stats_from(d: dict) -> Stats:
-    names = {f.name for f in fields(Stats)}
-    s = Stats(**{k: v for k, v in d.items() if k in names})
-    s.accept_hist = {int(k): v for k, v in s.accept_hist.items()}
-    s.draft_len_hist = {int(k): v for k, v in s.draft_len_hist.items()}
-    return s
 
 
 class Supervisor:
@@ -255,7 +256,8 @@ class Supervisor:
         while conn is None:
             if self._child.poll() is not None:
                 listener.close()
-                raise UserError(f"the pipeline did not start on {len(self.slots)} slot(s): {self._job_error()}")
+                raise UserError(f"the pipeline did not start on {len(self.slots)} slot(s): "
+                                f"{_last_error(self._job_log())}")
             if time.monotonic() > deadline:
                 listener.close()
                 self._kill_child()
@@ -270,7 +272,7 @@ class Supervisor:
         reader = conn.makefile("r", encoding="utf-8")
         ready = json.loads(reader.readline() or "{}")
         if ready.get("op") != "ready":
-            raise UserError(f"the pipeline's rank 0 did not attach: {self._job_error()}")
+            raise UserError(f"the pipeline's rank 0 did not attach: {_last_error(self._job_log())}")
         self.parallel = ready["parallel"]
         self._pids = [pid for _host, pid in ready.get("ranks_at", [])]  # each rank's pid, rank 0 first
         t = threading.Thread(target=self._read, args=(reader, self._child), daemon=True)
@@ -279,15 +281,11 @@ class Supervisor:
             for rec in self._records.values():
                 self._send_job(rec)
 
-    def _job_error(self) -> str:
-        """The child job's one-line error (its last 'pipeinfer: error:' line), or its last line."""
+    def _job_log(self) -> str:
         try:
-            lines = Path(self._log_path).read_text(errors="replace").splitlines()
+            return Path(self._log_path).read_text(errors="replace")
         except OSError:
-            return "no output"
-        ours = [ln for ln in lines if "pipeinfer: error:" in ln]
-        errs = [ln for ln in lines if "error" in ln.lower()]
-        return (ours or errs or lines or ["no output"])[-1].strip()
+            return ""
 
     def _kill_child(self) -> None:
         if self._child is not None and self._child.poll() is None:
@@ -371,7 +369,7 @@ class Supervisor:
                 rec.job.on_token_ids(msg["tokens"])
             rec.answer.on_tokens(msg["tokens"])
         elif msg["op"] == "done":
-            stats = _stats_from(msg["stats"])
+            stats = Stats.from_dict(msg["stats"])
             stats.n_generated = len(rec.tokens)  # this job's and the earlier jobs' tokens
             with self._lock:
                 self._records.pop(rec.jid, None)
@@ -391,8 +389,9 @@ class Supervisor:
             child.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self._kill_child()
-        cause = self._job_error()
-        rank, host = self._failed_rank(cause, child)
+        log = self._job_log()
+        cause = _last_error(log)
+        rank, host = self._failed_rank(cause, log, child)
         if rank is None:
             self._fail(f"the pipeline ended: {cause}")
             return
@@ -417,13 +416,12 @@ class Supervisor:
         self.log(f"[serve] pipeline re-formed in {time.perf_counter() - t0:.1f} s on {len(self.slots)} slot(s); "
                  f"{n} request(s) resumed")
 
-    def _failed_rank(self, cause: str, child: subprocess.Popen) -> tuple[int | None, str]:
+    def _failed_rank(self, cause: str, log: str, child: subprocess.Popen) -> tuple[int | None, str]:
         """The rank (and its host) whose failure ended the job: from liveness's line, else from the launcher's
         report (a pid rank 0 listed when it attached, or Open MPI's rank); a one-rank job's failure is rank 0's."""
         m = _FAILED_RANK.search(cause)
         if m is not None and int(m.group(1)) < len(self.slots):
             return int(m.group(1)), m.group(2)
-        log = Path(self._log_path).read_text(errors="replace") if os.path.exists(self._log_path) else ""
         m = _OMPI_RANK.search(log)
         if m is not None and int(m.group(1)) < len(self.slots):
             return int(m.group(1)), m.group(2)

@@ -12,7 +12,7 @@ Timing definitions follow the paper's section V.A, with wall-clock time on the h
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -93,6 +93,14 @@ class Stats:
                  mean_accepted_per_run=self.mean_accepted_per_run, bytes_per_token=self.bytes_per_token(),
                  draft_bytes_per_token=self.draft_bytes_per_token())
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Stats:
+        """The Stats that to_dict gave `d` (after JSON: its derived keys dropped, the histograms' keys ints again)."""
+        s = cls(**{k: v for k, v in d.items() if k in {f.name for f in fields(cls)}})
+        s.accept_hist = {int(k): v for k, v in s.accept_hist.items()}
+        s.draft_len_hist = {int(k): v for k, v in s.draft_len_hist.items()}
+        return s
 
     def report(self) -> str:
         lines = [
