@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launch"))
+from charts import grouped_bars  # noqa: E402
 from quiet import run_quietly  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -101,24 +102,13 @@ def main() -> None:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     configs = [r["config"] for r in rows if r["prompt"] == rows[0]["prompt"] and r["config"] != "iterative (again)"]
     prompts = list(dict.fromkeys(r["prompt"] for r in rows))
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    width = 0.8 / len(prompts)
-    for k, prompt in enumerate(prompts):
-        ys = [next((r["vs_iterative"] for r in rows if r["prompt"] == prompt and r["config"] == c), 0) for c in configs]
-        ax.bar([i + k * width for i in range(len(configs))], ys, width, label=prompt)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([i + width * (len(prompts) - 1) / 2 for i in range(len(configs))], configs, rotation=35, ha="right")
-    ax.set_ylabel("tokens/s, x iterative (same prompt)")
-    ax.set_title("Where the draft runs: Qwen2.5-Coder-1.5B on 2 ranks x 1 thread, 2 cores")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
+    grouped_bars(path, configs, prompts, lambda c, prompt: next(
+                     (r["vs_iterative"] for r in rows if r["prompt"] == prompt and r["config"] == c), 0),
+                 ylabel="tokens/s, x iterative (same prompt)", figsize=(11, 4.5), baseline=1.0,
+                 xtick_kw={"rotation": 35, "ha": "right"}, dpi=120,
+                 title="Where the draft runs: Qwen2.5-Coder-1.5B on 2 ranks x 1 thread, 2 cores")
 
 if __name__ == "__main__":
     main()

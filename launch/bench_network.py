@@ -26,6 +26,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "launch"))
+from charts import grouped_bars  # noqa: E402
+
 BIN = Path(sys.executable).parent
 MPIEXEC = str(BIN / "mpiexec")
 PROBE = re.compile(r"bandwidth ([0-9.]+) Mbit/s .*latency ([0-9.]+) us")
@@ -67,31 +70,19 @@ def _probe(text: str) -> tuple[float, float]:
 
 
 def plot(rows: list[dict], out: Path, draft_at: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     settings = list(dict.fromkeys(r["network"] for r in rows))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(modes)
-    for k, mode in enumerate(modes):
-        ys = [statistics.median(r["gen_tokens_per_s"] for r in rows if r["network"] == s and r["mode"] == mode)
-              for s in settings]
-        bars = ax.bar([i + k * width for i in range(len(settings))], ys, width, label=mode)
-        ax.bar_label(bars, fmt="%.1f", fontsize=8)
     labels = []
     for s in settings:
         r = next(r for r in rows if r["network"] == s)
         labels.append(f"{s}\nMPI ping-pong {r['pingpong_mbit_s']:.0f} Mbit/s\n{r['pingpong_latency_us']:.0f} us")
-    ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(settings))], labels, fontsize=8)
-    ax.set_ylabel("generation tokens/s (median)")
-    ax.set_ylim(0, 1.25 * max(r["gen_tokens_per_s"] for r in rows))  # room for the legend above the bars
     where = "the draft on a third host" if draft_at == "rank" else "the draft in a thread of rank 0"
-    ax.set_title(f"Qwen2.5-Coder-1.5B on 2 ranks x 1 thread ({where}): local vs emulated links", fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-
+    grouped_bars(out, settings, modes, lambda s, mode: statistics.median(
+                     r["gen_tokens_per_s"] for r in rows if r["network"] == s and r["mode"] == mode),
+                 ylabel="generation tokens/s (median)", group_labels=labels, figsize=(7, 4), bar_labels=True,
+                 xtick_kw={"fontsize": 8}, ylim_top=1.25 * max(r["gen_tokens_per_s"] for r in rows),  # legend room
+                 title=f"Qwen2.5-Coder-1.5B on 2 ranks x 1 thread ({where}): local vs emulated links", title_size=9,
+                 dpi=120)
 
 def main() -> None:
     ap = argparse.ArgumentParser()

@@ -47,6 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launch"))
+from charts import grouped_bars  # noqa: E402
 from quiet import run_quietly  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -198,24 +199,11 @@ def summarize(rows: list[dict], networks: list[str], systems: list[str]) -> list
 
 
 def plot(summary: list[dict], out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     networks = list(dict.fromkeys(r["network"] for r in summary))
     systems = list(dict.fromkeys(r["system"] for r in summary))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(networks)
-    for i, net in enumerate(networks):
-        vals = {r["system"]: r["median_tokens_per_s"] for r in summary if r["network"] == net}
-        xs = [j + i * width for j in range(len(systems))]
-        ax.bar(xs, [vals.get(s, 0) for s in systems], width, label=net)
-    ax.set_xticks([j + width * (len(networks) - 1) / 2 for j in range(len(systems))], systems)
-    ax.set_ylabel("tokens/s (median)")
-    ax.set_title("Qwen2.5-Coder-1.5B over 2 machines: llama.cpp RPC vs pipeinfer (2 cores, 1 thread each)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-
+    median = {(r["network"], r["system"]): r["median_tokens_per_s"] for r in summary}
+    grouped_bars(out, systems, networks, lambda s, net: median.get((net, s), 0), ylabel="tokens/s (median)",
+                 title="Qwen2.5-Coder-1.5B over 2 machines: llama.cpp RPC vs pipeinfer (2 cores, 1 thread each)")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -19,7 +19,8 @@ from ..core.files import prompt_path, read_prompt_file
 from ..core.results import append_result, stats_row
 from ..core.verify import SamplingParams
 from .guard import StopSignals, die, mpi_rank, mpi_size, run_guarded
-from .options import PipelineArgs, PipelineSetup, own_fields, pipeline_options, resolve_pipeline
+from .options import (PipelineArgs, PipelineSetup, own_fields, pipeline_options, resolve_pipeline,
+                      supervision_options)
 from .status import StatusLine
 
 
@@ -53,13 +54,8 @@ def main() -> None:
               help="a file of prompts (one per line, or JSON lines): run them all, several at once; one JSON line each")
 @click.option("--parallel", default=None, type=click.IntRange(1, 64),
               help="with --prompts: prompts generated at once [default: 3 per pipeline stage]")
-@click.option("--np", "np", default=None, type=click.IntRange(1),
-              help="run without mpiexec: start the pipeline on this many ranks as a supervised job that re-forms "
-                   "without a lost rank and resumes the generation (on this machine, or --hostfile's hosts)")
-@click.option("--hostfile", default=None, help="with or without --np: the supervised job's hosts (as `launch`)")
+@supervision_options("the generation")
 @click.option("--resume-on-failure", is_flag=True, help="the same as --np/--hostfile's supervision (which it needs)")
-@click.option("--rejoin", is_flag=True, help="with --np/--hostfile: a lost host that answers again is taken back "
-              "while no request is in flight (and at the next re-form)")
 def generate(**kw) -> None:
     """Generate text with the target model split across the MPI ranks."""
     run_guarded(_generate, GenerateArgs.of(kw))
@@ -291,12 +287,7 @@ def _print_report(setup: PipelineSetup, res) -> None:
 @click.option("--results", default=None, help="append one CSV row per request to this file")
 @click.option("--parallel", default=None, type=click.IntRange(1, 64),
               help="requests generated at once [default: 3 per pipeline stage; 1: one after another]")
-@click.option("--np", "np", default=None, type=click.IntRange(1),
-              help="run without mpiexec: start the pipeline on this many ranks as a supervised job that re-forms "
-                   "without a lost rank and resumes every request (on this machine, or --hostfile's hosts)")
-@click.option("--hostfile", default=None, help="with or without --np: the supervised job's hosts (as `launch`)")
-@click.option("--rejoin", is_flag=True, help="with --np/--hostfile: a lost host that answers again is taken back "
-              "while no request is in flight (and at the next re-form)")
+@supervision_options("every request")
 @click.option("--ignore-eos", is_flag=True, help="generate past the end-of-sequence token (every answer max_tokens "
               "long: load tests and benchmarks)")
 @click.option("--attach", default=None, hidden=True, help="rank 0 of a supervised job: the supervisor's socket")

@@ -104,6 +104,25 @@ def pipeline_options(f):
     return f
 
 
+def supervision_options(what: str):
+    """--np, --hostfile and --rejoin (generate and serve): run without mpiexec as a supervised job that re-forms
+    without a lost rank and resumes `what` (cli/supervisor.py)."""
+    options = [
+        click.option("--np", "np", default=None, type=click.IntRange(1),
+                     help="run without mpiexec: start the pipeline on this many ranks as a supervised job that "
+                          f"re-forms without a lost rank and resumes {what} (on this machine, or --hostfile's hosts)"),
+        click.option("--hostfile", default=None, help="with or without --np: the supervised job's hosts (as `launch`)"),
+        click.option("--rejoin", is_flag=True, help="with --np/--hostfile: a lost host that answers again is taken "
+                     "back while no request is in flight (and at the next re-form)"),
+    ]
+
+    def decorate(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return decorate
+
+
 def own_fields(cls, kw: dict, skip: tuple[str, ...] = ()) -> dict:
     """The keyword arguments of click that are fields of the dataclass `cls` (those in `skip` left out)."""
     return {f.name: kw[f.name] for f in fields(cls) if f.name not in skip}

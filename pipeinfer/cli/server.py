@@ -96,6 +96,9 @@ class Job:
     def push(self, event: tuple) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
+    def on_token_ids(self, tokens: list[int]) -> None:
+        """The ids as they come (a supervised generate keeps them for its results row); a client needs only text."""
+
 
 class _Answer:
     """One job's text on its way out: token ids decoded as a stream, stop strings held back and matched."""

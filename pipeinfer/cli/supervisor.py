@@ -185,7 +185,7 @@ def placement(np: int | None, hostfile: str | None, setup, argv: list[str]) -> P
 class _Record:
     """One request as the supervisor keeps it across child jobs."""
     jid: int
-    job: object                 # server.Job
+    job: object                 # server.Job, or resume.StdoutJob (generate --np)
     answer: object              # server._Answer: text, stop strings
     tokens: list[int] = field(default_factory=list)  # streamed so far
     cancel_sent: bool = False
@@ -365,8 +365,7 @@ class Supervisor:
             return
         if msg["op"] == "tokens":
             rec.tokens += msg["tokens"]
-            if hasattr(rec.job, "on_token_ids"):  # generate --np (resume.py) keeps the ids
-                rec.job.on_token_ids(msg["tokens"])
+            rec.job.on_token_ids(msg["tokens"])
             rec.answer.on_tokens(msg["tokens"])
         elif msg["op"] == "done":
             stats = Stats.from_dict(msg["stats"])
