@@ -266,6 +266,35 @@ def test_generate_resumes_after_a_lost_rank(models, refs, tmp_path):
     assert [r["status"] for r in read_results(rows)] == ["ok: resumed 1"]
 
 
+def test_a_rank_lost_while_the_job_starts(models, refs, tmp_path):
+    """`generate --np 3`: rank 1 is frozen as soon as it exists and killed 0.5 s later, before the job could
+    start (and before any liveness watcher could name it: the launcher reports a pid on this machine's host, which
+    holds every slot): the supervisor starts the job again on 2 slots and the text is the uninterrupted run's,
+    not resumed (nothing had been generated)."""
+    rows = tmp_path / "rows.csv"
+    cmd = [sys.executable, "-m", "pipeinfer", "generate", "--np", "3", "-m", str(models["q8"]), "-p", PROMPT,
+           "--no-chat", "-n", "600", "--mode", "iterative", "-c", "2048", "-q", "--results", str(rows)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while (pid := job_ranks().get(1)) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pid is not None, "rank 1 never started"
+        os.kill(pid, signal.SIGSTOP)  # the job cannot start without it
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0, err[-2000:]
+    assert out.rstrip("\n") == refs[0]
+    assert "was lost while the pipeline started: re-forming it on 2 slot(s)" in err, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    from pipeinfer.core.results import read_results
+    assert [r["status"] for r in read_results(rows)] == ["ok"]
+
+
 def test_a_supervised_batch_resumes_every_prompt_in_flight(models, tmp_path):
     """`generate --np 3 --prompts FILE`: a short prompt and three long ones (greedy and seeded) generate at once;
     once the short one's answer is out, rank 1 is killed: the job re-forms on 2 slots, every answer line equals

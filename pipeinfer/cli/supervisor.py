@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+
 from ..core.errors import UserError
 from ..core.metrics import Stats
 
@@ -86,10 +87,22 @@ def resumed_status(n_resumes: int) -> str:
     return f"ok: resumed {n_resumes}" if n_resumes else "ok"
 
 
+class _StartFailed(UserError):
+    """The job ended before its rank 0 attached (its log and process kept: a lost rank is named from them)."""
+
+    def __init__(self, message: str, log: str, child: subprocess.Popen):
+        super().__init__(message)
+        self.log, self.child = log, child
+
+
 def _last_error(log: str) -> str:
-    """A job's one-line error: its last 'pipeinfer: error:' line, else its last line with an error, else its last."""
+    """A job's one-line error: its last 'pipeinfer: error:' line, else what MPICH's launcher says ended, else its
+    last line with an error, else its last."""
     lines = log.splitlines()
     ours = [ln for ln in lines if "pipeinfer: error:" in ln]
+    if not ours and (m := _HYDRA_PID.search(log)):  # MPICH's block about the process it saw end
+        how = re.search(r"EXIT STRING: (.+)", log)
+        return f"process {m.group(1)} at {m.group(2)} ended" + (f": {how.group(1).strip()}" if how else "")
     errs = [ln for ln in lines if "error" in ln.lower()]
     return (ours or errs or lines or ["no output"])[-1].strip()
 
@@ -108,8 +121,9 @@ class Footprint:
     declared_gib: dict = field(default_factory=dict)   # host -> GiB (hostfile mem=)
 
     def shortfall(self, slots: list[str]) -> str | None:
-        from ..core.topology import memory_shortfall
         import psutil
+
+        from ..core.topology import memory_shortfall
         available = {h: int(g * 2**30) for h, g in self.declared_gib.items()}
         here = psutil.virtual_memory().available  # (MemAvailable on Linux)
         for host in filter(_on_this_machine, set(slots)):
@@ -225,7 +239,7 @@ class Supervisor:
 
     # ---------------------------------------------------------------- the child job
     def start(self) -> None:
-        self._start_child()
+        self._start_surviving()
         threading.Thread(target=self._watch_cancels, daemon=True).start()
         if self.rejoin:
             threading.Thread(target=self._watch_returns, daemon=True).start()
@@ -243,6 +257,7 @@ class Supervisor:
         if short:
             raise UserError(f"the {len(self.slots)} slot(s) left cannot hold the model: {short}" if self.lost else
                             f"the {len(self.slots)} slot(s) cannot hold the model: {short}")
+        self._pids = []  # the last job's (a launcher's report of this one's failure must not match them)
         Path(self._sock_path).unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self._sock_path)
@@ -256,8 +271,8 @@ class Supervisor:
         while conn is None:
             if self._child.poll() is not None:
                 listener.close()
-                raise UserError(f"the pipeline did not start on {len(self.slots)} slot(s): "
-                                f"{_last_error(self._job_log())}")
+                raise _StartFailed(f"the pipeline did not start on {len(self.slots)} slot(s): "
+                                   f"{_last_error(self._job_log())}", self._job_log(), self._child)
             if time.monotonic() > deadline:
                 listener.close()
                 self._kill_child()
@@ -280,6 +295,39 @@ class Supervisor:
         with self._lock:  # every request not answered yet goes (again) to the new rank 0
             for rec in self._records.values():
                 self._send_job(rec)
+
+    def _start_surviving(self) -> None:
+        """Start the job; where a rank is lost while it starts (named as for a running job: liveness's line or the
+        launcher's report), start it again without that slot, until it attaches or no slot is left (UserError)."""
+        while True:
+            try:
+                return self._start_child()
+            except _StartFailed as e:
+                cause = _last_error(e.log)
+                # a rank that liveness names, or one that vanished (no rank said why): not a rank's own error
+                lost = _FAILED_RANK.search(cause) is not None or "pipeinfer: error" not in e.log
+                rank, host = self._failed_rank(cause, e.log, e.child, alone_is_named=False) if lost else (None, "")
+                if rank is None and lost and (m := _HYDRA_PID.search(e.log)) and m.group(2) in self.slots:
+                    # the launcher names a pid on a host of several slots, and rank 0 has not listed their pids
+                    # yet: some rank there (which one matters not: each slot is just that host's name)
+                    rank, host = len(self.slots) - 1 - self.slots[::-1].index(m.group(2)), m.group(2)
+                    label = f"a rank (host {host})"
+                elif rank is None:
+                    raise
+                else:
+                    label = f"rank {rank} (host {host})"
+                self._drop(rank, host, label)
+                self.n_reforms += 1
+                self.log(f"[serve] {label} was lost while the pipeline started: re-forming it on {len(self.slots)} "
+                         f"slot(s): {cause}")
+
+    def _drop(self, rank: int, host: str, label: str | None = None) -> int:
+        """Take the failed rank's slot out (kept with its first job's place for --rejoin); its place."""
+        self.lost.append(label or f"rank {rank} (host {host})")
+        slot = self.slots.pop(rank)  # the host as the hostfile names it (liveness names it by its hostname)
+        place = self._places.pop(rank)
+        self._away[place] = (slot, self.lost[-1])
+        return place
 
     def _job_log(self) -> str:
         try:
@@ -341,7 +389,7 @@ class Supervisor:
         except subprocess.TimeoutExpired:
             self._kill_child()
         try:
-            self._start_child()
+            self._start_surviving()
         except UserError as e:
             self._fail(str(e))
             return
@@ -394,17 +442,14 @@ class Supervisor:
         if rank is None:
             self._fail(f"the pipeline ended: {cause}")
             return
-        self.lost.append(f"rank {rank} (host {host})")
-        slot = self.slots.pop(rank)  # the host as the hostfile names it (liveness names it by its hostname)
-        lost_place = self._places.pop(rank)
-        self._away[lost_place] = (slot, self.lost[-1])
+        lost_place = self._drop(rank, host)
         if self.rejoin:  # hosts lost earlier that answer again come back now (not the one just lost)
             self._restore(self._answering(p for p in self._away if p != lost_place))
         self.n_reforms += 1
         self.log(f"[serve] re-forming the pipeline without rank {rank} (host {host}) on {len(self.slots)} "
                  f"slot(s): {cause}")
         try:
-            self._start_child()
+            self._start_surviving()
         except UserError as e:
             self._fail(str(e))
             return
@@ -415,9 +460,11 @@ class Supervisor:
         self.log(f"[serve] pipeline re-formed in {time.perf_counter() - t0:.1f} s on {len(self.slots)} slot(s); "
                  f"{n} request(s) resumed")
 
-    def _failed_rank(self, cause: str, log: str, child: subprocess.Popen) -> tuple[int | None, str]:
+    def _failed_rank(self, cause: str, log: str, child: subprocess.Popen,
+                     alone_is_named: bool = True) -> tuple[int | None, str]:
         """The rank (and its host) whose failure ended the job: from liveness's line, else from the launcher's
-        report (a pid rank 0 listed when it attached, or Open MPI's rank); a one-rank job's failure is rank 0's."""
+        report (a pid rank 0 listed when it attached, or Open MPI's rank); a one-rank job's failure is rank 0's
+        (alone_is_named: not for a job that failed to start, whose own error is the better line)."""
         m = _FAILED_RANK.search(cause)
         if m is not None and int(m.group(1)) < len(self.slots):
             return int(m.group(1)), m.group(2)
@@ -425,9 +472,11 @@ class Supervisor:
         if m is not None and int(m.group(1)) < len(self.slots):
             return int(m.group(1)), m.group(2)
         m = _HYDRA_PID.search(log)
+        if m is not None and self.slots.count(m.group(2)) == 1:  # the only rank on that host
+            return self.slots.index(m.group(2)), m.group(2)
         if m is not None and int(m.group(1)) in self._pids:
             return self._pids.index(int(m.group(1))), m.group(2)
-        if len(self.slots) == 1 and child.returncode != 0:  # one rank: no liveness watcher names it
+        if alone_is_named and len(self.slots) == 1 and child.returncode != 0:  # one rank: no liveness watcher names it
             return 0, self.slots[0]
         return None, ""
 
