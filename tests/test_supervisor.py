@@ -191,6 +191,37 @@ def test_rejoin_takes_a_lost_slot_back_while_idle(models, refs, tmp_path):
     assert code == 0 and "Traceback" not in srv.text(), srv.text()[-3000:]
 
 
+def test_rejoin_takes_the_draft_host_back(models, refs, tmp_path):
+    """--rejoin with a draft host: its rank killed mid-answer, the job re-forms with the draft beside rank 0 (the
+    answer completes, exact); once idle, the host answers and the draft goes back to its own rank."""
+    from pipeinfer.cli.supervisor import REJOIN_CHECK_S
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("localhost:2\n127.0.0.1 # pipeinfer: role=draft\n")
+    srv = Supervised(["--hostfile", str(hosts), "--rejoin", "-m", str(models["q8"]), "--draft", str(models["draft60"]),
+                      "-c", "2048"], tmp_path / "sup.log")
+    try:
+        killed = threading.Event()
+
+        def on_piece(k: int) -> None:
+            if k == 20 and not killed.is_set():
+                killed.set()
+                os.kill(job_ranks()[2], signal.SIGKILL)
+        got = srv.stream({"model": "t-q8", "prompt": PROMPT, "max_tokens": 600}, on_piece)
+        assert killed.is_set() and universal_newlines(got) == refs[0], srv.text()[-2000:]
+        assert "the draft's rank 2" in srv.health()["lost"][0]
+        deadline = time.monotonic() + REJOIN_CHECK_S + 90
+        while srv.health()["lost"]:
+            assert time.monotonic() < deadline, srv.text()[-2000:]
+            time.sleep(0.5)
+        assert srv.health()["status"] == "ok" and "127.0.0.1 answer(s) again" in srv.text()
+        after = srv.stream({"model": "t-q8", "prompt": PROMPT, "max_tokens": 600})
+        assert universal_newlines(after) == refs[0], srv.text()[-2000:]
+        assert len(job_ranks()) == 3  # 2 stages and the draft's rank
+    finally:
+        code = srv.stop()
+    assert code == 0 and "Traceback" not in srv.text(), srv.text()[-3000:]
+
+
 def test_no_slot_left_is_one_line_and_a_clean_stop(models, tmp_path):
     srv = Supervised(["--np", "1", "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048"], tmp_path / "sup.log")
     try:
@@ -293,6 +324,35 @@ def test_a_rank_lost_while_the_job_starts(models, refs, tmp_path):
     assert "Traceback" not in err, err[-2000:]
     from pipeinfer.core.results import read_results
     assert [r["status"] for r in read_results(rows)] == ["ok"]
+
+
+def test_a_lost_draft_host_moves_the_draft_beside_rank_0(models, refs, tmp_path):
+    """`generate --hostfile` with a draft host (role=draft; 127.0.0.1, this machine to MPI): PipeInfer with the
+    draft on the job's last rank; that rank killed while the text streams: the job re-forms on the same 2 target
+    slots with the draft in a thread of rank 0, and the text is the uninterrupted run's."""
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("localhost:2\n127.0.0.1 # pipeinfer: role=draft\n")
+    rows = tmp_path / "rows.csv"
+    cmd = [sys.executable, "-m", "pipeinfer", "generate", "--hostfile", str(hosts), "-m", str(models["q8"]),
+           "--draft", str(models["draft60"]), "-p", PROMPT, "--no-chat", "-n", "600", "-c", "2048", "-q",
+           "--results", str(rows)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        head = p.stdout.read(40)  # the text has begun
+        assert len(job_ranks()) == 3
+        os.kill(job_ranks()[2], signal.SIGKILL)
+        rest = p.stdout.read()
+        err = p.stderr.read()
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0, err[-2000:]
+    assert (head + rest).rstrip("\n") == refs[0]
+    assert re.search(r"re-forming the pipeline without the draft's rank 2 \(host [^)]+\) on 2 slot\(s\) \(the draft "
+                     r"beside rank 0\)", err) and "Traceback" not in err, err[-2000:]
+    from pipeinfer.core.results import read_results
+    assert [r["status"] for r in read_results(rows)] == ["ok: resumed 1"]
 
 
 def test_a_supervised_batch_resumes_every_prompt_in_flight(models, tmp_path):

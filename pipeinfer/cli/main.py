@@ -380,10 +380,11 @@ def _supervise(args: ServeArgs) -> None:
     def on_done(job, stats, finish, n_resumes=0):
         _served_row(args, setup, [None] * len(sup.slots), job, stats, finish, resumed_status(n_resumes))
     sup = Supervisor(slots, child_args(sys.argv, "serve", {"--np", "--hostfile"}, {"--rejoin"}) + where.settings, tok,
-                     on_done=on_done, footprint=where.footprint, rejoin=args.rejoin)
+                     on_done=on_done, footprint=where.footprint, rejoin=args.rejoin, draft=where.draft)
     try:
         sup.start()
-        _serve_http(args, sup, tok, f"{len(slots)} rank(s) in a supervised job", stop)
+        draft = f" and the draft on {where.draft.name}" if where.draft else ""
+        _serve_http(args, sup, tok, f"{len(slots)} rank(s){draft} in a supervised job", stop)
     finally:
         print("[pipeinfer] stopping: the pipeline's job finishes the requests in progress, then shuts down",
               file=sys.stderr, flush=True)

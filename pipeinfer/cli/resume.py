@@ -59,7 +59,7 @@ def _run_supervised(args, where, tok, jobs: list[StdoutJob], on_done, stop):
             print(msg.replace("[serve]", "[pipeinfer]"), file=sys.stderr, flush=True)
     sup = Supervisor(where.slots, child_args(sys.argv, "generate", _WITH_VALUE, _FLAGS) + where.settings, tok,
                      log=log, on_done=lambda *done: on_done(sup, *done), footprint=where.footprint,
-                     rejoin=args.rejoin)
+                     rejoin=args.rejoin, draft=where.draft)
     try:
         sup.start()
         for job in jobs:

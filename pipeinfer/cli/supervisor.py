@@ -26,13 +26,14 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 
 from ..core.errors import UserError
 from ..core.metrics import Stats
 
+DRAFT_PLACE = -1  # the draft host's key among the lost slots (Supervisor._away)
 _FAILED_RANK = re.compile(r"rank (\d+) \(host ([^,)]+)")  # liveness's line, from rank 0 (or another rank)
 # where the launcher tore the job down before any rank could say who failed: MPICH's Hydra names the pid (and
 # the host as the hostfile names it), Open MPI's mpirun the rank
@@ -161,38 +162,52 @@ def _answers(host: str, work_dir: str) -> bool:
 
 
 @dataclass(frozen=True)
+class DraftHost:
+    """The hostfile's draft host (role=draft): the job's last rank runs the draft there (`args`: --draft-at rank,
+    --draft-threads); when it is lost, the draft (`n_bytes` of it) moves beside rank 0."""
+    name: str
+    args: list[str]
+    n_bytes: int
+
+
+@dataclass(frozen=True)
 class Placement:
-    """Where a supervised job runs: one host per rank (rank 0 first), what the model asks of them, and the
-    pipeline options the hostfile's per-host settings give (threads=, threads_batch=, weight=)."""
+    """Where a supervised job runs: one host per target rank (rank 0 first), the draft's host if the hostfile has
+    one, what the model asks of them, and the pipeline options the hostfile's per-host settings give (threads=,
+    threads_batch=, weight=)."""
     slots: list[str]
     footprint: Footprint
     settings: list[str]
+    draft: DraftHost | None = None
 
 
 def placement(np: int | None, hostfile: str | None, setup, argv: list[str]) -> Placement:
     """--hostfile's slots (--np of them), or --np on this machine; `argv`: the user's options (which win over
     the hostfile's settings)."""
     from .guard import mpi_size
-    from .launch import parse_hostfile, rank_hosts, settings_args
+    from .launch import parse_hostfile, rank_hosts, settings_args, with_draft_last
     if mpi_size() > 1:
         raise UserError("--np/--hostfile start the pipeline's MPI job themselves: run pipeinfer without mpiexec")
-    hosts, settings = [], []
+    hosts, settings, draft = [], [], None
+    draft_bytes = Path(setup.draft).stat().st_size if setup.draft else 0
     if hostfile:
         try:
             hosts = parse_hostfile(hostfile)
-            if any(h.role == "draft" for h in hosts):
-                raise ValueError("a draft host (role=draft) is not supported by the supervisor yet: leave it out "
-                                 "and the draft runs beside rank 0")
             n = np or sum(h.slots for h in hosts)
-            slots = [h.name for h in rank_hosts(hosts, n)]
-            settings = settings_args(hosts, n, argv)
+            ordered, draft_args = with_draft_last(hosts, n, argv)
+            if ordered and ordered[-1].role == "draft":
+                if not setup.draft:
+                    raise ValueError(f"{ordered[-1].name} has role=draft but this run has no draft model")
+                draft, ordered, n = DraftHost(ordered[-1].name, draft_args, draft_bytes), ordered[:-1], n - 1
+            slots = [h.name for h in rank_hosts(ordered, n)]
+            settings = settings_args(ordered, n, argv)
         except (ValueError, OSError) as e:
             raise UserError(f"--hostfile {hostfile}: {e}") from None
     else:
         slots = ["localhost"] * np
-    beside = setup.draft if setup.draft and setup.draft_at != "rank" else None
-    return Placement(slots, Footprint(Path(setup.model).stat().st_size, Path(beside).stat().st_size if beside else 0,
-                                      {h.name: h.mem for h in hosts if h.mem}), settings)
+    beside = draft is None and setup.draft_at != "rank"
+    return Placement(slots, Footprint(Path(setup.model).stat().st_size, draft_bytes if beside else 0,
+                                      {h.name: h.mem for h in hosts if h.mem}), settings, draft)
 
 
 @dataclass
@@ -214,9 +229,10 @@ class Supervisor:
     together on every failure (stop reading, drop a slot, start again, resend every unfinished record)."""
 
     def __init__(self, slots: list[str], child_args: list[str], tok, log=None, on_done=None,
-                 footprint: Footprint | None = None, rejoin: bool = False):
-        self.slots = list(slots)            # one host name per rank, rank 0 first
+                 footprint: Footprint | None = None, rejoin: bool = False, draft: DraftHost | None = None):
+        self.slots = list(slots)            # one host name per target rank, rank 0 first
         self.footprint, self.rejoin = footprint, rejoin
+        self.draft, self._draft = draft, draft  # the draft's host while it serves (None once lost); the hostfile's
         self._places = list(range(len(slots)))  # each slot's rank in the first job (the order a rejoin restores)
         self._away: dict[int, tuple[str, str]] = {}  # place -> (host, its entry in self.lost) of each lost slot
         self._retired: subprocess.Popen | None = None  # a job stopped for a re-plan (--rejoin), not failed
@@ -245,9 +261,12 @@ class Supervisor:
             threading.Thread(target=self._watch_returns, daemon=True).start()
 
     def _command(self) -> list[str]:
-        args = per_rank_args(self.child_args, self._places, len(self._places) + len(self._away))
-        return _launch_command(self.slots, ["serve", "--attach", self._sock_path] + args,
-                               os.path.join(self._dir, "hosts.txt"))
+        n_places = len(self._places) + len([p for p in self._away if p != DRAFT_PLACE])
+        args = per_rank_args(self.child_args, self._places, n_places)
+        if self._draft is not None:  # the draft on its host (the last rank), or, that host lost, beside rank 0
+            args += self._draft.args if self.draft else ["--draft-at", "thread"]
+        return _launch_command(self.slots + ([self.draft.name] if self.draft else []),
+                               ["serve", "--attach", self._sock_path] + args, os.path.join(self._dir, "hosts.txt"))
 
     def _start_child(self) -> None:
         """Start the job on the slots left and wait for its rank 0 to attach (or for the job to fail)."""
@@ -322,7 +341,15 @@ class Supervisor:
                          f"slot(s): {cause}")
 
     def _drop(self, rank: int, host: str, label: str | None = None) -> int:
-        """Take the failed rank's slot out (kept with its first job's place for --rejoin); its place."""
+        """Take the failed rank's slot out (kept with its first job's place for --rejoin); its place. The draft's
+        rank (after the target's): the draft goes beside rank 0 (its memory there from now on)."""
+        if self.draft is not None and rank == len(self.slots):
+            self.lost.append(f"the draft's rank {rank} (host {host})")
+            self._away[DRAFT_PLACE] = (self.draft.name, self.lost[-1])
+            self.draft = None
+            if self.footprint:
+                self.footprint = replace(self.footprint, head_bytes=self._draft.n_bytes)
+            return DRAFT_PLACE
         self.lost.append(label or f"rank {rank} (host {host})")
         slot = self.slots.pop(rank)  # the host as the hostfile names it (liveness names it by its hostname)
         place = self._places.pop(rank)
@@ -350,9 +377,14 @@ class Supervisor:
         for p in places:
             host, label = self._away.pop(p)
             self.lost.remove(label)
+            hosts.append(host)
+            if p == DRAFT_PLACE:  # the draft goes back to its host
+                self.draft = self._draft
+                if self.footprint:
+                    self.footprint = replace(self.footprint, head_bytes=0)
+                continue
             self._places.append(p)
             self.slots.append(host)
-            hosts.append(host)
         order = sorted(range(len(self.slots)), key=self._places.__getitem__)
         self._places, self.slots = [self._places[i] for i in order], [self.slots[i] for i in order]
         return hosts
@@ -446,8 +478,8 @@ class Supervisor:
         if self.rejoin:  # hosts lost earlier that answer again come back now (not the one just lost)
             self._restore(self._answering(p for p in self._away if p != lost_place))
         self.n_reforms += 1
-        self.log(f"[serve] re-forming the pipeline without rank {rank} (host {host}) on {len(self.slots)} "
-                 f"slot(s): {cause}")
+        self.log(f"[serve] re-forming the pipeline without {self.lost[-1]} on {len(self.slots)} slot(s)"
+                 f"{' (the draft beside rank 0)' if lost_place == DRAFT_PLACE else ''}: {cause}")
         try:
             self._start_surviving()
         except UserError as e:
@@ -465,15 +497,16 @@ class Supervisor:
         """The rank (and its host) whose failure ended the job: from liveness's line, else from the launcher's
         report (a pid rank 0 listed when it attached, or Open MPI's rank); a one-rank job's failure is rank 0's
         (alone_is_named: not for a job that failed to start, whose own error is the better line)."""
+        hosts = self.slots + ([self.draft.name] if self.draft else [])  # by rank, the draft's last
         m = _FAILED_RANK.search(cause)
-        if m is not None and int(m.group(1)) < len(self.slots):
+        if m is not None and int(m.group(1)) < len(hosts):
             return int(m.group(1)), m.group(2)
         m = _OMPI_RANK.search(log)
-        if m is not None and int(m.group(1)) < len(self.slots):
+        if m is not None and int(m.group(1)) < len(hosts):
             return int(m.group(1)), m.group(2)
         m = _HYDRA_PID.search(log)
-        if m is not None and self.slots.count(m.group(2)) == 1:  # the only rank on that host
-            return self.slots.index(m.group(2)), m.group(2)
+        if m is not None and hosts.count(m.group(2)) == 1:  # the only rank on that host
+            return hosts.index(m.group(2)), m.group(2)
         if m is not None and int(m.group(1)) in self._pids:
             return self._pids.index(int(m.group(1))), m.group(2)
         if alone_is_named and len(self.slots) == 1 and child.returncode != 0:  # one rank: no liveness watcher names it
