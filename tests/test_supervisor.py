@@ -160,13 +160,20 @@ def test_a_rank_lost_during_the_prompt(models, tmp_path):
     assert code == 0 and "Traceback" not in srv.text(), srv.text()[-3000:]
 
 
-def test_rejoin_takes_a_lost_slot_back_while_idle(models, refs, tmp_path):
-    """--rejoin: rank 2 of 3 killed mid-answer: the job re-forms on 2 slots and the answer completes; once no
-    request is in flight, the slot (on this machine, so it answers) is taken back and the job re-planned on 3;
-    /health is ok again and the next answer is the no-failure one."""
+@pytest.mark.parametrize("lost", ["slot", "draft host"])
+def test_rejoin_takes_a_lost_host_back_while_idle(models, refs, tmp_path, lost):
+    """--rejoin: rank 2 killed mid-answer (a target slot of 3, or the draft host's rank, role=draft): the job
+    re-forms without it (on 2 slots; or with the draft beside rank 0) and the answer completes; once no request is
+    in flight, the host (this machine, so it answers) is taken back and the job re-planned with it; /health is ok
+    again and the next answer is the no-failure one."""
     from pipeinfer.cli.supervisor import REJOIN_CHECK_S
-    srv = Supervised(["--np", "3", "--rejoin", "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048"],
-                     tmp_path / "sup.log")
+    if lost == "slot":
+        args, n_slots = ["--np", "3", "--mode", "iterative"], 3
+    else:
+        hosts = tmp_path / "hosts.txt"
+        hosts.write_text("localhost:2\n127.0.0.1 # pipeinfer: role=draft\n")
+        args, n_slots = ["--hostfile", str(hosts), "--draft", str(models["draft60"])], 2
+    srv = Supervised(args + ["--rejoin", "-m", str(models["q8"]), "-c", "2048"], tmp_path / "sup.log")
     try:
         killed = threading.Event()
 
@@ -176,47 +183,20 @@ def test_rejoin_takes_a_lost_slot_back_while_idle(models, refs, tmp_path):
                 os.kill(job_ranks()[2], signal.SIGKILL)
         got = srv.stream({"model": "t-q8", "prompt": PROMPT, "max_tokens": 600}, on_piece)
         assert killed.is_set() and universal_newlines(got) == refs[0], srv.text()[-2000:]
-        deadline = time.monotonic() + REJOIN_CHECK_S + 90
-        while srv.health()["ranks"] != 3:
-            assert time.monotonic() < deadline, srv.text()[-2000:]
-            time.sleep(0.5)
-        health = srv.health()
-        assert health["status"] == "ok" and health["lost"] == [] and health["reforms"] == 1, health
-        assert re.search(r"\[serve\] \S+ answer\(s\) again: re-planning the pipeline on 3 slot\(s\) \(was 2\)", srv.text())
-        after = srv.stream({"model": "t-q8", "prompt": PROMPT, "max_tokens": 600})
-        assert universal_newlines(after) == refs[0], srv.text()[-2000:]
-        assert len(job_ranks()) == 3
-    finally:
-        code = srv.stop()
-    assert code == 0 and "Traceback" not in srv.text(), srv.text()[-3000:]
-
-
-def test_rejoin_takes_the_draft_host_back(models, refs, tmp_path):
-    """--rejoin with a draft host: its rank killed mid-answer, the job re-forms with the draft beside rank 0 (the
-    answer completes, exact); once idle, the host answers and the draft goes back to its own rank."""
-    from pipeinfer.cli.supervisor import REJOIN_CHECK_S
-    hosts = tmp_path / "hosts.txt"
-    hosts.write_text("localhost:2\n127.0.0.1 # pipeinfer: role=draft\n")
-    srv = Supervised(["--hostfile", str(hosts), "--rejoin", "-m", str(models["q8"]), "--draft", str(models["draft60"]),
-                      "-c", "2048"], tmp_path / "sup.log")
-    try:
-        killed = threading.Event()
-
-        def on_piece(k: int) -> None:
-            if k == 20 and not killed.is_set():
-                killed.set()
-                os.kill(job_ranks()[2], signal.SIGKILL)
-        got = srv.stream({"model": "t-q8", "prompt": PROMPT, "max_tokens": 600}, on_piece)
-        assert killed.is_set() and universal_newlines(got) == refs[0], srv.text()[-2000:]
-        assert "the draft's rank 2" in srv.health()["lost"][0]
+        away = srv.health()["lost"]
+        assert len(away) == 1 and ("the draft's rank 2" in away[0]) == (lost == "draft host"), away
         deadline = time.monotonic() + REJOIN_CHECK_S + 90
         while srv.health()["lost"]:
             assert time.monotonic() < deadline, srv.text()[-2000:]
             time.sleep(0.5)
-        assert srv.health()["status"] == "ok" and "127.0.0.1 answer(s) again" in srv.text()
+        health = srv.health()
+        assert health["status"] == "ok" and health["ranks"] == n_slots and health["reforms"] == 1, health
+        was = n_slots - (lost == "slot")
+        assert re.search(rf"\[serve\] \S+ answer\(s\) again: re-planning the pipeline on {n_slots} slot\(s\) "
+                         rf"\(was {was}\)", srv.text()), srv.text()[-2000:]
         after = srv.stream({"model": "t-q8", "prompt": PROMPT, "max_tokens": 600})
         assert universal_newlines(after) == refs[0], srv.text()[-2000:]
-        assert len(job_ranks()) == 3  # 2 stages and the draft's rank
+        assert len(job_ranks()) == 3  # every rank back (3 stages; or 2 and the draft's)
     finally:
         code = srv.stop()
     assert code == 0 and "Traceback" not in srv.text(), srv.text()[-3000:]

@@ -161,3 +161,16 @@ def test_memory_shortfall_counts_each_hosts_share_of_the_model():
     assert memory_shortfall(["a", "a", "b"], 12 * gib, 0, {"a": 7 * gib}) == (
         "host a would hold 8.00 GiB of the model on 2 rank(s) and has 7.00 GiB")
     assert memory_shortfall(["a", "b"], 12 * gib, gib, {}) is None
+    # an uneven --layer-split weighs the shares: a quarter of the layers on a (3 + 1 GiB), three quarters on b
+    assert memory_shortfall(["a", "b"], 12 * gib, gib, {"a": 5 * gib, "b": 8 * gib}, [0.25, 0.75]) == (
+        "host b would hold 9.00 GiB of the model on 1 rank(s) and has 8.00 GiB")
+    assert memory_shortfall(["a", "b"], 12 * gib, gib, {"a": 4 * gib, "b": 9 * gib}, [1, 3]) is None
+
+
+def test_split_fractions_read_from_the_jobs_options():
+    from pipeinfer.cli.supervisor import split_fractions
+    assert split_fractions(["-m", "x", "--layer-split", "0.25,0.75"], 2) == [0.25, 0.75]
+    assert split_fractions(["--layer-split=1,3"], 2) == [1.0, 3.0]
+    assert split_fractions(["--layer-split", "auto"], 2) is None      # measured by the job: not known yet
+    assert split_fractions(["--layer-split", "1,2,3"], 2) is None     # the job itself refuses it, in one line
+    assert split_fractions(["-c", "2048"], 2) is None

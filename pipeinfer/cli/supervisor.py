@@ -115,13 +115,14 @@ def _on_this_machine(host: str) -> bool:
 @dataclass(frozen=True)
 class Footprint:
     """What the model asks of the hosts, checked before every start of the job (a re-form on fewer hosts above
-    all): the target's weights split evenly over the ranks, the draft's beside rank 0; what a host has is its
-    hostfile `mem=` (GiB) and, on this machine, MemAvailable."""
+    all): the target's weights split over the ranks as --layer-split says (evenly by default), the draft's beside
+    rank 0; what a host has is its hostfile `mem=` (GiB) and, on this machine, MemAvailable."""
     weights_bytes: int
     head_bytes: int = 0
     declared_gib: dict = field(default_factory=dict)   # host -> GiB (hostfile mem=)
 
-    def shortfall(self, slots: list[str]) -> str | None:
+    def shortfall(self, slots: list[str], fractions: list[float] | None = None) -> str | None:
+        """`fractions`: the job's --layer-split (None: even)."""
         import psutil
 
         from ..core.topology import memory_shortfall
@@ -129,7 +130,25 @@ class Footprint:
         here = psutil.virtual_memory().available  # (MemAvailable on Linux)
         for host in filter(_on_this_machine, set(slots)):
             available[host] = min(available.get(host, here), here)
-        return memory_shortfall(slots, self.weights_bytes, self.head_bytes, available)
+        return memory_shortfall(slots, self.weights_bytes, self.head_bytes, available, fractions)
+
+
+def split_fractions(args: list[str], n_ranks: int) -> list[float] | None:
+    """The --layer-split fractions in a job's options, or None (absent, even, auto: not known before the job
+    measures, or not valid: the job itself says why)."""
+    from ..core.topology import SplitError, parse_split
+    value = None
+    for i, a in enumerate(args):
+        if a.startswith("--layer-split="):
+            value = a.partition("=")[2]
+        elif a == "--layer-split" and i + 1 < len(args):
+            value = args[i + 1]
+    if value is None or value.strip() == "auto":
+        return None
+    try:
+        return parse_split(value, n_ranks)
+    except SplitError:
+        return None
 
 
 def _launch_command(slots: list[str], pipeinfer_args: list[str], hostfile: str) -> list[str]:
@@ -260,19 +279,25 @@ class Supervisor:
         if self.rejoin:
             threading.Thread(target=self._watch_returns, daemon=True).start()
 
-    def _command(self) -> list[str]:
+    def _job_args(self) -> list[str]:
+        """The pipeline's options for a job on the slots left (per-rank values of theirs; where the draft runs)."""
         n_places = len(self._places) + len([p for p in self._away if p != DRAFT_PLACE])
         args = per_rank_args(self.child_args, self._places, n_places)
         if self._draft is not None:  # the draft on its host (the last rank), or, that host lost, beside rank 0
             args += self._draft.args if self.draft else ["--draft-at", "thread"]
+        return args
+
+    def _command(self) -> list[str]:
         return _launch_command(self.slots + ([self.draft.name] if self.draft else []),
-                               ["serve", "--attach", self._sock_path] + args, os.path.join(self._dir, "hosts.txt"))
+                               ["serve", "--attach", self._sock_path] + self._job_args(),
+                               os.path.join(self._dir, "hosts.txt"))
 
     def _start_child(self) -> None:
         """Start the job on the slots left and wait for its rank 0 to attach (or for the job to fail)."""
         if not self.slots:
             raise UserError(f"no slot left to run the pipeline on (lost: {'; '.join(self.lost)})")
-        short = self.footprint.shortfall(self.slots) if self.footprint else None
+        short = (self.footprint.shortfall(self.slots, split_fractions(self._job_args(), len(self.slots)))
+                 if self.footprint else None)
         if short:
             raise UserError(f"the {len(self.slots)} slot(s) left cannot hold the model: {short}" if self.lost else
                             f"the {len(self.slots)} slot(s) cannot hold the model: {short}")

@@ -77,13 +77,17 @@ def split_from_speeds(ms_per_layer: list[float]) -> list[float]:
     return [1.0 / max(t, 1e-9) for t in ms_per_layer]
 
 
-def memory_shortfall(slots: list[str], weights_bytes: int, head_bytes: int, available: dict[str, int]) -> str | None:
+def memory_shortfall(slots: list[str], weights_bytes: int, head_bytes: int, available: dict[str, int],
+                     fractions: list[float] | None = None) -> str | None:
     """Why the hosts in `slots` (one name per rank, rank 0 first) cannot hold the model, or None: each rank holds
-    an even share of the target's weights (the default split), rank 0 also `head_bytes` (the draft model), and a
-    host holds its ranks' shares together. Hosts missing from `available` (bytes) are not known, so not checked."""
+    its share of the target's weights (`fractions` of the layers, as --layer-split gives them; None: even), rank 0
+    also `head_bytes` (the draft model), and a host holds its ranks' shares together. Hosts missing from
+    `available` (bytes) are not known, so not checked."""
+    shares = fractions if fractions and len(fractions) == len(slots) else [1.0] * len(slots)
     need: dict[str, float] = {}
     for rank, host in enumerate(slots):
-        need[host] = need.get(host, 0.0) + weights_bytes / len(slots) + (head_bytes if rank == 0 else 0)
+        need[host] = (need.get(host, 0.0) + weights_bytes * shares[rank] / sum(shares)
+                      + (head_bytes if rank == 0 else 0))
     for host, n in need.items():
         if host in available and n > available[host]:
             k = slots.count(host)
