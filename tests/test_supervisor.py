@@ -183,14 +183,17 @@ def test_rejoin_takes_a_lost_host_back_while_idle(models, refs, tmp_path, lost):
                 os.kill(job_ranks()[2], signal.SIGKILL)
         got = srv.stream({"model": "t-q8", "prompt": PROMPT, "max_tokens": 600}, on_piece)
         assert killed.is_set() and universal_newlines(got) == refs[0], srv.text()[-2000:]
-        away = srv.health()["lost"]
+        health = srv.health()
+        away = health["lost"]
         assert len(away) == 1 and ("the draft's rank 2" in away[0]) == (lost == "draft host"), away
+        assert health.get("draft_host", "none") == ("none" if lost == "slot" else None), health  # lost: beside rank 0
         deadline = time.monotonic() + REJOIN_CHECK_S + 90
         while srv.health()["lost"]:
             assert time.monotonic() < deadline, srv.text()[-2000:]
             time.sleep(0.5)
         health = srv.health()
         assert health["status"] == "ok" and health["ranks"] == n_slots and health["reforms"] == 1, health
+        assert health.get("draft_host", "none") == ("none" if lost == "slot" else "127.0.0.1"), health
         was = n_slots - (lost == "slot")
         assert re.search(rf"\[serve\] \S+ answer\(s\) again: re-planning the pipeline on {n_slots} slot\(s\) "
                          rf"\(was {was}\)", srv.text()), srv.text()[-2000:]

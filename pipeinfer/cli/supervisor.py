@@ -586,8 +586,11 @@ class Supervisor:
         with self._lock:
             n = len(self._records)
         # every request goes to rank 0 at once: what it has not answered yet is generating or queued there
-        return {"queued": 0, "generating": n, "ranks": len(self.slots), "degraded": bool(self.lost),
-                "lost": list(self.lost), "reforms": self.n_reforms}
+        out = {"queued": 0, "generating": n, "ranks": len(self.slots), "degraded": bool(self.lost),
+               "lost": list(self.lost), "reforms": self.n_reforms}
+        if self._draft is not None:  # the hostfile's draft host: serving the draft, or lost (the draft beside rank 0)
+            out["draft_host"] = self.draft.name if self.draft else None
+        return out
 
     def stop(self) -> None:
         self._stopping = True
