@@ -76,9 +76,9 @@ LONG = _long(STALL)
 N_RESUMED = 600  # tokens of a supervised run that survives its fault (the whole answer, resumed)
 
 
-def _resumed(stall: float, *where: str) -> list[str]:
+def _resumed(stall: float, *where: str, draft: tuple = ("--drafter", "ngram")) -> list[str]:
     return LONG[:LONG.index("-n")] + ["-m", "{big}", "-n", str(N_RESUMED), "-c", "4096", "--mode", "pipeinfer",
-                                      "--drafter", "ngram", "--stall-timeout", f"{stall:g}",
+                                      *draft, "--stall-timeout", f"{stall:g}",
                                       "--results", "{tmp}/results.csv", *where]
 
 CASES: list[Case] = [
@@ -106,6 +106,9 @@ CASES: list[Case] = [
          _resumed(NET_STALL, "--hostfile", "{tmp}/hosts-netns"), "", 0, fault=(CUT, 2), prep="hosts-netns",
          results_status="ok: resumed 1", resumes=True, extra={"netns": True},
          test="tests/test_netns.py::test_supervised_generate_survives_a_cut_link"),
+    Case("kill-draft-host-resumed", "the draft host's rank killed, supervised (`--hostfile` with a `role=draft` host)",
+         3, _resumed(STALL, "--hostfile", "{tmp}/hosts-draft", draft=("--draft", "{q8}")), "", 0,
+         fault=(signal.SIGKILL, 2), prep="hosts-draft", results_status="ok: resumed 1", resumes=True),
     Case("no-slot-left", "the only rank killed, supervised (`generate --np 1`): nothing to re-form on", 1,
          _resumed(STALL, "--np", "1"), "no slot left to run the pipeline on", 1, fault=(signal.SIGKILL, 0),
          results_status="failed: no slot left", resumes=True),
@@ -175,6 +178,8 @@ def _prepare(kind: str, tmp: Path, models: dict) -> None:
         make_llama_gguf(tmp / "v600.gguf", n_layer=2, n_vocab=600)
     elif kind == "hosts-netns":
         (tmp / "hosts-netns").write_text("h0\nh1\nh2\n")
+    elif kind == "hosts-draft":  # two names of this machine: 2 target ranks, then the draft's rank
+        (tmp / "hosts-draft").write_text("localhost:2\n127.0.0.1 # pipeinfer: role=draft\n")
     elif kind == "hosts-bad":
         (tmp / "hosts-bad").write_text("node1:2\nnode2:two\n")
     elif kind == "hosts-role":
