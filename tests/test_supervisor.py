@@ -194,6 +194,7 @@ def test_rejoin_takes_a_lost_host_back_while_idle(models, refs, tmp_path, lost):
         health = srv.health()
         assert health["status"] == "ok" and health["ranks"] == n_slots and health["reforms"] == 1, health
         assert health.get("draft_host", "none") == ("none" if lost == "slot" else "127.0.0.1"), health
+        assert health["available_gib"]["localhost"] > 0, health  # what the ranks found when the job started
         was = n_slots - (lost == "slot")
         assert re.search(rf"\[serve\] \S+ answer\(s\) again: re-planning the pipeline on {n_slots} slot\(s\) "
                          rf"\(was {was}\)", srv.text()), srv.text()[-2000:]

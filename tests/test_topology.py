@@ -167,6 +167,20 @@ def test_memory_shortfall_counts_each_hosts_share_of_the_model():
     assert memory_shortfall(["a", "b"], 12 * gib, gib, {"a": 4 * gib, "b": 9 * gib}, [1, 3]) is None
 
 
+def test_a_supervisors_memory_check_takes_what_the_ranks_measured():
+    """Hosts without mem= are checked against what their ranks found available when the last job started; where
+    both are known the lesser counts."""
+    from pipeinfer.cli.supervisor import Footprint
+    gib = 2**30
+    fp = Footprint(12 * gib, 0, {"b": 7.0})
+    assert fp.shortfall(["a", "b"]) is None  # a unknown (not checked), b declares 7 for its 6
+    assert fp.shortfall(["a", "b"], None, {"a": 5 * gib, "b": 9 * gib}) == (
+        "host a would hold 6.00 GiB of the model on 1 rank(s) and has 5.00 GiB")
+    assert fp.shortfall(["a", "b"], [1, 2], {"a": 5 * gib, "b": 9 * gib}) == (
+        "host b would hold 8.00 GiB of the model on 1 rank(s) and has 7.00 GiB")  # mem=7 below the measured 9
+    assert fp.shortfall(["a", "b"], [3, 1], {"a": 10 * gib, "b": 9 * gib}) is None
+
+
 def test_split_fractions_read_from_the_jobs_options():
     from pipeinfer.cli.supervisor import split_fractions
     assert split_fractions(["-m", "x", "--layer-split", "0.25,0.75"], 2) == [0.25, 0.75]

@@ -19,6 +19,7 @@ import threading
 
 from ..core.verify import SamplingParams
 from ..wire.hosts import host_name
+from ..wire.liveness import available_memory
 
 
 class _Link:
@@ -58,9 +59,13 @@ def run_attached(session, path: str, parallel: int, stop) -> None:
             pass
         inbox.put(None)  # the supervisor is gone: finish what runs, then end
     threading.Thread(target=read, name="pipeinfer-attach", daemon=True).start()
-    # every rank's (host, pid): the supervisor names a rank that the launcher reports by its pid
-    ranks_at = session.live.hosts if session.live is not None else [(host_name(), os.getpid())]
-    link.send(op="ready", ranks=len(session.ranges), parallel=parallel, ranks_at=ranks_at)
+    # every rank's (host, pid): the supervisor names a rank that the launcher reports by its pid; and what memory
+    # each rank's host had before the job loaded (the supervisor checks a re-form on fewer hosts against it)
+    if session.live is not None:
+        ranks_at, mem = session.live.hosts, session.live.mem_available
+    else:
+        ranks_at, mem = [(host_name(), os.getpid())], [available_memory()]
+    link.send(op="ready", ranks=len(session.ranges), parallel=parallel, ranks_at=ranks_at, mem_available=mem)
     sched = session.scheduler()
     stopping = False
     while True:

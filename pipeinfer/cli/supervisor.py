@@ -121,15 +121,16 @@ class Footprint:
     head_bytes: int = 0
     declared_gib: dict = field(default_factory=dict)   # host -> GiB (hostfile mem=)
 
-    def shortfall(self, slots: list[str], fractions: list[float] | None = None) -> str | None:
-        """`fractions`: the job's --layer-split (None: even)."""
-        import psutil
-
+    def shortfall(self, slots: list[str], fractions: list[float] | None = None,
+                  measured: dict | None = None) -> str | None:
+        """`fractions`: the job's --layer-split (None: even); `measured`: host -> bytes its ranks found available
+        when the last job started (before it loaded the model), the lesser of that and mem= counts."""
         from ..core.topology import memory_shortfall
+        from ..wire.liveness import available_memory
         available = {h: int(g * 2**30) for h, g in self.declared_gib.items()}
-        here = psutil.virtual_memory().available  # (MemAvailable on Linux)
-        for host in filter(_on_this_machine, set(slots)):
-            available[host] = min(available.get(host, here), here)
+        here = available_memory()
+        for host, n in [*(measured or {}).items(), *((h, here) for h in set(slots) if _on_this_machine(h))]:
+            available[host] = min(available.get(host, n), n)
         return memory_shortfall(slots, self.weights_bytes, self.head_bytes, available, fractions)
 
 
@@ -256,6 +257,7 @@ class Supervisor:
         self._away: dict[int, tuple[str, str]] = {}  # place -> (host, its entry in self.lost) of each lost slot
         self._retired: subprocess.Popen | None = None  # a job stopped for a re-plan (--rejoin), not failed
         self._pids: list[int] = []  # the current job's ranks' pids (rank 0 reports them when it attaches)
+        self._host_mem: dict[str, int] = {}  # host -> available bytes its ranks reported when a job last started
         self.child_args, self.tok = child_args, tok
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.on_done = on_done
@@ -296,8 +298,8 @@ class Supervisor:
         """Start the job on the slots left and wait for its rank 0 to attach (or for the job to fail)."""
         if not self.slots:
             raise UserError(f"no slot left to run the pipeline on (lost: {'; '.join(self.lost)})")
-        short = (self.footprint.shortfall(self.slots, split_fractions(self._job_args(), len(self.slots)))
-                 if self.footprint else None)
+        short = (self.footprint.shortfall(self.slots, split_fractions(self._job_args(), len(self.slots)),
+                                          self._host_mem) if self.footprint else None)
         if short:
             raise UserError(f"the {len(self.slots)} slot(s) left cannot hold the model: {short}" if self.lost else
                             f"the {len(self.slots)} slot(s) cannot hold the model: {short}")
@@ -334,6 +336,8 @@ class Supervisor:
             raise UserError(f"the pipeline's rank 0 did not attach: {_last_error(self._job_log())}")
         self.parallel = ready["parallel"]
         self._pids = [pid for _host, pid in ready.get("ranks_at", [])]  # each rank's pid, rank 0 first
+        hosts = self.slots + ([self.draft.name] if self.draft else [])  # the hostfile's names, by rank
+        self._host_mem.update(zip(hosts, ready.get("mem_available", [])))
         t = threading.Thread(target=self._read, args=(reader, self._child), daemon=True)
         t.start()
         with self._lock:  # every request not answered yet goes (again) to the new rank 0
@@ -587,7 +591,8 @@ class Supervisor:
             n = len(self._records)
         # every request goes to rank 0 at once: what it has not answered yet is generating or queued there
         out = {"queued": 0, "generating": n, "ranks": len(self.slots), "degraded": bool(self.lost),
-               "lost": list(self.lost), "reforms": self.n_reforms}
+               "lost": list(self.lost), "reforms": self.n_reforms,
+               "available_gib": {h: round(b / 2**30, 2) for h, b in self._host_mem.items()}}
         if self._draft is not None:  # the hostfile's draft host: serving the draft, or lost (the draft beside rank 0)
             out["draft_host"] = self.draft.name if self.draft else None
         return out

@@ -120,6 +120,12 @@ def announce_stop(why: str) -> None:
         live.send_stop_if_free()
 
 
+def available_memory() -> int:
+    """Bytes this host can give a new process (Linux: MemAvailable)."""
+    import psutil
+    return int(psutil.virtual_memory().available)
+
+
 class Liveness:
     def __init__(self, comm, stall_timeout_s: float, interval_s: float | None = None):
         global _current
@@ -127,6 +133,9 @@ class Liveness:
         self.stall = float(stall_timeout_s)
         self.interval = interval_s or max(0.05, min(1.0, self.stall / 4 if self.stall else 1.0))
         self.hosts: list[tuple[str, int]] = comm.allgather((host_name(), os.getpid()))
+        # each rank's host's available memory (bytes) before this job loads a model: what a supervisor that re-forms
+        # the job on fewer hosts checks the model's shares against (cli/supervisor.py)
+        self.mem_available: list[int] = comm.allgather(available_memory())
         self.in_flight: Callable[[], int] | None = None  # rank 0: runs in flight, for the hub's message
         self._lock = threading.Lock()
         self._closed = False
