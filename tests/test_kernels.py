@@ -71,6 +71,17 @@ def test_kernel_settings():
         kernels.model_params("turbo")
 
 
+def test_weights_never_go_to_the_amx_buffer():
+    """A build for an AMX CPU lists llama.cpp's AMX buffer type first; after model_params the loader's list of
+    extra buffer types holds no AMX (its matmul crashed on q8_0 models) and keeps the repacked one."""
+    import llama_cpp
+    kernels.model_params("repack")
+    left = kernels.extra_buffer_types()
+    assert "AMX" not in left
+    if "REPACK = 1" in llama_cpp.llama_print_system_info().decode():
+        assert "CPU_REPACK" in left
+
+
 def test_limit_is_measured_once_and_cached(models, monkeypatch, tmp_path):
     """A real engine on a synthetic q8_0 model: the probe runs on first load only (keyed by file, kernels,
     threads and build); the cache sits beside the stage files."""

@@ -41,7 +41,65 @@ def model_params(kernels: str):
     import llama_cpp
     params = llama_cpp.llama_model_default_params()
     params.use_extra_bufts = kernels != "no-repack"  # the "extra buffer" holds the repacked weights
+    if params.use_extra_bufts:
+        drop_extra_buffer_types(UNUSED_EXTRA_BUFFERS)
     return params
+
+
+# Extra buffer types of ggml's CPU backend that pipeinfer never loads weights into. "AMX": a build of llama.cpp
+# for a CPU with AMX (llama-cpp-python builds with -march=native) puts every 2-D matrix of a type its kernels know
+# in the AMX buffer, ahead of the repacked one, and its matrix multiply crashed (SIGSEGV, llama-cpp-python 0.3.36)
+# on the tests' q8_0 models; it is also not the repacked gemm that `--kernels repack` names.
+UNUSED_EXTRA_BUFFERS = ("AMX",)
+
+
+@lru_cache(maxsize=None)
+def drop_extra_buffer_types(names: tuple[str, ...]) -> None:
+    """Take the extra buffer types named `names` out of the list llama.cpp's loader reads (the CPU device's
+    `ggml_backend_dev_get_extra_bufts`: a null-terminated array ggml keeps for the life of the process), so no
+    model loaded after this puts a weight in them. Once per process."""
+    bufts, name = _extra_bufts()
+    if bufts is None:
+        return
+    listed = []
+    while bufts[len(listed)]:
+        listed.append(bufts[len(listed)])
+    kept = [b for b in listed if name(b) not in names]
+    for i in range(len(listed)):
+        bufts[i] = kept[i] if i < len(kept) else None
+
+
+def extra_buffer_types() -> list[str]:
+    """The names of the extra buffer types llama.cpp's loader may put weights in now, in its order of preference."""
+    bufts, name = _extra_bufts()
+    out: list[str] = []
+    while bufts is not None and bufts[len(out)]:
+        out.append(name(bufts[len(out)]))
+    return out
+
+
+def _extra_bufts():
+    """(the CPU device's null-terminated array of extra buffer types, name of one) through ggml's C API, or
+    (None, None) where the CPU backend offers none."""
+    import ctypes
+
+    import llama_cpp
+    ggml = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml.so"))
+    ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    ggml.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    ggml.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    ggml.ggml_backend_buft_name.restype = ctypes.c_char_p
+    ggml.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
+    cpu = ggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    fn = cpu and ggml.ggml_backend_reg_get_proc_address(ggml.ggml_backend_dev_backend_reg(cpu),
+                                                        b"ggml_backend_dev_get_extra_bufts")
+    if not fn:
+        return None, None
+    bufts = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(fn)(cpu)
+    return bufts, lambda b: ggml.ggml_backend_buft_name(b).decode()
 
 
 def flash_attn_type(kernels: str) -> int:
