@@ -12,10 +12,11 @@ llama.cpp's defaults (Release, native CPU), once, and cached in ~/.cache/pipeinf
 
 Systems (2 cores here: every process has 1 thread, 2 processes at most beside the draft thread):
 - `llama-one`: llama-completion, one process (no split: the ceiling of a split).
-- `llama-rpc`: llama-completion with `--rpc` to a ggml-rpc-server and `-ngl 15`: layers 14-27 on the server,
-  layers 0-13 and the output head in the client (llama.cpp keeps the output on the host below -ngl 29); the
-  same layers per machine as pipeinfer's even 2-rank split (which runs the output head on rank 1: the same
-  work per token, and neither overlaps it in single-stream decoding).
+- `llama-rpc`: llama-completion with `--rpc` to a ggml-rpc-server and `-ngl K+1`: the last K layers on the
+  server, the others and the output head in the client (llama.cpp keeps the output on the host below -ngl 29);
+  the same layers per machine as pipeinfer's default 2-rank split (`--layer-split balanced`: 17 + 11 layers of
+  Qwen2.5-Coder-1.5B; pipeinfer runs the output head on rank 1, so its ranks take equal times per token, while
+  neither system overlaps them in single-stream decoding).
 - `iterative`, `speculative`, `pipeinfer`: `pipeinfer generate` on 2 ranks (mpiexec), iterative, synchronous
   speculative and the default PipeInfer (both with the default Gemma draft in a thread of rank 0).
 Every system generates -n tokens greedily for the README's prompt (chat template applied; EOS ignored) with a
@@ -56,7 +57,6 @@ PROMPT = "Write a Python function that checks whether a number is prime."
 SYSTEMS = ("llama-one", "llama-rpc", "iterative", "speculative", "pipeinfer")
 RPC_PORT = 50052
 N_CTX = 4096
-NGL_SAME_SPLIT = 15  # llama.cpp offloads the last NGL-1 of 28 layers (14-27) and keeps the output below 29
 EVAL = re.compile(r"eval time =\s*([0-9.]+) ms /\s*(\d+) runs")
 SAMPLE = re.compile(r"sampling time =\s*([0-9.]+) ms")
 
@@ -106,7 +106,16 @@ def llama_cmd(bins: Path, model: str, prompt: str, n: int, rpc: str | None) -> l
     cmd = [str(bins / "llama-completion"), "-m", model, "-p", prompt, "-n", str(n), "-t", "1", "-tb", "1",
            "-c", str(N_CTX), "-b", "512", "-fa", "on", "--temp", "0", "--ignore-eos", "-no-cnv",
            "--no-display-prompt", "--seed", "0"]
-    return cmd + (["--rpc", rpc, "-ngl", str(NGL_SAME_SPLIT)] if rpc else [])
+    return cmd + (["--rpc", rpc, "-ngl", str(ngl_same_split(model))] if rpc else [])
+
+
+def ngl_same_split(model: str) -> int:
+    """llama.cpp's -ngl that puts on the RPC server the layers pipeinfer's default split gives rank 1: llama.cpp
+    offloads the last NGL-1 layers (the output stays on the client below NGL = layers + 1)."""
+    from pipeinfer.core.topology import plan_layers
+    from pipeinfer.engine.stagefile import layer_costs
+    per_layer, tail = layer_costs(model)
+    return plan_layers(None, len(per_layer), 2, per_layer, tail)[1].n_layers + 1
 
 
 def llama_result(proc: subprocess.CompletedProcess) -> tuple[float, str]:

@@ -173,16 +173,35 @@ def test_replay_drafter_sweeps_acceptance(models, ref, tmp_path):
 def test_layer_split_auto_splits_by_each_ranks_measured_speed(tmp_path):
     # Which rank is faster is a timing question (not tested here: this machine is shared and noisy); what is
     # tested is that every rank measures itself and the ranges follow those measurements through the same
-    # split_from_speeds that test_topology checks with fixed numbers.
+    # plan_layers that test_topology checks with fixed numbers (each rank's speed and the output's cost counted).
     from synth import make_llama_gguf
-    from pipeinfer.core.topology import layer_ranges, split_from_speeds
+    from pipeinfer.core.topology import plan_layers, split_from_speeds
+    from pipeinfer.engine.stagefile import layer_costs
     big = make_llama_gguf(tmp_path / "big.gguf", n_layer=12, n_embd=512, n_head=8, n_head_kv=8, n_ff=2048)
     for n_ranks, threads in ((2, "2,1"), (3, "1")):
         out = mpirun(n_ranks, {"model": str(big), "prompt": PROMPT, "n": 4, "split": "auto", "threads": threads})
         ms = out["probe_ms"]
         assert len(ms) == n_ranks and all(t > 0 for t in ms), ms
-        expect = [[r.start, r.end] for r in layer_ranges(12, split_from_speeds(ms))]
+        expect = [[r.start, r.end] for r in plan_layers("auto", 12, n_ranks, *layer_costs(big),
+                                                        speeds=split_from_speeds(ms))]
         assert out["ranges"] == expect, (out["ranges"], ms)
+
+
+def test_the_default_split_balances_the_output_projection(tmp_path):
+    """A model whose vocabulary projection weighs several layers: by default the last rank holds fewer layers
+    (plan_layers on the file's weights), `--layer-split even` the same number; both generate the same tokens."""
+    from synth import make_llama_gguf
+    from pipeinfer.core.topology import plan_layers
+    from pipeinfer.engine.stagefile import layer_costs
+    m = make_llama_gguf(tmp_path / "wide.gguf", n_layer=8, n_embd=64, n_head=4, n_head_kv=4, n_ff=128, n_vocab=4096)
+    per_layer, tail = layer_costs(m)
+    assert tail > 3 * per_layer[0], (tail, per_layer)
+    balanced = mpirun(2, {"model": str(m), "prompt": PROMPT, "n": 8})
+    even = mpirun(2, {"model": str(m), "prompt": PROMPT, "n": 8, "split": "even"})
+    assert even["ranges"] == [[0, 4], [4, 8]]
+    assert balanced["ranges"] == [[r.start, r.end] for r in plan_layers(None, 8, 2, per_layer, tail)]
+    assert balanced["ranges"][1][1] - balanced["ranges"][1][0] < 4, balanced["ranges"]
+    assert balanced["tokens"] == even["tokens"]
 
 
 def test_the_last_stage_sends_token_ids_not_logits(models, ref):

@@ -124,3 +124,27 @@ def test_pruned_head_file(models, tmp_path):
         want = t_src[t.name].data[keep] if t.name in ("token_embd.weight", "output.weight") else t_src[t.name].data
         np.testing.assert_array_equal(t.data, want)
     assert ensure_pruned_head(models["f32"], 384)[0] == path   # cached
+
+
+def test_layer_costs_count_what_a_token_reads(tmp_path):
+    """MB of weights per token: every trunk layer, and the output projection (token_embd where tied); an expert
+    tensor counts the share of experts a token uses."""
+    from synth import make_llama_gguf
+    from synth_arch import E, V, X, XU, make_arch_gguf
+    from pipeinfer.engine.ggufheader import read_header
+    from pipeinfer.engine.stagefile import layer_costs
+    m = make_llama_gguf(tmp_path / "m.gguf", n_layer=3, n_embd=64, n_ff=128, n_vocab=512)
+    per_layer, tail = layer_costs(m)
+    assert len(per_layer) == 3 and len(set(per_layer)) == 1
+    assert tail == pytest.approx((512 * 64 + 64) * 4 / 1e6)                 # output.weight + output_norm, f32
+    tensors = read_header(m).tensors
+    assert per_layer[0] == pytest.approx(sum(t.nbytes for n, t in tensors.items() if n.startswith("blk.0.")) / 1e6)
+
+    tied = make_arch_gguf(tmp_path / "g.gguf", "gemma2")
+    assert layer_costs(tied)[1] == pytest.approx((V * E + E) * 4 / 1e6)     # token_embd stands in for output
+    moe = make_arch_gguf(tmp_path / "q.gguf", "qwen3moe")
+    tensors = read_header(moe).tensors
+    dense = sum(t.nbytes for n, t in tensors.items() if n.startswith("blk.0.") and "_exps" not in n)
+    experts = sum(t.nbytes for n, t in tensors.items() if n.startswith("blk.0.") and "_exps" in n)
+    assert experts > 0
+    assert layer_costs(moe)[0][0] == pytest.approx((dense + experts * XU / X) / 1e6)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeinfer.core.topology import (LayerRange, SplitError, Topology, layer_ranges, parse_per_rank_ints,
-                                parse_split, split_from_speeds)
+from pipeinfer.core.topology import (LayerRange, SplitError, Topology, balanced_counts, layer_ranges,
+                                     parse_per_rank_ints, parse_split, plan_layers, split_from_speeds)
 
 
 # ---------------------------------------------------------------- parse_split
@@ -188,3 +188,53 @@ def test_split_fractions_read_from_the_jobs_options():
     assert split_fractions(["--layer-split", "auto"], 2) is None      # measured by the job: not known yet
     assert split_fractions(["--layer-split", "1,2,3"], 2) is None     # the job itself refuses it, in one line
     assert split_fractions(["-c", "2048"], 2) is None
+
+
+# ---------------------------------------------------------------- plan_layers / balanced_counts
+def test_balanced_counts_gives_the_output_projection_its_weight():
+    # Qwen2.5-Coder-1.5B Q4_K_M: 28 layers of ~28 MB, an output projection of 191 MB on the last rank
+    assert balanced_counts([28.0] * 28, 191.0, [1.0, 1.0]) == [17, 11]
+    assert balanced_counts([28.0] * 28, 0.0, [1.0, 1.0]) == [14, 14]
+    assert balanced_counts([1.0] * 5, 0.0, [1.0, 1.0]) == [2, 3]
+
+
+def test_balanced_counts_minimises_the_slowest_rank():
+    import itertools
+    costs, tail, speeds = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0], 7.0, [1.0, 2.0, 1.5]
+
+    def slowest(counts):
+        out, a = [], 0
+        for r, c in enumerate(counts):
+            out.append((sum(costs[a:a + c]) + (tail if r == len(counts) - 1 else 0)) / speeds[r])
+            a += c
+        return max(out)
+    every = [c for c in itertools.product(range(1, 7), repeat=3) if sum(c) == len(costs)]
+    got = balanced_counts(costs, tail, speeds)
+    assert sum(got) == len(costs) and min(got) >= 1
+    assert slowest(got) == pytest.approx(min(slowest(c) for c in every))
+
+
+def test_balanced_counts_follows_speed():
+    assert balanced_counts([1.0] * 12, 0.0, [2.0, 1.0]) == [8, 4]
+    assert balanced_counts([1.0] * 12, 0.0, [1.0, 1.0, 1.0]) == [4, 4, 4]
+
+
+@pytest.mark.parametrize("n_ranks", [0, 4])
+def test_balanced_counts_needs_a_layer_per_rank(n_ranks):
+    with pytest.raises(SplitError):
+        balanced_counts([1.0] * 3, 0.0, [1.0] * n_ranks)
+
+
+def test_plan_layers_names_and_fractions():
+    cost, tail = [28.0] * 28, 191.0
+    spans = lambda rs: [(r.start, r.end) for r in rs]  # noqa: E731
+    assert spans(plan_layers(None, 28, 2, cost, tail)) == [(0, 17), (17, 28)]          # default: balanced
+    assert spans(plan_layers(" balanced ", 28, 2, cost, tail)) == [(0, 17), (17, 28)]
+    assert spans(plan_layers("even", 28, 2, cost, tail)) == [(0, 14), (14, 28)]
+    assert spans(plan_layers("0.25,0.75", 28, 2, cost, tail)) == [(0, 7), (7, 28)]     # fractions: as given
+    assert spans(plan_layers("auto", 28, 2, cost, tail, speeds=[1.0, 1.0])) == [(0, 17), (17, 28)]
+    assert spans(plan_layers(None, 4, 2)) == [(0, 2), (2, 4)]                          # no costs: layers alike
+    with pytest.raises(SplitError, match="only 2 layers"):
+        plan_layers(None, 2, 3)
+    with pytest.raises(SplitError, match="comma-separated"):
+        plan_layers("fastest", 28, 2, cost, tail)

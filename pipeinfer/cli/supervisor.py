@@ -135,16 +135,17 @@ class Footprint:
 
 
 def split_fractions(args: list[str], n_ranks: int) -> list[float] | None:
-    """The --layer-split fractions in a job's options, or None (absent, even, auto: not known before the job
-    measures, or not valid: the job itself says why)."""
-    from ..core.topology import SplitError, parse_split
+    """The --layer-split fractions in a job's options, or None (absent or balanced: about even in weight bytes,
+    the output projection counted; even; auto: not known before the job measures; or not valid: the job itself
+    says why)."""
+    from ..core.topology import SPLIT_NAMES, SplitError, parse_split
     value = None
     for i, a in enumerate(args):
         if a.startswith("--layer-split="):
             value = a.partition("=")[2]
         elif a == "--layer-split" and i + 1 < len(args):
             value = args[i + 1]
-    if value is None or value.strip() == "auto":
+    if value is None or value.strip() in SPLIT_NAMES:
         return None
     try:
         return parse_split(value, n_ranks)

@@ -231,7 +231,8 @@ def _plan_clients(prof: dict, clients: int, parallel: int, n_predict: int, n_pro
 @click.option("--draft", default=None, help="draft GGUF to time [default: gemma3-270m when installed; 'none' to skip]")
 @click.option("--ranks", default=None, type=click.IntRange(1, 256),
               help="stages to measure on this one process [default: the MPI ranks, or 2]")
-@click.option("--layer-split", default=None, help="fractions of layers per rank [default: even]")
+@click.option("--layer-split", default=None, help="balanced, even or fractions of layers per rank, as `generate` "
+              "[default: balanced]")
 @click.option("-t", "--threads", default=None, help="threads per rank: one value or a,b,c [default: 1]")
 @click.option("--max-batch", default=4, show_default=True, type=click.IntRange(1, 64), help="batch sizes timed: 1..this")
 @click.option("--kernels", type=click.Choice(KERNELS), default=DEFAULT_KERNELS, show_default=True)

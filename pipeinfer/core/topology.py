@@ -72,6 +72,66 @@ def layer_ranges(n_layer: int, fractions: list[float]) -> list[LayerRange]:
     return ranges
 
 
+SPLIT_NAMES = ("balanced", "even", "auto")
+
+
+def plan_layers(text: str | None, n_layer: int, n_ranks: int, layer_cost: list[float] | None = None,
+                tail_cost: float = 0.0, speeds: list[float] | None = None) -> list[LayerRange]:
+    """--layer-split TEXT as every rank's layer range, rank 0 first.
+
+    balanced (the default, and `auto` once every rank's speed is measured): the split that makes the slowest
+    stage as fast as it can be (balanced_counts), counting the last stage's output projection (`tail_cost`) and
+    each layer's own cost (`layer_cost`, in the same unit; None: every layer alike). even: equal layer counts.
+    Numbers: fractions of the layers (parse_split, layer_ranges)."""
+    name = (text or "").strip() or "balanced"
+    if name in ("balanced", "auto"):
+        if n_ranks > n_layer:
+            raise SplitError(f"{n_ranks} ranks need layers but the model has only {n_layer} layers")
+        counts = balanced_counts(layer_cost or [1.0] * n_layer, tail_cost, speeds or [1.0] * n_ranks)
+        starts = [sum(counts[:r]) for r in range(n_ranks)]
+        return [LayerRange(a, a + c) for a, c in zip(starts, counts)]
+    return layer_ranges(n_layer, parse_split(text, n_ranks))
+
+
+def balanced_counts(layer_cost: list[float], tail_cost: float, speeds: list[float]) -> list[int]:
+    """Layers per rank, contiguous from layer 0 and at least one each, that minimise the slowest rank's time per
+    token: the cost of its layers, plus `tail_cost` on the last rank (the final norm and the vocabulary projection,
+    which on a small model weigh several layers: Qwen2.5-1.5B's is 191 MB against 28 MB a layer), over its speed.
+    In a pipeline every token passes every stage, so the slowest stage sets the pace; among splits with the same
+    slowest stage, the one with the smaller sum of squared times (the more even) wins."""
+    n_layer, n_ranks = len(layer_cost), len(speeds)
+    if not 1 <= n_ranks <= n_layer:
+        raise SplitError(f"{n_ranks} ranks need layers but the model has only {n_layer} layers")
+    prefix = [0.0]
+    for c in layer_cost:
+        prefix.append(prefix[-1] + c)
+
+    def time(r: int, a: int, b: int) -> float:  # rank r holding layers [a, b)
+        return (prefix[b] - prefix[a] + (tail_cost if r == n_ranks - 1 else 0.0)) / max(speeds[r], 1e-12)
+
+    # best[r][i]: (slowest time, sum of squares) of ranks 0..r holding layers [0, i); cut[r][i]: where rank r starts
+    inf = (math.inf, math.inf)
+    best = [[inf] * (n_layer + 1) for _ in range(n_ranks)]
+    cut = [[0] * (n_layer + 1) for _ in range(n_ranks)]
+    for i in range(1, n_layer + 1):
+        t = time(0, 0, i)
+        best[0][i] = (t, t * t)
+    for r in range(1, n_ranks):
+        for i in range(r + 1, n_layer + 1):
+            for j in range(r, i):
+                prev = best[r - 1][j]
+                t = time(r, j, i)
+                cand = (max(prev[0], t), prev[1] + t * t)
+                if (round(cand[0], 9), cand[1]) < (round(best[r][i][0], 9), best[r][i][1]):
+                    best[r][i], cut[r][i] = cand, j
+    counts, end = [], n_layer
+    for r in range(n_ranks - 1, -1, -1):
+        start = cut[r][end] if r > 0 else 0
+        counts.append(end - start)
+        end = start
+    return counts[::-1]
+
+
 def split_from_speeds(ms_per_layer: list[float]) -> list[float]:
     """Fractions proportional to speed (1 / measured ms per layer), for --layer-split auto."""
     return [1.0 / max(t, 1e-9) for t in ms_per_layer]

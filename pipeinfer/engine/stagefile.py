@@ -142,6 +142,30 @@ def read_info(path: str | os.PathLike) -> ModelInfo:
     return ModelInfo(arch, n_trunk, int(n_embd), int(fields.get("tokenizer.ggml.tokens", 0)))
 
 
+def layer_costs(path: str | os.PathLike) -> tuple[list[float], float]:
+    """What a token costs each layer of the decoding trunk and the output (the final norm and the vocabulary
+    projection: output.weight, or token_embd.weight where the model ties them), in MB of weights read per token
+    (a one-token decode on a CPU streams its weights): for --layer-split balanced. An expert tensor counts the
+    share of experts a token uses (expert_used_count of expert_count)."""
+    from .ggufheader import read_header
+    header = read_header(path)
+    fields, tensors = header.fields, header.tensors
+    arch = fields["general.architecture"]
+    n_layer = int(fields[f"{arch}.block_count"]) - int(fields.get(f"{arch}.nextn_predict_layers", 0))
+    used, experts = fields.get(f"{arch}.expert_used_count"), fields.get(f"{arch}.expert_count")
+    expert_share = int(used) / int(experts) if used and experts else 1.0
+    per_layer = [0.0] * n_layer
+    for name, t in tensors.items():
+        if name.startswith("blk."):
+            il = int(name.split(".")[1])
+            if il < n_layer:
+                per_layer[il] += t.nbytes / 1e6 * (expert_share if "_exps" in name else 1.0)
+    out = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    norm = tensors.get("output_norm.weight")
+    tail = sum(t.nbytes for t in (out, norm) if t is not None) / 1e6
+    return per_layer, tail
+
+
 def _check_tensor_data(path, tensors) -> None:
     """Every tensor's data lies inside the file (a truncated copy fails here, not inside llama.cpp)."""
     size = os.path.getsize(path)

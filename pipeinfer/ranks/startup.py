@@ -21,15 +21,14 @@ from ..core.protocol import PROTOCOL_VERSION, Limits, kv_ops, rm
 from ..core.topology import (
     LayerRange,
     Topology,
-    layer_ranges,
     mpi_library,
     parse_per_rank_ints,
-    parse_split,
+    plan_layers,
     split_from_speeds,
     world_size_mismatch,
 )
 from ..engine.kernels import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, resolve_draft_max
-from ..engine.stagefile import check_splittable, ensure_stage_file, read_info
+from ..engine.stagefile import check_splittable, ensure_stage_file, layer_costs, read_info
 from ..spec.drafter import DRAFT_HEAD_AUTO
 from ..spec.factory import DraftSpec, make_drafter
 from ..wire.transport import polite_barrier
@@ -302,13 +301,11 @@ def _split_layers(opts: RunOptions, ranks: _Ranks, info) -> _LayerPlan:
         threads = parse_per_rank_ints(opts.threads, size, "--threads", default=max(1, (os.cpu_count() or 2) // size))
         threads_b = parse_per_rank_ints(opts.threads_batch, size, "--threads-batch", default=threads[rank])
         probe_ms = None
-        if opts.layer_split is not None and opts.layer_split.strip() == "auto":
-            if size > 1:
-                probe_ms = auto_split(comm, opts.model, info, threads[rank], threads_b[rank])
-            fractions = split_from_speeds(probe_ms) if probe_ms else [1.0]
-        else:
-            fractions = parse_split(opts.layer_split, size)
-        ranges = layer_ranges(info.n_layer, fractions)
+        if opts.layer_split is not None and opts.layer_split.strip() == "auto" and size > 1:
+            probe_ms = auto_split(comm, opts.model, info, threads[rank], threads_b[rank])
+        layer_cost, tail_cost = layer_costs(opts.model)
+        ranges = plan_layers(opts.layer_split, info.n_layer, size, layer_cost, tail_cost,
+                             speeds=split_from_speeds(probe_ms) if probe_ms else None)
     except ValueError as e:
         raise UserError(str(e)) from None
     if any(r.n_layers == 0 for r in ranges):
@@ -502,7 +499,7 @@ def stage_costs(comm, engine, up_to: int, poll_s: float) -> tuple[tuple[float, .
 
 def auto_split(comm, model: str, info, n_threads: int, n_threads_batch: int) -> list[float]:
     """--layer-split auto: each rank times the same probe layers in turn; returns every rank's ms per layer
-    (split_from_speeds turns them into fractions proportional to speed)."""
+    (split_from_speeds turns them into speeds for plan_layers)."""
     import time
 
     import numpy as np
@@ -531,10 +528,9 @@ def auto_split(comm, model: str, info, n_threads: int, n_threads_batch: int) -> 
     polite_barrier(comm)
     mine = sum(ms) / n_probe if ms else 0.0
     all_ms = comm.allgather(mine)
-    fractions = split_from_speeds(all_ms)
     if comm.Get_rank() == 0:
         log("[pipeinfer] --layer-split auto: ms per probe layer " + ", ".join(f"{t:.2f}" for t in all_ms)
-            + " -> fractions " + ",".join(f"{f / sum(fractions):.3f}" for f in fractions))
+            + " (the split balances the stages' times at these speeds, the output projection counted)")
     return all_ms
 
 

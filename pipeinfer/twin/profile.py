@@ -310,9 +310,9 @@ def calibrate(records: dict[int, dict], in_pipeline: dict) -> None:
 
 def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
     """Measure; rank 0 returns the profile (a dict ready for JSON), other ranks None."""
-    from ..core.topology import layer_ranges, parse_per_rank_ints, parse_split
+    from ..core.topology import parse_per_rank_ints, plan_layers
     from ..engine.kernels import numerics_id
-    from ..engine.stagefile import ensure_stage_file, read_info
+    from ..engine.stagefile import ensure_stage_file, layer_costs, read_info
     from ..wire.hosts import host_name
     from ..wire.netprobe import ping_pong
     from ..wire.transport import polite_barrier
@@ -321,7 +321,7 @@ def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
     rank = comm.Get_rank() if comm is not None else 0
     n_stages = size if size > 1 else opts.ranks
     info = read_info(opts.model)
-    ranges = layer_ranges(info.n_layer, parse_split(opts.layer_split, n_stages))
+    ranges = plan_layers(opts.layer_split, info.n_layer, n_stages, *layer_costs(opts.model))
     threads = parse_per_rank_ints(opts.threads, n_stages, "--threads", default=1)
     mine = range(n_stages) if size == 1 else [rank]
     records: dict[int, dict] = {}
