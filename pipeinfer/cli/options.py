@@ -48,9 +48,10 @@ def _auto_or_float(value: str, param) -> float | None:
 PIPELINE_OPTIONS = [
     click.option("-m", "--model", default=None, help="target GGUF path or registry name [default: qwen2.5-coder-1.5b]"),
     click.option("--mode", type=click.Choice(MODES), default="pipeinfer", show_default=True),
-    click.option("--layer-split", default=None, help="layers per rank: balanced (equal time per stage by the weights each layer and the output projection "
-                  "read per token), even (equal layer counts), auto (balanced at each rank's measured speed), or "
-                  "fractions, rank 0 first, e.g. 0.2,0.4,0.4 [default: balanced]"),
+    click.option("--layer-split", default=None,
+                 help="layers per rank: balanced (equal time per stage, by the weights a token reads in each layer and "
+                      "in the output projection), even (equal layer counts), auto (balanced at each rank's measured "
+                      "speed), or fractions, rank 0 first, e.g. 0.2,0.4,0.4 [default: balanced]"),
     click.option("-t", "--threads", default=None, help="threads per rank for single-token decodes: one value or a,b,c"),
     click.option("-tb", "--threads-batch", default=None, help="threads per rank for batch decodes [default: --threads]"),
     click.option("-c", "--ctx-size", default=4096, show_default=True, type=click.IntRange(16), help="KV cache size per stage"),

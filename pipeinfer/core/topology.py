@@ -85,8 +85,6 @@ def plan_layers(text: str | None, n_layer: int, n_ranks: int, layer_cost: list[f
     Numbers: fractions of the layers (parse_split, layer_ranges)."""
     name = (text or "").strip() or "balanced"
     if name in ("balanced", "auto"):
-        if n_ranks > n_layer:
-            raise SplitError(f"{n_ranks} ranks need layers but the model has only {n_layer} layers")
         counts = balanced_counts(layer_cost or [1.0] * n_layer, tail_cost, speeds or [1.0] * n_ranks)
         starts = [sum(counts[:r]) for r in range(n_ranks)]
         return [LayerRange(a, a + c) for a, c in zip(starts, counts)]
@@ -133,7 +131,7 @@ def balanced_counts(layer_cost: list[float], tail_cost: float, speeds: list[floa
 
 
 def split_from_speeds(ms_per_layer: list[float]) -> list[float]:
-    """Fractions proportional to speed (1 / measured ms per layer), for --layer-split auto."""
+    """Each rank's speed (1 / measured ms per layer), for --layer-split auto (plan_layers)."""
     return [1.0 / max(t, 1e-9) for t in ms_per_layer]
 
 

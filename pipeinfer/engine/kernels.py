@@ -30,8 +30,15 @@ import numpy as np
 KERNELS = ("repack", "no-repack", "fast")
 DEFAULT_KERNELS = "repack"
 PROBE_MAX_BATCH = 8   # batch sizes probed: 1..8 (micro-batches on CPUs are 1-4 tokens; 8 shows the tiled kernel)
-PROBE_FORMAT = 1      # bump when the probe changes: invalidates cached limits
+PROBE_FORMAT = 2      # bump when the probe changes: invalidates cached limits (2: no weights in the AMX buffer)
 DEFAULT_DRAFT_MAX = 4  # --draft-max when not given: at most this, within the exact batch limit
+
+
+# Extra buffer types of ggml's CPU backend that pipeinfer never loads weights into. "AMX": a build of llama.cpp
+# for a CPU with AMX (llama-cpp-python builds with -march=native) puts every 2-D matrix of a type its kernels know
+# in the AMX buffer, ahead of the repacked one, and its matrix multiply crashed (SIGSEGV, llama-cpp-python 0.3.36)
+# on the tests' q8_0 models; it is also not the repacked gemm that `--kernels repack` names.
+UNUSED_EXTRA_BUFFERS = ("AMX",)
 
 
 def model_params(kernels: str):
@@ -44,13 +51,6 @@ def model_params(kernels: str):
     if params.use_extra_bufts:
         drop_extra_buffer_types(UNUSED_EXTRA_BUFFERS)
     return params
-
-
-# Extra buffer types of ggml's CPU backend that pipeinfer never loads weights into. "AMX": a build of llama.cpp
-# for a CPU with AMX (llama-cpp-python builds with -march=native) puts every 2-D matrix of a type its kernels know
-# in the AMX buffer, ahead of the repacked one, and its matrix multiply crashed (SIGSEGV, llama-cpp-python 0.3.36)
-# on the tests' q8_0 models; it is also not the repacked gemm that `--kernels repack` names.
-UNUSED_EXTRA_BUFFERS = ("AMX",)
 
 
 @lru_cache(maxsize=None)
