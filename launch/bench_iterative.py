@@ -33,6 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def bench_llama_cpp_python(model: str, prompt: list[int], n: int, threads: int, flash: bool) -> tuple[float, list[int]]:
     import llama_cpp
+
+    from pipeinfer.engine.kernels import UNUSED_EXTRA_BUFFERS, drop_extra_buffer_types
+    # on a CPU with AMX llama.cpp's AMX buffer crashed at the prompt (engine/kernels.py): the same kernels as pipeinfer
+    drop_extra_buffer_types(UNUSED_EXTRA_BUFFERS)
     kw = {"flash_attn": True} if flash else {}
     llm = llama_cpp.Llama(model_path=model, n_ctx=len(prompt) + n + 8, n_batch=512, n_threads=threads,
                           n_threads_batch=threads, verbose=False, **kw)

@@ -7,8 +7,8 @@ llama.cpp's RPC mode, side by side in one run, locally and over the emulated Eth
 The llama.cpp programs are built from the llama.cpp that the installed llama-cpp-python was built from: its
 sdist (`pip download --no-binary :all: llama-cpp-python==VERSION`, the same version as installed) carries it
 in vendor/llama.cpp; `ggml-rpc-server` and `llama-completion` are built there with `-DGGML_RPC=ON` and otherwise
-llama.cpp's defaults (Release, native CPU), once, and cached in ~/.cache/pipeinfer/peers/ (about 10 minutes on
-2 cores the first time).
+llama.cpp's defaults (Release, native CPU; on a CPU with AMX, without it: see llama_bin), once, and cached in
+~/.cache/pipeinfer/peers/ (about 10 minutes on 2 cores the first time).
 
 Systems (2 cores here: every process has 1 thread, 2 processes at most beside the draft thread):
 - `llama-one`: llama-completion, one process (no split: the ceiling of a split).
@@ -68,7 +68,12 @@ def llama_bin() -> Path:
     version = metadata.version("llama_cpp_python")
     home = Path(os.environ.get("PIPEINFER_CACHE", Path.home() / ".cache" / "pipeinfer")) / "peers"
     src = home / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
-    out = src / "build" / "bin"
+    # On a CPU with AMX, -march=native makes llama.cpp put the weights in its AMX buffer, whose matmul crashed
+    # (SIGSEGV) on the default model at the first prompt; pipeinfer never uses it (engine/kernels.py), so the
+    # peers are built without it and run the same repacked kernels (GCC keeps explicit -mno-* over -march)
+    no_amx = "amx_int8" in _cpu_flags()
+    build = src / ("build-noamx" if no_amx else "build")
+    out = build / "bin"
     if (out / "ggml-rpc-server").exists() and (out / "llama-completion").exists():
         return out
     home.mkdir(parents=True, exist_ok=True)
@@ -79,16 +84,26 @@ def llama_bin() -> Path:
                             f"llama-cpp-python=={version}", "-d", tmp], check=True, capture_output=True)
             sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
             subprocess.run(["tar", "xzf", str(sdist), "-C", str(home)], check=True)
-    print(f"building ggml-rpc-server and llama-completion in {src / 'build'} (once; ~10 min on 2 cores) ...",
-          flush=True)
+    print(f"building ggml-rpc-server and llama-completion in {build}{' without AMX' if no_amx else ''} (once; "
+          f"~10 min on 2 cores) ...", flush=True)
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), *gen, "-DCMAKE_BUILD_TYPE=Release",
+    flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    amx = [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"] if no_amx else []
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), *gen, "-DCMAKE_BUILD_TYPE=Release",
                     "-DGGML_RPC=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                    "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_APP=OFF"],
-                   check=True, capture_output=True)
-    subprocess.run(["cmake", "--build", str(src / "build"), "-j", str(os.cpu_count() or 2),
+                    "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_APP=OFF",
+                    *amx], check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2),
                     "--target", "ggml-rpc-server", "llama-completion"], check=True, capture_output=True)
     return out
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
 
 
 # ----------------------------------------------------------------------------------------------- the systems
