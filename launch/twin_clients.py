@@ -9,7 +9,7 @@ own) with 8 and 32 stages. 1, 2, 4, ..., 64 closed-loop clients (each sends its 
 answer is complete; `--waves` requests per client) are served by three schedules:
 
     pipeinfer-1   one generation at a time, PipeInfer (--parallel 1): the latency of one request alone
-    interleave    --mode iterative, --parallel as serve's default (3 per stage, at most 64): one token per
+    interleave    --mode iterative, --parallel as serve's default (2 per stage, at most 64): one token per
                   generation in flight, no speculation
     default       --mode pipeinfer, the same --parallel: interleaving, and the drafter lent where a stage would idle
 

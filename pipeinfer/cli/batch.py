@@ -1,5 +1,5 @@
 """`pipeinfer generate --prompts FILE`: an offline batch, every prompt of a file through one pipeline, several
-at once (ranks/scheduler.py; --parallel, default one per stage), one JSON line per answer on stdout and one
+at once (ranks/scheduler.py; --parallel, default 2 per stage), one JSON line per answer on stdout and one
 --results row per prompt.
 
 FILE has one prompt per line, or JSON lines: {"prompt": "...", "n_predict": 64, "seed": 1, "temp": 0.7,

@@ -53,7 +53,7 @@ def main() -> None:
 @click.option("--prompts", default=None,
               help="a file of prompts (one per line, or JSON lines): run them all, several at once; one JSON line each")
 @click.option("--parallel", default=None, type=click.IntRange(1, 64),
-              help="with --prompts: prompts generated at once [default: 3 per pipeline stage]")
+              help="with --prompts: prompts generated at once [default: 2 per pipeline stage]")
 @supervision_options("the generation")
 @click.option("--resume-on-failure", is_flag=True, help="the same as --np/--hostfile's supervision (which it needs)")
 def generate(**kw) -> None:
@@ -286,7 +286,7 @@ def _print_report(setup: PipelineSetup, res) -> None:
               help="requests waiting beyond those generating; more get 503 with Retry-After")
 @click.option("--results", default=None, help="append one CSV row per request to this file")
 @click.option("--parallel", default=None, type=click.IntRange(1, 64),
-              help="requests generated at once [default: 3 per pipeline stage; 1: one after another]")
+              help="requests generated at once [default: 2 per pipeline stage; 1: one after another]")
 @supervision_options("every request")
 @click.option("--ignore-eos", is_flag=True, help="generate past the end-of-sequence token (every answer max_tokens "
               "long: load tests and benchmarks)")
@@ -422,7 +422,7 @@ def _served_row(args: ServeArgs, setup: PipelineSetup, ranges, job, stats, finis
 
 
 def _parallel(asked: int | None, setup: PipelineSetup) -> int:
-    """Generations at once: --parallel, else ranks.scheduler.default_parallel (3 per target stage); the
+    """Generations at once: --parallel, else ranks.scheduler.default_parallel (2 per target stage); the
     synchronous speculative baseline runs one at a time."""
     from ..ranks.scheduler import default_parallel
     if setup.gen.mode == "speculative":

@@ -173,7 +173,7 @@ def simulate_cmd(**kw) -> None:
               help="instead of the search: a server under this many closed-loop clients (throughput, p50/p95 latency, "
                    "fraction of the stages' limit) with --parallel 1 PipeInfer, interleaving and the default")
 @click.option("--parallel", default=None, type=click.IntRange(1),
-              help="with --clients: generations at once [default: 3 per stage, as serve]")
+              help="with --clients: generations at once [default: 2 per stage, as serve]")
 @click.option("--n-prompt", default=64, show_default=True, type=click.IntRange(1), help="with --clients: prompt tokens")
 def plan_cmd(profile_path: str, agreement: float | None, propose: float, n_predict: int, draft_host: bool,
              hostfile: str, clients: int | None, parallel: int | None, n_prompt: int) -> None:
