@@ -71,7 +71,8 @@ def llama_bin() -> Path:
     # On a CPU with AMX, -march=native makes llama.cpp put the weights in its AMX buffer, whose matmul crashed
     # (SIGSEGV) on the default model at the first prompt; pipeinfer never uses it (engine/kernels.py), so the
     # peers are built without it and run the same repacked kernels (GCC keeps explicit -mno-* over -march)
-    no_amx = "amx_int8" in _cpu_flags()
+    from pipeinfer.engine.kernels import cpu_flags_line
+    no_amx = "amx_int8" in cpu_flags_line().split()
     build = src / ("build-noamx" if no_amx else "build")
     out = build / "bin"
     if (out / "ggml-rpc-server").exists() and (out / "llama-completion").exists():
@@ -96,14 +97,6 @@ def llama_bin() -> Path:
     subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2),
                     "--target", "ggml-rpc-server", "llama-completion"], check=True, capture_output=True)
     return out
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
 
 
 # ----------------------------------------------------------------------------------------------- the systems

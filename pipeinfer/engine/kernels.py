@@ -114,13 +114,17 @@ def numerics_id() -> str:
     """What the kernels' numerics depend on besides the model: llama.cpp build, its CPU features, the CPU."""
     import llama_cpp
     system = llama_cpp.llama_print_system_info().decode(errors="replace")
-    flags = ""
+    flags = cpu_flags_line()
+    return f"llama-cpp-python {llama_cpp.__version__} | {system} | {hashlib.sha256(flags.encode()).hexdigest()[:16]}"
+
+
+def cpu_flags_line() -> str:
+    """This CPU's feature line from /proc/cpuinfo (x86 `flags`, Arm `Features`), or '' where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
-        pass
-    return f"llama-cpp-python {llama_cpp.__version__} | {system} | {hashlib.sha256(flags.encode()).hexdigest()[:16]}"
+        return ""
 
 
 def probe_exact_batch(engine, max_batch: int = PROBE_MAX_BATCH) -> int:
