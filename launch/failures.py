@@ -265,7 +265,7 @@ def netns_unavailable() -> str | None:
 @functools.lru_cache(maxsize=1)
 def openmpi_launcher() -> str:
     """Open MPI's mpirun, found as `pipeinfer launch` finds it (RuntimeError saying why there is none)."""
-    from pipeinfer.cli.launch import choose_launcher, mpi4py_library
+    from pipeinfer.wire.launcher import choose_launcher, mpi4py_library
     lib = mpi4py_library(sys.executable, dict(os.environ, **OPENMPI_ENV))
     if lib.kind != "openmpi":
         raise RuntimeError(f"with MPI4PY_MPIABI=openmpi mpi4py loads {lib.name}, not Open MPI")

@@ -65,7 +65,7 @@ def start_server(port: int, serve_args: list[str], log_path: Path) -> subprocess
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     cmd = [mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pipeinfer", "serve", "--host", "127.0.0.1",
            "--port", str(port)] + serve_args
-    if supervised(serve_args):  # a supervised server starts its pipeline's job itself (cli/supervisor.py)
+    if supervised(serve_args):  # a supervised server starts its pipeline's job itself (server/supervisor.py)
         cmd = [sys.executable, "-m", "pipeinfer", "serve", "--host", "127.0.0.1", "--port", str(port)] + serve_args
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 600

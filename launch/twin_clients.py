@@ -36,7 +36,7 @@ from twin_scaling import BPW_Q4_K_M, LLAMA_70B  # noqa: E402
 
 from pipeinfer.ranks.head import GenConfig  # noqa: E402
 from pipeinfer.ranks.scheduler import default_parallel  # noqa: E402
-from pipeinfer.spec.drafter import Cutoffs  # noqa: E402
+from pipeinfer.drafters.drafter import Cutoffs  # noqa: E402
 from pipeinfer.twin.cluster import Cluster, Link  # noqa: E402
 from pipeinfer.twin.plan import Shape, build_cluster, load_profile  # noqa: E402
 from pipeinfer.twin.sim import simulate_clients  # noqa: E402

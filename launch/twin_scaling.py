@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeinfer.spec.drafter import Cutoffs  # noqa: E402
+from pipeinfer.drafters.drafter import Cutoffs  # noqa: E402
 from pipeinfer.ranks.head import GenConfig  # noqa: E402
 from pipeinfer.twin.plan import Shape, build_cluster, load_profile, stage_table  # noqa: E402
 from pipeinfer.twin.cluster import Link, moe_params_per_layer  # noqa: E402

@@ -32,7 +32,7 @@ BIN = Path(sys.executable).parent
 MPIEXEC = str(BIN / "mpiexec")
 PI = [sys.executable, "-m", "mpi4py", "-m", "pipeinfer"]
 
-from pipeinfer.spec.drafter import Cutoffs  # noqa: E402
+from pipeinfer.drafters.drafter import Cutoffs  # noqa: E402
 from pipeinfer.ranks.head import GenConfig  # noqa: E402
 from pipeinfer.twin.plan import Shape, build_cluster, launch_line, load_profile, search  # noqa: E402
 from pipeinfer.twin.sim import simulate  # noqa: E402

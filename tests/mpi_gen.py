@@ -6,7 +6,7 @@ Usage: mpiexec -n N python -m mpi4py tests/mpi_gen.py '{"model": ..., "prompt": 
 import json
 import sys
 
-from pipeinfer.spec.drafter import Cutoffs
+from pipeinfer.drafters.drafter import Cutoffs
 from pipeinfer.ranks.head import GenConfig
 from pipeinfer.ranks.startup import RunOptions, run
 from pipeinfer.core.verify import SamplingParams

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeinfer.spec.draftahead import DraftClient, DraftService, ThreadDrafter, common_prefix, queue_pair
-from pipeinfer.spec.drafter import Cutoffs, DraftNode
+from pipeinfer.drafters.draftahead import DraftClient, DraftService, ThreadDrafter, common_prefix, queue_pair
+from pipeinfer.drafters.drafter import Cutoffs, DraftNode
 from pipeinfer.core.protocol import Ctrl, DraftCtrl, Proposal, ProtocolError
 from test_head_logic import ToyDrafter, assert_clean_end, run_head
 

@@ -3,7 +3,7 @@ changes a draft."""
 import numpy as np
 import pytest
 
-from pipeinfer.spec.drafter import Cutoffs, ModelDrafter
+from pipeinfer.drafters.drafter import Cutoffs, ModelDrafter
 from synth import PROMPT_TOKENS
 
 CHAIN = Cutoffs(p_accept=0.0, p_split=1.0, n_max=3, max_branches=1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeinfer.spec.drafter import Cutoffs, DraftNode, NgramDrafter, main_chain, top_candidates
+from pipeinfer.drafters.drafter import Cutoffs, DraftNode, NgramDrafter, main_chain, top_candidates
 
 
 def draft(context, p_accept=0.0, n_max=4, n_min=1, ngram_max=4):

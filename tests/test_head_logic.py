@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pipeinfer.spec.drafter import Cutoffs, DraftNode, NgramDrafter
+from pipeinfer.drafters.drafter import Cutoffs, DraftNode, NgramDrafter
 from pipeinfer.ranks.head import GenConfig, Head, auto_p_recovery
 from pipeinfer.core.kvplan import PartitionPool, plan_partitions
 from pipeinfer.ranks.pipeline import Result

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from pipeinfer.cli import launch
 from pipeinfer.core.errors import UserError
-from pipeinfer.cli.launch import (Host, build_command, format_hostfile, mpi_from_version,
+from pipeinfer.wire.launcher import (Host, build_command, format_hostfile, mpi_from_version,
                               parse_hostfile, parse_hostfile_text, settings_args)
 
 HOSTS = """\
@@ -199,7 +199,7 @@ def test_launch_serve_is_the_supervised_server(tmp_path):
 def test_supervised_placement_takes_the_hostfiles_settings(tmp_path):
     from types import SimpleNamespace
 
-    from pipeinfer.cli.supervisor import DraftHost, placement
+    from pipeinfer.server.supervisor import DraftHost, placement
     model = tmp_path / "m.gguf"
     model.write_bytes(b"x" * 1000)
     hf = tmp_path / "hosts"

@@ -14,7 +14,7 @@ PKG = Path(__file__).resolve().parents[1] / "pipeinfer"
 
 # floor of each role package: a module may import its own package and any package on a lower floor;
 # engine and wire share a floor and do not import each other
-FLOORS = {"core": 0, "engine": 1, "wire": 1, "spec": 2, "ranks": 3, "twin": 4, "cli": 5}
+FLOORS = {"core": 0, "engine": 1, "wire": 1, "drafters": 2, "ranks": 3, "twin": 4, "server": 4, "cli": 5}
 ROOT_MODULES = {"pipeinfer": -1, "pipeinfer.__main__": 6}   # the version (anyone), `python -m pipeinfer` (no one)
 MAX_FUNCTION_LINES = 80
 MAX_CLASS_LINES = 300

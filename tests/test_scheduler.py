@@ -16,7 +16,7 @@ from pipeinfer.core.protocol import KvOp
 from pipeinfer.core.verify import SamplingParams
 from pipeinfer.ranks.head import GenConfig
 from pipeinfer.ranks.scheduler import Request, Scheduler, pipeline_depth
-from pipeinfer.spec.drafter import Cutoffs
+from pipeinfer.drafters.drafter import Cutoffs
 
 PROMPTS = [[5, 17, 2, 9, 11, 3, 8, 1, 20, 14], [4, 4, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17],
            [28, 1], [9, 9, 9, 9, 2], [13, 6, 21, 0, 3, 3]]

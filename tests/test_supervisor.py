@@ -72,7 +72,7 @@ def universal_newlines(text: str) -> str:
 
 
 def test_per_rank_options_follow_the_slots_left():
-    from pipeinfer.cli.supervisor import per_rank_args
+    from pipeinfer.server.supervisor import per_rank_args
     args = ["-m", "x.gguf", "--layer-split", "0.2,0.3,0.5", "-t", "4,2,1", "--threads-batch=8,4,2", "-c", "2048",
             "-tb", "3"]
     assert per_rank_args(args, [0, 2], 3) == ["-m", "x.gguf", "--layer-split", "0.2,0.5", "-t", "4,1",
@@ -166,7 +166,7 @@ def test_rejoin_takes_a_lost_host_back_while_idle(models, refs, tmp_path, lost):
     re-forms without it (on 2 slots; or with the draft beside rank 0) and the answer completes; once no request is
     in flight, the host (this machine, so it answers) is taken back and the job re-planned with it; /health is ok
     again and the next answer is the no-failure one."""
-    from pipeinfer.cli.supervisor import REJOIN_CHECK_S
+    from pipeinfer.server.supervisor import REJOIN_CHECK_S
     if lost == "slot":
         args, n_slots = ["--np", "3", "--mode", "iterative"], 3
     else:

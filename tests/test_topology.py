@@ -170,7 +170,7 @@ def test_memory_shortfall_counts_each_hosts_share_of_the_model():
 def test_a_supervisors_memory_check_takes_what_the_ranks_measured():
     """Hosts without mem= are checked against what their ranks found available when the last job started; where
     both are known the lesser counts."""
-    from pipeinfer.cli.supervisor import Footprint
+    from pipeinfer.server.supervisor import Footprint
     gib = 2**30
     fp = Footprint(12 * gib, 0, {"b": 7.0})
     assert fp.shortfall(["a", "b"]) is None  # a unknown (not checked), b declares 7 for its 6
@@ -182,7 +182,7 @@ def test_a_supervisors_memory_check_takes_what_the_ranks_measured():
 
 
 def test_split_fractions_read_from_the_jobs_options():
-    from pipeinfer.cli.supervisor import split_fractions
+    from pipeinfer.server.supervisor import split_fractions
     assert split_fractions(["-m", "x", "--layer-split", "0.25,0.75"], 2) == [0.25, 0.75]
     assert split_fractions(["--layer-split=1,3"], 2) == [1.0, 3.0]
     assert split_fractions(["--layer-split", "auto"], 2) is None      # measured by the job: not known yet

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from pipeinfer.spec.drafter import Cutoffs
+from pipeinfer.drafters.drafter import Cutoffs
 from pipeinfer.ranks.head import GenConfig
 from pipeinfer.core.protocol import Batch, kv_ops
 from pipeinfer.twin.cluster import Cluster, Link, StageCost

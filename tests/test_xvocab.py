@@ -1,4 +1,4 @@
-"""Cross-vocabulary drafting (pipeinfer/spec/translating.py).
+"""Cross-vocabulary drafting (pipeinfer/drafters/translating.py).
 
 Most tests run the translation logic on toy tokenizers (greedy longest match over a byte vocabulary,
 which merges like BPE: "hel" + "lo" -> "hello") and an oracle draft model, without llama.cpp; the
@@ -14,8 +14,8 @@ import warnings
 import numpy as np
 import pytest
 
-from pipeinfer.spec.drafter import Cutoffs
-from pipeinfer.spec.translating import (PrefixIndex, TranslatingDrafter, chain_text, heal_split, shift_spans, target_side,
+from pipeinfer.drafters.drafter import Cutoffs
+from pipeinfer.drafters.translating import (PrefixIndex, TranslatingDrafter, chain_text, heal_split, shift_spans, target_side,
                               translate, utf8_split)
 
 EMOJI_SPLIT = "\U0001F9A9"   # flamingo: split over two Qwen tokens and four Gemma byte tokens
@@ -478,14 +478,14 @@ def test_real_emoji_straddling_tokens(qwen_tok, gemma_tok):
 
 
 def test_draft_prompt_formats():
-    from pipeinfer.spec.translating import draft_prompt_text
+    from pipeinfer.drafters.translating import draft_prompt_text
     assert draft_prompt_text(DRAFT, "Q?", chat=True) == "Q?"            # no template, none recognised
     assert draft_prompt_text(DRAFT, "Q?", chat=False) == "Q?"
 
 
 @pytest.mark.real
 def test_real_gemma_prompt_uses_its_builtin_template(gemma_tok):
-    from pipeinfer.spec.translating import draft_prompt_text
+    from pipeinfer.drafters.translating import draft_prompt_text
     assert gemma_tok.chat_template() is None                            # the GGUF carries none
     assert (draft_prompt_text(gemma_tok, "hi", chat=True)
             == "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n")

@@ -12,21 +12,9 @@ import click
 
 from ..core.errors import UserError
 from ..core.protocol import ProtocolError
-from ..core.topology import launcher_world
+from ..wire.launcher import mpi_rank, mpi_size
 from ..engine.models import ModelError, resolve_model
 from ..engine.stagefile import StageFileError
-
-
-def mpi_size() -> int:
-    """The job's size as its launcher (mpiexec, mpirun) started it; 1 without one. No MPI call."""
-    launched = launcher_world(os.environ)
-    return launched.size if launched else 1
-
-
-def mpi_rank() -> int:
-    """This process's rank as its launcher numbered it; 0 without one. No MPI call."""
-    launched = launcher_world(os.environ)
-    return launched.rank if launched else 0
 
 
 def _alone_in_its_world() -> bool:

@@ -142,7 +142,7 @@ def _generate(args: GenerateArgs) -> None:
 
 def _generate_supervised(args: GenerateArgs) -> None:
     """--np N / --hostfile HOSTS outside mpiexec: the generation survives a lost rank (resume.py)."""
-    from .resume import batch_supervised, generate_supervised
+    from ..server.resume import batch_supervised, generate_supervised
     if not (args.np or args.hostfile):
         raise UserError("--resume-on-failure and --rejoin need --np N or --hostfile HOSTS, run without mpiexec: the "
                         "process that resumes must outlive the MPI job")
@@ -150,7 +150,7 @@ def _generate_supervised(args: GenerateArgs) -> None:
         raise UserError("--np/--hostfile do not supervise the replay drafter (a benchmark instrument)")
     setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, stop_at_eos=not args.ignore_eos,
                              sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.seed))
-    from .supervisor import placement
+    from ..server.supervisor import placement
     where = placement(args.np, args.hostfile, setup, sys.argv)
     stop = StopSignals().install()
     if args.prompts:
@@ -163,7 +163,7 @@ def _generate_batch(args: GenerateArgs, setup: PipelineSetup) -> None:
     from mpi4py import MPI
 
     from ..ranks.startup import open_session
-    from .batch import run_batch
+    from ..server.batch import run_batch
     if args.prompt or args.prompt_file or args.prompt_name or args.as_json:
         raise UserError("--prompts FILE replaces -p/-f/--prompt-name and prints JSON lines (no --json)")
     if args.pipe.drafter == "replay":
@@ -340,13 +340,13 @@ def _serve(args: ServeArgs) -> None:
     if session is None:
         return
     if args.attach:  # rank 0 of a supervised server's job (supervisor.py): the supervisor has the HTTP side
-        from .attach import run_attached
+        from ..server.attach import run_attached
         try:
             run_attached(session, args.attach, parallel, stop)
         finally:
             session.close()
         return
-    from .server import Generator
+    from ..server.app import Generator
 
     def on_done(job, stats, finish):
         _served_row(args, setup, session.ranges, job, stats, finish)
@@ -368,7 +368,7 @@ def _supervise(args: ServeArgs) -> None:
     """`serve --np N` / `--hostfile HOSTS` outside mpiexec: the HTTP server here, the pipeline a child job that is
     re-formed on the slots that remain when a rank is lost (supervisor.py)."""
     from ..engine.tokenizer import Tokenizer
-    from .supervisor import Supervisor, child_args, placement, resumed_status
+    from ..server.supervisor import Supervisor, child_args, placement, resumed_status
     setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, sampling=SamplingParams(),
                              stop_at_eos=not args.ignore_eos)
     where = placement(args.np, args.hostfile, setup, sys.argv)
@@ -399,7 +399,7 @@ def _serve_http(args: ServeArgs, generator, tok, ranks: str, stop: StopSignals) 
     import uvicorn
 
     from ..engine.tokenizer import apply_chat
-    from .server import ServeConfig, create_app
+    from ..server.app import ServeConfig, create_app
     model_id = _model_id(args)
     app = create_app(ServeConfig(model_id, args.pipe.ctx_size, args.pipe.cells_reserve(), args.n_predict), generator,
                      tok, lambda messages: apply_chat(tok, messages))

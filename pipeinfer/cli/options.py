@@ -16,7 +16,7 @@ from ..core.errors import UserError
 from ..core.verify import SamplingParams
 from ..engine.kernels import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, KERNELS
 from ..ranks.head import MODES, GenConfig
-from ..spec.drafter import DRAFT_HEAD_AUTO, Cutoffs
+from ..drafters.drafter import DRAFT_HEAD_AUTO, Cutoffs
 from .guard import installed, mpi_size
 
 
@@ -109,7 +109,7 @@ def pipeline_options(f):
 
 def supervision_options(what: str):
     """--np, --hostfile and --rejoin (generate and serve): run without mpiexec as a supervised job that re-forms
-    without a lost rank and resumes `what` (cli/supervisor.py)."""
+    without a lost rank and resumes `what` (server/supervisor.py)."""
     options = [
         click.option("--np", "np", default=None, type=click.IntRange(1),
                      help="run without mpiexec: start the pipeline on this many ranks as a supervised job that "

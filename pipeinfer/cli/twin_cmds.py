@@ -20,7 +20,7 @@ from ..core.results import append_result, stats_row
 from ..engine.kernels import DEFAULT_KERNELS, KERNELS
 from ..ranks.head import MODES, GenConfig
 from ..ranks.scheduler import default_parallel
-from ..spec.drafter import Cutoffs
+from ..drafters.drafter import Cutoffs
 from ..twin.plan import (
     Shape,
     build_cluster,

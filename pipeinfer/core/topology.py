@@ -7,7 +7,6 @@ Ranks 1..N-1 hold the following target stages in order; the last stage sends its
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 
@@ -167,57 +166,6 @@ def parse_per_rank_ints(text: str | None, n_ranks: int, name: str, default: int)
     if len(values) != n_ranks or any(v < 1 for v in values):
         raise SplitError(f"{name} needs one positive value or {n_ranks} (one per rank), got {text!r}")
     return values
-
-
-# ---- the job as its launcher started it, read from the environment (before, or beside, MPI's own view)
-# MPICH's Hydra (and Intel MPI, MVAPICH) set PMI_*, Open MPI's mpirun OMPI_COMM_WORLD_*, other PMIx launchers PMIX_*
-LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
-LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
-
-
-@dataclass(frozen=True)
-class LauncherWorld:
-    """What the launcher told this process: the job's size, this process's rank, and where the size came from."""
-    size: int
-    rank: int
-    size_var: str
-
-
-def launcher_world(environ) -> LauncherWorld | None:
-    """The job as the launcher (mpiexec, mpirun) describes it in `environ`; None when no launcher started us."""
-    size_var = next((v for v in LAUNCHER_SIZE_VARS if str(environ.get(v, "")).strip().isdigit()), None)
-    if size_var is None:
-        return None
-    rank = next((int(environ[v]) for v in LAUNCHER_RANK_VARS if str(environ.get(v, "")).strip().isdigit()), 0)
-    return LauncherWorld(int(environ[size_var]), rank, size_var)
-
-
-def mpi_library(version_text: str) -> tuple[str | None, str]:
-    """(kind, short name) of an MPI library from MPI_Get_library_version's text: kind "openmpi", "mpich" (MPICH and
-    its derivatives, which share its ABI and its Hydra launcher) or None; name like "Open MPI 4.1.4"."""
-    text = version_text.replace("\x00", "").strip()
-    first = text.splitlines()[0].strip() if text else "an unknown MPI"
-    m = re.match(r"open\s*mpi\s+v?([\w.]+)", first, re.I)
-    if m:
-        return "openmpi", f"Open MPI {m.group(1).rstrip(',')}"
-    m = re.match(r"(mpich|mvapich\d*)\s+version\s*:\s*([\w.]+)", first, re.I)
-    if m:
-        return "mpich", f"{m.group(1).upper()} {m.group(2)}"
-    if re.search(r"mpich|mvapich|intel\(r\) mpi", text, re.I):
-        return "mpich", first[:60]
-    return None, first[:60]
-
-
-def world_size_mismatch(world_size: int, library: str, environ) -> str | None:
-    """One line when MPI's world differs from the job the launcher started (the launcher is of another MPI than
-    the library mpi4py loaded: every process then runs alone, as a job of its own), else None."""
-    launched = launcher_world(environ)
-    if launched is None or launched.size == world_size:
-        return None
-    return (f"the launcher started {launched.size} processes ({launched.size_var}={launched.size}) but MPI sees "
-            f"{world_size}: mpiexec/mpirun is not of the MPI that mpi4py loads ({library}); run the job with that "
-            f"MPI's launcher (`pipeinfer launch` picks it), or make mpi4py load the launcher's MPI "
-            f"(MPI4PY_MPIABI / MPI4PY_LIBMPI, see README 'On a cluster')")
 
 
 @dataclass(frozen=True)

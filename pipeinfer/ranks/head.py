@@ -48,7 +48,7 @@ from ..core.verify import (
     is_useful,
     verify,
 )
-from ..spec.drafter import Cutoffs, Drafter, DraftNode, main_chain
+from ..drafters.drafter import Cutoffs, Drafter, DraftNode, main_chain
 from .pipeline import Pipeline
 
 MODES = ("iterative", "speculative", "pipeinfer")

@@ -2,7 +2,7 @@
 
 open_session runs the steps in order: agree on protocol and build (liveness starts), split off the draft
 rank, agree on the model, plan threads and layers, load the stage, then serve as a stage or open the head
-(the pipeline and the drafter, spec/factory.py).
+(the pipeline and the drafter, drafters/factory.py).
 
 Everything here runs once; per-token work happens in head.py / worker.py. Start-up data may be
 pickled (allgather of versions and stage statistics); nothing per token is.
@@ -29,8 +29,8 @@ from ..core.topology import (
 )
 from ..engine.kernels import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, resolve_draft_max
 from ..engine.stagefile import check_splittable, ensure_stage_file, layer_costs, read_info
-from ..spec.drafter import DRAFT_HEAD_AUTO
-from ..spec.factory import DraftSpec, make_drafter
+from ..drafters.drafter import DRAFT_HEAD_AUTO
+from ..drafters.factory import DraftSpec, make_drafter
 from ..wire.transport import polite_barrier
 from .handshake import build_id, model_fingerprint
 from .head import GenConfig, Head, auto_p_recovery
@@ -404,7 +404,7 @@ def _head_drafter(opts: RunOptions, ranks: _Ranks, plan: _LayerPlan, stage: _Sta
     n_vocab = stage.limits.n_vocab
     if opts.draft_at == "rank":
         from ..core.protocol import Tag
-        from ..spec.draftahead import DraftClient, MpiEnd
+        from ..drafters.draftahead import DraftClient, MpiEnd
         from ..wire.transport import Transport
         draft_comm = ranks.draft_comm
         end = MpiEnd(Transport(draft_comm, draft_comm, opts.poll_s), draft_comm.Get_size() - 1, Tag.DRAFT_CTRL,
@@ -417,7 +417,7 @@ def _head_drafter(opts: RunOptions, ranks: _Ranks, plan: _LayerPlan, stage: _Sta
     drafter_for = make_drafter(draft_spec(opts, plan.info, n_dft, n_dft if opts.draft_threads else plan.threads_b[0]))
     if opts.draft_at != "thread":
         return drafter_for, None
-    from ..spec.draftahead import ThreadDrafter
+    from ..drafters.draftahead import ThreadDrafter
     beside = ThreadDrafter(drafter_for, opts.n_ctx, n_vocab, opts.poll_s)
     return _begin_each(beside.client), beside
 
@@ -441,7 +441,7 @@ def draft_thread_count(opts: RunOptions, threads_rank0: int, n_world: int) -> in
 def serve_draft_rank(opts: RunOptions, draft_comm, n_world: int) -> None:
     """The draft rank (--draft-at rank): load the draft, then draft ahead for the head until it ends the session."""
     from ..core.protocol import Tag
-    from ..spec.draftahead import DraftService, MpiEnd, lower_priority
+    from ..drafters.draftahead import DraftService, MpiEnd, lower_priority
     lower_priority()  # this thread: the draft's decodes; the liveness thread keeps its priority
     info = read_info(opts.model)  # the target's vocabulary: token ids, and a translating drafter's tokenizer
     drafter_for = None

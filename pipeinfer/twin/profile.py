@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.kvplan import plan_partitions
-from ..spec.drafter import DRAFT_HEAD_AUTO
+from ..drafters.drafter import DRAFT_HEAD_AUTO
 
 PROFILE_FORMAT = 1
 N_CTX_FILL = 128       # KV positions already filled when a decode is timed (a short prompt's worth)
@@ -157,7 +157,7 @@ def measure_draft(path, threads: int, kernels: str, n_max: int = 4, target: str 
     """The draft model's ms per drafted token (continuing its own chain, as continuous speculation does)
     and per prompt token; with the target's GGUF, and a draft of another vocabulary, the translating
     drafter's cost too (measure_translating)."""
-    from ..spec.drafter import Cutoffs, ModelDrafter
+    from ..drafters.drafter import Cutoffs, ModelDrafter
     d = ModelDrafter(path, n_ctx=RUN_N_CTX, max_branches=1, n_threads=threads, n_threads_batch=threads, kernels=kernels,
                      head_tokens=head_tokens)
     rng = np.random.default_rng(0)
@@ -176,7 +176,7 @@ def measure_draft(path, threads: int, kernels: str, n_max: int = 4, target: str 
            "ms_per_token": round(statistics.median(per_token[1:]), 3),
            "prefill_ms_per_token": round(prefill_ms / len(prompt), 4)}
     if target is not None:
-        from ..spec.factory import translates
+        from ..drafters.factory import translates
         if translates(target, str(path)):   # another vocabulary: the draft runs translated, at another cost
             out["translating"] = measure_translating(d, target, str(path))
     d.engine.close()
@@ -193,8 +193,8 @@ def measure_translating(d, target: str, draft: str) -> dict:
     proposals per call and draft decodes per proposal (re-tokenizing, translation and the tokens whose
     boundary the look-ahead could not settle included)."""
     from ..engine.tokenizer import Tokenizer
-    from ..spec.drafter import Cutoffs
-    from ..spec.translating import TranslatingDrafter
+    from ..drafters.drafter import Cutoffs
+    from ..drafters.translating import TranslatingDrafter
     tt = Tokenizer(target)
     prompt = tt.encode(TRANSLATE_TEXT, add_special=True, parse_special=False)
     td = TranslatingDrafter(d, tt, Tokenizer(draft), n_prompt=len(prompt), prompt_text=TRANSLATE_TEXT, chat=True)
@@ -216,7 +216,7 @@ def measure_head_overhead_ms() -> float:
     """The head's scheduling per launch or result: the real Head on a twin whose compute costs nothing,
     timed in wall-clock (the twin's own bookkeeping included, so a slight overestimate)."""
     from ..ranks.head import GenConfig
-    from ..spec.drafter import Cutoffs
+    from ..drafters.drafter import Cutoffs
     from .cluster import Cluster, Link, StageCost
     from .sim import simulate
     zero = Cluster([StageCost([0.0] * 4, 0.0)] * 2, [Link(0.0, 1e15)] * 2, 1536)
@@ -278,8 +278,8 @@ def measure_confidence(draft: str, target: str, prompt: list[int], text: str, to
     """Along the target's own output, at each position: the draft's confidence in its first proposal there
     and whether that proposal is the target's token ([p, 1 or 0]; [0, 0] where it proposes nothing). The twin
     draws from these pairs, so a cutoff (-pa) decides what is proposed and how much of it is right."""
-    from ..spec.drafter import Cutoffs
-    from ..spec.factory import DraftSpec, make_drafter
+    from ..drafters.drafter import Cutoffs
+    from ..drafters.factory import DraftSpec, make_drafter
     spec = DraftSpec(target, draft, n_ctx=RUN_N_CTX, max_branches=1, n_threads=threads, n_threads_batch=threads,
                      kernels=kernels, head_tokens=head_tokens)
     drafter = make_drafter(spec)(prompt, text, True)   # the same drafter, or translating through text (chat format)

@@ -36,7 +36,7 @@ from ..core.protocol import HEADER_LEN, NO_RUN, Batch, Kind, kv_ops
 from ..ranks.head import GenConfig, Head, auto_p_recovery
 from ..ranks.pipeline import Result
 from ..ranks.scheduler import Request, Scheduler, SchedulerStats
-from ..spec.drafter import Cutoffs, DraftNode, ReplayDrafter
+from ..drafters.drafter import Cutoffs, DraftNode, ReplayDrafter
 from .cluster import Cluster
 
 KV_OP_MS = 0.05      # a stage applying one KV transaction (seq_rm/cp: bookkeeping, no compute)

@@ -156,7 +156,7 @@ def split_fractions(args: list[str], n_ranks: int) -> list[float] | None:
 def _launch_command(slots: list[str], pipeinfer_args: list[str], hostfile: str) -> list[str]:
     """The launcher's command line that runs `pipeinfer ARGS` with one rank per slot (the MPI mpi4py loads, the
     hostfile as `launch` writes it, PIPEINFER_MPI_ARGS: the launcher's own options, README)."""
-    from .launch import Host, build_command, choose_launcher, mpi4py_library
+    from ..wire.launcher import Host, build_command, choose_launcher, mpi4py_library
     library = mpi4py_library()
     mpi = library.kind
     hosts = [Host(name) for name in slots]  # one slot each; the hostfile merges a host's lines
@@ -205,8 +205,8 @@ class Placement:
 def placement(np: int | None, hostfile: str | None, setup, argv: list[str]) -> Placement:
     """--hostfile's slots (--np of them), or --np on this machine; `argv`: the user's options (which win over
     the hostfile's settings)."""
-    from .guard import mpi_size
-    from .launch import parse_hostfile, rank_hosts, settings_args, with_draft_last
+    from ..wire.launcher import mpi_size
+    from ..wire.launcher import parse_hostfile, rank_hosts, settings_args, with_draft_last
     if mpi_size() > 1:
         raise UserError("--np/--hostfile start the pipeline's MPI job themselves: run pipeinfer without mpiexec")
     hosts, settings, draft = [], [], None
@@ -555,7 +555,7 @@ class Supervisor:
 
     # ---------------------------------------------------------------- the HTTP side
     def submit(self, job) -> None:
-        from .server import RequestError, _Answer
+        from .app import RequestError, _Answer
         if self.fatal:
             raise RequestError(503, f"the pipeline failed: {self.fatal}", code="pipeline_failed")
         with self._lock:
