@@ -46,6 +46,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from helpers import new_tag, rank_pids, tagged_env  # noqa: E402
+
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
     "Explain what a hash map is in two sentences.",
@@ -61,13 +64,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, serve_args: list[str], log_path: Path) -> subprocess.Popen:
+def start_server(port: int, serve_args: list[str], log_path: Path, tag: str) -> subprocess.Popen:
+    """The server, its processes (and its supervised job's) tagged `tag` in their environment (kill_later finds its ranks by it)."""
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     cmd = [mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pipeinfer", "serve", "--host", "127.0.0.1",
            "--port", str(port)] + serve_args
     if supervised(serve_args):  # a supervised server starts its pipeline's job itself (server/supervisor.py)
         cmd = [sys.executable, "-m", "pipeinfer", "serve", "--host", "127.0.0.1", "--port", str(port)] + serve_args
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env=tagged_env(tag))
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -135,25 +140,11 @@ MIX = [(p, t, s) for p in PROMPTS for t, s in SEEDS]
 PIECES_AT: list[float] = []  # when each streamed piece arrived (time.monotonic), every request
 
 
-def job_ranks() -> dict[int, int]:
-    """rank -> pid of a supervised server's pipeline job (its ranks run `serve --attach`; MPICH sets PMI_RANK)."""
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if b"--attach" in cmd and b"pipeinfer" in cmd:
-            out.update({int(e[9:]): int(pid) for e in env if e.startswith(b"PMI_RANK=")})
-    return out
-
-
-def kill_later(rank: int, after_s: float, fault: dict, how: str = "kill") -> threading.Timer:
-    """Inject `how` (kill, stop, cut) into rank `rank` of the supervised job `after_s` seconds from now;
-    `fault` gets when, and the pid of a stopped rank (to be killed at the end)."""
+def kill_later(tag: str, rank: int, after_s: float, fault: dict, how: str = "kill") -> threading.Timer:
+    """Inject `how` (kill, stop, cut) into rank `rank` of the supervised job of the server tagged `tag` `after_s`
+    seconds from now; `fault` gets when, and the pid of a stopped rank (to be killed at the end)."""
     def inject() -> None:
-        pid = job_ranks().get(rank)
+        pid = rank_pids(tag, attached=True).get(rank)
         if pid is None:
             return
         if how == "cut":  # the root side of host h<rank>'s veth pair (one rank per emulated host)
@@ -177,8 +168,8 @@ def run_load(serve_args: list[str], log_path: Path, loads: list[tuple[int, int]]
              ) -> tuple[list[dict], list[dict], dict]:
     """One server with these options; for each (clients, requests) in `loads` a burst of requests.
     Returns the per-request rows, one summary per load, and the reference answers (asked alone, first)."""
-    port = free_port()
-    proc = start_server(port, serve_args, log_path)
+    port, tag = free_port(), new_tag()
+    proc = start_server(port, serve_args, log_path, tag)
     from openai import OpenAI
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
@@ -206,7 +197,7 @@ def run_load(serve_args: list[str], log_path: Path, loads: list[tuple[int, int]]
 
             t0 = time.perf_counter()
             fault: dict = {}
-            timer = kill_later(kill[0], kill[1], fault, kill[2]) if kill and supervised(serve_args) else None
+            timer = kill_later(tag, kill[0], kill[1], fault, kill[2]) if kill and supervised(serve_args) else None
             with ThreadPoolExecutor(n_clients) as pool:
                 list(pool.map(one, range(n_requests)))
             wall = time.perf_counter() - t0

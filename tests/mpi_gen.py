@@ -6,27 +6,25 @@ Usage: mpiexec -n N python -m mpi4py tests/mpi_gen.py '{"model": ..., "prompt": 
 import json
 import sys
 
-from pipeinfer.drafters.drafter import Cutoffs
-from pipeinfer.ranks.head import GenConfig
-from pipeinfer.ranks.startup import RunOptions, run
+from pipeinfer.core.config import Config
 from pipeinfer.core.verify import SamplingParams
+from pipeinfer.ranks.startup import run
 
 arg = sys.argv[1]
 cfg = json.loads(open(arg[1:]).read() if arg.startswith("@") else arg)  # @FILE: JSON from a file
-gen = GenConfig(mode=cfg.get("mode", "iterative"), n_predict=cfg["n"],
-                sampling=SamplingParams(cfg.get("temp", 0.0), 0, 1.0, cfg.get("seed", 0)),
-                cut=Cutoffs(cfg.get("p_accept", 0.0), cfg.get("p_split", 1.0), cfg.get("draft_max"),
-                            cfg.get("max_branches", 1)),
-                p_recovery=cfg.get("p_recovery", 0.0), p_decay=cfg.get("p_decay", 0.0),
-                cancel=cfg.get("cancel", True), continuous=cfg.get("continuous", True),
-                n_batch=cfg.get("n_batch", 512), stop_at_eos=False,
-                adaptive_draft=cfg.get("micro_batch", "auto") == "auto")
-res = run(RunOptions(model=cfg["model"], prompt_tokens=cfg["prompt"], gen=gen, layer_split=cfg.get("split"),
-                     threads=cfg.get("threads", "1"), n_ctx=cfg.get("n_ctx", 1024), draft=cfg.get("draft"),
-                     drafter=cfg.get("drafter", "model"), replay_ref=cfg.get("replay_ref"),
-                     replay_accuracy=cfg.get("replay_accuracy", 0.8), draft_vocab=cfg.get("draft_vocab", "auto"),
-                     prompt_text=cfg.get("prompt_text"), chat=cfg.get("chat", False), max_in_flight=cfg.get("max_in_flight", 8),
-                     stall_timeout=cfg.get("stall_timeout", 60.0), draft_at=cfg.get("draft_at", "head")))
+config = Config(
+    model=cfg["model"], mode=cfg.get("mode", "iterative"), n_predict=cfg["n"],
+    sampling=SamplingParams(cfg.get("temp", 0.0), 0, 1.0, cfg.get("seed", 0)),
+    p_accept=cfg.get("p_accept", 0.0), p_split=cfg.get("p_split", 1.0), draft_max=cfg.get("draft_max"),
+    max_branches=cfg.get("max_branches", 1), p_recovery=cfg.get("p_recovery", 0.0), p_decay=cfg.get("p_decay", 0.0),
+    cancel=cfg.get("cancel", True), continuous=cfg.get("continuous", True), n_batch=cfg.get("n_batch", 512),
+    stop_at_eos=False, adaptive_draft=cfg.get("micro_batch", "auto") == "auto", layer_split=cfg.get("split"),
+    threads=cfg.get("threads", "1"), n_ctx=cfg.get("n_ctx", 1024), draft=cfg.get("draft"),
+    drafter=cfg.get("drafter", "model"), replay_ref=cfg.get("replay_ref"),
+    replay_accuracy=cfg.get("replay_accuracy", 0.8), draft_vocab=cfg.get("draft_vocab", "auto"),
+    max_in_flight=cfg.get("max_in_flight", 8), stall_timeout=cfg.get("stall_timeout", 60.0),
+    draft_at=cfg.get("draft_at", "head"))
+res = run(config, cfg["prompt"], prompt_text=cfg.get("prompt_text"), chat=cfg.get("chat", False))
 if res is not None:
     print("RESULT " + json.dumps({"tokens": res.tokens, "stats": res.stats.to_dict(),
                                   "ranges": [[r.start, r.end] for r in res.ranges], "rss_mb": res.peak_rss_mb,

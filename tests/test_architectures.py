@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conftest import PROMPT, mpirun
+from helpers import PROMPT, mpirun
 from synth import reference_greedy
 from synth_arch import VARIANTS, make_arch_gguf
 from pipeinfer.core.protocol import Batch, kv_ops
@@ -155,7 +155,7 @@ def test_refused_architectures_name_the_rule(arch, rule):
 def test_generate_on_two_ranks_refuses_glm4_in_one_line(tmp_path):
     """A glm4 file on 2 ranks: one line naming the rule, non-zero exit, before llama.cpp sees the file."""
     import gguf
-    from conftest import cli
+    from helpers import cli
     path = tmp_path / "glm4.gguf"
     w = gguf.GGUFWriter(str(path), "glm4")
     w.add_block_count(4)

@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from conftest import cli
+from helpers import cli
+from synth import make_llama_gguf
 
 pytestmark = pytest.mark.mpi
 
@@ -83,9 +84,6 @@ def test_unknown_registry_name():
 
 
 def test_draft_vocabulary_mismatch(tmp_path, models):
-    import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from synth import make_llama_gguf
     other = make_llama_gguf(tmp_path / "v600.gguf", n_layer=2, n_vocab=600)
     _fails_fast(["generate", "-m", str(models["q8"]), "-p", "hi", "--mode", "speculative", "--draft", str(other),
                  "--draft-vocab", "same"], 2, "first mismatch at token id")
@@ -93,9 +91,6 @@ def test_draft_vocabulary_mismatch(tmp_path, models):
 
 def test_cross_vocabulary_draft_is_lossless(tmp_path, models):
     """A draft with another vocabulary drafts through text (--draft-vocab auto) and the output is unchanged."""
-    import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from synth import make_llama_gguf
     other = make_llama_gguf(tmp_path / "v600.gguf", n_layer=2, n_vocab=600)
     args = ["generate", "-m", str(models["q8"]), "-p", "ba ki", "-n", "16", "--ignore-eos", "--json", "-q"]
     ref = cli(args + ["--mode", "iterative"], n=2)

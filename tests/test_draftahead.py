@@ -2,13 +2,16 @@
 scheduling with a drafter in a thread (exact output, cutoffs kept)."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
+from pipeinfer.drafters import draftahead
 from pipeinfer.drafters.draftahead import DraftClient, DraftService, ThreadDrafter, common_prefix, queue_pair
 from pipeinfer.drafters.drafter import Cutoffs, DraftNode
 from pipeinfer.core.protocol import Ctrl, DraftCtrl, Proposal, ProtocolError
-from test_head_logic import ToyDrafter, assert_clean_end, run_head
+from test_head_logic import FakePipeline, ToyDrafter, assert_clean_end, run_head
 
 N_CTX, N_VOCAB = 4096, 1000
 
@@ -207,17 +210,56 @@ def test_thread_drafter_error_reaches_the_head():
 
 
 # ---------------------------------------------------------------- the real Head with a drafter beside it
-def thread_head(mode: str, error_rate: float, seed: int, **kw):
+STEP_WAIT_S = 30  # the last stage steps anyway after this long (a drafter that never idles fails, not hangs)
+
+
+def drafter_idle(td: ThreadDrafter):
+    """A check that holds once the drafter thread has applied every message the head sent and drafted what it
+    was asked (messages are counted as they are sent and once applied)."""
+    n = {"sent": 0, "applied": 0, "stepping": 0}
+    send, apply, step = td.client.end.send, td.service.apply, td.service.step
+
+    def counted_send(buf):
+        n["sent"] += 1
+        send(buf)
+
+    def counted_apply(msg):
+        apply(msg)
+        n["applied"] += 1
+
+    def counted_step():
+        n["stepping"] += 1
+        step()
+        n["stepping"] -= 1
+    td.client.end.send, td.service.apply, td.service.step = counted_send, counted_apply, counted_step
+    return lambda: (td.error is not None or n["sent"] == n["applied"] and not n["stepping"]
+                    and not td.service.has_work())
+
+
+def thread_head(mode: str, error_rate: float, seed: int, monkeypatch, **kw):
+    """The real Head with a ToyDrafter in a thread beside the fake pipeline, whose last stage takes its next step
+    only once the drafter is idle: a pipeline slower than its drafter (what drafting ahead is for), whatever the
+    machine's load does to the drafter's thread, which runs at the normal priority here."""
+    monkeypatch.setattr(draftahead, "DRAFT_NICE", 0)
     td = ThreadDrafter(lambda p, t, c: ToyDrafter(error_rate, seed), N_CTX, 10**6)
+    idle = drafter_idle(td)
+    since = {"t": time.monotonic()}
+
+    def due(pipe) -> bool:
+        if idle() or time.monotonic() - since["t"] > STEP_WAIT_S:
+            since["t"] = time.monotonic()
+            return True
+        return False
+    monkeypatch.setattr(FakePipeline, "_due", due)
     try:
-        return run_head(mode, drafter=td.client, error_rate=error_rate, seed=seed, **kw), td
+        return run_head(mode, drafter=td.client, error_rate=error_rate, seed=seed, step_s=0.001, **kw), td
     finally:
         td.close()
 
 
 @pytest.mark.parametrize("error_rate, seed, poll_every", [(0.0, 0, 3), (0.2, 1, 3), (0.5, 2, 2), (1.0, 3, 4)])
-def test_pipeinfer_with_the_draft_beside_equals_target(error_rate, seed, poll_every):
-    r, td = thread_head("pipeinfer", error_rate, seed, poll_every=poll_every, n_max=2, step_s=0.002)
+def test_pipeinfer_with_the_draft_beside_equals_target(monkeypatch, error_rate, seed, poll_every):
+    r, td = thread_head("pipeinfer", error_rate, seed, monkeypatch, poll_every=poll_every, n_max=2)
     assert r.out == r.expected and r.streamed == r.out
     assert_clean_end(r)
     assert r.stats.n_draft_accepted <= r.stats.n_drafted
@@ -227,8 +269,8 @@ def test_pipeinfer_with_the_draft_beside_equals_target(error_rate, seed, poll_ev
         assert r.stats.n_cancelled > 0 and td.service.stats.n_reroots > 0
 
 
-def test_speculative_with_the_draft_beside_equals_target():
-    r, _ = thread_head("speculative", 0.3, 5, step_s=0.002)
+def test_speculative_with_the_draft_beside_equals_target(monkeypatch):
+    r, _ = thread_head("speculative", 0.3, 5, monkeypatch)
     assert r.out == r.expected
     assert r.pipe.max_in_flight == 1 and r.stats.n_spec_runs > 0
     assert_clean_end(r)
@@ -238,13 +280,12 @@ def test_speculative_with_the_draft_beside_equals_target():
 @pytest.mark.parametrize("quiet_first", [True, False])
 def test_quiet_first_token_launches_nothing_speculative_before_it(monkeypatch, quiet_first):
     from pipeinfer.ranks.head import Head
-    from test_head_logic import FakePipeline
     events: list[tuple[str, int]] = []
     launch, emit = FakePipeline.launch, Head._emit
     monkeypatch.setattr(FakePipeline, "launch", lambda self, rid, batch, spec, parent=-1:
                         (events.append(("spec" if spec else "run", rid)), launch(self, rid, batch, spec, parent))[1])
     monkeypatch.setattr(Head, "_emit", lambda self, tokens: (events.append(("emit", len(tokens))), emit(self, tokens))[1])
-    r, _ = thread_head("pipeinfer", 0.2, 6, n_max=2, step_s=0.002, quiet_first=quiet_first)
+    r, _ = thread_head("pipeinfer", 0.2, 6, monkeypatch, n_max=2, quiet_first=quiet_first)
     assert r.out == r.expected and r.streamed == r.out
     assert_clean_end(r)
     emits = [i for i, e in enumerate(events) if e[0] == "emit"]

@@ -1,17 +1,16 @@
-"""Failure behaviour (issue 13): every row of the README's table, as launch/failures.py measures it.
+"""Failure behaviour (issue 13): every row of the README's table (tests/faults.py; launch/failures.py measures it).
 
 Faults: a rank stopped (`kill -STOP`) or killed (`kill -9`) while a 3-rank PipeInfer generation streams:
 one line naming the rank and its host, the job ends within --stall-timeout + 10 s, the text so far is on
 stdout and --results has the row, marked failed. Bad input: one line, non-zero exit, no traceback, < 30 s.
-Rows whose test lives elsewhere (tests/test_cli.py, tests/test_netns.py) name it in launch/failures.py's CASES.
+Rows whose test lives elsewhere (tests/test_cli.py, tests/test_netns.py) name it in tests/faults.py's CASES.
 """
-import sys
+import signal
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "launch"))
-import failures as F  # noqa: E402
+import faults as F
 
 pytestmark = pytest.mark.mpi
 HERE = [c for c in F.CASES if c.test == "tests/test_failures.py"]
@@ -29,19 +28,6 @@ def test_every_row_has_a_test():
         assert (f"def {name}(" in text) if name else c in HERE, c.name
 
 
-def check_resumed(case, r: dict) -> None:
-    """A supervised run's row: the job re-formed and the whole answer came, or (no slot left) one line, exit 1."""
-    ctx = f"{r['error']}\n{r['stderr_tail']}"
-    if case.exit_code != 0:
-        assert r["n_error_lines"] == 1 and case.match in r["error"], ctx
-        assert r["seconds"] < F.STALL + 10, ctx
-        assert (r["results_status"] or "").startswith(case.results_status) and r["n_generated"] > 0, ctx
-        return
-    assert r["n_error_lines"] == 0 and "re-formed in" in r["reform"], ctx
-    assert r["stdout_bytes"] > r["stdout_bytes_at_fault"] > 0, ctx
-    assert r["results_status"] == case.results_status and r["n_generated"] == F.N_RESUMED, ctx
-
-
 @pytest.mark.parametrize("case", HERE, ids=[c.name for c in HERE])
 def test_failure_row(case, fmodels, tmp_path):
     r = F.run_case(case, fmodels, tmp_path)
@@ -55,16 +41,16 @@ def test_failure_row(case, fmodels, tmp_path):
         return
     assert r["from"] == "fault", "the fault was not injected: " + ctx
     if case.resumes:
-        check_resumed(case, r)
+        F.check_resumed(case, r)
         return
     sig, rank = case.fault
     assert r["seconds"] < F.STALL + 10, ctx
     assert r["stdout_bytes_at_fault"] > 0 and r["stdout_bytes"] >= r["stdout_bytes_at_fault"], ctx
-    if rank == 0 and sig == F.signal.SIGKILL:
+    if rank == 0 and sig == signal.SIGKILL:
         # mpiexec's clean-up may take rank 1 before its line is out: the line is optional, never wrong
         assert r["n_error_lines"] <= 1 and case.match in r["error"], ctx
         return
     assert r["n_error_lines"] == 1 and case.match in r["error"], ctx
-    assert ("went silent" if sig == F.signal.SIGSTOP else "was lost") in r["error"], ctx
+    assert ("went silent" if sig == signal.SIGSTOP else "was lost") in r["error"], ctx
     if case.results_status:
         assert (r["results_status"] or "").startswith(case.results_status), ctx

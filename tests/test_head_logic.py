@@ -21,6 +21,7 @@ import pytest
 
 from pipeinfer.drafters.drafter import Cutoffs, DraftNode, NgramDrafter
 from pipeinfer.ranks.head import GenConfig, Head, auto_p_recovery
+from pipeinfer.ranks.scheduler import Request, Scheduler
 from pipeinfer.core.kvplan import PartitionPool, plan_partitions
 from pipeinfer.ranks.pipeline import Result
 from pipeinfer.core.protocol import NO_RUN, Batch, KvOp, cp, kv_ops, rm
@@ -358,11 +359,14 @@ def run_head(mode: str, *, n_predict: int = 40, error_rate: float = 0.0, seed: i
     cfg = GenConfig(mode=mode, n_predict=n_predict, sampling=sampling,
                     cut=Cutoffs(p_accept=0.5, p_split=0.1, n_max=n_max, max_branches=max_branches), **cfg_kw)
     streamed: list[int] = []
-    head = Head(pipe, cfg, pool, drafter, eos=set(eos), on_tokens=streamed.extend)
-    out = head.generate(list(PROMPT))
+    sched = Scheduler(pipe, cfg, n_stages=2, pool=pool, drafter_for=lambda *_: drafter, eos=set(eos))
+    heads = []  # the generation's Head, kept for the invariants at its end
+    finish = sched._finish
+    sched._finish = lambda g: (heads.append(g.head), finish(g))[1]
+    out, stats = sched.generate(Request(list(PROMPT), n_predict, sampling, on_tokens=streamed.extend))
     pipe.finish()
-    return SimpleNamespace(head=head, pipe=pipe, pool=pool, drafter=drafter, n_part=n_part, out=out,
-                           streamed=streamed, expected=reference[len(PROMPT):len(PROMPT) + n_predict], stats=head.stats)
+    return SimpleNamespace(head=heads[0], pipe=pipe, pool=pool, drafter=drafter, n_part=n_part, out=out,
+                           streamed=streamed, expected=reference[len(PROMPT):len(PROMPT) + n_predict], stats=stats)
 
 
 def assert_clean_end(r: SimpleNamespace) -> None:
@@ -502,7 +506,7 @@ def test_auto_recovery_fills_the_stages_after_the_head(n_ranks, expected, runs_a
 
 def test_head_needs_a_resolved_recovery_factor():
     with pytest.raises(ValueError, match="p_recovery is unresolved"):
-        Head(FakePipeline(target_alone(PROMPT, 8)), GenConfig(p_recovery=None))
+        Head(FakePipeline(target_alone(PROMPT, 8)), GenConfig(p_recovery=None), lambda: 1)
 
 
 def test_pipeinfer_decay_lowers_the_cutoff():
@@ -599,13 +603,16 @@ def test_drafter_takes_the_prompt_while_the_pipeline_does(mode, monkeypatch):
 def test_head_rejects_bad_configuration():
     pipe = FakePipeline(target_alone(PROMPT, 8))
     with pytest.raises(ValueError, match="unknown mode"):
-        Head(pipe, GenConfig(mode="turbo"))
+        Scheduler(pipe, GenConfig(mode="turbo"), n_stages=2)
     with pytest.raises(ValueError, match="needs a drafter"):
-        Head(pipe, GenConfig(mode="pipeinfer"), pool=PartitionPool(2, 1, 4))
+        Scheduler(pipe, GenConfig(mode="pipeinfer"), n_stages=2, pool=PartitionPool(2, 1, 4))
     with pytest.raises(ValueError, match="needs a drafter"):
-        Head(pipe, GenConfig(mode="speculative"), drafter=ToyDrafter())
+        Scheduler(pipe, GenConfig(mode="speculative"), n_stages=2, drafter_for=lambda *_: ToyDrafter())
+    with pytest.raises(ValueError, match="one generation at a time"):
+        Scheduler(pipe, GenConfig(mode="speculative"), n_stages=2, n_parallel=2, pool=PartitionPool(2, 1, 4),
+                  drafter_for=lambda *_: ToyDrafter())
     with pytest.raises(ValueError, match="empty prompt"):
-        Head(pipe, GenConfig(mode="iterative")).generate([])
+        Scheduler(pipe, GenConfig(mode="iterative"), n_stages=2).submit(Request([], 8))
 
 
 # ---------------------------------------------------------------- the fake itself

@@ -10,7 +10,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from pipeinfer.cli import launch
+from pipeinfer.cli.launch import launch_cmd
+from pipeinfer.wire import launcher as launch
 from pipeinfer.core.errors import UserError
 from pipeinfer.wire.launcher import (Host, build_command, format_hostfile, mpi_from_version,
                               parse_hostfile, parse_hostfile_text, settings_args)
@@ -174,7 +175,7 @@ def test_launch_cmd_dry_run(tmp_path, monkeypatch):
     hf.write_text("x:2 # pipeinfer: threads=3\ny slots=1 # pipeinfer: threads=5\n")
     out = tmp_path / "translated"
     monkeypatch.setattr(launch, "detect_mpi", lambda mpiexec: "mpich")
-    res = CliRunner().invoke(launch.launch_cmd, [
+    res = CliRunner().invoke(launch_cmd, [
         "--hostfile", str(hf), "--mpiexec", "mympiexec", "--write-hostfile", str(out),
         "--dry-run", "--", "generate", "--n-predict", "8"])
     assert res.exit_code == 0, res.output
@@ -189,7 +190,7 @@ def test_launch_serve_is_the_supervised_server(tmp_path):
     to the supervisor's launcher through PIPEINFER_MPI_ARGS."""
     hf = tmp_path / "hosts"
     hf.write_text("x:2\ny\n")
-    res = CliRunner().invoke(launch.launch_cmd, ["--hostfile", str(hf), "--np", "2", "--mpi-arg=-iface",
+    res = CliRunner().invoke(launch_cmd, ["--hostfile", str(hf), "--np", "2", "--mpi-arg=-iface",
                                                  "--mpi-arg=eth1", "--dry-run", "--", "serve", "--port", "9000"])
     assert res.exit_code == 0, res.output
     assert res.output.strip() == (f"PIPEINFER_MPI_ARGS='-iface eth1' {sys.executable} -m pipeinfer serve "
@@ -224,7 +225,7 @@ def test_dry_run_leaves_no_temporary_hostfile(tmp_path, monkeypatch):
     hf.write_text("x:1\ny:1\n")
     monkeypatch.setattr(launch, "detect_mpi", lambda mpiexec: "mpich")
     monkeypatch.setattr(launch.tempfile, "tempdir", str(tmp_path))  # mkstemp writes here
-    res = CliRunner().invoke(launch.launch_cmd, ["--hostfile", str(hf), "--mpiexec", "mympiexec",
+    res = CliRunner().invoke(launch_cmd, ["--hostfile", str(hf), "--mpiexec", "mympiexec",
                                                  "--dry-run", "--", "generate"])
     assert res.exit_code == 0, res.output
     assert "# hostfile" in res.output
@@ -234,7 +235,7 @@ def test_dry_run_leaves_no_temporary_hostfile(tmp_path, monkeypatch):
 def test_launch_cmd_bad_hostfile(tmp_path):
     hf = tmp_path / "hosts"
     hf.write_text("x:y\n")
-    res = CliRunner().invoke(launch.launch_cmd, ["--hostfile", str(hf), "--mpi", "mpich",
+    res = CliRunner().invoke(launch_cmd, ["--hostfile", str(hf), "--mpi", "mpich",
                                                  "--dry-run", "--", "generate"])
     assert res.exit_code != 0
     assert ":1: bad host" in res.output
@@ -350,7 +351,7 @@ def test_mpi4py_settings_go_to_every_rank(tmp_path):
     ("Microsoft MPI 10.1\n", None, "Microsoft MPI 10.1"),
 ])
 def test_mpi_library_from_its_version_text(text, kind, name):
-    from pipeinfer.core.topology import mpi_library
+    from pipeinfer.wire.launcher import mpi_library
     assert mpi_library(text) == (kind, name)
 
 
@@ -400,7 +401,7 @@ def test_a_launcher_of_another_mpi_is_refused_in_one_line(tmp_path):
 def test_launch_refuses_an_mpi_other_than_the_one_mpi4py_loads(tmp_path):
     hf = tmp_path / "hosts"
     hf.write_text("x:1\n")
-    res = CliRunner().invoke(launch.launch_cmd, ["--hostfile", str(hf), "--mpi", "openmpi", "--dry-run",
+    res = CliRunner().invoke(launch_cmd, ["--hostfile", str(hf), "--mpi", "openmpi", "--dry-run",
                                                  "--", "generate"])
     assert res.exit_code == 1 and res.output.count("\n") == 1, res.output
     assert "--mpi openmpi, but mpi4py loads MPICH" in res.output
@@ -418,7 +419,7 @@ def test_which_signal_the_mpi_launcher_gets(mpi, sig, first, passed):
 
 # ---------------------------------------------------------------- every rank checks the world it was started in
 def test_the_launchers_world_from_the_environment():
-    from pipeinfer.core.topology import LauncherWorld, launcher_world, world_size_mismatch
+    from pipeinfer.wire.launcher import LauncherWorld, launcher_world, world_size_mismatch
     assert launcher_world({}) is None
     assert launcher_world({"PMI_SIZE": "3", "PMI_RANK": "2"}) == LauncherWorld(3, 2, "PMI_SIZE")
     assert launcher_world({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}) == \
@@ -434,7 +435,7 @@ def test_the_launchers_world_from_the_environment():
 def test_a_process_alone_in_its_world_ends_with_one_line_from_rank_0(models, rank):
     # what every process of a job sees when its launcher is of another MPI than mpi4py's library: a world of one
     # while the launcher said 2 (here the launcher's variables are set by hand, MPI is the real mpich wheel's)
-    from conftest import cli
+    from helpers import cli
     env = dict(os.environ, PMI_SIZE="2", PMI_RANK=str(rank))
     p = cli(["generate", "-m", str(models["q8"]), "-p", "hi", "-n", "4", "-q"], env=env, timeout=60)
     assert p.returncode == 1 and p.stdout == "" and "Traceback" not in p.stderr, p.stderr

@@ -440,13 +440,16 @@ def test_cli_fetch_all(monkeypatch):
     assert fetched == list(MODELS)
 
 
+def drafter_note(config):
+    from pipeinfer.cli.options import drafter_note
+    return drafter_note(config)
+
+
 def _pipeline_for(*argv: str):
-    """What `pipeinfer generate ARGV` resolves its pipeline options to (click's own parsing and defaults)."""
-    from pipeinfer.cli.main import main
-    from pipeinfer.cli.options import PipelineArgs, resolve_pipeline
-    from pipeinfer.core.verify import SamplingParams
+    """The run's configuration `pipeinfer generate ARGV` builds (click's own parsing and defaults)."""
+    from pipeinfer.cli.main import GenerateArgs, main
     ctx = main.commands["generate"].make_context("generate", list(argv))
-    return resolve_pipeline(PipelineArgs.of(ctx.params), n_predict=8, sampling=SamplingParams(), stop_at_eos=True)
+    return GenerateArgs.of(ctx.params).config
 
 
 def test_the_default_target_gets_the_default_draft_by_what_it_is_not_by_its_name(tmp_path, monkeypatch):
@@ -459,7 +462,7 @@ def test_the_default_target_gets_the_default_draft_by_what_it_is_not_by_its_name
     for model in (DEFAULT_TARGET, str(target), str(renamed)):
         setup = _pipeline_for("-m", model, "-p", "hi")
         assert (setup.draft, setup.drafter) == (str(draft), "model"), model
-        assert setup.drafter_note() == f"drafter: {draft.name} (thread)"
+        assert drafter_note(setup) == f"drafter: {draft.name} (thread)"
     same_size = tmp_path / "same-size.gguf"  # as large as the default target, but other bytes: another model
     with open(same_size, "wb") as f:
         f.write(b"GGUF other")
@@ -469,9 +472,9 @@ def test_the_default_target_gets_the_default_draft_by_what_it_is_not_by_its_name
     for model in (same_size, other):
         setup = _pipeline_for("-m", str(model), "-p", "hi")
         assert (setup.draft, setup.drafter) == (None, "ngram"), model   # no draft model known: n-grams
-        assert setup.drafter_note().startswith(f"drafter: ngram (no draft model is known for {model.name}: "
+        assert drafter_note(setup).startswith(f"drafter: ngram (no draft model is known for {model.name}: "
                                                "give --draft SMALL.gguf")
-    assert _pipeline_for("-m", str(other), "-p", "hi", "--drafter", "ngram").drafter_note() == "drafter: ngram"
+    assert drafter_note(_pipeline_for("-m", str(other), "-p", "hi", "--drafter", "ngram")) == "drafter: ngram"
     assert _pipeline_for("-m", str(target), "-p", "hi", "--mode", "iterative").draft is None
 
 

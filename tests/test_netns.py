@@ -6,20 +6,18 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import PROMPT, ROOT, mpirun
-
-sys.path.insert(0, str(ROOT / "launch"))
-import failures as F  # noqa: E402
+import faults as F
+from helpers import (JOBS, NETNS_MPI_ARGS, PROMPT, ROOT, Server, job_references, mpirun, netns_unavailable,
+                     stream_jobs, universal_newlines, wait_until)
 
 pytestmark = pytest.mark.mpi
 
 
 def _netns_run(args: list[str], timeout: float = 300, **env_extra) -> subprocess.CompletedProcess:
-    why = F.netns_unavailable()
+    why = netns_unavailable()
     if why:
         pytest.skip(why)
     env = dict(os.environ, MPIEXEC=str(os.path.join(os.path.dirname(sys.executable), "mpiexec")),
@@ -67,10 +65,10 @@ def test_run_refuses_when_mpi_bypasses_the_links():
 
 
 def test_network_cut_to_a_worker_host(tmp_path):
-    """h2's link goes down while the text streams (launch/failures.py's netcut-worker): the job ends by itself
+    """h2's link goes down while the text streams (tests/faults.py's netcut-worker): the job ends by itself
     on every rank within --stall-timeout + 10 s, exit 3, one line naming rank 2 on h2, no traceback, the text
     so far on stdout, the --results row marked failed; the emulated hosts are removed whatever happens."""
-    why = F.netns_unavailable()
+    why = netns_unavailable()
     if why:
         pytest.skip(why)
     case = next(c for c in F.CASES if c.name == "netcut-worker")
@@ -91,12 +89,10 @@ def test_supervised_server_survives_a_cut_link(models, tmp_path):
     """`serve --hostfile --rejoin` over the emulated cluster (h0, h1, h2): h2's link goes down while three answers
     stream; the supervisor re-forms the job on h0 and h1 and every answer equals its no-failure answer; when the
     link comes back, h2 is taken back and the next answer is the no-failure one too."""
-    why = F.netns_unavailable()
+    why = netns_unavailable()
     if why:
         pytest.skip(why)
     import threading
-
-    from test_supervisor import JOBS, Supervised, job_ranks, reference, stream_jobs, universal_newlines
 
     from pipeinfer.server.supervisor import PROBE_TIMEOUT_S, REJOIN_CHECK_S
     script = str(ROOT / "launch" / "netns-cluster.sh")
@@ -106,15 +102,10 @@ def test_supervised_server_survives_a_cut_link(models, tmp_path):
         assert up.returncode == 0, up.stderr[-2000:]
         hosts = tmp_path / "hosts.txt"
         hosts.write_text("h0\nh1\nh2\n")
-        refs = [reference(models, n, "--temp", str(t), "--top-p", "0.95", "--seed", str(sd), prompt=p)
-                for p, n, t, sd in JOBS]
-        os.environ["PIPEINFER_MPI_ARGS"] = (f"-iface brpi -launcher ssh -launcher-exec {ROOT}/launch/netns-exec "
-                                            "-genv UCX_TLS tcp -genv FI_PROVIDER tcp")
-        try:
-            srv = Supervised(["--hostfile", str(hosts), "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048",
-                              "--stall-timeout", "3", "--rejoin"], tmp_path / "sup.log")
-        finally:
-            del os.environ["PIPEINFER_MPI_ARGS"]
+        refs = job_references(models["q8"])
+        srv = Server(["--hostfile", str(hosts), "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048",
+                      "--stall-timeout", "3", "--rejoin"], None, tmp_path / "sup.log", timeout=180,
+                     env=dict(os.environ, PIPEINFER_MPI_ARGS=NETNS_MPI_ARGS))
         cut = threading.Event()
 
         def on_piece(k: int) -> None:
@@ -132,35 +123,30 @@ def test_supervised_server_survives_a_cut_link(models, tmp_path):
             # --rejoin: h2's link comes back; once idle, the supervisor's launch of `pipeinfer --version` there
             # succeeds and the job is re-planned on h0, h1, h2
             subprocess.run(["ip", "link", "set", "pi-h2", "up"], check=True)
-            deadline = time.monotonic() + REJOIN_CHECK_S + PROBE_TIMEOUT_S + 90
-            while srv.health()["ranks"] != 3:
-                assert time.monotonic() < deadline, srv.text()[-3000:]
-                time.sleep(1)
-            assert srv.health()["status"] == "ok"
+            health = wait_until(lambda: (h := srv.health())["ranks"] == 3 and h["phase"] == "serving" and h,
+                                REJOIN_CHECK_S + PROBE_TIMEOUT_S + 90, lambda: srv.text()[-3000:], every=1)
+            assert health["status"] == "ok", health
             assert "h2 answer(s) again: re-planning the pipeline on 3 slot(s) (was 2)" in srv.text()
             after = srv.stream({"model": "t-q8", "prompt": JOBS[0][0], "max_tokens": JOBS[0][1]})
             assert universal_newlines(after) == refs[0], srv.text()[-2000:]
         finally:
-            code = srv.stop()
-            for pid in job_ranks().values():
-                os.kill(pid, 9)
+            code = srv.stop()  # (and kills what is left of its jobs)
         assert code == 0, srv.text()[-3000:]
         assert "re-forming the pipeline without rank 2 (host h2)" in srv.text()
-        print(next(ln for ln in srv.text().splitlines() if "re-formed in" in ln))  # the README's number
+        print(srv.wait_for_log(r".*re-formed in.*").group(0))  # the README's number
     finally:
         subprocess.run(["bash", script, "down", "3"], capture_output=True, env=env, timeout=120)
     _cleaned_up()
 
 
 def test_supervised_generate_survives_a_cut_link(tmp_path):
-    """launch/failures.py's row: `generate --hostfile` (h0, h1, h2) with h2's link cut while the text streams:
+    """tests/faults.py's row: `generate --hostfile` (h0, h1, h2) with h2's link cut while the text streams:
     the job re-forms on h0 and h1 and the whole answer comes, the --results row saying it was resumed."""
-    why = F.netns_unavailable()
+    why = netns_unavailable()
     if why:
         pytest.skip(why)
-    from test_failures import check_resumed
     case = next(c for c in F.CASES if c.name == "netcut-worker-resumed")
     r = F.run_case(case, F.make_models(tmp_path / "models"), tmp_path, timeout=240)
     assert r["exit_code"] == 0 and not r["traceback"], r["stderr_tail"]
-    check_resumed(case, r)
+    F.check_resumed(case, r)
 

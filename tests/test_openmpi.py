@@ -3,7 +3,7 @@
 
 mpi4py loads Open MPI's library beside the mpich wheel through its MPI ABI switch (MPI4PY_MPIABI=openmpi, as the
 README's cluster section sets it up), and Open MPI's mpirun is found as `pipeinfer launch` finds it
-(launch/failures.py: OPENMPI_ENV, mpi_run, mpi_env; as root, mpirun also needs OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM)=1).
+(tests/helpers.py: OPENMPI_ENV, mpi_run, mpi_env; as root, mpirun also needs OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM)=1).
 
 Where Open MPI is not installed (Debian: apt-get install openmpi-bin) every test here skips; PIPEINFER_OPENMPI=1
 makes that a failure, as CI runs this leg (`PIPEINFER_OPENMPI=1 python -m pytest -q tests/test_openmpi.py`), and
@@ -17,17 +17,14 @@ import sys
 
 import pytest
 
-from conftest import MPIEXEC, PROMPT, ROOT, cli
+import faults as F
+from helpers import (MPIEXEC, PROMPT, PROMPT_TEXT, PY, ROOT, Job, ServeJob, assert_clean_stop,
+                     assert_served_and_stopped, cli, long_generation, make_big_model, mpi_env, mpi_run,
+                     openmpi_launcher)
 from synth import reference_greedy
-from test_stop import Job, ServeJob, assert_clean_stop, assert_served_and_stopped, long_generation
-
-sys.path.insert(0, str(ROOT / "launch"))
-import failures as F  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 N = 48
-PROMPT_TEXT = "ba ki lo"
-PY = [sys.executable, "-m", "mpi4py", "-m", "pipeinfer"]
 LAUNCH = [sys.executable, "-m", "pipeinfer", "launch"]
 
 
@@ -38,7 +35,7 @@ def mpirun() -> str:
     if wanted == "0":
         pytest.skip("PIPEINFER_OPENMPI=0: the Open MPI leg runs in a command of its own")
     try:
-        return F.openmpi_launcher()
+        return openmpi_launcher()
     except RuntimeError as e:
         if wanted == "1":
             pytest.fail(f"PIPEINFER_OPENMPI=1, but Open MPI is not usable here: {e}")
@@ -46,12 +43,12 @@ def mpirun() -> str:
 
 
 def ompi_env(**more) -> dict:
-    return F.mpi_env("openmpi", **more)
+    return mpi_env("openmpi", **more)
 
 
 @pytest.fixture(scope="module")
 def big(tmp_path_factory):
-    return F.make_models(tmp_path_factory.mktemp("ompimodels"))["big"]
+    return make_big_model(tmp_path_factory.mktemp("ompimodels"))
 
 
 @pytest.mark.parametrize("n_ranks, mode, kind", [
@@ -60,8 +57,8 @@ def test_exact_on_open_mpi(models, n_ranks, mode, kind):
     cfg = {"model": str(models[kind]), "prompt": PROMPT, "n": N, "mode": mode}
     if mode == "pipeinfer":
         cfg["draft"] = str(models["draft60"])
-    p = subprocess.run(F.mpi_run("openmpi", n_ranks) + [sys.executable, "-m", "mpi4py", str(ROOT / "tests" / "mpi_gen.py"),
-                                                        json.dumps(cfg)],
+    p = subprocess.run(mpi_run("openmpi", n_ranks) + [sys.executable, "-m", "mpi4py", str(ROOT / "tests" / "mpi_gen.py"),
+                                                      json.dumps(cfg)],
                        capture_output=True, text=True, timeout=180, env=ompi_env())
     assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
     out = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
@@ -126,7 +123,7 @@ def test_ctrl_c_to_mpirun_stops_generate_cleanly(big, tmp_path):
     # cleanly in between; mpirun itself then exits 1, as it does whenever it was interrupted. (5 s instead of its
     # 1 s here: on a loaded 2-core CI machine a second can be short; this checks the stop, not its speed)
     results = tmp_path / "results.csv"
-    job = Job(F.mpi_run("openmpi", 2) + PY + long_generation(big, results), tmp_path,
+    job = Job(mpi_run("openmpi", 2) + PY + long_generation(big, results), tmp_path,
               ompi_env(OMPI_MCA_odls_base_sigkill_timeout="5"))
     job.wait_for_text()
     os.kill(job.proc.pid, signal.SIGINT)
@@ -158,7 +155,7 @@ def test_serve_starts_answers_and_stops(big, tmp_path):
 
 
 def test_serve_under_mpirun_stops_on_sigterm_without_a_false_failure(big, tmp_path):
-    job = ServeJob(F.mpi_run("openmpi", 2) + PY, big, tmp_path, ompi_env(OMPI_MCA_odls_base_sigkill_timeout="5"))
+    job = ServeJob(mpi_run("openmpi", 2) + PY, big, tmp_path, ompi_env(OMPI_MCA_odls_base_sigkill_timeout="5"))
     os.kill(job.proc.pid, signal.SIGTERM)  # idle: the ranks stop between mpirun's SIGTERM and SIGKILL (as above)
     job.finish()  # mpirun exits 1 whenever it was signalled
     assert_served_and_stopped(job)

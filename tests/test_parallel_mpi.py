@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import cli
+from helpers import cli
 from pipeinfer.ranks.scheduler import default_parallel
 
 pytestmark = pytest.mark.mpi

@@ -1,7 +1,7 @@
 """Real multi-rank runs under mpiexec on synthetic GGUFs: every mode gives the target's own tokens."""
 import pytest
 
-from conftest import PROMPT, mpirun
+from helpers import PROMPT, mpirun
 from synth import reference_greedy
 
 pytestmark = pytest.mark.mpi
@@ -10,7 +10,7 @@ N = 48
 # while f32 weights go through llamafile's sgemm from 2 rows on (exact batch limit 1, iterative only).
 
 
-N_BESIDE = 128  # long enough that a draft rank at the lowest priority answers before the generation ends
+N_BESIDE = 128  # long enough that a draft beside the pipeline answers before the generation ends
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +215,10 @@ def test_the_last_stage_sends_token_ids_not_logits(models, ref):
 
 @pytest.mark.parametrize("mode", ["speculative", "pipeinfer"])
 @pytest.mark.parametrize("draft_at, n_world", [("thread", 2), ("rank", 3), ("rank", 2)])
-def test_draft_beside_the_pipeline_matches(models, ref_beside, mode, draft_at, n_world):
+def test_draft_beside_the_pipeline_matches(models, ref_beside, monkeypatch, mode, draft_at, n_world):
     """The drafter in a thread of rank 0, or on a rank of its own (the last: 2 target ranks + 1, or 1 + 1)."""
+    # the draft at the stages' priority: at its default (nice 19) a busy machine may give it no time in 128 tokens
+    monkeypatch.setenv("PIPEINFER_DRAFT_NICE", "0")
     out = mpirun(n_world, {"model": str(models["q8"]), "prompt": PROMPT, "n": N_BESIDE, "mode": mode,
                            "draft": str(models["draft60"]), "draft_at": draft_at})
     assert out["tokens"] == ref_beside
@@ -225,7 +227,8 @@ def test_draft_beside_the_pipeline_matches(models, ref_beside, mode, draft_at, n
     assert s["draft_at"] == draft_at
     if draft_at == "rank":  # the head <-> draft link: steering out (the prompt, then a few i32 per message), proposals back
         to_draft, back = s["draft_link_bytes"]
-        assert to_draft > 4 * len(PROMPT) and back > 0, s["draft_link_bytes"]
+        # (one target rank may finish before the draft rank proposed anything: then no bytes came back)
+        assert to_draft > 4 * len(PROMPT) and (back > 0) == (s["n_draft_calls"] > 0), (s["draft_link_bytes"], s)
         assert s["draft_bytes_per_token"] == [to_draft / s["n_generated"], back / s["n_generated"]]
     else:
         assert s["draft_link_bytes"] == []  # a thread's queues are no network link

@@ -239,7 +239,7 @@ def test_a_stage_refuses_a_bad_message_before_its_payload(case, match):
     import sys
     from pathlib import Path
 
-    from conftest import MPIEXEC
+    from helpers import MPIEXEC
     script = Path(__file__).parent / "mpi_badmsg.py"
     p = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(script), case],
                        capture_output=True, text=True, timeout=60)

@@ -5,21 +5,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import mpirun
+from helpers import mpirun, real_model
 
 pytestmark = [pytest.mark.real, pytest.mark.mpi]
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def real_model(name: str) -> str:
-    """Path of an installed registry model; skip (or fail under PIPEINFER_REQUIRE_REAL) when missing."""
-    from pipeinfer.engine.models import ModelError, resolve_model
-    try:
-        return str(resolve_model(name))
-    except ModelError as e:
-        if os.environ.get("PIPEINFER_REQUIRE_REAL"):
-            raise
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

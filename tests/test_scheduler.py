@@ -11,7 +11,7 @@ import pytest
 
 from test_head_logic import FakePipeline, KvError, ToyDrafter, ToyStage, logits_flat, logits_greedy, target_alone
 
-from pipeinfer.core.kvplan import PartitionPool, lane_canonical, plan_partitions
+from pipeinfer.core.kvplan import PartitionPool, lane_canonical, lane_seq_max, plan_partitions
 from pipeinfer.core.protocol import KvOp
 from pipeinfer.core.verify import SamplingParams
 from pipeinfer.ranks.head import GenConfig
@@ -86,12 +86,14 @@ def make(mode: str, *, n_parallel: int, n_ctx: int = 4096, max_in_flight: int = 
          p_recovery: float = 0.5):
     n_lanes = 2 * n_parallel if n_parallel > 1 else 1
     n_part, n_seq = plan_partitions(1, max_in_flight, n_lanes=n_lanes)
+    if mode == "iterative":  # no partitions: the slots' canonical sequences follow sequence 0 (as startup plans it)
+        n_part, n_seq = 0, lane_seq_max(0, 1, n_lanes)
     canon = {lane_canonical(k, n_part, 1) for k in range(n_lanes)}
     pipe = LanePipeline(canon, logits_fn=logits_fn, poll_every=poll_every, garbage=n_seq - 1)
     pool = PartitionPool(n_part, 1, n_seq, n_lanes=n_lanes) if mode == "pipeinfer" else None
     lent = iter(range(1 << 30))
     cfg = GenConfig(mode=mode, n_ctx=n_ctx, cut=Cutoffs(0.5, 0.1, n_max, 1), p_recovery=p_recovery)
-    sched = Scheduler(pipe, cfg, n_stages=n_stages, n_parallel=n_parallel, pool=pool, n_part=n_part,
+    sched = Scheduler(pipe, cfg, n_stages=n_stages, n_parallel=n_parallel, pool=pool,
                       drafter_for=lambda p, t, c: ToyDrafter(error_rate, next(lent), 0.9))  # one per lease
     return sched, pipe, pool
 

@@ -1,89 +1,23 @@
 """`pipeinfer serve`: a real server on 2 ranks under mpiexec on a loopback port, driven with the `openai`
 package (streaming and not) and with raw HTTP for the error cases."""
-import http.client
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
 
 import pytest
 
-from conftest import MPIEXEC, cli
+from helpers import (PROMPT_TEXT as PROMPT, Server, cli, hang_up, open_stream, real_model, sse_events, wait_until)
 from pipeinfer.ranks.scheduler import default_parallel
 
 pytestmark = pytest.mark.mpi
-PROMPT = "ba ki lo"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """mpiexec -n RANKS pipeinfer serve ARGS on a free loopback port; stderr kept in a file. RANKS None: no
-    mpiexec (a supervised server, whose ARGS say --np or --hostfile)."""
-
-    def __init__(self, args: list[str], ranks: int | None, log_path, timeout: float = 120):
-        self.port = free_port()
-        self.log_path = log_path
-        launch = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "mpi4py"] if ranks else [sys.executable]
-        cmd = launch + ["-m", "pipeinfer", "serve", "--port", str(self.port)] + args
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.text()[-3000:]}")
-            try:
-                if self.request("GET", "/health")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise AssertionError(f"server did not come up in {timeout} s:\n{self.text()[-3000:]}")
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def request(self, method: str, path: str, body=None, raw: bytes | None = None):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        out = r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-        conn.close()
-        return out
-
-    def text(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return open(self.log_path).read()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)  # like Ctrl-C in the terminal mpiexec runs in
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
+# no max_tokens: a request gets the room the context leaves (serve -n is larger), and holds every cell
+FILL = "100000"
 
 
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    srv = Server(["-m", str(models["q8"]), "--mode", "pipeinfer", "--draft", str(models["draft60"]), "-n", "24",
-                  "--alias", "synthetic", "-c", "512", "--results", str(log.with_name("served.csv"))], 2, log)
+    srv = Server(["-m", str(models["q8"]), "--mode", "pipeinfer", "--draft", str(models["draft60"]), "-n", FILL,
+                  "--alias", "synthetic", "-c", "2048", "--results", str(log.with_name("served.csv"))], 2, log)
     yield srv
     assert srv.stop() == 0, srv.text()[-3000:]
     assert "Traceback" not in srv.text()
@@ -92,6 +26,30 @@ def server(models, tmp_path_factory):
 def client(srv):
     from openai import OpenAI
     return OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=120)
+
+
+def serve_lines(srv) -> list[str]:
+    return [ln for ln in srv.text().splitlines() if "[serve] " in ln]
+
+
+def new_serve_line(srv, before: int, wanted: str, timeout: float = 30) -> str:
+    """The first `[serve]` log line after the first `before` ones that holds `wanted`, once it is there (rank 0's
+    lines reach the log through mpiexec, after the answer)."""
+    return wait_until(lambda: next((ln for ln in serve_lines(srv)[before:] if wanted in ln), None), timeout,
+                      lambda: f"no [serve] line with {wanted!r}:\n{srv.text()[-2000:]}")
+
+
+def hold_every_cell(srv):
+    """A streamed request that takes every cell of the context (it generates until hang_up): whatever comes after it
+    waits in the queue. (connection, response)."""
+    conn, r = open_stream(srv.port, {"model": srv_model_id(srv), "prompt": PROMPT})
+    assert r.status == 200, r.read()
+    next(sse_events(r))  # generating
+    return conn, r
+
+
+def srv_model_id(srv) -> str:
+    return json.loads(srv.request("GET", "/v1/models")[2])["data"][0]["id"]
 
 
 def generate_text(models, n: int, *extra, prompt: str = PROMPT) -> str:
@@ -122,13 +80,10 @@ def test_completion_equals_generate(server, models):
 
 
 def test_every_request_is_logged_and_gets_a_results_row(server):
-    before = server.text().count("[serve] ")
+    before = len(serve_lines(server))
     client(server).completions.create(model="synthetic", prompt=PROMPT, max_tokens=5)
-    deadline = time.monotonic() + 10
-    while server.text().count("[serve] ") == before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    line = server.text().splitlines()[-1]
-    assert "prompt + 5 tokens" in line and "tokens/s" in line and "ttft" in line, line
+    line = new_serve_line(server, before, "prompt + 5 tokens")
+    assert "tokens/s" in line and "ttft" in line, line
     from pipeinfer.core.results import read_results
     rows = read_results(server.log_path.with_name("served.csv"))
     assert rows[-1]["n_generated"] == 5 and rows[-1]["prompt_name"] == "serve:length" and rows[-1]["mode"] == "pipeinfer"
@@ -194,29 +149,23 @@ def test_bad_chat_requests(server):
 
 
 def test_disconnect_mid_stream_cancels_and_leaves_nothing_behind(server, models):
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps({"model": "synthetic", "prompt": PROMPT,
-                                                              "max_tokens": 400, "stream": True}),
-                 headers={"Content-Type": "application/json"})
-    r = conn.getresponse()
+    before = len(serve_lines(server))
+    conn, r = open_stream(server.port, {"model": "synthetic", "prompt": PROMPT, "max_tokens": 1500})
     assert r.status == 200
-    r.fp.readline()  # the first event
-    conn.sock.shutdown(socket.SHUT_RDWR)
-    conn.close()
-    deadline = time.monotonic() + 30
-    while "cancelled" not in server.text() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    line = next(l for l in server.text().splitlines() if "cancelled" in l)
-    assert "400 tokens" not in line, line  # stopped early
+    next(sse_events(r))  # the first piece
+    hang_up(conn)
+    line = new_serve_line(server, before, "cancelled")
+    assert "1500 tokens" not in line, line  # stopped early
     # the next answer is untouched by the cancelled one (its runs and KV cells are gone)
     assert client(server).completions.create(model="synthetic", prompt=PROMPT, max_tokens=20).choices[0].text == \
         generate_text(models, 20)
 
 
 def test_concurrent_requests_equal_their_single_answers(server, models):
-    """Requests at once (the server runs 6 at a time, 3 per stage): different prompts, lengths,
-    seeds, stop strings, streaming and not, two clients hanging up mid-stream; each answer equals the one
-    `generate` gives alone, and afterwards nothing is generating, queued or holding a partition."""
+    """Requests at once (the server runs 4 at a time, 2 per stage): different prompts, lengths, seeds, stop
+    strings, streaming and not, two clients hanging up mid-stream; each answer equals the one `generate` gives
+    alone, and afterwards nothing is generating, queued or holding a partition. They wait behind a request that
+    holds every cell until all are queued, so they start together whenever each client's thread got to send."""
     jobs = [(PROMPT, 20, 0.0, 0, None, "plain"), ("lo ki ba", 14, 2.0, 5, None, "stream"),
             ("ki ki", 18, 0.0, 0, "cut", "plain"), ("ba lo", 11, 0.9, 2, None, "stream"),
             (PROMPT, 16, 2.0, 7, None, "plain"), ("ki ba ki lo", 25, 0.0, 0, "cut", "stream"),
@@ -231,13 +180,9 @@ def test_concurrent_requests_equal_their_single_answers(server, models):
         body = {"model": "synthetic", "prompt": prompt, "max_tokens": n, "temperature": temp, "top_p": 0.95,
                 "seed": seed, "stop": stops[i]}
         if how == "hang-up":
-            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-            conn.request("POST", "/v1/completions", body=json.dumps(dict(body, stream=True)),
-                         headers={"Content-Type": "application/json"})
-            r = conn.getresponse()
-            r.fp.readline()
-            conn.sock.shutdown(socket.SHUT_RDWR)
-            conn.close()
+            conn, r = open_stream(server.port, body, timeout=120)
+            next(sse_events(r))
+            hang_up(conn)
             return
         c = client(server)
         if how == "plain":
@@ -245,49 +190,67 @@ def test_concurrent_requests_equal_their_single_answers(server, models):
         else:
             got[i] = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **body))
 
+    holder, _ = hold_every_cell(server)
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: server.health()["queued"] == len(jobs), 60, lambda: f"not all queued: {server.health()}")
+    finally:
+        hang_up(holder)
     for t in threads:
         t.join()
     for i, ref in enumerate(refs):
         if ref is not None:
             want = ref[:ref.index(stops[i])] if stops[i] else ref
             assert got[i] == want, (i, jobs[i])
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        health = json.loads(server.request("GET", "/health")[2])
-        if health["generating"] == 0 and health["runs_in_flight"] == 0:
-            break
-        time.sleep(0.2)
+
+    def idle() -> dict | None:
+        health = server.health()
+        return health if health["generating"] == 0 and health["runs_in_flight"] == 0 else None
+    health = wait_until(idle, 30, lambda: f"still busy: {server.health()}")
     assert health["parallel"] == default_parallel(2) and health["queued"] == 0 and health["generating"] == 0, health
-    assert health["most_generating"] >= 3, health  # answers were generated at once (as many as the cells allow)
+    assert health["most_generating"] >= 3, health  # answers were generated at once
     assert health["runs_in_flight"] == 0 and health["partitions_free"] == health["partitions"] > 0, health
     assert f"{default_parallel(2)} request(s) at once" in server.text()
 
 
 def test_full_queue_gets_503_with_retry_after(models, tmp_path):
-    srv = Server(["-m", str(models["q8"]), "--mode", "iterative", "--max-queue", "1", "-c", "2048"], 2,
+    """--max-queue 1: a request that holds every cell runs, the next ones wait (in the queue, and at most one
+    more where the scheduler waits for cells); once the queue is provably full the next request gets 503 with
+    Retry-After, and the ones that waited are answered once the cells are free."""
+    srv = Server(["-m", str(models["q8"]), "--mode", "iterative", "--max-queue", "1", "-c", "2048", "-n", FILL], 2,
                  tmp_path / "server.log")
     try:
-        results = []
+        holder, _ = hold_every_cell(srv)
+        answers: dict[int, tuple[int, str | None]] = {}
 
-        def ask():
+        def ask(i: int) -> None:
             status, headers, _ = srv.request("POST", "/v1/completions",
-                                             {"model": srv_model(models), "prompt": PROMPT, "max_tokens": 1500})
-            results.append((status, headers.get("retry-after")))
+                                             {"model": srv_model(models), "prompt": PROMPT, "max_tokens": 8})
+            answers[i] = (status, headers.get("retry-after"))
 
-        threads = [threading.Thread(target=ask) for _ in range(6)]
-        for t in threads:
-            t.start()
-            time.sleep(0.05)
-        for t in threads:
+        waiting: list[threading.Thread] = []
+        try:
+            for i in range(6):  # one at a time: each waits (queued grows) or is refused
+                t = threading.Thread(target=ask, args=(i,))
+                t.start()
+                wait_until(lambda: i in answers or srv.health()["queued"] == len(waiting) + 1, 60,
+                           lambda: f"request {i} neither waits nor is answered: {srv.health()}")
+                if i in answers:
+                    break
+                waiting.append(t)
+            assert answers and waiting, (answers, srv.health())
+            assert list(answers.values()) == [(503, "1")], answers
+            health = srv.health()  # the holder still runs: nothing left the queue while the last request came
+            assert health["generating"] == 1 and health["queued"] == len(waiting), health
+        finally:
+            hang_up(holder)
+        for t in waiting:
             t.join()
-        statuses = sorted(s for s, _ in results)
-        assert statuses.count(200) >= 2 and 503 in statuses, results
-        assert all(retry == "1" for s, retry in results if s == 503)
+        assert [answers[i] for i in range(len(waiting))] == [(200, None)] * len(waiting), answers
     finally:
-        assert srv.stop() == 0
+        assert srv.stop() == 0, srv.text()[-3000:]
 
 
 def srv_model(models) -> str:
@@ -298,7 +261,6 @@ def srv_model(models) -> str:
 def test_real_qwen_chat_equals_generate(tmp_path):
     """The default model and draft (Qwen2.5-Coder-1.5B, Gemma 3 270M through text) served on 2 ranks: a chat
     answer is the text `pipeinfer generate -p` prints for the same prompt."""
-    from test_real_qwen import real_model
     real_model("qwen2.5-coder-1.5b")
     real_model("gemma3-270m")
     question = "Write a Python function that checks whether a number is prime."
@@ -329,7 +291,7 @@ def test_a_results_row_that_cannot_be_written_is_logged_and_serving_goes_on(mode
         c = client(srv)
         for _ in range(2):  # the generation thread survives the first failed row
             assert c.completions.create(model=srv_model(models), prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
-        assert srv.text().count("not a pipeinfer results file") == 2
+        wait_until(lambda: srv.text().count("not a pipeinfer results file") == 2, 30, srv.text)
     finally:
         assert srv.stop() == 0
     assert other.read_text() == "name,score\nx,1\n"

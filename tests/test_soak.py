@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from conftest import PROMPT, mpirun
+from helpers import PROMPT, mpirun
 from synth import PERTURB_FOR_AGREEMENT, make_llama_gguf, reference_greedy
 
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(not os.environ.get("PIPEINFER_SLOW"),

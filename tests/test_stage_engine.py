@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import PROMPT
+from helpers import PROMPT
 from synth import make_llama_gguf
 from synth_arch import make_arch_gguf
 from pipeinfer.core.protocol import Batch, kv_ops

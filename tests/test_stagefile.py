@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from conftest import PROMPT
+from helpers import PROMPT
 from pipeinfer.core.protocol import Batch, kv_ops
 from pipeinfer.engine.stage import StageEngine, TokenEmbedder
 from pipeinfer.engine.stagefile import StageFileError, check_splittable, ensure_stage_file, read_info, ModelInfo

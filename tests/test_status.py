@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import MPIEXEC
+from helpers import MPIEXEC
 from pipeinfer.cli.status import StatusLine, launcher_tty, status_text
 
 

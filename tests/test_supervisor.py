@@ -11,64 +11,28 @@ import time
 
 import pytest
 
-from conftest import ROOT, cli
-from test_serve import PROMPT, Server
-
-sys.path.insert(0, str(ROOT / "launch"))
-from serve_load import job_ranks  # noqa: E402  (rank -> pid of the supervised job's ranks)
+from helpers import (JOBS, PROMPT_TEXT, Server, cli, job_references, kill_tagged, new_tag, rank_pids,
+                     reference, stream_jobs, tagged_env, universal_newlines, wait_until)
 
 pytestmark = pytest.mark.mpi
 
 
-def stream_jobs(srv, jobs, on_first_piece) -> dict[int, str]:
-    """Every job (prompt, max_tokens, temperature, seed) streamed at once; on_first_piece(k) sees the first job's
-    k-th piece (to cause a failure mid-answer). Returns each job's text."""
-    got: dict[int, str] = {}
-
-    def ask(i: int) -> None:
-        p, n, t, sd = jobs[i]
-        got[i] = srv.stream({"model": "t-q8", "prompt": p, "max_tokens": n, "temperature": t, "top_p": 0.95,
-                             "seed": sd}, on_first_piece if i == 0 else None)
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return got
-
-
-class Supervised(Server):
+def supervised(args: list[str], log_path) -> Server:
     """A supervised server (`serve --np/--hostfile`, no mpiexec) on a free loopback port."""
-
-    def __init__(self, args: list[str], log_path):
-        super().__init__(args, None, log_path, timeout=180)
-
-    def health(self) -> dict:
-        return json.loads(self.request("GET", "/health")[2])
-
-    def stream(self, body: dict, on_piece=None) -> str:
-        import http.client
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
-        conn.request("POST", "/v1/completions", body=json.dumps(dict(body, stream=True)),
-                     headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        assert r.status == 200, r.read()
-        text, k = "", 0
-        for line in r.fp:
-            if line.startswith(b"data: {"):
-                event = json.loads(line[6:])
-                if "choices" not in event:  # an error event ends the stream
-                    break
-                text += event["choices"][0]["text"]
-                k += 1
-                if on_piece:
-                    on_piece(k)
-        return text
+    return Server(args, None, log_path, timeout=180)
 
 
-def universal_newlines(text: str) -> str:
-    """As the reference reaches us: `generate`'s stdout read in text mode turns a "\r" into "\n"."""
-    return text.replace("\r\n", "\n").replace("\r", "\n")
+def start_supervised(cmd: list[str]) -> tuple[subprocess.Popen, str]:
+    """A supervised `generate` (no mpiexec) in a session of its own; its tag (rank_pids(tag, attached=True))."""
+    tag = new_tag()
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=tagged_env(tag)), tag
+
+
+def stop_supervised(p: subprocess.Popen, tag: str) -> None:
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+    kill_tagged(tag)
 
 
 def test_per_rank_options_follow_the_slots_left():
@@ -81,20 +45,9 @@ def test_per_rank_options_follow_the_slots_left():
     assert per_rank_args(["--layer-split", "auto"], [1], 2) == ["--layer-split", "auto"]  # re-measured anyway
 
 
-def reference(models, n: int, *extra, prompt: str = PROMPT) -> str:
-    p = cli(["generate", "-m", str(models["q8"]), "-p", prompt, "--no-chat", "-n", str(n), "-q", "--mode", "iterative",
-             *extra], n=2, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return p.stdout[:-1]
-
-
-JOBS = [(PROMPT, 600, 0.0, 0), ("lo ki ba", 500, 2.0, 5), ("ki ki", 550, 0.0, 0)]
-
-
 @pytest.fixture(scope="module")
 def refs(models):
-    return [reference(models, n, "--temp", str(t), "--top-p", "0.95", "--seed", str(sd), prompt=p)
-            for p, n, t, sd in JOBS]
+    return job_references(models["q8"])
 
 
 @pytest.mark.parametrize("mode, victim, how", [("iterative", 1, signal.SIGKILL), ("pipeinfer", 2, signal.SIGKILL),
@@ -109,14 +62,14 @@ def test_a_lost_rank_costs_seconds_not_answers(models, refs, tmp_path, mode, vic
     if mode == "pipeinfer":
         args += ["--draft", str(models["draft60"]), "--draft-at", "head"]
     jobs = JOBS
-    srv = Supervised(args, tmp_path / "sup.log")
+    srv = supervised(args, tmp_path / "sup.log")
     try:
         killed = threading.Event()
 
         def on_piece(k: int) -> None:
             if k == 20 and not killed.is_set():
                 killed.set()
-                os.kill(job_ranks()[victim], how)
+                os.kill(srv.job_ranks()[victim], how)
 
         got = stream_jobs(srv, jobs, on_piece)
         assert killed.is_set()
@@ -125,16 +78,15 @@ def test_a_lost_rank_costs_seconds_not_answers(models, refs, tmp_path, mode, vic
         health = srv.health()
         assert health["status"] == "degraded" and health["ranks"] == 2, health
         assert len(health["lost"]) == 1 and health["lost"][0].startswith(f"rank {victim} (host "), health
-        assert "re-forming the pipeline without rank" in srv.text() and "request(s) resumed" in srv.text()
-        after = srv.stream({"model": "t-q8", "prompt": PROMPT, "max_tokens": 30})  # and it goes on serving
+        srv.wait_for_log("re-forming the pipeline without rank")
+        srv.wait_for_log(r"request\(s\) resumed")
+        after = srv.stream({"model": "t-q8", "prompt": PROMPT_TEXT, "max_tokens": 30})  # and it goes on serving
         assert after and refs[0].startswith(universal_newlines(after))
         from pipeinfer.core.results import read_results
         statuses = sorted(r["status"] for r in read_results(rows))
         assert statuses[-1] == "ok: resumed 1" and statuses.count("ok") >= 1, statuses
     finally:
-        code = srv.stop()
-        for pid in job_ranks().values():  # a frozen rank left behind would hold the machine
-            os.kill(pid, signal.SIGKILL)
+        code = srv.stop()  # (and kills a frozen rank left behind)
     assert code == 0, srv.text()[-3000:]
     assert "Traceback" not in srv.text()
 
@@ -144,17 +96,17 @@ def test_a_rank_lost_during_the_prompt(models, tmp_path):
     rank 0 works through the prompt's 8-token chunks: the job re-forms on 2 slots, the prompt is processed again
     and the answer is the no-failure answer."""
     prompt = "lo ki ba " * 60  # about 900 tokens: 113 chunks
-    ref = reference(models, 40, "-b", "8", prompt=prompt)
-    srv = Supervised(["--np", "3", "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048", "-b", "8"],
+    ref = reference(models["q8"], 40, "-b", "8", prompt=prompt)
+    srv = supervised(["--np", "3", "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048", "-b", "8"],
                      tmp_path / "sup.log")
-    victim = job_ranks()[1]
+    victim = srv.job_ranks()[1]
     try:
         os.kill(victim, signal.SIGSTOP)
         timer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
         timer.start()
         got = srv.stream({"model": "t-q8", "prompt": prompt, "max_tokens": 40})
         assert not timer.is_alive() and universal_newlines(got) == ref, srv.text()[-2000:]
-        assert "re-forming the pipeline without rank 1" in srv.text()
+        srv.wait_for_log("re-forming the pipeline without rank 1")
     finally:
         code = srv.stop()
     assert code == 0 and "Traceback" not in srv.text(), srv.text()[-3000:]
@@ -173,49 +125,58 @@ def test_rejoin_takes_a_lost_host_back_while_idle(models, refs, tmp_path, lost):
         hosts = tmp_path / "hosts.txt"
         hosts.write_text("localhost:2\n127.0.0.1 # pipeinfer: role=draft\n")
         args, n_slots = ["--hostfile", str(hosts), "--draft", str(models["draft60"])], 2
-    srv = Supervised(args + ["--rejoin", "-m", str(models["q8"]), "-c", "2048"], tmp_path / "sup.log")
+    srv = supervised(args + ["--rejoin", "-m", str(models["q8"]), "-c", "2048"], tmp_path / "sup.log")
     try:
-        killed = threading.Event()
+        killed, degraded = threading.Event(), []
 
         def on_piece(k: int) -> None:
             if k == 20 and not killed.is_set():
                 killed.set()
-                os.kill(job_ranks()[2], signal.SIGKILL)
-        got = srv.stream({"model": "t-q8", "prompt": PROMPT, "max_tokens": 600}, on_piece)
+                os.kill(srv.job_ranks()[2], signal.SIGKILL)
+            elif killed.is_set() and not degraded:  # no host is taken back while this answer is in flight
+                health = srv.health()
+                if health["lost"]:
+                    degraded.append(health)
+        got = srv.stream({"model": "t-q8", "prompt": PROMPT_TEXT, "max_tokens": 600}, on_piece)
         assert killed.is_set() and universal_newlines(got) == refs[0], srv.text()[-2000:]
-        health = srv.health()
-        away = health["lost"]
+        assert degraded, "no piece of the answer came after the job re-formed:\n" + srv.text()[-2000:]
+        away = degraded[0]["lost"]
         assert len(away) == 1 and ("the draft's rank 2" in away[0]) == (lost == "draft host"), away
-        assert health.get("draft_host", "none") == ("none" if lost == "slot" else None), health  # lost: beside rank 0
-        deadline = time.monotonic() + REJOIN_CHECK_S + 90
-        while srv.health()["lost"]:
-            assert time.monotonic() < deadline, srv.text()[-2000:]
-            time.sleep(0.5)
-        health = srv.health()
+        # lost: the draft beside rank 0
+        assert degraded[0].get("draft_host", "none") == ("none" if lost == "slot" else None), degraded[0]
+
+        def rejoined() -> dict | None:
+            health = srv.health()
+            return health if not health["lost"] and health["phase"] == "serving" else None
+        health = wait_until(rejoined, REJOIN_CHECK_S + 90, lambda: srv.text()[-2000:], every=0.5)
         assert health["status"] == "ok" and health["ranks"] == n_slots and health["reforms"] == 1, health
         assert health.get("draft_host", "none") == ("none" if lost == "slot" else "127.0.0.1"), health
         assert health["available_gib"]["localhost"] > 0, health  # what the ranks found when the job started
         was = n_slots - (lost == "slot")
         assert re.search(rf"\[serve\] \S+ answer\(s\) again: re-planning the pipeline on {n_slots} slot\(s\) "
                          rf"\(was {was}\)", srv.text()), srv.text()[-2000:]
-        after = srv.stream({"model": "t-q8", "prompt": PROMPT, "max_tokens": 600})
+        after = srv.stream({"model": "t-q8", "prompt": PROMPT_TEXT, "max_tokens": 600})
         assert universal_newlines(after) == refs[0], srv.text()[-2000:]
-        assert len(job_ranks()) == 3  # every rank back (3 stages; or 2 and the draft's)
+        # every rank back (3 stages; or 2 and the draft's)
+        wait_until(lambda: len(srv.job_ranks()) == 3, 30, lambda: f"ranks {srv.job_ranks()}")
     finally:
         code = srv.stop()
     assert code == 0 and "Traceback" not in srv.text(), srv.text()[-3000:]
 
 
 def test_no_slot_left_is_one_line_and_a_clean_stop(models, tmp_path):
-    srv = Supervised(["--np", "1", "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048"], tmp_path / "sup.log")
+    srv = supervised(["--np", "1", "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048"], tmp_path / "sup.log")
     try:
-        done = threading.Event()
-
         def on_piece(k: int) -> None:
             if k == 5:
-                os.kill(job_ranks()[0], signal.SIGKILL)
-        t = threading.Thread(target=lambda: (srv.stream({"model": "t-q8", "prompt": PROMPT, "max_tokens": 2000},
-                                                        on_piece), done.set()))
+                os.kill(srv.job_ranks()[0], signal.SIGKILL)
+
+        def ask() -> None:
+            try:  # the answer ends with an error object, or the connection with the server
+                srv.stream({"model": "t-q8", "prompt": PROMPT_TEXT, "max_tokens": 2000}, on_piece)
+            except (AssertionError, OSError):
+                pass
+        t = threading.Thread(target=ask)
         t.start()
         t.join(timeout=120)
         srv.proc.wait(timeout=60)
@@ -235,17 +196,16 @@ def test_too_little_memory_on_the_hosts_left_is_one_line(models, tmp_path):
     hosts = tmp_path / "hosts.txt"
     hosts.write_text(f"localhost # pipeinfer: mem={0.75 * gib:.6f}\n127.0.0.1 # pipeinfer: mem={0.75 * gib:.6f}\n")
     cmd = [sys.executable, "-m", "pipeinfer", "generate", "--hostfile", str(hosts), "-m", str(models["q8"]), "-p",
-           PROMPT, "--no-chat", "-n", "600", "--mode", "iterative", "-c", "2048", "-q"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+           PROMPT_TEXT, "--no-chat", "-n", "600", "--mode", "iterative", "-c", "2048", "-q"]
+    p, tag = start_supervised(cmd)
     try:
         head = p.stdout.read(40)
-        os.kill(job_ranks()[1], signal.SIGKILL)
+        os.kill(rank_pids(tag, attached=True)[1], signal.SIGKILL)
         p.stdout.read()  # drained (the text so far stays on stdout)
         err = p.stderr.read()
         code = p.wait(timeout=120)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        stop_supervised(p, tag)
     errors = [ln for ln in err.splitlines() if ln.startswith("pipeinfer: error:")]
     assert code == 1 and len(errors) == 1, err[-2000:]
     assert ("the 1 slot(s) left cannot hold the model: host localhost would hold "
@@ -273,19 +233,19 @@ def test_generate_resumes_after_a_lost_rank(models, refs, tmp_path, lost):
         hosts.write_text("localhost:2\n127.0.0.1 # pipeinfer: role=draft\n")
         args, victim = ["--hostfile", str(hosts), "--draft", str(models["draft60"])], 2
         said = r"re-forming the pipeline without the draft's rank 2 \(host [^)]+\) on 2 slot\(s\) \(the draft beside "
-    cmd = [sys.executable, "-m", "pipeinfer", "generate", *args, "-m", str(models["q8"]), "-p", PROMPT, "--no-chat",
-           "-n", "600", "-c", "2048", "-q", "--results", str(rows)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    cmd = [sys.executable, "-m", "pipeinfer", "generate", *args, "-m", str(models["q8"]), "-p", PROMPT_TEXT,
+           "--no-chat", "-n", "600", "-c", "2048", "-q", "--results", str(rows)]
+    p, tag = start_supervised(cmd)
     try:
         head = p.stdout.read(40)  # the text has begun
-        assert len(job_ranks()) == 3
-        os.kill(job_ranks()[victim], signal.SIGKILL)
+        ranks = rank_pids(tag, attached=True)
+        assert len(ranks) == 3, ranks
+        os.kill(ranks[victim], signal.SIGKILL)
         rest = p.stdout.read()  # (not communicate(): it reads the pipe past what p.stdout has buffered)
         err = p.stderr.read()
         p.wait(timeout=60)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        stop_supervised(p, tag)
     assert p.returncode == 0, err[-2000:]
     assert (head + rest).rstrip("\n") == refs[0]
     assert re.search(said, err) and "Traceback" not in err, err[-2000:]
@@ -299,21 +259,17 @@ def test_a_rank_lost_while_the_job_starts(models, refs, tmp_path):
     holds every slot): the supervisor starts the job again on 2 slots and the text is the uninterrupted run's,
     not resumed (nothing had been generated)."""
     rows = tmp_path / "rows.csv"
-    cmd = [sys.executable, "-m", "pipeinfer", "generate", "--np", "3", "-m", str(models["q8"]), "-p", PROMPT,
+    cmd = [sys.executable, "-m", "pipeinfer", "generate", "--np", "3", "-m", str(models["q8"]), "-p", PROMPT_TEXT,
            "--no-chat", "-n", "600", "--mode", "iterative", "-c", "2048", "-q", "--results", str(rows)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    p, tag = start_supervised(cmd)
     try:
-        deadline = time.monotonic() + 60
-        while (pid := job_ranks().get(1)) is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert pid is not None, "rank 1 never started"
+        pid = wait_until(lambda: rank_pids(tag, attached=True).get(1), 60, "rank 1 never started", every=0.01)
         os.kill(pid, signal.SIGSTOP)  # the job cannot start without it
         time.sleep(0.5)
         os.kill(pid, signal.SIGKILL)
         out, err = p.communicate(timeout=120)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        stop_supervised(p, tag)
     assert p.returncode == 0, err[-2000:]
     assert out.rstrip("\n") == refs[0]
     assert "was lost while the pipeline started: re-forming it on 2 slot(s)" in err, err[-2000:]
@@ -336,16 +292,14 @@ def test_a_supervised_batch_resumes_every_prompt_in_flight(models, tmp_path):
     assert ref.returncode == 0, ref.stderr[-2000:]
     want = {a["index"]: a["text"] for a in map(json.loads, ref.stdout.splitlines())}
     rows = tmp_path / "rows.csv"
-    p = subprocess.Popen([sys.executable, "-m", "pipeinfer", *common, "--np", "3", "--results", str(rows)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    p, tag = start_supervised([sys.executable, "-m", "pipeinfer", *common, "--np", "3", "--results", str(rows)])
     try:
         first = p.stdout.readline()  # the short answer: the pipeline runs, the long ones are in flight
-        os.kill(job_ranks()[1], signal.SIGKILL)
+        os.kill(rank_pids(tag, attached=True)[1], signal.SIGKILL)
         out, err = first + p.stdout.read(), p.stderr.read()
         code = p.wait(timeout=300)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        stop_supervised(p, tag)
     assert code == 0 and "re-formed in" in err, err[-3000:]
     got = {a["index"]: a for a in map(json.loads, out.splitlines())}
     assert sorted(got) == [0, 1, 2, 3] and got[0]["resumed"] == 0
@@ -356,7 +310,7 @@ def test_a_supervised_batch_resumes_every_prompt_in_flight(models, tmp_path):
 
 
 def test_resume_on_failure_needs_a_supervisor(models):
-    p = cli(["generate", "-m", str(models["q8"]), "-p", PROMPT, "--resume-on-failure"], n=2)
+    p = cli(["generate", "-m", str(models["q8"]), "-p", PROMPT_TEXT, "--resume-on-failure"], n=2)
     assert p.returncode != 0 and "need --np N or --hostfile HOSTS" in p.stderr and "Traceback" not in p.stderr
     p = cli(["serve", "-m", str(models["q8"]), "--rejoin"], n=1)
     assert p.returncode == 1 and p.stderr.startswith("pipeinfer: error: --rejoin needs --np N or --hostfile"), p.stderr

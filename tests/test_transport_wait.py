@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import MPIEXEC, ROOT
+from helpers import MPIEXEC, ROOT
 from pipeinfer.wire.transport import FINE_LEAD_S, FINE_POLL_S, FINE_SPAN_S, ArrivalWindow, poll_sleep_s
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import click
 
-from ..wire.launcher import (HOW_TO_LOAD, MPI_KINDS, MPI_NAMES, build_command, choose_launcher, mpi4py_library, parse_hostfile)
+from ..wire.launcher import (HOW_TO_LOAD, MPI_KINDS, MPI_NAMES, build_command, choose_launcher, mpi4py_library, parse_hostfile,
+                             signal_to_pass_on)
 
 
 @click.command("launch", context_settings={"ignore_unknown_options": True,
@@ -89,16 +90,6 @@ def _launch_supervised_serve(hostfile: str, np: int | None, mpi_args, dry_run: b
             sys.exit(proc.wait())
         except KeyboardInterrupt:  # the server stops on it too (same terminal, same signal): wait for its end
             continue
-
-
-def signal_to_pass_on(mpi: str, signum: int, first: bool) -> int:
-    """The signal the MPI's launcher gets when this process gets `signum`. The first asks the job to stop cleanly:
-    MPICH's mpiexec forwards SIGINT and SIGTERM to every rank; Open MPI's mpirun answers them by killing the ranks
-    (SIGTERM, then SIGKILL 1 s later) but forwards SIGUSR1 as it is, which the ranks take as a stop
-    (cli/guard.StopSignals). A later one ends the job the MPI's own way."""
-    if mpi == "openmpi":
-        return signal.SIGUSR1 if first else signal.SIGTERM
-    return signum
 
 
 def _run_forwarding_signals(cmd: list[str], mpi: str) -> int:

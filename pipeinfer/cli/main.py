@@ -19,8 +19,9 @@ from ..core.files import prompt_path, read_prompt_file
 from ..core.results import append_result, stats_row
 from ..core.verify import SamplingParams
 from .guard import StopSignals, die, mpi_rank, mpi_size, run_guarded
-from .options import (PipelineArgs, PipelineSetup, own_fields, pipeline_options, resolve_pipeline,
-                      supervision_options)
+from ..core.config import Config, cells_reserve, check_fits
+from .options import (config_from_options, draft_label, drafter_note, n_target_ranks, own_fields,
+                      pipeline_options, supervision_options)
 from .status import StatusLine
 
 
@@ -58,30 +59,22 @@ def main() -> None:
 @click.option("--resume-on-failure", is_flag=True, help="the same as --np/--hostfile's supervision (which it needs)")
 def generate(**kw) -> None:
     """Generate text with the target model split across the MPI ranks."""
-    run_guarded(_generate, GenerateArgs.of(kw))
+    run_guarded(lambda kw: _generate(GenerateArgs.of(kw)), kw)
 
 
 @dataclass(frozen=True)
 class GenerateArgs:
-    """`pipeinfer generate`'s options: the pipeline's, then the prompt, the sampling and the output."""
-    pipe: PipelineArgs
+    """`pipeinfer generate`'s options: the run's configuration (what every rank gets), then what only the front
+    end reads: the prompt and the output."""
+    config: Config
     prompt: str | None
     prompt_file: str | None
     prompt_name: str | None
     chat: bool | None
-    n_predict: int
-    temp: float
-    top_k: int
-    top_p: float
-    seed: int
-    replay_ref: str | None
-    replay_accuracy: float
-    ignore_eos: bool
     results: str | None
     quiet: bool
     as_json: bool
     prompts: str | None
-    parallel: int | None
     np: int | None
     hostfile: str | None
     resume_on_failure: bool
@@ -89,7 +82,14 @@ class GenerateArgs:
 
     @classmethod
     def of(cls, kw: dict) -> GenerateArgs:
-        return cls(PipelineArgs.of(kw), **own_fields(cls, kw, skip=("pipe",)))
+        supervised = kw["np"] or kw["hostfile"]
+        config = config_from_options(
+            kw, n_predict=kw["n_predict"], sampling=SamplingParams(kw["temp"], kw["top_k"], kw["top_p"], kw["seed"]),
+            stop_at_eos=not kw["ignore_eos"], parallel=kw["parallel"] if kw["prompts"] else 1,
+            replay_ref=kw["replay_ref"], replay_accuracy=kw["replay_accuracy"])
+        if config.drafter == "replay" and (kw["prompts"] or supervised):
+            raise UserError("--drafter replay follows one reference answer: not with --prompts or --np/--hostfile")
+        return cls(config, **own_fields(cls, kw, skip=("config",)))
 
 
 @dataclass(frozen=True)
@@ -107,25 +107,20 @@ def _generate(args: GenerateArgs) -> None:
     from mpi4py import MPI
 
     from ..ranks.startup import run
-    if args.pipe.drafter == "replay" and not args.replay_ref:
-        raise UserError("--drafter replay needs --replay-ref FILE.json (from an earlier --json run)")
-    setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, stop_at_eos=not args.ignore_eos,
-                             sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.seed))
+    config = args.config
     if args.prompts:
-        return _generate_batch(args, setup)
+        return _generate_batch(args)
     prompt = read_prompt(args)
-    every_rank = dict(replay_ref=args.replay_ref, replay_accuracy=args.replay_accuracy, prompt_text=prompt.text,
-                      chat=bool(prompt.chat))
     stop = StopSignals().install()  # Ctrl-C or SIGTERM: the text so far, the statistics, exit 0
     if MPI.COMM_WORLD.Get_rank() != 0:  # the other ranks serve the pipeline until the head ends it
-        run(setup.run_options(**every_rank))
+        run(config)
         return
-    head = HeadOutput(args, setup, prompt)
+    head = HeadOutput(args, prompt)
     if mpi_size() > 1:
-        _report_failures(args, setup, prompt, head)
+        _report_failures(args, prompt, head)
     try:
-        res = run(setup.run_options(prompt_tokens=head.prompt_tokens, on_tokens=head.on_tokens,
-                                    on_progress=head.on_progress, should_stop=lambda: stop.requested, **every_rank))
+        res = run(config, head.prompt_tokens, prompt_text=prompt.text, chat=bool(prompt.chat),
+                  on_tokens=head.on_tokens, on_progress=head.on_progress, should_stop=lambda: stop.requested)
     finally:
         head.close_status()
     status = f"stopped: {stop.signal_name}" if stop.requested else "ok"
@@ -134,10 +129,10 @@ def _generate(args: GenerateArgs) -> None:
     if stop.requested:
         print(f"[pipeinfer] stopped by {stop.signal_name} after {len(res.tokens)} tokens", file=sys.stderr, flush=True)
     if not args.quiet:
-        _print_report(setup, res)
+        _print_report(config, res)
     if args.results:
-        _write_row(args.results, _results_row(setup, res.ranges, prompt.name, res.stats, args.replay_accuracy,
-                                              res.peak_rss_mb, status=status))
+        _write_row(args.results, _results_row(config, res.ranges, prompt.name, res.stats, res.peak_rss_mb,
+                                              status=status))
 
 
 def _generate_supervised(args: GenerateArgs) -> None:
@@ -146,19 +141,15 @@ def _generate_supervised(args: GenerateArgs) -> None:
     if not (args.np or args.hostfile):
         raise UserError("--resume-on-failure and --rejoin need --np N or --hostfile HOSTS, run without mpiexec: the "
                         "process that resumes must outlive the MPI job")
-    if args.pipe.drafter == "replay":
-        raise UserError("--np/--hostfile do not supervise the replay drafter (a benchmark instrument)")
-    setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, stop_at_eos=not args.ignore_eos,
-                             sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.seed))
     from ..server.supervisor import placement
-    where = placement(args.np, args.hostfile, setup, sys.argv)
+    where = placement(args.np, args.hostfile, args.config, sys.argv)
     stop = StopSignals().install()
     if args.prompts:
-        return batch_supervised(args, setup, where, stop, _results_row, _write_row)
-    generate_supervised(args, setup, where, read_prompt(args), stop, _results_row, _write_row)
+        return batch_supervised(args, where, stop, _results_row, _write_row)
+    generate_supervised(args, where, read_prompt(args), stop, _results_row, _write_row)
 
 
-def _generate_batch(args: GenerateArgs, setup: PipelineSetup) -> None:
+def _generate_batch(args: GenerateArgs) -> None:
     """--prompts FILE on every rank: rank 0 runs the batch (batch.py), the others serve the pipeline."""
     from mpi4py import MPI
 
@@ -166,16 +157,13 @@ def _generate_batch(args: GenerateArgs, setup: PipelineSetup) -> None:
     from ..server.batch import run_batch
     if args.prompt or args.prompt_file or args.prompt_name or args.as_json:
         raise UserError("--prompts FILE replaces -p/-f/--prompt-name and prints JSON lines (no --json)")
-    if args.pipe.drafter == "replay":
-        raise UserError("--drafter replay follows one reference answer: not with --prompts")
-    if setup.gen.mode == "speculative":
+    if args.config.mode == "speculative":
         raise UserError("--prompts runs iterative or pipeinfer mode (several generations at once)")
-    parallel = _parallel(args.parallel, setup)
     stop = StopSignals().install()
     if MPI.COMM_WORLD.Get_rank() != 0:
-        open_session(setup.run_options(parallel=parallel))
+        open_session(args.config)
         return
-    run_batch(args, setup, parallel, stop, _results_row, _write_row)
+    run_batch(args, stop, _results_row, _write_row)
 
 
 def read_prompt(args: GenerateArgs) -> Prompt:
@@ -196,14 +184,15 @@ class HeadOutput:
     """Rank 0's side of a generation: the prompt as tokens, the answer streamed to stdout (kept for --json),
     the status line, and the tokens and statistics so far that a failure report needs."""
 
-    def __init__(self, args: GenerateArgs, setup: PipelineSetup, prompt: Prompt):
+    def __init__(self, args: GenerateArgs, prompt: Prompt):
         from ..engine.stagefile import check_splittable, read_info
         from ..engine.tokenizer import StreamDecoder, Tokenizer, apply_chat
         # clear errors for a non-GGUF or a foreign architecture before llama.cpp sees the file
-        check_splittable(read_info(setup.model), setup.n_target_ranks)
-        self.tok = Tokenizer(setup.model)
+        config = args.config
+        check_splittable(read_info(config.model), n_target_ranks(config))
+        self.tok = Tokenizer(config.model)
         self.prompt_tokens = self.tok.encode(apply_chat(self.tok, prompt.text) if prompt.chat else prompt.text)
-        _check_context(args, len(self.prompt_tokens))
+        check_fits(config, len(self.prompt_tokens), config.n_predict)
         self.as_json = args.as_json
         self.dec = StreamDecoder(self.tok)
         self.tokens: list[int] = []
@@ -238,22 +227,15 @@ class HeadOutput:
         sys.stdout.flush()
 
 
-def _check_context(args: GenerateArgs, n_prompt: int) -> None:
-    reserve = args.pipe.cells_reserve()
-    if n_prompt + args.n_predict + reserve > args.pipe.ctx_size:
-        raise UserError(f"prompt of {n_prompt} tokens + {args.n_predict} to generate + {reserve} for "
-                        f"runs in flight does not fit the context of {args.pipe.ctx_size} tokens (-c/--ctx-size)")
-
-
-def _report_failures(args: GenerateArgs, setup: PipelineSetup, prompt: Prompt, head: HeadOutput) -> None:
+def _report_failures(args: GenerateArgs, prompt: Prompt, head: HeadOutput) -> None:
     """When a rank is lost or goes silent, the text so far ends its line and the --results row says so; the
     liveness hub writes that row itself when rank 0 cannot (mpiexec killed it, or it is the silent one)."""
     from ..core.metrics import Stats
     from ..wire.liveness import set_failure_hook, set_row_provider
 
     def row_so_far(status: str = "ok") -> dict:
-        return _results_row(setup, [None] * setup.n_target_ranks, prompt.name,
-                            head.stats or Stats(n_prompt=len(head.prompt_tokens)), args.replay_accuracy, status=status)
+        return _results_row(args.config, [None] * n_target_ranks(args.config), prompt.name,
+                            head.stats or Stats(n_prompt=len(head.prompt_tokens)), status=status)
 
     def on_failure(reason: str) -> None:
         head.close_status()
@@ -264,14 +246,13 @@ def _report_failures(args: GenerateArgs, setup: PipelineSetup, prompt: Prompt, h
     set_row_provider(lambda: (args.results, row_so_far()) if args.results else None)
 
 
-def _print_report(setup: PipelineSetup, res) -> None:
+def _print_report(config: Config, res) -> None:
     """The statistics on stderr after the text: mode, cutoffs, the layers of each rank, then Stats.report."""
-    gen = setup.gen
     ranges = ", ".join(f"rank {i}: layers {r}" for i, r in enumerate(res.ranges))
-    cutoff = {"iterative": "", "speculative": f", cutoff -pa {gen.cut.p_accept:g}"}.get(
-        gen.mode, f", cutoff -pa {gen.cut.p_accept:g} -pr {res.p_recovery:g}")
-    print(f"\n[pipeinfer] mode {gen.mode}{cutoff}, {len(res.ranges)} rank(s): {ranges}", file=sys.stderr)
-    print(f"[pipeinfer] {setup.drafter_note()}", file=sys.stderr)
+    cutoff = {"iterative": "", "speculative": f", cutoff -pa {config.p_accept:g}"}.get(
+        config.mode, f", cutoff -pa {config.p_accept:g} -pr {res.p_recovery:g}")
+    print(f"\n[pipeinfer] mode {config.mode}{cutoff}, {len(res.ranges)} rank(s): {ranges}", file=sys.stderr)
+    print(f"[pipeinfer] {drafter_note(config)}", file=sys.stderr)
     print(res.stats.report(), file=sys.stderr)
 
 
@@ -293,29 +274,31 @@ def _print_report(setup: PipelineSetup, res) -> None:
 @click.option("--attach", default=None, hidden=True, help="rank 0 of a supervised job: the supervisor's socket")
 def serve(**kw) -> None:
     """Serve the model over an OpenAI-compatible HTTP API from rank 0 (streaming and not)."""
-    run_guarded(_serve, ServeArgs.of(kw))
+    run_guarded(lambda kw: _serve(ServeArgs.of(kw)), kw)
 
 
 @dataclass(frozen=True)
 class ServeArgs:
-    """`pipeinfer serve`'s options: the pipeline's, then the HTTP server's."""
-    pipe: PipelineArgs
+    """`pipeinfer serve`'s options: the run's configuration (what every rank gets), then the HTTP server's."""
+    config: Config
+    model_name: str | None  # -m as given: the model id clients ask for, unless --alias
     host: str
     port: int
     alias: str | None
-    n_predict: int
     max_queue: int
     results: str | None
-    parallel: int | None
     np: int | None
     hostfile: str | None
     rejoin: bool
-    ignore_eos: bool
     attach: str | None
 
     @classmethod
     def of(cls, kw: dict) -> ServeArgs:
-        return cls(PipelineArgs.of(kw), **own_fields(cls, kw, skip=("pipe",)))
+        if kw["drafter"] == "replay":
+            raise UserError("--drafter replay is a benchmark instrument for generate, not for serve")
+        config = config_from_options(kw, n_predict=kw["n_predict"], sampling=SamplingParams(),
+                                     stop_at_eos=not kw["ignore_eos"], parallel=kw["parallel"])
+        return cls(config, kw["model"], **own_fields(cls, kw, skip=("config", "model_name")))
 
 
 def _serve(args: ServeArgs) -> None:
@@ -326,32 +309,27 @@ def _serve(args: ServeArgs) -> None:
     from mpi4py import MPI
 
     from ..ranks.startup import open_session
-    if args.pipe.drafter == "replay":
-        raise UserError("--drafter replay is a benchmark instrument for generate, not for serve")
     rank = MPI.COMM_WORLD.Get_rank()
-    setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, sampling=SamplingParams(),
-                             stop_at_eos=not args.ignore_eos)
     if rank == 0 and not args.attach:
         _check_port_free(args.host, args.port)  # before the models load
     # Ctrl-C or SIGTERM: rank 0 stops the server (below); a stage rank ends when the head shuts the pipeline down
     stop = StopSignals().install()
-    parallel = _parallel(args.parallel, setup)
-    session = open_session(setup.run_options(parallel=parallel))
+    session = open_session(args.config)
     if session is None:
         return
     if args.attach:  # rank 0 of a supervised server's job (supervisor.py): the supervisor has the HTTP side
         from ..server.attach import run_attached
         try:
-            run_attached(session, args.attach, parallel, stop)
+            run_attached(session, args.attach, stop)
         finally:
             session.close()
         return
     from ..server.app import Generator
 
     def on_done(job, stats, finish):
-        _served_row(args, setup, session.ranges, job, stats, finish)
+        _served_row(args, session.ranges, job, stats, finish)
 
-    generator = Generator(session, args.max_queue, on_done=on_done, parallel=parallel)
+    generator = Generator(session, args.max_queue, on_done=on_done)
     generator.start()
     try:
         _serve_http(args, generator, session.tok, f"{len(session.ranges)} rank(s)", stop)
@@ -369,16 +347,14 @@ def _supervise(args: ServeArgs) -> None:
     re-formed on the slots that remain when a rank is lost (supervisor.py)."""
     from ..engine.tokenizer import Tokenizer
     from ..server.supervisor import Supervisor, child_args, placement, resumed_status
-    setup = resolve_pipeline(args.pipe, n_predict=args.n_predict, sampling=SamplingParams(),
-                             stop_at_eos=not args.ignore_eos)
-    where = placement(args.np, args.hostfile, setup, sys.argv)
+    where = placement(args.np, args.hostfile, args.config, sys.argv)
     slots = where.slots
     _check_port_free(args.host, args.port)
     stop = StopSignals().install()
-    tok = Tokenizer(setup.model)
+    tok = Tokenizer(args.config.model)
 
     def on_done(job, stats, finish, n_resumes=0):
-        _served_row(args, setup, [None] * len(sup.slots), job, stats, finish, resumed_status(n_resumes))
+        _served_row(args, [None] * len(sup.slots), job, stats, finish, resumed_status(n_resumes))
     sup = Supervisor(slots, child_args(sys.argv, "serve", {"--np", "--hostfile"}, {"--rejoin"}) + where.settings, tok,
                      on_done=on_done, footprint=where.footprint, rejoin=args.rejoin, draft=where.draft)
     try:
@@ -401,35 +377,25 @@ def _serve_http(args: ServeArgs, generator, tok, ranks: str, stop: StopSignals) 
     from ..engine.tokenizer import apply_chat
     from ..server.app import ServeConfig, create_app
     model_id = _model_id(args)
-    app = create_app(ServeConfig(model_id, args.pipe.ctx_size, args.pipe.cells_reserve(), args.n_predict), generator,
+    config = args.config
+    app = create_app(ServeConfig(model_id, config.n_ctx, cells_reserve(config), config.n_predict), generator,
                      tok, lambda messages: apply_chat(tok, messages))
     if stop.requested:
         return
-    print(f"[pipeinfer] serving '{model_id}' on http://{args.host}:{args.port}/v1 (mode {args.pipe.mode}, {ranks}, "
+    print(f"[pipeinfer] serving '{model_id}' on http://{args.host}:{args.port}/v1 (mode {config.mode}, {ranks}, "
           f"{generator.parallel} request(s) at once); Ctrl-C stops", file=sys.stderr, flush=True)
     _http_server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                 timeout_graceful_shutdown=5), stop).run()
 
 
-def _served_row(args: ServeArgs, setup: PipelineSetup, ranges, job, stats, finish: str, status: str = "ok") -> None:
+def _served_row(args: ServeArgs, ranges, job, stats, finish: str, status: str = "ok") -> None:
     """A served request's --results row, if asked for."""
     if not args.results:
         return
     try:
-        _write_row(args.results, _results_row(setup, ranges, f"serve:{finish}", stats, status=status))
+        _write_row(args.results, _results_row(args.config, ranges, f"serve:{finish}", stats, status=status))
     except UserError as e:  # the answer went out; a row that cannot be written must not stop the server
         print(f"[serve] {job.request_id}: {e}", file=sys.stderr, flush=True)
-
-
-def _parallel(asked: int | None, setup: PipelineSetup) -> int:
-    """Generations at once: --parallel, else ranks.scheduler.default_parallel (2 per target stage); the
-    synchronous speculative baseline runs one at a time."""
-    from ..ranks.scheduler import default_parallel
-    if setup.gen.mode == "speculative":
-        if asked not in (None, 1):
-            raise UserError("--mode speculative runs one request at a time (--parallel 1)")
-        return 1
-    return asked or default_parallel(setup.n_target_ranks)
 
 
 def _http_server(config, stop: StopSignals):
@@ -460,20 +426,20 @@ def _check_port_free(host: str, port: int) -> None:
 def _model_id(args: ServeArgs) -> str:
     """The model id clients ask for: --alias, else a registry name as it is, else the file's stem."""
     from ..engine.models import DEFAULT_TARGET
-    name = args.pipe.model or DEFAULT_TARGET
+    name = args.model_name or DEFAULT_TARGET
     is_file = Path(name).suffix.lower() == ".gguf" or Path(name).exists()
     return args.alias or (Path(name).stem if is_file else name)
 
 
 # ------------------------------------------------------------------------------------ --results rows
-def _results_row(setup: PipelineSetup, ranges, prompt_name: str, stats, replay_accuracy: float | None = None,
-                 peak_rss_mb: list[float] | None = None, status: str = "ok") -> dict:
+def _results_row(config: Config, ranges, prompt_name: str, stats, peak_rss_mb: list[float] | None = None,
+                 status: str = "ok") -> dict:
     """A --results row of a generation: `status` is "ok" or "failed: REASON" (ranges may then be unknown: None
     per rank); peak RSS per rank when known (generate has it, a served request not)."""
     return stats_row(
-        stats, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"), mode=setup.args.mode, target_model=Path(setup.model).name,
-        draft_model=setup.draft_label(replay_accuracy), ranks=len(ranges),
-        layer_split=",".join(str(r.n_layers) for r in ranges if r is not None), threads=setup.args.threads or "",
+        stats, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"), mode=config.mode, target_model=Path(config.model).name,
+        draft_model=draft_label(config), ranks=len(ranges),
+        layer_split=",".join(str(r.n_layers) for r in ranges if r is not None), threads=config.threads or "",
         prompt_name=prompt_name, peak_rss_max_mb=round(max(peak_rss_mb), 1) if peak_rss_mb else None,
         peak_rss_sum_mb=round(sum(peak_rss_mb), 1) if peak_rss_mb else None, status=status)
 
@@ -485,6 +451,22 @@ def _write_row(path: str, row: dict) -> None:
         raise UserError(f"--results {path}: {e}") from None
 
 
+# spellings that once meant something else here, or mean something else in llama.cpp: a one-line hint, not a run
+_OLD_SPELLINGS = {
+    "-np": "-np is not an option: --np N runs N ranks as a supervised job, --max-branches N sets the draft tree's "
+           "branches (llama.cpp's -np, parallel slots, is --parallel here)",
+}
+
+
+def _refuse_old_spellings(argv: list[str]) -> None:
+    for arg in argv:
+        if arg == "--":
+            return
+        hint = _OLD_SPELLINGS.get(arg.split("=", 1)[0])
+        if hint:
+            raise click.UsageError(hint)
+
+
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
 
 
@@ -492,6 +474,7 @@ def entry() -> None:
     """The console entry point: click, with a usage error as one line like every other user error
     (printed once, by rank 0; every rank exits with 2)."""
     try:
+        _refuse_old_spellings(sys.argv[1:])
         code = main.main(prog_name="pipeinfer", standalone_mode=False)
     except _NO_ARGS_IS_HELP as e:  # bare `pipeinfer`: the help, as click shows it
         e.show()

@@ -1,13 +1,10 @@
-"""The options of the commands that load the pipeline (`generate`, `serve`), as click declares them and as
-typed values.
-
-`PipelineArgs.of(kw)` takes click's keyword arguments once; `resolve_pipeline` turns them into a
-`PipelineSetup`: the model files, the drafter and where it runs (`--draft-at auto` decided), and the head's
-GenConfig, which the commands hand to ranks.startup as RunOptions.
+"""The options of the commands that load the pipeline (`generate`, `serve`), as click declares them, and the one
+place they become the run's configuration (core/config.Config): `config_from_options` resolves the model files,
+the drafter and where it runs (`--draft-at auto` decided) and checks them against each other, once.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
 import click
@@ -15,8 +12,7 @@ import click
 from ..core.errors import UserError
 from ..core.verify import SamplingParams
 from ..engine.kernels import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, KERNELS
-from ..ranks.head import MODES, GenConfig
-from ..drafters.drafter import DRAFT_HEAD_AUTO, Cutoffs
+from ..core.config import DRAFT_HEAD_AUTO, MODES, Config
 from .guard import installed, mpi_size
 
 
@@ -65,7 +61,7 @@ PIPELINE_OPTIONS = [
     click.option("--draft-at", type=click.Choice(["auto", "head", "thread", "rank"]), default="auto", show_default=True,
                  help="where the draft runs: head (in series with rank 0's stage), thread (beside it, in rank 0), rank "
                       "(an MPI rank of its own: the last; start one more rank than the target's stages); auto: thread "
-                      "for a draft model in pipeinfer mode with -np 1, else head"),
+                      "for a draft model in pipeinfer mode with --max-branches 1, else head"),
     click.option("--draft-threads", default=None, type=click.IntRange(1),
                  help="threads of the draft model [default: rank 0's --threads; on its own rank: cores / ranks]"),
     click.option("--draft-head", default="auto", show_default=True, callback=lambda c, p, v: _draft_head(v),
@@ -82,7 +78,7 @@ PIPELINE_OPTIONS = [
     click.option("-pr", "--p-recovery", default="auto", show_default=True, callback=lambda c, p, v: _auto_or_float(v, p),
                  help="cutoff rise per micro-batch since the last acceptance; auto: 0.5 / (ranks - 1)"),
     click.option("-pd", "--p-decay", default=0.0, show_default=True, type=click.FloatRange(0), help="cutoff fall per failed draft while idle"),
-    click.option("-np", "--max-branches", default=1, show_default=True, type=click.IntRange(1, 16), help="max tree branches per run"),
+    click.option("--max-branches", default=1, show_default=True, type=click.IntRange(1, 16), help="max tree branches per run"),
     click.option("--max-in-flight", default=8, show_default=True, type=click.IntRange(1, 255), help="max speculative runs in flight"),
     click.option("--cancel/--no-cancel", default=True, help="early inference cancellation"),
     click.option("--continuous/--no-continuous", default=True, help="more than one speculative run in flight"),
@@ -131,95 +127,6 @@ def own_fields(cls, kw: dict, skip: tuple[str, ...] = ()) -> dict:
     return {f.name: kw[f.name] for f in fields(cls) if f.name not in skip}
 
 
-@dataclass(frozen=True)
-class PipelineArgs:
-    """PIPELINE_OPTIONS as given (draft_at may still be "auto"; resolve_pipeline decides it)."""
-    model: str | None
-    mode: str
-    layer_split: str | None
-    threads: str | None
-    threads_batch: str | None
-    ctx_size: int
-    batch_size: int
-    draft: str | None
-    drafter: str | None
-    draft_vocab: str
-    draft_at: str
-    draft_threads: int | None
-    draft_head: int | None
-    draft_max: int | None
-    micro_batch: str
-    p_accept: float
-    p_split: float
-    p_recovery: float | None
-    p_decay: float
-    max_branches: int
-    max_in_flight: int
-    cancel: bool
-    continuous: bool
-    quiet_first: bool
-    kernels: str
-    fast_kernels: bool
-    poll_us: int
-    stall_timeout: float
-
-    @classmethod
-    def of(cls, kw: dict) -> PipelineArgs:
-        return cls(**own_fields(cls, kw))
-
-    def cells_reserve(self) -> int:
-        """KV cells the runs in flight may take beyond the prompt and the answer (auto --draft-max: at most the
-        default)."""
-        from ..core.kvplan import cells_reserve, plan_partitions
-        n_part = 0 if self.mode == "iterative" else plan_partitions(self.max_branches, self.max_in_flight)[0]
-        return cells_reserve(n_part, self.draft_max or DEFAULT_DRAFT_MAX)
-
-
-@dataclass(frozen=True)
-class PipelineSetup:
-    """The pipeline options resolved: the model files, the drafter and where it runs, the head's GenConfig."""
-    args: PipelineArgs
-    model: str                 # the target GGUF's path
-    draft: str | None          # the draft GGUF's path (None: no draft model)
-    drafter: str               # model | ngram | replay
-    draft_at: str              # head | thread | rank
-    gen: GenConfig
-
-    @property
-    def n_target_ranks(self) -> int:
-        """The ranks that hold the target's stages: every rank but the draft's (--draft-at rank)."""
-        return mpi_size() - (self.draft_at == "rank")
-
-    def draft_label(self, replay_accuracy: float | None = None) -> str:
-        """The draft_model column: the drafter for the model-free ones, else the draft file's name."""
-        if self.args.mode == "iterative":
-            return ""
-        label = {"ngram": "ngram", "replay": f"replay@{replay_accuracy}"}.get(self.drafter,
-                                                                             Path(self.draft or "").name)
-        return label if self.draft_at == "head" else f"{label} ({self.draft_at})"
-
-    def drafter_note(self) -> str:
-        """Which drafter ran, for the statistics; where it was the n-gram fallback, how to give a better one."""
-        if self.args.mode == "iterative":
-            return "drafter: none (iterative)"
-        note = f"drafter: {self.draft_label()}"
-        if self.drafter == "ngram" and self.args.drafter is None:
-            note += (f" (no draft model is known for {Path(self.model).name}: give --draft SMALL.gguf, a small model "
-                     "of the same family or vocabulary, for more accepted tokens)")
-        return note
-
-    def run_options(self, **more):
-        """ranks.startup.RunOptions for these options; `more`: what the command adds (prompt, callbacks)."""
-        from ..ranks.startup import RunOptions
-        a = self.args
-        return RunOptions(model=self.model, gen=self.gen, layer_split=a.layer_split, threads=a.threads,
-                          threads_batch=a.threads_batch, n_ctx=a.ctx_size, draft=self.draft, drafter=self.drafter,
-                          max_in_flight=a.max_in_flight, poll_s=a.poll_us / 1e6,
-                          kernels="fast" if a.fast_kernels else a.kernels, draft_vocab=a.draft_vocab,
-                          stall_timeout=a.stall_timeout, draft_at=self.draft_at, draft_threads=a.draft_threads,
-                          draft_head=a.draft_head, **more)
-
-
 def _known_draft(model: str) -> str | None:
     """The installed draft file known to suit the target, by what the target file is (models.identify), not by
     the name it was given: the default target named by its registry name, its path or a copy drafts alike."""
@@ -228,28 +135,67 @@ def _known_draft(model: str) -> str | None:
     return installed(name) if name else None
 
 
-def resolve_pipeline(a: PipelineArgs, *, n_predict: int, sampling: SamplingParams,
-                     stop_at_eos: bool) -> PipelineSetup:
-    """The model files (registry names resolved), the drafter and its place, checked against each other."""
+def config_from_options(kw: dict, *, n_predict: int, sampling: SamplingParams, stop_at_eos: bool,
+                        parallel: int | None = 1, replay_ref: str | None = None,
+                        replay_accuracy: float = 0.8) -> Config:
+    """The run's configuration from click's keyword arguments of PIPELINE_OPTIONS and what the command adds:
+    registry names resolved to files, the drafter and its place decided, the options checked against each other.
+    parallel: generations at once (None: 2 per stage, resolved at start-up)."""
     from ..engine.models import DEFAULT_TARGET, resolve_model
-    model = str(resolve_model(a.model or DEFAULT_TARGET))
-    draft = str(resolve_model(a.draft)) if a.draft else None
-    if draft is None and a.drafter is None and a.mode != "iterative":
+    mode = kw["mode"]
+    model = str(resolve_model(kw["model"] or DEFAULT_TARGET))
+    draft = str(resolve_model(kw["draft"])) if kw["draft"] else None
+    if draft is None and kw["drafter"] is None and mode != "iterative":
         draft = _known_draft(model)  # the default demo: Qwen target, Gemma draft through text translation
-    drafter = a.drafter or ("model" if draft else "ngram")
-    draft_at = a.draft_at
+    drafter = kw["drafter"] or ("model" if draft else "ngram")
+    draft_at = kw["draft_at"]
     if draft_at == "auto":  # measured: results/bench_draft_layout.csv (README, The draft beside the pipeline)
-        beside = a.mode == "pipeinfer" and drafter in ("model", "replay") and a.max_branches == 1
+        beside = mode == "pipeinfer" and drafter in ("model", "replay") and kw["max_branches"] == 1
         draft_at = "thread" if beside else "head"
-    if draft_at != "head" and a.max_branches > 1:
-        raise UserError(f"--draft-at {draft_at} drafts chains: -np/--max-branches must be 1")
-    if draft_at == "rank" and drafter == "ngram" and a.mode != "iterative":
+    if draft_at != "head" and kw["max_branches"] > 1:
+        raise UserError(f"--draft-at {draft_at} drafts chains: --max-branches must be 1")
+    if draft_at == "rank" and drafter == "ngram" and mode != "iterative":
         raise UserError("--draft-at rank: the draft rank has no draft model (give --draft MODEL.gguf; the n-gram "
                         "drafter costs nothing and runs on the head)")
-    gen = GenConfig(
-        mode=a.mode, n_predict=n_predict, sampling=sampling,
-        cut=Cutoffs(a.p_accept, a.p_split, a.draft_max, a.max_branches),
-        p_recovery=a.p_recovery, p_decay=a.p_decay, cancel=a.cancel, continuous=a.continuous,
-        quiet_first=a.quiet_first, n_batch=a.batch_size, stop_at_eos=stop_at_eos,
-        adaptive_draft=a.micro_batch == "auto")
-    return PipelineSetup(a, model, draft, drafter, draft_at, gen)
+    if drafter == "replay" and not replay_ref:
+        raise UserError("--drafter replay needs --replay-ref FILE.json (from an earlier --json run)")
+    if mode == "speculative":
+        if parallel not in (None, 1):
+            raise UserError("--mode speculative runs one request at a time (--parallel 1)")
+        parallel = 1
+    return Config(
+        model=model, mode=mode, layer_split=kw["layer_split"], threads=kw["threads"],
+        threads_batch=kw["threads_batch"], n_ctx=kw["ctx_size"], n_batch=kw["batch_size"],
+        kernels="fast" if kw["fast_kernels"] else kw["kernels"], draft=draft, drafter=drafter,
+        drafter_asked=kw["drafter"] is not None, draft_vocab=kw["draft_vocab"], draft_at=draft_at,
+        draft_threads=kw["draft_threads"], draft_head=kw["draft_head"], draft_max=kw["draft_max"],
+        adaptive_draft=kw["micro_batch"] == "auto", replay_ref=replay_ref, replay_accuracy=replay_accuracy,
+        p_accept=kw["p_accept"], p_split=kw["p_split"], p_recovery=kw["p_recovery"], p_decay=kw["p_decay"],
+        max_branches=kw["max_branches"], max_in_flight=kw["max_in_flight"], cancel=kw["cancel"],
+        continuous=kw["continuous"], quiet_first=kw["quiet_first"], n_predict=n_predict, sampling=sampling,
+        stop_at_eos=stop_at_eos, parallel=parallel, poll_s=kw["poll_us"] / 1e6, stall_timeout=kw["stall_timeout"])
+
+
+def n_target_ranks(config: Config) -> int:
+    """The ranks that hold the target's stages under this launcher: every rank but the draft's (--draft-at rank)."""
+    return mpi_size() - (config.draft_at == "rank")
+
+
+def draft_label(config: Config) -> str:
+    """The draft_model column: the drafter for the model-free ones, else the draft file's name."""
+    if config.mode == "iterative":
+        return ""
+    label = {"ngram": "ngram", "replay": f"replay@{config.replay_accuracy}"}.get(config.drafter,
+                                                                                Path(config.draft or "").name)
+    return label if config.draft_at == "head" else f"{label} ({config.draft_at})"
+
+
+def drafter_note(config: Config) -> str:
+    """Which drafter ran, for the statistics; where it was the n-gram fallback, how to give a better one."""
+    if config.mode == "iterative":
+        return "drafter: none (iterative)"
+    note = f"drafter: {draft_label(config)}"
+    if config.drafter == "ngram" and not config.drafter_asked:
+        note += (f" (no draft model is known for {Path(config.model).name}: give --draft SMALL.gguf, a small model "
+                 "of the same family or vocabulary, for more accepted tokens)")
+    return note

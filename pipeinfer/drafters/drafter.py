@@ -12,6 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..core.config import DRAFT_HEAD_AUTO  # noqa: F401 (declared with the options)
 from ..core.protocol import Batch, cp, kv_ops, rm
 from ..engine.kernels import DEFAULT_KERNELS, exact_batch_limit
 
@@ -19,7 +20,6 @@ from ..engine.kernels import DEFAULT_KERNELS, exact_batch_limit
 # Gemma 3 270M's 262,144-token projection is 72% of its weights: one decode took 19.1 ms at 1 thread, 9.5 ms
 # pruned to 65,536 tokens (8.4 ms at 32,768), with bit-identical logits for the kept tokens. Its acceptance on
 # the three prompts fell from 0.87-0.91 to 0.81-0.87 (0.78-0.86 at 32,768): README, Draft head.
-DRAFT_HEAD_AUTO = 65536
 
 
 @dataclass

@@ -6,65 +6,43 @@ drafters here, so the same draft model is never run one way by the one and anoth
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..core.errors import UserError
-from ..engine.kernels import DEFAULT_KERNELS
-from .drafter import DRAFT_HEAD_AUTO
+from ..core.config import Config
 
 
-@dataclass(frozen=True)
-class DraftSpec:
-    """What the factory needs to build a generation's drafter (the ranks fill it from their run options)."""
-    target: str                            # the target's GGUF: its vocabulary decides same or translate
-    draft: str | None = None               # the draft model's GGUF (model drafter; replay's burner)
-    kind: str = "model"                    # model | ngram | replay
-    vocab: str = "auto"                    # auto | same | translate: how the draft's vocabulary maps (translates)
-    mode: str = "pipeinfer"                # the generation mode, named when a draft model is missing
-    n_ctx: int = 4096
-    max_branches: int = 1                  # tree branches of a same-vocabulary draft (translating: chains only)
-    n_threads: int = 1
-    n_threads_batch: int = 1
-    kernels: str = DEFAULT_KERNELS         # engine/kernels.py: repack | no-repack | fast
-    head_tokens: int | None = DRAFT_HEAD_AUTO  # tokens the draft's output head keeps (None: all)
-    n_vocab: int = 0                       # replay: the target's vocabulary (wrong proposals stay below it)
-    replay_ref: str | None = None          # replay: JSON of an earlier `pipeinfer generate --json` run
-    replay_accuracy: float = 0.8           # replay: probability each proposal is right
-    seed: int = 0                          # replay: the sampling seed its right/wrong draws are keyed by
-
-
-def make_drafter(spec: DraftSpec):
-    """The drafter for a generation: a callable (prompt tokens, prompt text, chat) -> Drafter. Models are
-    loaded once; a drafter that depends on the prompt (through text translation) is wrapped per prompt."""
+def make_drafter(cfg: Config, *, n_vocab: int, n_threads: int, n_threads_batch: int):
+    """The drafter the run's configuration asks for: a callable (prompt tokens, prompt text, chat) -> Drafter.
+    Models are loaded once; a drafter that depends on the prompt (through text translation) is wrapped per prompt.
+    n_vocab: the target's vocabulary (replay's wrong proposals stay below it); the threads: where it runs."""
     from .drafter import ModelDrafter, NgramDrafter, ReplayDrafter
-    if spec.kind == "ngram":
+    if cfg.drafter == "ngram":
         ngram = NgramDrafter()
         return lambda prompt, text, chat: ngram
-    if spec.kind == "replay":
-        replay = ReplayDrafter(_replay_reference(spec.replay_ref), spec.replay_accuracy, spec.n_vocab,
-                               seed=spec.seed, burner=_chain_model(spec) if spec.draft else None)
+    if cfg.drafter == "replay":
+        replay = ReplayDrafter(_replay_reference(cfg.replay_ref), cfg.replay_accuracy, n_vocab,
+                               seed=cfg.sampling.seed, burner=_chain_model(cfg, n_threads, n_threads_batch) if cfg.draft else None)
         return lambda prompt, text, chat: replay
-    if spec.kind != "model":
-        raise UserError(f"unknown drafter {spec.kind!r} (choose model, ngram or replay)")
-    if not spec.draft:
-        raise UserError(f"mode {spec.mode} needs --draft MODEL.gguf or --drafter ngram")
-    if translates(spec.target, spec.draft, spec.vocab):
+    if cfg.drafter != "model":
+        raise UserError(f"unknown drafter {cfg.drafter!r} (choose model, ngram or replay)")
+    if not cfg.draft:
+        raise UserError(f"mode {cfg.mode} needs --draft MODEL.gguf or --drafter ngram")
+    if translates(cfg.model, cfg.draft, cfg.draft_vocab):
         from ..engine.tokenizer import Tokenizer
         from .translating import TranslatingDrafter
-        inner = _chain_model(spec)
-        tok_tgt, tok_dft = Tokenizer(spec.target), Tokenizer(spec.draft)
+        inner = _chain_model(cfg, n_threads, n_threads_batch)
+        tok_tgt, tok_dft = Tokenizer(cfg.model), Tokenizer(cfg.draft)
         return lambda prompt, text, chat: TranslatingDrafter(inner, tok_tgt, tok_dft, n_prompt=len(prompt),
                                                              prompt_text=text or "", chat=chat)
-    same = ModelDrafter(spec.draft, n_ctx=spec.n_ctx, max_branches=spec.max_branches, n_threads=spec.n_threads,
-                        n_threads_batch=spec.n_threads_batch, kernels=spec.kernels, head_tokens=spec.head_tokens)
+    same = ModelDrafter(cfg.draft, n_ctx=cfg.n_ctx, max_branches=cfg.max_branches, n_threads=n_threads,
+                        n_threads_batch=n_threads_batch, kernels=cfg.kernels, head_tokens=cfg.draft_head)
     return lambda prompt, text, chat: same
 
 
-def _chain_model(spec: DraftSpec):
+def _chain_model(cfg: Config, n_threads: int, n_threads_batch: int):
     """The draft model drafting chains only (one branch): a translating drafter's inner model, replay's burner."""
     from .drafter import ModelDrafter
-    return ModelDrafter(spec.draft, n_ctx=spec.n_ctx, max_branches=1, n_threads=spec.n_threads,
-                        n_threads_batch=spec.n_threads_batch, kernels=spec.kernels, head_tokens=spec.head_tokens)
+    return ModelDrafter(cfg.draft, n_ctx=cfg.n_ctx, max_branches=1, n_threads=n_threads,
+                        n_threads_batch=n_threads_batch, kernels=cfg.kernels, head_tokens=cfg.draft_head)
 
 
 def _replay_reference(path: str | None) -> list[int]:

@@ -27,11 +27,10 @@ from functools import lru_cache
 
 import numpy as np
 
-KERNELS = ("repack", "no-repack", "fast")
-DEFAULT_KERNELS = "repack"
+from ..core.config import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, KERNELS  # noqa: F401 (declared with the options)
+
 PROBE_MAX_BATCH = 8   # batch sizes probed: 1..8 (micro-batches on CPUs are 1-4 tokens; 8 shows the tiled kernel)
 PROBE_FORMAT = 2      # bump when the probe changes: invalidates cached limits (2: no weights in the AMX buffer)
-DEFAULT_DRAFT_MAX = 4  # --draft-max when not given: at most this, within the exact batch limit
 
 
 # Extra buffer types of ggml's CPU backend that pipeinfer never loads weights into. "AMX": a build of llama.cpp

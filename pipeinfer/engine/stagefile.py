@@ -387,3 +387,11 @@ def write_pruned_head(src, dst, keep: np.ndarray) -> None:
     _add_dummy_vocab(writer, gguf, len(keep))
     _write_tensors(writer, [(t.name, t.data[keep] if t.name in ("token_embd.weight", "output.weight") else t.data,
                              t.tensor_type) for t in reader.tensors])
+
+
+def vocab_bound(model: str, info) -> int:
+    """Token ids on the wire are below this: the vocabulary, or the embedding/output rows when padded beyond it."""
+    from .ggufheader import read_header
+    rows = [t.shape[1] for name, t in read_header(model).tensors.items()
+            if name in ("token_embd.weight", "output.weight") and len(t.shape) == 2]
+    return max([info.n_vocab, *rows]) or 2**31 - 1

@@ -24,21 +24,21 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
+from ..core.config import MODES, Config
 from ..core.kvplan import (
     CANONICAL,
     PartitionPool,
-    cells_reserve,
     commit_ops,
     prefix_ops,
     retire_starts,
 )
 from ..core.metrics import Stats, rss_mb
-from ..core.protocol import NO_RUN, Batch, compact, kv_ops
+from ..core.protocol import NO_RUN, Batch, kv_ops
 from ..core.verify import (
     Node,
     SamplingParams,
@@ -51,7 +51,6 @@ from ..core.verify import (
 from ..drafters.drafter import Cutoffs, Drafter, DraftNode, main_chain
 from .pipeline import Pipeline
 
-MODES = ("iterative", "speculative", "pipeinfer")
 
 
 def auto_p_recovery(n_ranks: int) -> float:
@@ -131,6 +130,38 @@ class GenConfig:
     quiet_first: bool = True     # a drafter in a thread of rank 0 waits while the first token after the prompt is computed
 
 
+def gen_config(config: Config, *, n_batch: int, p_recovery: float) -> GenConfig:
+    """The head's parameters from the run's configuration (n_batch and p_recovery as start-up resolved them)."""
+    return GenConfig(mode=config.mode, n_predict=config.n_predict, sampling=config.sampling,
+                     cut=Cutoffs(config.p_accept, config.p_split, config.draft_max, config.max_branches),
+                     p_recovery=p_recovery, p_decay=config.p_decay, cancel=config.cancel, continuous=config.continuous,
+                     n_batch=n_batch, n_ctx=config.n_ctx, stop_at_eos=config.stop_at_eos,
+                     adaptive_draft=config.adaptive_draft, quiet_first=config.quiet_first)
+
+
+def check_gen_config(cfg: GenConfig) -> None:
+    if cfg.mode not in MODES:
+        raise ValueError(f"unknown mode {cfg.mode!r}")
+    if cfg.p_recovery is None:
+        raise ValueError("p_recovery is unresolved: pass a number (auto_p_recovery gives the default)")
+
+
+@dataclass(frozen=True)
+class DrafterCounts:
+    """A drafter beside the pipeline's running counters (draftahead.DraftClient), read when it is lent and given
+    back: the difference is one generation's share."""
+    n_stale: int = 0
+    n_calls: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+
+    @classmethod
+    def of(cls, drafter) -> DrafterCounts:
+        if not getattr(drafter, "asynchronous", False):
+            return cls()
+        return cls(drafter.n_stale, drafter.n_calls, drafter.bytes_out, drafter.bytes_in)
+
+
 @dataclass
 class Flight:
     run: TreeRun
@@ -149,7 +180,8 @@ class ChainEntry:
 
 
 class Head:
-    """Rank 0's scheduler for one generation: the loop of the module docstring over a Pipeline (or the twin's).
+    """One generation's part of the loop of the module docstring (scheduler.py drives it, alone or beside others,
+    over a Pipeline or the twin's).
 
     Why one class: it is the paper's algorithm as one state machine. Launching, verifying, committing and
     cancelling all read and change the same few pieces of state together (the accepted tokens, the end of
@@ -160,27 +192,22 @@ class Head:
     kvplan.py, choose_draft_len) already live outside it.
     """
 
-    def __init__(self, pipe: Pipeline, cfg: GenConfig, pool: PartitionPool | None = None,
-                 drafter: Drafter | None = None, eos: set[int] = frozenset(),
-                 on_tokens: Callable[[list[int]], None] | None = None,
+    def __init__(self, pipe: Pipeline, cfg: GenConfig, new_run_id: Callable[[], int], *,
+                 eos: set[int] = frozenset(), on_tokens: Callable[[list[int]], None] | None = None,
                  on_progress: Callable[[Stats, int], None] | None = None,
-                 should_stop: Callable[[], bool] | None = None, first_run_id: int = 0,
-                 clock: Callable[[], float] = time.perf_counter, canon: int = CANONICAL,
-                 new_run_id: Callable[[], int] | None = None):
-        if cfg.mode not in MODES:
-            raise ValueError(f"unknown mode {cfg.mode!r}")
-        if cfg.p_recovery is None:
-            raise ValueError("p_recovery is unresolved: pass a number (auto_p_recovery gives the default)")
-        if cfg.mode != "iterative" and (drafter is None or pool is None):
-            raise ValueError(f"mode {cfg.mode} needs a drafter and a partition pool")
-        self.pipe, self.cfg, self.pool, self.drafter = pipe, cfg, pool, drafter
+                 should_stop: Callable[[], bool] | None = None,
+                 clock: Callable[[], float] = time.perf_counter, canon: int = CANONICAL):
+        check_gen_config(cfg)
+        self.pipe, self.cfg = pipe, cfg
+        self.pool: PartitionPool | None = None
+        self.drafter: Drafter | None = None  # lent by the scheduler while this generation may speculate
         self.eos = set(eos)
         self.on_tokens = on_tokens
         self.on_progress = on_progress      # (stats, runs in flight) after every emission, for a live status line
         self.should_stop = should_stop      # polled after every result: True ends the generation early
         self.clock = clock                  # seconds; the digital twin (twin/sim.py) passes its virtual clock
         self.canon = canon                  # this generation's canonical sequence (scheduler.py: one per generation)
-        self._shared_run_ids = new_run_id   # several generations on one pipeline draw run ids from one counter
+        self._new_run_id = new_run_id       # every generation on one pipeline draws run ids from one counter
         self.accepted: list[int] = []
         self.n_kv0 = 0                      # positions in sequence 0 once every issued transaction is applied
         self.flights: dict[int, Flight] = {}  # in launch order
@@ -188,53 +215,40 @@ class Head:
         self.adjust = 0.0                   # reactive cutoff adjustment
         self.stats = Stats()
         self.done = False
-        self._next_run = first_run_id       # run ids keep growing across generations on one pipeline
         self._n_prompt = 0
         self.n_cells_bound = 0              # cells any stage may hold: retired cells count until COMPACT
         self._n_checked = 0                 # draft tokens verification reached (their predecessors accepted)
         self._n_agreed = 0                  # ... and found right
         self._draft_obs: deque[tuple[int, float]] = deque(maxlen=32)  # recent (tokens proposed, ms) draft calls
         # a drafter beside the pipeline (draftahead.DraftClient) drafts ahead by itself: the head only reads it
-        self.asynchronous = bool(getattr(drafter, "asynchronous", False))
+        self.asynchronous = False
         self._n_draft = cfg.cut.n_max                # the last micro-batch size asked for
-        self._n_stale0 = drafter.n_stale if self.asynchronous else 0
-        self._n_calls0 = drafter.n_calls if self.asynchronous else 0
-        self._draft_bytes0 = self._draft_link_bytes()
-        self.room: Callable[[], bool] = lambda: True  # scheduler.py: False while the stages have no idle time
+        self._lent_at = DrafterCounts()              # the drafter's counters when it was lent
 
-    # ================================================================ the drafter lent and taken back (scheduler.py)
+    # ================================================================ the drafter lent and given back (scheduler.py)
     def lend(self, drafter: Drafter, pool: PartitionPool) -> None:
-        """This generation may speculate from now on (PipeInfer), with `drafter` and the partitions of `pool`."""
-        self.cfg = replace(self.cfg, mode="pipeinfer")
+        """This generation may speculate from now on (in the pipeline's mode), with `drafter` and the partitions
+        of `pool`, until `give_back`."""
         self.drafter, self.pool = drafter, pool
         self.asynchronous = bool(getattr(drafter, "asynchronous", False))
-        self._n_stale0 = drafter.n_stale if self.asynchronous else 0
-        self._n_calls0 = drafter.n_calls if self.asynchronous else 0
-        self._draft_bytes0 = self._draft_link_bytes()
+        self._lent_at = DrafterCounts.of(drafter)
+        self.stats.exact_batch_draft = getattr(drafter, "exact_batch", None)
         self.drafter.prefill(self.accepted[:self._n_prompt])
 
-    def revoke(self) -> None:
-        """No more speculative runs (those in flight are verified as usual; the partitions stay to free theirs)."""
+    def give_back(self) -> Drafter:
+        """No more speculative runs (those in flight are verified as usual; the partitions stay to free theirs):
+        what the drafter did for this generation goes into its statistics, and the drafter goes back."""
+        drafter, now = self.drafter, DrafterCounts.of(self.drafter)
         if self.asynchronous:
-            self.stats.n_draft_stale += self.drafter.n_stale - self._n_stale0
-            self.stats.n_draft_calls += self.drafter.n_calls - self._n_calls0
+            self.stats.n_draft_stale += now.n_stale - self._lent_at.n_stale
+            self.stats.n_draft_calls += now.n_calls - self._lent_at.n_calls
+            if drafter.remote:
+                self.stats.draft_link_bytes = [now.bytes_out - self._lent_at.bytes_out,
+                                               now.bytes_in - self._lent_at.bytes_in]
         self.drafter, self.asynchronous = None, False
+        return drafter
 
     # ================================================================ the algorithm
-    def generate(self, prompt: list[int]) -> list[int]:
-        self.start(prompt)
-        while not self.done:
-            if self.n_cells_bound + self._cells_reserve() > self.cfg.n_ctx:
-                self._compact()
-                continue
-            if self.cfg.mode == "pipeinfer":
-                self.speculate()
-                if self.asynchronous and not self.pipe.result_ready():
-                    self.drafter.wait(self.pipe.result_ready)  # a draft or a result, whichever comes first
-                    if not self.pipe.result_ready():
-                        continue
-            self.take(self.pipe.next_result())
-        return self.finish()
 
     def start(self, prompt: list[int], replay: list[int] = ()) -> None:
         """Launch the prompt, in chunks of n_batch tokens (non-speculative runs), then `replay`: tokens this
@@ -262,23 +276,14 @@ class Head:
         if not self.done:
             self.cover()
 
-    def finish(self) -> list[int]:
-        """Cancel and collect what is left in flight (one generation on the pipeline); the generated tokens."""
-        self._drain()
-        return self.result()
-
     def result(self) -> list[int]:
-        if self.asynchronous:
-            self.stats.n_draft_stale += self.drafter.n_stale - self._n_stale0
-            self.stats.n_draft_calls += self.drafter.n_calls - self._n_calls0
-            if self.drafter.remote:
-                self.stats.draft_link_bytes = [b - b0 for b, b0 in zip(self._draft_link_bytes(), self._draft_bytes0)]
+        """The generated tokens (after the prompt and any replayed ones)."""
         return self.accepted[self._n_prompt:self._n_prompt + self.stats.n_generated]
 
-    def speculate(self) -> None:
+    def speculate(self, room: Callable[[], bool] = lambda: True) -> None:
         """Keep the pipeline full while no result is waiting (continuous, asynchronous speculation)."""
         cut = self.cfg.cut
-        while self.pool.n_free > 0 and (not self.pipe.result_ready() or self._single_rank_turn()) and self.room():
+        while self.pool.n_free > 0 and (not self.pipe.result_ready() or self._single_rank_turn()) and room():
             if not self.cfg.continuous and any(f.speculative and not f.cancelled for f in self.flights.values()):
                 return
             p_accept = max(0.0, cut.p_accept + self.adjust)
@@ -342,11 +347,6 @@ class Head:
         return (self.cfg.quiet_first and self.asynchronous and not self.drafter.remote
                 and self.stats.n_generated == 1 and not self.done)
 
-    def _draft_link_bytes(self) -> tuple[int, int]:
-        if not self.asynchronous:
-            return 0, 0
-        return self.drafter.bytes_out, self.drafter.bytes_in
-
     def _single_rank_turn(self) -> bool:
         # one rank: results are ready at once, so speculate one micro-batch per round instead of never
         return not self.pipe.distributed and not any(f.speculative for f in self.flights.values())
@@ -387,7 +387,7 @@ class Head:
             if not fl.cancelled and any(n.pos == m - 1 and n.row >= 0 and consistent(fl.run, i, self.accepted)
                                         for i, n in enumerate(fl.run.nodes)):
                 return
-        if self.cfg.mode == "speculative":
+        if self.cfg.mode == "speculative" and self.drafter is not None:
             tree = self.drafter.draft(self.accepted, self.cfg.cut)
             self.stats.n_draft_calls += 1
             if tree:
@@ -396,17 +396,6 @@ class Head:
         self._launch_nonspec()
 
     # ================================================================ launching runs
-    @property
-    def last_run_id(self) -> int:
-        return self._next_run
-
-    def _new_run_id(self) -> int:
-        if self._shared_run_ids is not None:
-            self._next_run = self._shared_run_ids()
-        else:
-            self._next_run += 1
-        return self._next_run
-
     def _launch_prompt(self, prompt: list[int], replay: list[int]) -> None:
         """The prompt's chunks (the last row of the last one predicts the next token), then each replayed token
         alone: a generated token was decoded alone or in a micro-batch within the exact batch limit, which gives
@@ -461,22 +450,10 @@ class Head:
         else:
             self.chain += [ChainEntry(nodes[off + i].pos, tree[i].token, run.run_id) for i in main_chain(tree)]
 
-    def _cells_reserve(self) -> int:
-        return cells_reserve(self.pool.n_partitions if self.pool else 0, self.cfg.cut.n_max)
-
-    def _compact(self) -> None:
-        """Collect every run in flight, then have every stage repack sequence 0 (kvplan.py: garbage)."""
-        while self.flights:
-            self.handle(self.pipe.next_result())
-        self.pipe.kv(kv_ops(compact(self.canon)))
-        self.n_cells_bound = self.n_kv0
-        self.stats.n_compactions += 1
-        if not self.done:
-            self.cover()
-
     def compacted(self) -> None:
         """Every stage repacked the canonical sequences (a compaction the scheduler made): retired cells are gone."""
         self.n_cells_bound = self.n_kv0
+        self.stats.n_compactions += 1
 
     def _launch(self, fl: Flight, pre_ops: np.ndarray) -> None:
         run = fl.run
@@ -560,9 +537,3 @@ class Head:
             self.flights[rid].cancelled = True
         if left and self.cfg.cancel:
             self.pipe.cancel(left)
-
-    def _drain(self) -> None:
-        """Cancel what is left, collect every result, free every partition."""
-        self.cancel_all()
-        while self.flights:
-            self.handle(self.pipe.next_result())

@@ -1,4 +1,5 @@
-"""Several generations at once on one pipeline (`serve --parallel N`, `generate --prompts FILE`).
+"""Rank 0's one generation loop: every generation, in every mode, one at a time or several at once
+(`generate`, `serve --parallel N`, `generate --prompts FILE`, the attached rank 0 of a supervised server).
 
 With one generation an N-stage pipeline holds one token's work unless the draft is right; with N generations
 every stage is busy on work that is certain to be used, and no speculation beats that. So the scheduler runs:
@@ -13,7 +14,9 @@ every stage is busy on work that is certain to be used, and no speculation beats
             would take alone: smaller chunks change the numerics, and the answer would differ)
         speculation only where a stage would otherwise idle: while fewer generations decode than the pipeline
             is deep (pipeline_depth), the oldest one holds the drafter (PipeInfer, with its reactive cutoffs;
-            alone, exactly PipeInfer; beside others, only while fewer runs are in flight than that depth)
+            alone, exactly PipeInfer; beside others, only while fewer runs are in flight than that depth); in
+            synchronous speculative mode the one generation holds it and drafts a tree whenever its next token
+            needs covering (Head.cover)
         take the oldest result and hand it to the generation that launched it (results come in launch order)
         a finished generation (length, end of generation, stop string, disconnect) cancels its runs; once
             the last of them is collected its answer is delivered and its slot waits for the next COMPACT
@@ -38,7 +41,7 @@ from ..core.kvplan import PartitionPool, cells_reserve, lane_canonical, lane_cou
 from ..core.metrics import Stats
 from ..core.protocol import compact, kv_ops, rm
 from ..core.verify import SamplingParams
-from .head import GenConfig, Head
+from .head import GenConfig, Head, check_gen_config
 
 # generations at once by default, per stage (`serve`/`generate --prompts` --parallel): one per stage would keep
 # every stage busy if every run cost the same, but a newcomer's prompt holds a stage for many token-times, and
@@ -79,6 +82,7 @@ class Request:
     on_tokens: Callable[[list[int]], None] | None = None
     should_stop: Callable[[], bool] | None = None
     on_done: Callable[[list[int], Stats], None] | None = None  # the answer's tokens and statistics
+    on_progress: Callable[[Stats, int], None] | None = None    # (statistics, runs in flight) after every emission
     t_queued_s: float = 0.0
     replay: list[int] = field(default_factory=list)  # tokens the answer already has (a resumed request, Head.start):
                                                      # n_predict, on_tokens and on_done count only those after them
@@ -100,8 +104,8 @@ class _LanePipe:
     """What one generation's Head sees of the shared pipeline: its launches are recorded as its own, and its
     sampling parameters go down the pipeline (in order with the runs) only before a run of its own."""
 
-    def __init__(self, sched: Scheduler, gen_ref: list):
-        self.sched, self._gen_ref = sched, gen_ref
+    def __init__(self, sched: Scheduler, lane: int):
+        self.sched, self.lane = sched, lane
         self.sampling = SamplingParams()
 
     @property
@@ -112,7 +116,7 @@ class _LanePipe:
         self.sampling = sp
 
     def launch(self, run_id: int, batch, speculative: bool, parent_id: int) -> None:
-        self.sched.launch(self._gen_ref[0], run_id, batch, speculative, parent_id, self.sampling)
+        self.sched.launch(self.lane, run_id, batch, speculative, parent_id, self.sampling)
 
     def kv(self, ops) -> None:
         self.sched.pipe.kv(ops)
@@ -146,14 +150,16 @@ class Scheduler:
     per-generation algorithm stays in Head, the KV arithmetic in kvplan.py.
     """
 
-    def __init__(self, pipe, cfg: GenConfig, *, n_stages: int, n_parallel: int, pool: PartitionPool | None,
-                 n_part: int, drafter_for=None, eos: set[int] = frozenset(), first_run_id: int = 0,
+    def __init__(self, pipe, cfg: GenConfig, *, n_stages: int, n_parallel: int = 1, pool: PartitionPool | None = None,
+                 drafter_for=None, eos: set[int] = frozenset(), first_run_id: int = 0,
                  clock: Callable[[], float] = time.perf_counter):
-        if cfg.mode == "speculative":
-            raise ValueError("several generations at once run in iterative or pipeinfer mode")
-        if cfg.mode == "pipeinfer" and (pool is None or drafter_for is None):
-            raise ValueError("pipeinfer mode needs a drafter and a partition pool")
+        check_gen_config(cfg)
+        if cfg.mode == "speculative" and n_parallel != 1:
+            raise ValueError("synchronous speculative mode runs one generation at a time (--parallel 1)")
+        if cfg.mode != "iterative" and (pool is None or drafter_for is None):
+            raise ValueError(f"mode {cfg.mode} needs a drafter and a partition pool")
         self.pipe, self.cfg, self.pool, self.drafter_for = pipe, cfg, pool, drafter_for
+        n_part = pool.n_partitions if pool is not None else 0
         self.n_stages, self.n_parallel, self.eos, self.clock = n_stages, n_parallel, set(eos), clock
         self.depth = pipeline_depth(n_stages, cfg.stage_ms)  # runs in flight that fill the slowest stage
         size = cfg.cut.max_branches
@@ -166,6 +172,7 @@ class Scheduler:
         self.waiting: deque[tuple[int, Request]] = deque()
         self.gens: list[_Gen] = []            # admission order
         self.owner: dict[int, _Gen] = {}      # run id -> the generation that launched it
+        self._on_lane: dict[int, _Gen] = {}   # slot -> the generation in it
         self.holder: _Gen | None = None       # the generation the drafter is lent to
         self._run_id = first_run_id
         self._sampling_sent: SamplingParams | None = None
@@ -193,6 +200,20 @@ class Scheduler:
         while self.busy:
             self.step()
 
+    def generate(self, req: Request) -> tuple[list[int], Stats]:
+        """One request to its end (with whatever else was submitted): its tokens and statistics."""
+        answer: list = []
+        on_done = req.on_done
+
+        def done(tokens: list[int], stats: Stats) -> None:
+            answer.append((tokens, stats))
+            if on_done is not None:
+                on_done(tokens, stats)
+        self.submit(replace(req, on_done=done))
+        while not answer:
+            self.step()
+        return answer[0]
+
     def step(self) -> None:
         """One round: admit, compact if needed, speculate where there is room, take a result. A newcomer's prompt
         starts only while no result waits: every other generation's next token is then queued at the stages and
@@ -206,8 +227,8 @@ class Scheduler:
             self._compact()
             return
         holder = self._lease()
-        if holder is not None and not holder.head.done:
-            holder.head.speculate()
+        if holder is not None and not holder.head.done and self.cfg.mode == "pipeinfer":
+            holder.head.speculate(self._room())
             if holder.head.asynchronous and not self.pipe.result_ready():
                 holder.head.drafter.wait(self.pipe.result_ready)  # a draft or a result, whichever comes first
                 if not self.pipe.result_ready():
@@ -234,12 +255,12 @@ class Scheduler:
 
     def _start(self, num: int, req: Request) -> None:
         lane = self._clean.popleft()
-        ref: list = [None]
-        cfg = replace(self.cfg, mode="iterative", n_predict=req.n_predict, sampling=req.sampling)
-        head = Head(_LanePipe(self, ref), cfg, eos=self.eos, on_tokens=req.on_tokens, should_stop=req.should_stop,
-                    clock=self.clock, canon=self._canon[lane], new_run_id=self._new_run_id)
+        cfg = replace(self.cfg, n_predict=req.n_predict, sampling=req.sampling)
+        head = Head(_LanePipe(self, lane), cfg, self._new_run_id, eos=self.eos, on_tokens=req.on_tokens,
+                    on_progress=req.on_progress, should_stop=req.should_stop, clock=self.clock,
+                    canon=self._canon[lane])
         g = _Gen(req, head, lane)
-        ref[0] = g
+        self._on_lane[lane] = g
         self.gens.append(g)
         self.stats.n_admitted += 1
         self.stats.max_active = max(self.stats.max_active, len(self.gens))
@@ -276,23 +297,27 @@ class Scheduler:
     def _lease(self) -> _Gen | None:
         """The generation that may speculate: the oldest decoding one, while fewer decode than the pipeline's
         depth (pipeline_depth: the stages, or fewer where one stage is slower than the rest)."""
-        if self.cfg.mode != "pipeinfer":
+        if self.cfg.mode == "iterative":
             return None
         decoding = [g for g in self.gens if not g.head.done]
         want = None
-        if len(decoding) < self.depth:
-            want = decoding[0] if decoding else None
+        if decoding and (len(decoding) < self.depth or len(self.gens) == 1):  # alone: always (exactly PipeInfer)
+            want = decoding[0]
         if want is not self.holder:
             if self.holder is not None:
-                self.holder.head.revoke()
+                self.holder.head.give_back()
             if want is not None:
                 want.head.lend(self.drafter_for(want.req.prompt, want.req.prompt_text, want.req.chat), self.pool)
                 self.stats.n_lends += 1
             self.holder = want
-        if want is not None:
-            sole = len(self.gens) == 1
-            want.head.room = (lambda: True) if sole else (lambda: len(self.pipe.in_flight) < self.depth)
         return want
+
+    def _room(self) -> Callable[[], bool]:
+        """Whether the holder may launch one more speculative run now: alone, while the drafter keeps up; beside
+        others, only while fewer runs are in flight than the pipeline's depth (the stages would idle)."""
+        if len(self.gens) == 1:
+            return lambda: True
+        return lambda: len(self.pipe.in_flight) < self.depth
 
     # ================================================================ runs and results
     def _new_run_id(self) -> int:
@@ -303,11 +328,11 @@ class Scheduler:
     def last_run_id(self) -> int:
         return self._run_id
 
-    def launch(self, g: _Gen, run_id: int, batch, speculative: bool, parent_id: int, sp: SamplingParams) -> None:
+    def launch(self, lane: int, run_id: int, batch, speculative: bool, parent_id: int, sp: SamplingParams) -> None:
         if sp != self._sampling_sent:  # the last stage draws this generation's tokens by its parameters
             self.pipe.set_sampling(sp)
             self._sampling_sent = sp
-        self.owner[run_id] = g
+        self.owner[run_id] = self._on_lane[lane]
         self.pipe.launch(run_id, batch, speculative, parent_id)
 
     def _take(self, res) -> None:
@@ -322,9 +347,10 @@ class Scheduler:
     def _finish(self, g: _Gen) -> None:
         """Every run of a finished generation is back: deliver its answer; its slot waits for a COMPACT."""
         if self.holder is g:
-            g.head.revoke()
+            g.head.give_back()
             self.holder = None
         self.gens.remove(g)
+        del self._on_lane[g.lane]
         self._dirty.append(g.lane)
         self.n_cells_dead += g.head.n_cells_bound
         self.stats.n_finished += 1

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.verify import SamplingParams
+from .pump import pump
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 503: "server_overloaded"}
 
@@ -139,19 +140,17 @@ class _Answer:
 
 
 class Generator:
-    """The generation thread: owns the head session. With --parallel 1 it runs jobs one at a time in arrival
-    order; with --parallel N the session's scheduler (ranks/scheduler.py) runs up to N at once, admitting them
-    first come first served."""
+    """The generation thread: owns the head session and pumps the jobs into its scheduler (ranks/scheduler.py),
+    which runs up to --parallel of them at once, admitted first come first served."""
 
-    def __init__(self, session, max_queue: int, log=None, on_done=None, parallel: int = 1):
+    def __init__(self, session, max_queue: int, log=None, on_done=None):
         self.session, self.tok = session, session.tok
-        self.parallel = parallel
+        self.parallel = session.parallel
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.on_done = on_done  # callable(job, stats, finish_reason), e.g. a --results row
         self.fatal: str | None = None
-        loop = self._loop if parallel == 1 else self._loop_many
-        self.thread = threading.Thread(target=loop, name="pipeinfer-generation", daemon=True)
+        self.thread = threading.Thread(target=self._loop, name="pipeinfer-generation", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
@@ -189,50 +188,17 @@ class Generator:
         self.log(f"[serve] fatal: {self.fatal}")
 
     def _loop(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            if job.cancelled.is_set():
-                self.log(f"[serve] {job.request_id}: cancelled while queued")
-                continue
-            ans = _Answer(job, self.tok)
-            try:
-                stats = self.session.generate(job.prompt_tokens, n_predict=job.n_predict, sampling=job.sampling,
-                                              prompt_text=job.prompt_text, chat=job.chat, on_tokens=ans.on_tokens,
-                                              should_stop=ans.should_stop)
-            except Exception as e:
-                self._fail(e, [job])
-                return
-            ans.finish(stats, self.log, self.on_done)
-
-    def _loop_many(self) -> None:
         sched = self.session.scheduler()
         running: dict[int, Job] = {}
-        stopping = False
-        while True:
-            while not stopping and not sched.waiting:  # the next job (the rest wait in the bounded queue)
-                try:
-                    job = self.jobs.get(block=not sched.busy)
-                except queue.Empty:
-                    break
-                if job is None:
-                    stopping = True
-                elif job.cancelled.is_set():
-                    self.log(f"[serve] {job.request_id}: cancelled while queued")
-                else:
-                    self._admit(sched, job, running)
-            if not sched.busy:
-                if stopping:
-                    return
-                continue
-            try:
-                sched.step()
-            except Exception as e:
-                self._fail(e, list(running.values()))
-                return
+        try:
+            pump(sched, self.jobs, lambda job: self._admit(sched, job, running))
+        except Exception as e:
+            self._fail(e, list(running.values()))
 
     def _admit(self, sched, job: Job, running: dict) -> None:
+        if job.cancelled.is_set():
+            self.log(f"[serve] {job.request_id}: cancelled while queued")
+            return
         ans = _Answer(job, self.tok)
 
         def done(tokens: list[int], stats) -> None:

@@ -1,58 +1,34 @@
 """Rank 0's end of a supervised server (`serve --attach SOCKET`, started by supervisor.py): the pipeline's
 scheduler fed by the supervisor over a local Unix socket instead of by HTTP.
 
-One JSON object per line each way (a few dozen bytes per token; the HTTP front end, the text, the stop
-strings and every request's state stay in the supervisor, which outlives this MPI job):
-
-    supervisor -> rank 0:  {"op": "job", "id", "prompt": [ids], "replay": [ids], "n_predict", "sampling":
-                            [temp, top_k, top_p, seed], "prompt_text", "chat"} | {"op": "cancel", "id"} | {"op": "stop"}
-    rank 0 -> supervisor:  {"op": "ready", "ranks", "parallel"} | {"op": "tokens", "id", "tokens": [ids]} |
-                           {"op": "done", "id", "stats": {...}} | {"op": "error", "id", "message"}
+The messages each way are link.py's (one JSON line each; the HTTP front end, the text, the stop strings and every
+request's state stay in the supervisor, which outlives this MPI job): rank 0 says Ready when it attaches, takes
+Job, Cancel and Stop, and answers each job with Tokens as they come and Done (or JobError where it refuses it).
 """
 from __future__ import annotations
 
-import json
 import os
 import queue
-import socket
 import threading
 
 from ..core.verify import SamplingParams
 from ..wire.hosts import host_name
 from ..wire.liveness import available_memory
+from .link import Cancel, Done, Job, JobError, Link, Ready, Stop, Tokens
+from .pump import pump
 
 
-class _Link:
-    """The socket, one JSON line per message; sends from any thread."""
-
-    def __init__(self, path: str):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(path)
-        self._out = self.sock.makefile("w", encoding="utf-8")
-        self._in = self.sock.makefile("r", encoding="utf-8")
-        self._lock = threading.Lock()
-
-    def send(self, **msg) -> None:
-        with self._lock:
-            self._out.write(json.dumps(msg, separators=(",", ":")) + "\n")
-            self._out.flush()
-
-    def messages(self):
-        for line in self._in:
-            yield json.loads(line)
-
-
-def run_attached(session, path: str, parallel: int, stop) -> None:
+def run_attached(session, path: str, stop) -> None:
     """Serve the supervisor's jobs on this pipeline until it says stop (or goes away, or a signal stops us)."""
-    link = _Link(path)
+    link = Link.connect(path)
     inbox: queue.Queue = queue.Queue()
     cancelled: set = set()
 
     def read() -> None:
         try:
             for msg in link.messages():
-                if msg["op"] == "cancel":
-                    cancelled.add(msg["id"])
+                if isinstance(msg, Cancel):
+                    cancelled.add(msg.id)
                 else:
                     inbox.put(msg)
         except (OSError, ValueError):
@@ -65,39 +41,23 @@ def run_attached(session, path: str, parallel: int, stop) -> None:
         ranks_at, mem = session.live.hosts, session.live.mem_available
     else:
         ranks_at, mem = [(host_name(), os.getpid())], [available_memory()]
-    link.send(op="ready", ranks=len(session.ranges), parallel=parallel, ranks_at=ranks_at, mem_available=mem)
+    link.send(Ready(len(session.ranges), session.parallel, list(ranks_at), list(mem)))
     sched = session.scheduler()
-    stopping = False
-    while True:
-        while not stopping and not sched.waiting:
-            try:
-                msg = inbox.get() if not sched.busy else inbox.get_nowait()
-            except queue.Empty:
-                break
-            if msg is None or msg["op"] == "stop":
-                stopping = True
-            else:
-                _submit(session, sched, link, msg, cancelled, stop)
-        if stop.requested:
-            stopping = True
-        if not sched.busy:
-            if stopping:
-                return
-            continue
-        sched.step()
+    pump(sched, inbox, lambda msg: _submit(session, sched, link, msg, cancelled, stop),
+         ends=lambda msg: msg is None or isinstance(msg, Stop), stop_requested=lambda: stop.requested)
 
 
-def _submit(session, sched, link: _Link, msg: dict, cancelled: set, stop) -> None:
-    jid = msg["id"]
+def _submit(session, sched, link: Link, msg: Job, cancelled: set, stop) -> None:
+    jid = msg.id
 
     def done(tokens: list[int], stats) -> None:
-        link.send(op="done", id=jid, stats=stats.to_dict())
-    req = session.request(msg["prompt"], n_predict=msg["n_predict"], sampling=SamplingParams(*msg["sampling"]),
-                          prompt_text=msg.get("prompt_text"), chat=bool(msg.get("chat")),
-                          on_tokens=lambda tokens: link.send(op="tokens", id=jid, tokens=tokens),
+        link.send(Done(jid, stats.to_dict()))
+    req = session.request(msg.prompt, n_predict=msg.n_predict, sampling=SamplingParams(*msg.sampling),
+                          prompt_text=msg.prompt_text, chat=msg.chat,
+                          on_tokens=lambda tokens: link.send(Tokens(jid, list(tokens))),
                           should_stop=lambda: jid in cancelled or stop.requested, on_done=done,
-                          replay=msg.get("replay") or ())
+                          replay=msg.replay)
     try:
         sched.submit(req)
     except ValueError as e:
-        link.send(op="error", id=jid, message=str(e))
+        link.send(JobError(jid, str(e)))

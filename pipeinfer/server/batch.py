@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.config import check_fits
 from ..core.errors import UserError
 from ..core.verify import SamplingParams
 
@@ -71,27 +72,27 @@ def answer_line(p: BatchPrompt, text: str, tokens: list[int], finish: str, stats
                        "tokens_per_s": round(stats.gen_tokens_per_s, 3), "queue_s": round(stats.t_queue_s, 3), **more})
 
 
-def run_batch(args, setup, parallel: int, stop, results_row, write_row) -> None:
+def run_batch(args, stop, results_row, write_row) -> None:
     """Rank 0: every prompt through the scheduler; a JSON line per answer, a summary on stderr."""
     from ..engine.tokenizer import Tokenizer, apply_chat
     from ..ranks.startup import open_session
-    prompts = read_batch(args.prompts, chat=True if args.chat is None else args.chat, n_predict=args.n_predict,
-                         sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.seed))
-    tok = Tokenizer(setup.model)
-    reserve = args.pipe.cells_reserve()
+    config = args.config
+    prompts = read_batch(args.prompts, chat=True if args.chat is None else args.chat, n_predict=config.n_predict,
+                         sampling=config.sampling)
+    tok = Tokenizer(config.model)
     encoded = []
     for p in prompts:
         ids = tok.encode(apply_chat(tok, p.text) if p.chat else p.text)
         if any(t >= tok.n_vocab for t in p.replay):
             raise UserError(f"--prompts {args.prompts}: prompt {p.index} replays a token id outside the vocabulary "
                             f"({tok.n_vocab} tokens)")
-        if len(ids) + len(p.replay) + p.n_predict + reserve > args.pipe.ctx_size:
-            raise UserError(f"--prompts {args.prompts}: prompt {p.index} ({len(ids)} tokens) + {p.n_predict} to "
-                            f"generate + {reserve} for runs in flight does not fit the context of "
-                            f"{args.pipe.ctx_size} tokens (-c/--ctx-size)")
+        try:
+            check_fits(config, len(ids) + len(p.replay), p.n_predict)
+        except UserError as e:
+            raise UserError(f"--prompts {args.prompts}: prompt {p.index}: {e}") from None
         encoded.append(ids)
     tok.close()
-    session = open_session(setup.run_options(parallel=parallel))
+    session = open_session(config)
     name = Path(args.prompts).stem
     n_tokens, t0 = 0, time.perf_counter()
     sched = None
@@ -104,7 +105,7 @@ def run_batch(args, setup, parallel: int, stop, results_row, write_row) -> None:
                 finish = "stopped" if stop.requested else ("length" if len(tokens) >= p.n_predict else "stop")
                 print(answer_line(p, session.tok.decode(tokens), tokens, finish, stats), flush=True)
                 if args.results:
-                    write_row(args.results, results_row(setup, session.ranges, f"{name}:{p.index}", stats))
+                    write_row(args.results, results_row(config, session.ranges, f"{name}:{p.index}", stats))
             sched.submit(session.request(ids, n_predict=p.n_predict, sampling=p.sampling, prompt_text=p.text,
                                          chat=p.chat, should_stop=lambda: stop.requested, on_done=done,
                                          replay=list(p.replay)))
@@ -114,6 +115,6 @@ def run_batch(args, setup, parallel: int, stop, results_row, write_row) -> None:
     wall_s = time.perf_counter() - t0
     if not args.quiet:
         st = sched.stats
-        print(f"[pipeinfer] {len(prompts)} prompts, {parallel} at once: {n_tokens} tokens in {wall_s:.1f} s, "
+        print(f"[pipeinfer] {len(prompts)} prompts, {session.parallel} at once: {n_tokens} tokens in {wall_s:.1f} s, "
               f"{n_tokens / wall_s:.2f} tokens/s; at most {st.max_active} generating, {st.waits_for_cells} rounds "
               f"waiting for KV cells, {st.n_compactions} compactions", file=sys.stderr)

@@ -57,9 +57,10 @@ def _run_supervised(args, where, tok, jobs: list[StdoutJob], on_done, stop):
     def log(msg: str) -> None:
         if not args.quiet or "re-form" in msg:
             print(msg.replace("[serve]", "[pipeinfer]"), file=sys.stderr, flush=True)
+    # on_fatal: nothing to stop here; the jobs end with the error, and the caller reports sup.fatal
     sup = Supervisor(where.slots, child_args(sys.argv, "generate", _WITH_VALUE, _FLAGS) + where.settings, tok,
                      log=log, on_done=lambda *done: on_done(sup, *done), footprint=where.footprint,
-                     rejoin=args.rejoin, draft=where.draft)
+                     rejoin=args.rejoin, draft=where.draft, on_fatal=lambda _why: None)
     try:
         sup.start()
         for job in jobs:
@@ -74,21 +75,19 @@ def _run_supervised(args, where, tok, jobs: list[StdoutJob], on_done, stop):
     return sup
 
 
-def generate_supervised(args, setup, where, prompt, stop, results_row, write_row) -> None:
+def generate_supervised(args, where, prompt, stop, results_row, write_row) -> None:
     """The generation under the supervisor; the answer on stdout, the statistics and a --results row as usual."""
-    from ..core.verify import SamplingParams
     from ..engine.tokenizer import Tokenizer, apply_chat
     from .supervisor import resumed_status
-    tok = Tokenizer(setup.model)
+    tok = Tokenizer(args.config.model)
     ids = tok.encode(apply_chat(tok, prompt.text) if prompt.chat else prompt.text)
-    job = StdoutJob(ids, args.n_predict, SamplingParams(args.temp, args.top_k, args.top_p, args.seed), prompt.text,
-                    bool(prompt.chat), args.as_json)
+    job = StdoutJob(ids, args.config.n_predict, args.config.sampling, prompt.text, bool(prompt.chat), args.as_json)
     resumed: list[int] = []
 
     def on_done(sup, _job, stats, finish, n_resumes=0):
         resumed.append(n_resumes)
         if args.results:
-            write_row(args.results, results_row(setup, [None] * len(sup.slots), prompt.name, stats,
+            write_row(args.results, results_row(args.config, [None] * len(sup.slots), prompt.name, stats,
                                                 status=resumed_status(n_resumes)))
     sup = _run_supervised(args, where, tok, [job], on_done, stop)
     if job.outcome is None or job.outcome[0] == "error":
@@ -96,7 +95,7 @@ def generate_supervised(args, setup, where, prompt, stop, results_row, write_row
         if args.results:  # the row of what was generated before the failure, as an unsupervised run writes it
             from ..core.metrics import Stats
             done = Stats(n_prompt=len(ids), n_generated=len(job.tokens))
-            write_row(args.results, results_row(setup, [None] * len(sup.slots), prompt.name, done,
+            write_row(args.results, results_row(args.config, [None] * len(sup.slots), prompt.name, done,
                                                 status=f"failed: {why}"))
         raise UserError(why)
     info = job.outcome[1]
@@ -109,20 +108,19 @@ def generate_supervised(args, setup, where, prompt, stop, results_row, write_row
         sys.stdout.flush()
 
 
-def batch_supervised(args, setup, where, stop, results_row, write_row) -> None:
+def batch_supervised(args, where, stop, results_row, write_row) -> None:
     """`generate --prompts FILE --np/--hostfile`: every prompt a job of the supervisor (rank 0's scheduler runs
     --parallel of them at once), each answer a JSON line as it finishes (batch.py's, with "resumed": how many
     times the job re-formed under it), and the jobs in flight resumed where a rank is lost."""
-    from ..core.verify import SamplingParams
     from ..engine.tokenizer import Tokenizer, apply_chat
     from .batch import answer_line, read_batch
     from .supervisor import resumed_status
-    prompts = read_batch(args.prompts, chat=True if args.chat is None else args.chat, n_predict=args.n_predict,
-                         sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.seed))
+    prompts = read_batch(args.prompts, chat=True if args.chat is None else args.chat,
+                         n_predict=args.config.n_predict, sampling=args.config.sampling)
     if any(p.replay for p in prompts):
         raise UserError(f"--prompts {args.prompts}: 'replay' is not taken under --np/--hostfile (the supervisor "
                         "replays what it streamed itself)")
-    tok = Tokenizer(setup.model)
+    tok = Tokenizer(args.config.model)
     jobs = [StdoutJob(tok.encode(apply_chat(tok, p.text) if p.chat else p.text), p.n_predict, p.sampling, p.text,
                       p.chat, as_json=True) for p in prompts]
     prompt_of = {id(job): p for p, job in zip(prompts, jobs)}
@@ -132,7 +130,7 @@ def batch_supervised(args, setup, where, stop, results_row, write_row) -> None:
         p = prompt_of[id(job)]
         print(answer_line(p, job.text, job.tokens, finish, stats, resumed=n_resumes), flush=True)
         if args.results:
-            write_row(args.results, results_row(setup, [None] * len(sup.slots), f"{name}:{p.index}", stats,
+            write_row(args.results, results_row(args.config, [None] * len(sup.slots), f"{name}:{p.index}", stats,
                                                 status=resumed_status(n_resumes)))
     sup = _run_supervised(args, where, tok, jobs, on_done, stop)
     failed = [p.index for p, job in zip(prompts, jobs) if job.outcome is None or job.outcome[0] == "error"]

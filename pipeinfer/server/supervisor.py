@@ -3,7 +3,7 @@
 This process is the supervisor: it keeps the HTTP front end (server.py), the request queue and every request's
 state (prompt, sampling, the tokens already streamed) and runs the pipeline as a child MPI job (the launcher
 and hostfile as `pipeinfer launch` builds them) whose rank 0 attaches to it over a local Unix socket
-(attach.py: one JSON line per message, a few dozen bytes per token).
+(attach.py; the messages are link.py's: one JSON line each, a few dozen bytes per token).
 
 When the child job fails (a rank killed, a host cut off, a rank gone silent: liveness ends the job with one
 line naming the rank and its host), the supervisor drops that rank's slot (its host's, on a cluster), starts
@@ -11,15 +11,17 @@ the job again on the slots that remain (the layer split re-planned by start-up, 
 resumes every request that was in flight from its prompt + the tokens it had streamed, replayed as they were
 first decoded (Head.start): the client's stream pauses, and the answer is the one it would have been. A job
 that cannot start (no slot left, or too little memory on the hosts left for their share of the model:
-Footprint) ends the server with one line. The supervisor's own host is the one that cannot be lost. /health
-says `degraded` and names the lost slots.
+Footprint) ends the server with one line, and so does anything else that fails while the job is re-formed or
+re-planned (the launcher not found, an OSError): the requests in flight get that error, /health says it, and the
+server exits 1, never left waiting for a job that will not come. The supervisor's own host is the one that cannot
+be lost. /health says `degraded` and names the lost slots, and its `phase` what the supervisor is doing.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -29,9 +31,9 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-
 from ..core.errors import UserError
 from ..core.metrics import Stats
+from . import link
 
 DRAFT_PLACE = -1  # the draft host's key among the lost slots (Supervisor._away)
 _FAILED_RANK = re.compile(r"rank (\d+) \(host ([^,)]+)")  # liveness's line, from rank 0 (or another rank)
@@ -202,7 +204,7 @@ class Placement:
     draft: DraftHost | None = None
 
 
-def placement(np: int | None, hostfile: str | None, setup, argv: list[str]) -> Placement:
+def placement(np: int | None, hostfile: str | None, config, argv: list[str]) -> Placement:
     """--hostfile's slots (--np of them), or --np on this machine; `argv`: the user's options (which win over
     the hostfile's settings)."""
     from ..wire.launcher import mpi_size
@@ -210,14 +212,14 @@ def placement(np: int | None, hostfile: str | None, setup, argv: list[str]) -> P
     if mpi_size() > 1:
         raise UserError("--np/--hostfile start the pipeline's MPI job themselves: run pipeinfer without mpiexec")
     hosts, settings, draft = [], [], None
-    draft_bytes = Path(setup.draft).stat().st_size if setup.draft else 0
+    draft_bytes = Path(config.draft).stat().st_size if config.draft else 0
     if hostfile:
         try:
             hosts = parse_hostfile(hostfile)
             n = np or sum(h.slots for h in hosts)
             ordered, draft_args = with_draft_last(hosts, n, argv)
             if ordered and ordered[-1].role == "draft":
-                if not setup.draft:
+                if not config.draft:
                     raise ValueError(f"{ordered[-1].name} has role=draft but this run has no draft model")
                 draft, ordered, n = DraftHost(ordered[-1].name, draft_args, draft_bytes), ordered[:-1], n - 1
             slots = [h.name for h in rank_hosts(ordered, n)]
@@ -226,8 +228,8 @@ def placement(np: int | None, hostfile: str | None, setup, argv: list[str]) -> P
             raise UserError(f"--hostfile {hostfile}: {e}") from None
     else:
         slots = ["localhost"] * np
-    beside = draft is None and setup.draft_at != "rank"
-    return Placement(slots, Footprint(Path(setup.model).stat().st_size, draft_bytes if beside else 0,
+    beside = draft is None and config.draft_at != "rank"
+    return Placement(slots, Footprint(Path(config.model).stat().st_size, draft_bytes if beside else 0,
                                       {h.name: h.mem for h in hosts if h.mem}), settings, draft)
 
 
@@ -238,22 +240,34 @@ class _Record:
     job: object                 # server.Job, or resume.StdoutJob (generate --np)
     answer: object              # server._Answer: text, stop strings
     tokens: list[int] = field(default_factory=list)  # streamed so far
-    cancel_sent: bool = False
+    cancel_sent: bool = False   # to the job now attached (a new job needs its own)
     n_resumes: int = 0
+
+
+def _stop_this_process(_why: str) -> None:
+    """on_fatal where the caller gives none: a SIGTERM ends this process's HTTP server as a user's would, and
+    `serve` then reports Supervisor.fatal as its one line and exits 1 (cli/main.py)."""
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Supervisor:
     """The generator the HTTP app talks to (server.Generator's interface: submit, stop, fatal, parallel, load),
     forwarding to rank 0 of a child MPI job and re-forming that job when it fails.
 
-    Why one class: the records of the requests, the socket to the current child and the child's lifecycle change
+    `phase` says what it does (/health): starting, serving, re-forming (the job failed), re-planning (--rejoin: a
+    lost host is back), failed (`fatal` says why; every request fails, and on_fatal ends the front end) or stopping.
+    A request that comes while no rank 0 is attached waits in the records: each new rank 0 gets every record not
+    answered yet.
+
+    Why one class: the records of the requests, the link to the current child and the child's lifecycle change
     together on every failure (stop reading, drop a slot, start again, resend every unfinished record)."""
 
     def __init__(self, slots: list[str], child_args: list[str], tok, log=None, on_done=None,
-                 footprint: Footprint | None = None, rejoin: bool = False, draft: DraftHost | None = None):
+                 footprint: Footprint | None = None, rejoin: bool = False, draft: DraftHost | None = None,
+                 on_fatal=None):
         self.slots = list(slots)            # one host name per target rank, rank 0 first
         self.footprint, self.rejoin = footprint, rejoin
-        self.draft, self._draft = draft, draft  # the draft's host while it serves (None once lost); the hostfile's
+        self.draft_host = draft             # the hostfile's role=draft host, lost or not (_draft_host_serving)
         self._places = list(range(len(slots)))  # each slot's rank in the first job (the order a rejoin restores)
         self._away: dict[int, tuple[str, str]] = {}  # place -> (host, its entry in self.lost) of each lost slot
         self._retired: subprocess.Popen | None = None  # a job stopped for a re-plan (--rejoin), not failed
@@ -262,7 +276,9 @@ class Supervisor:
         self.child_args, self.tok = child_args, tok
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.on_done = on_done
+        self.on_fatal = on_fatal or _stop_this_process  # callable(why) once the pipeline cannot go on
         self.fatal: str | None = None
+        self.phase = "starting"
         self.parallel = 0
         self.lost: list[str] = []           # "rank R (host H)" of every failure so far
         self.n_reforms = 0
@@ -271,32 +287,50 @@ class Supervisor:
         self._lock = threading.RLock()
         self._dir = tempfile.mkdtemp(prefix="pipeinfer-sup-")
         self._sock_path = os.path.join(self._dir, "rank0.sock")
-        self._out = None
+        self._rank0: link.Link | None = None  # the attached rank 0's link; None between jobs
         self._child: subprocess.Popen | None = None
         self._stopping = False
 
     # ---------------------------------------------------------------- the child job
     def start(self) -> None:
-        self._start_surviving()
+        """Start the job and wait for its rank 0 (UserError, one line, where it cannot start)."""
+        try:
+            self._start_surviving()
+        except UserError:
+            self._kill_child()
+            raise
+        except (OSError, RuntimeError, ValueError) as e:  # the launcher's (no launcher of mpi4py's MPI, ...)
+            self._kill_child()
+            raise UserError(f"cannot start the pipeline's job: {e}") from None
         threading.Thread(target=self._watch_cancels, daemon=True).start()
         if self.rejoin:
             threading.Thread(target=self._watch_returns, daemon=True).start()
+
+    @property
+    def _draft_host_serving(self) -> DraftHost | None:
+        """The hostfile's draft host while it runs the draft on the job's last rank; None without one, or once it
+        is lost (the draft then runs beside rank 0)."""
+        return None if DRAFT_PLACE in self._away else self.draft_host
+
+    def _job_hosts(self) -> list[str]:
+        """One host per rank of the job: the target's slots, then the draft host's while it serves."""
+        serving = self._draft_host_serving
+        return self.slots + ([serving.name] if serving else [])
 
     def _job_args(self) -> list[str]:
         """The pipeline's options for a job on the slots left (per-rank values of theirs; where the draft runs)."""
         n_places = len(self._places) + len([p for p in self._away if p != DRAFT_PLACE])
         args = per_rank_args(self.child_args, self._places, n_places)
-        if self._draft is not None:  # the draft on its host (the last rank), or, that host lost, beside rank 0
-            args += self._draft.args if self.draft else ["--draft-at", "thread"]
+        if self.draft_host is not None:  # the draft on its host (the last rank), or, that host lost, beside rank 0
+            args += self.draft_host.args if self._draft_host_serving else ["--draft-at", "thread"]
         return args
 
     def _command(self) -> list[str]:
-        return _launch_command(self.slots + ([self.draft.name] if self.draft else []),
-                               ["serve", "--attach", self._sock_path] + self._job_args(),
+        return _launch_command(self._job_hosts(), ["serve", "--attach", self._sock_path] + self._job_args(),
                                os.path.join(self._dir, "hosts.txt"))
 
-    def _start_child(self) -> None:
-        """Start the job on the slots left and wait for its rank 0 to attach (or for the job to fail)."""
+    def _check_room(self) -> None:
+        """UserError where the slots left cannot run the pipeline: none left, or too little memory on them."""
         if not self.slots:
             raise UserError(f"no slot left to run the pipeline on (lost: {'; '.join(self.lost)})")
         short = (self.footprint.shortfall(self.slots, split_fractions(self._job_args(), len(self.slots)),
@@ -304,46 +338,64 @@ class Supervisor:
         if short:
             raise UserError(f"the {len(self.slots)} slot(s) left cannot hold the model: {short}" if self.lost else
                             f"the {len(self.slots)} slot(s) cannot hold the model: {short}")
+
+    def _start_child(self) -> None:
+        """Start the job on the slots left and wait for its rank 0 to attach (or for the job to fail)."""
+        self._check_room()
         self._pids = []  # the last job's (a launcher's report of this one's failure must not match them)
         Path(self._sock_path).unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self._sock_path)
-        listener.listen(1)
-        listener.settimeout(0.5)
-        self._log_path = os.path.join(self._dir, f"job{self.n_reforms}.log")
-        self._child = subprocess.Popen(self._command(), stdin=subprocess.DEVNULL, stdout=open(self._log_path, "w"),
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            listener.bind(self._sock_path)
+            listener.listen(1)
+            listener.settimeout(0.5)
+            self._log_path = os.path.join(self._dir, f"job{self.n_reforms}.log")
+            command = self._command()
+            with open(self._log_path, "w") as job_log:
+                self._child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=job_log,
+                                               stderr=subprocess.STDOUT, start_new_session=True)
+            conn = self._await_rank0(listener)
+        finally:
+            listener.close()
+        self._attach(conn)
+
+    def _await_rank0(self, listener: socket.socket) -> socket.socket:
+        """The connection of the job's rank 0 once it attaches; _StartFailed where the job ends first."""
         deadline = time.monotonic() + START_TIMEOUT_S
-        conn = None
-        while conn is None:
+        while True:
             if self._child.poll() is not None:
-                listener.close()
                 raise _StartFailed(f"the pipeline did not start on {len(self.slots)} slot(s): "
                                    f"{_last_error(self._job_log())}", self._job_log(), self._child)
             if time.monotonic() > deadline:
-                listener.close()
                 self._kill_child()
                 raise UserError(f"the pipeline did not start in {START_TIMEOUT_S:.0f} s")
             try:
-                conn, _ = listener.accept()
+                return listener.accept()[0]
             except socket.timeout:
                 continue
-        listener.close()
+
+    def _attach(self, conn: socket.socket) -> None:
+        """Rank 0's Ready on `conn`, then every request not answered yet goes (again) to it."""
+        conn.settimeout(START_TIMEOUT_S)  # a rank 0 that connects and says nothing must not hold the start
+        rank0 = link.Link(conn, link.TO_SUPERVISOR)
+        try:
+            ready, why = rank0.receive(), None
+        except (OSError, link.LinkError) as e:
+            ready, why = None, f"{type(e).__name__}: {e}"
+        if not isinstance(ready, link.Ready):
+            rank0.close()
+            self._kill_child()
+            raise UserError(f"the pipeline's rank 0 did not attach: {why or _last_error(self._job_log())}")
         conn.settimeout(None)
-        self._out = conn.makefile("w", encoding="utf-8")
-        reader = conn.makefile("r", encoding="utf-8")
-        ready = json.loads(reader.readline() or "{}")
-        if ready.get("op") != "ready":
-            raise UserError(f"the pipeline's rank 0 did not attach: {_last_error(self._job_log())}")
-        self.parallel = ready["parallel"]
-        self._pids = [pid for _host, pid in ready.get("ranks_at", [])]  # each rank's pid, rank 0 first
-        hosts = self.slots + ([self.draft.name] if self.draft else [])  # the hostfile's names, by rank
-        self._host_mem.update(zip(hosts, ready.get("mem_available", [])))
-        t = threading.Thread(target=self._read, args=(reader, self._child), daemon=True)
-        t.start()
-        with self._lock:  # every request not answered yet goes (again) to the new rank 0
+        self.parallel = ready.parallel
+        self._pids = [pid for _host, pid in ready.ranks_at]  # each rank's pid, rank 0 first
+        self._host_mem.update(zip(self._job_hosts(), ready.mem_available))
+        with self._lock:
+            self._rank0, self.phase = rank0, "serving"
             for rec in self._records.values():
+                rec.cancel_sent = False
                 self._send_job(rec)
+        threading.Thread(target=self._read, args=(rank0, self._child), daemon=True).start()
 
     def _start_surviving(self) -> None:
         """Start the job; where a rank is lost while it starts (named as for a running job: liveness's line or the
@@ -373,12 +425,11 @@ class Supervisor:
     def _drop(self, rank: int, host: str, label: str | None = None) -> int:
         """Take the failed rank's slot out (kept with its first job's place for --rejoin); its place. The draft's
         rank (after the target's): the draft goes beside rank 0 (its memory there from now on)."""
-        if self.draft is not None and rank == len(self.slots):
+        if self._draft_host_serving is not None and rank == len(self.slots):
             self.lost.append(f"the draft's rank {rank} (host {host})")
-            self._away[DRAFT_PLACE] = (self.draft.name, self.lost[-1])
-            self.draft = None
+            self._away[DRAFT_PLACE] = (self.draft_host.name, self.lost[-1])
             if self.footprint:
-                self.footprint = replace(self.footprint, head_bytes=self._draft.n_bytes)
+                self.footprint = replace(self.footprint, head_bytes=self.draft_host.n_bytes)
             return DRAFT_PLACE
         self.lost.append(label or f"rank {rank} (host {host})")
         slot = self.slots.pop(rank)  # the host as the hostfile names it (liveness names it by its hostname)
@@ -400,6 +451,32 @@ class Supervisor:
                 pass
             self._child.wait()
 
+    # ---------------------------------------------------------------- failures
+    def _guarded(self, what: str, step) -> None:
+        """Run a re-form or a re-plan on the thread that found it due. Whatever it raises ends the supervisor with
+        its cause (the old job is stopped by then: nothing else would answer the requests, or report it)."""
+        try:
+            step()
+        except UserError as e:  # no slot left, too little memory: its own one line
+            self._fail(str(e))
+        except Exception as e:  # a launcher's RuntimeError, an OSError, or a bug: an error, never a hang
+            self._fail(f"{what}: {type(e).__name__}: {e}")
+
+    def _fail(self, why: str) -> None:
+        """The pipeline cannot go on: every request in flight, and every later one, fails naming `why`; /health
+        says it; no job is left running; on_fatal ends the front end."""
+        with self._lock:
+            if self.fatal is not None:  # the first cause is the one reported
+                return
+            self.fatal, self.phase, self._rank0 = why, "failed", None
+            recs = list(self._records.values())
+            self._records.clear()
+        self.log(f"[serve] fatal: {why}")
+        self._kill_child()
+        for rec in recs:
+            rec.job.push(("error", f"the pipeline failed: {why}"))
+        self.on_fatal(why)
+
     # ---------------------------------------------------------------- --rejoin
     def _restore(self, places: list[int]) -> list[str]:
         """The lost slots at these places go back into the slots, in their first job's rank order; their hosts."""
@@ -409,7 +486,6 @@ class Supervisor:
             self.lost.remove(label)
             hosts.append(host)
             if p == DRAFT_PLACE:  # the draft goes back to its host
-                self.draft = self._draft
                 if self.footprint:
                     self.footprint = replace(self.footprint, head_bytes=0)
                 continue
@@ -420,7 +496,17 @@ class Supervisor:
         return hosts
 
     def _answering(self, places) -> list[int]:
-        return [p for p in places if _answers(self._away[p][0], self._dir)]
+        """The lost places whose hosts answer again. A probe that cannot be launched counts as no answer (logged):
+        the job that runs goes on as it is."""
+        back = []
+        for p in places:
+            host = self._away[p][0]
+            try:
+                if _answers(host, self._dir):
+                    back.append(p)
+            except (OSError, RuntimeError, ValueError) as e:  # the launcher's failures (wire/launcher.py)
+                self.log(f"[serve] --rejoin: cannot ask {host} whether it answers: {type(e).__name__}: {e}")
+        return back
 
     def _watch_returns(self) -> None:
         """--rejoin: while no request is in flight, a lost slot whose host answers again (a launch of `pipeinfer
@@ -428,9 +514,9 @@ class Supervisor:
         while not self._stopping and not self.fatal:
             time.sleep(REJOIN_CHECK_S)
             with self._lock:
-                idle = not self._records and self._away and not self._stopping
+                idle = not self._records and self._away and not self._stopping and not self.fatal
             if idle:
-                self._replan()
+                self._guarded("cannot re-plan the pipeline", self._replan)
 
     def _replan(self) -> None:
         back = self._answering(list(self._away))
@@ -440,8 +526,8 @@ class Supervisor:
             if self._records or self._stopping:  # a request came while the hosts were asked: next time
                 return
             self._retired = self._child  # its end is no failure (_read)
-            self._send(op="stop")
-            self._out = None  # requests from now on wait for the new job (_start_child sends them)
+            self._send(link.Stop())
+            self._rank0, self.phase = None, "re-planning"  # requests from now on wait for the new job (_attach)
         t0, n_before = time.perf_counter(), len(self.slots)
         hosts = self._restore(back)
         self.log(f"[serve] {', '.join(hosts)} answer(s) again: re-planning the pipeline on {len(self.slots)} slot(s) "
@@ -450,35 +536,42 @@ class Supervisor:
             self._retired.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self._kill_child()
-        try:
-            self._start_surviving()
-        except UserError as e:
-            self._fail(str(e))
-            return
+        self._start_surviving()
         self.log(f"[serve] pipeline re-planned in {time.perf_counter() - t0:.1f} s on {len(self.slots)} slot(s)")
 
     # ---------------------------------------------------------------- messages from rank 0
-    def _read(self, reader, child: subprocess.Popen) -> None:
+    def _read(self, rank0: link.Link, child: subprocess.Popen) -> None:
+        """Rank 0's messages until its job ends, then a re-form (not for a job stopped on purpose). A message this
+        end cannot take ends the supervisor: nothing would read rank 0 after it."""
         try:
-            for line in reader:
-                self._on_message(json.loads(line))
-        except (OSError, ValueError):
-            pass
-        if self._stopping or child is self._retired:
+            for msg in rank0.messages():
+                self._on_message(msg)
+        except OSError:
+            pass  # the job is gone: as at the end of its messages
+        except Exception as e:  # a bad line (LinkError), or a failure handling one
+            self._fail(f"reading rank 0's messages: {type(e).__name__}: {e}")
             return
-        self._reform(child)
-
-    def _on_message(self, msg: dict) -> None:
+        finally:
+            rank0.close()
         with self._lock:
-            rec = self._records.get(msg.get("id"))
-        if rec is None:
+            if self._rank0 is not rank0 or self._stopping or child is self._retired:
+                return
+            self._rank0, self.phase = None, "re-forming"  # requests from now on wait for the new job (_attach)
+        self._guarded("cannot re-form the pipeline", lambda: self._reform(child))
+
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, link.Ready):
+            raise link.LinkError("ready: rank 0 attached a second time")
+        with self._lock:
+            rec = self._records.get(msg.id)
+        if rec is None:  # answered or failed already
             return
-        if msg["op"] == "tokens":
-            rec.tokens += msg["tokens"]
-            rec.job.on_token_ids(msg["tokens"])
-            rec.answer.on_tokens(msg["tokens"])
-        elif msg["op"] == "done":
-            stats = Stats.from_dict(msg["stats"])
+        if isinstance(msg, link.Tokens):
+            rec.tokens += msg.tokens
+            rec.job.on_token_ids(msg.tokens)
+            rec.answer.on_tokens(msg.tokens)
+        elif isinstance(msg, link.Done):
+            stats = Stats.from_dict(msg.stats)
             stats.n_generated = len(rec.tokens)  # this job's and the earlier jobs' tokens
             with self._lock:
                 self._records.pop(rec.jid, None)
@@ -486,10 +579,10 @@ class Supervisor:
                 self.log(f"[serve] {rec.job.request_id}: resumed {rec.n_resumes} time(s)")
             on_done = self.on_done and (lambda job, st, fin: self.on_done(job, st, fin, rec.n_resumes))
             rec.answer.finish(stats, self.log, on_done)
-        elif msg["op"] == "error":
+        elif isinstance(msg, link.JobError):
             with self._lock:
                 self._records.pop(rec.jid, None)
-            rec.job.push(("error", msg["message"]))
+            rec.job.push(("error", msg.message))
 
     def _reform(self, child: subprocess.Popen) -> None:
         """The job ended under us: drop the failed rank's slot, start again, resume every request."""
@@ -510,11 +603,7 @@ class Supervisor:
         self.n_reforms += 1
         self.log(f"[serve] re-forming the pipeline without {self.lost[-1]} on {len(self.slots)} slot(s)"
                  f"{' (the draft beside rank 0)' if lost_place == DRAFT_PLACE else ''}: {cause}")
-        try:
-            self._start_surviving()
-        except UserError as e:
-            self._fail(str(e))
-            return
+        self._start_surviving()
         with self._lock:
             n = len(self._records)
             for rec in self._records.values():
@@ -527,7 +616,7 @@ class Supervisor:
         """The rank (and its host) whose failure ended the job: from liveness's line, else from the launcher's
         report (a pid rank 0 listed when it attached, or Open MPI's rank); a one-rank job's failure is rank 0's
         (alone_is_named: not for a job that failed to start, whose own error is the better line)."""
-        hosts = self.slots + ([self.draft.name] if self.draft else [])  # by rank, the draft's last
+        hosts = self._job_hosts()
         m = _FAILED_RANK.search(cause)
         if m is not None and int(m.group(1)) < len(hosts):
             return int(m.group(1)), m.group(2)
@@ -543,22 +632,12 @@ class Supervisor:
             return 0, self.slots[0]
         return None, ""
 
-    def _fail(self, why: str) -> None:
-        self.fatal = why
-        self.log(f"[serve] fatal: {why}")
-        with self._lock:
-            recs = list(self._records.values())
-            self._records.clear()
-        for rec in recs:
-            rec.job.push(("error", f"the pipeline failed: {why}"))
-        os.kill(os.getpid(), 15)  # the server stops (cli/main.py: the one line, exit 1)
-
     # ---------------------------------------------------------------- the HTTP side
     def submit(self, job) -> None:
         from .app import RequestError, _Answer
-        if self.fatal:
-            raise RequestError(503, f"the pipeline failed: {self.fatal}", code="pipeline_failed")
-        with self._lock:
+        with self._lock:  # fatal read under the lock: a request recorded after _fail's would wait for ever
+            if self.fatal:
+                raise RequestError(503, f"the pipeline failed: {self.fatal}", code="pipeline_failed")
             rec = _Record(self._next_id, job, _Answer(job, self.tok))
             self._next_id += 1
             self._records[rec.jid] = rec
@@ -567,15 +646,21 @@ class Supervisor:
     def _send_job(self, rec: _Record) -> None:
         job, left = rec.job, rec.job.n_predict - len(rec.tokens)
         sp = job.sampling
-        self._send(op="job", id=rec.jid, prompt=job.prompt_tokens, replay=rec.tokens, n_predict=max(1, left),
-                   sampling=[sp.temp, sp.top_k, sp.top_p, sp.seed], prompt_text=job.prompt_text, chat=job.chat)
+        self._send(link.Job(rec.jid, job.prompt_tokens, rec.tokens, max(1, left),
+                            (sp.temp, sp.top_k, sp.top_p, sp.seed), job.prompt_text, job.chat))
 
-    def _send(self, **msg) -> None:
+    def _send(self, msg) -> bool:
+        """Whether `msg` went to the attached rank 0. Not while none is (between jobs: _attach sends every record
+        not answered yet to the next), nor where its job has just ended (its reader re-forms the job, which
+        resends them)."""
+        rank0 = self._rank0
+        if rank0 is None:
+            return False
         try:
-            self._out.write(json.dumps(msg, separators=(",", ":")) + "\n")
-            self._out.flush()
-        except (OSError, ValueError, AttributeError):
-            pass  # the child is gone: _reform resends what matters
+            rank0.send(msg)
+        except OSError:
+            return False
+        return True
 
     def _watch_cancels(self) -> None:
         """A client that left, or a stop string that matched: that request's runs are cancelled on rank 0."""
@@ -583,8 +668,7 @@ class Supervisor:
             with self._lock:
                 for rec in self._records.values():
                     if not rec.cancel_sent and rec.answer.should_stop():
-                        rec.cancel_sent = True
-                        self._send(op="cancel", id=rec.jid)
+                        rec.cancel_sent = self._send(link.Cancel(rec.jid))
             time.sleep(0.05)
 
     def load(self) -> dict:
@@ -592,19 +676,22 @@ class Supervisor:
             n = len(self._records)
         # every request goes to rank 0 at once: what it has not answered yet is generating or queued there
         out = {"queued": 0, "generating": n, "ranks": len(self.slots), "degraded": bool(self.lost),
-               "lost": list(self.lost), "reforms": self.n_reforms,
+               "lost": list(self.lost), "reforms": self.n_reforms, "phase": self.phase,
                "available_gib": {h: round(b / 2**30, 2) for h, b in self._host_mem.items()}}
-        if self._draft is not None:  # the hostfile's draft host: serving the draft, or lost (the draft beside rank 0)
-            out["draft_host"] = self.draft.name if self.draft else None
+        if self.draft_host is not None:  # serving the draft, or lost (the draft beside rank 0)
+            serving = self._draft_host_serving
+            out["draft_host"] = serving.name if serving else None
         return out
 
     def stop(self) -> None:
         self._stopping = True
         with self._lock:
             recs = list(self._records.values())
+            if self.fatal is None:
+                self.phase = "stopping"
         for rec in recs:
             rec.job.push(("error", "the server is shutting down"))
-        self._send(op="stop")
+        self._send(link.Stop())
         if self._child is not None:
             try:
                 self._child.wait(timeout=60)

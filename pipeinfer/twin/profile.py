@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.kvplan import plan_partitions
-from ..drafters.drafter import DRAFT_HEAD_AUTO
+from ..core.config import DRAFT_HEAD_AUTO, Config
 
 PROFILE_FORMAT = 1
 N_CTX_FILL = 128       # KV positions already filled when a decode is timed (a short prompt's worth)
@@ -230,14 +230,17 @@ def measure_head_overhead_ms() -> float:
 N_CALIBRATION_TOKENS = 32
 
 
+def _iterative(opts: ProfileOptions, n_predict: int) -> Config:
+    """A short iterative generation on the profiled layout, to the length asked (no stop at end of sequence)."""
+    return Config(opts.model, mode="iterative", layer_split=opts.layer_split, threads=opts.threads,
+                  kernels=opts.kernels, n_predict=n_predict, stop_at_eos=False, p_recovery=0.0)
+
+
 def measure_in_pipeline(comm, opts: ProfileOptions, n_vocab: int) -> dict | None:
     """Each stage's 1-token decode time inside a short real iterative generation (rank 0 gets a dict:
     ms per stage rank >= 1 from its statistics, and the generation's ITL; None elsewhere)."""
-    from ..ranks.head import GenConfig
-    from ..ranks.startup import RunOptions, run
-    res = run(RunOptions(opts.model, prompt_tokens=[min(9707, n_vocab - 1)], layer_split=opts.layer_split, threads=opts.threads,
-                         gen=GenConfig(mode="iterative", n_predict=N_CALIBRATION_TOKENS, stop_at_eos=False,
-                                       p_recovery=0.0), kernels=opts.kernels), comm)
+    from ..ranks.startup import run
+    res = run(_iterative(opts, N_CALIBRATION_TOKENS), [min(9707, n_vocab - 1)], comm)
     if res is None:
         return None
     st = res.stats.stage_stats
@@ -263,13 +266,10 @@ def target_output(comm, opts: ProfileOptions, text: str) -> tuple[list[int], lis
     """The target's own greedy continuation of `text` (chat format), through the real pipeline: rank 0 gets
     (prompt tokens, N_CONFIDENCE_TOKENS generated tokens), other ranks None."""
     from ..engine.tokenizer import Tokenizer, apply_chat
-    from ..ranks.head import GenConfig
-    from ..ranks.startup import RunOptions, run
+    from ..ranks.startup import run
     tok = Tokenizer(opts.model)
     prompt = tok.encode(apply_chat(tok, text))
-    res = run(RunOptions(opts.model, prompt_tokens=prompt, layer_split=opts.layer_split, threads=opts.threads,
-                         gen=GenConfig(mode="iterative", n_predict=N_CONFIDENCE_TOKENS, stop_at_eos=False,
-                                       p_recovery=0.0), kernels=opts.kernels), comm)
+    res = run(_iterative(opts, N_CONFIDENCE_TOKENS), prompt, comm)
     return None if res is None else (prompt, list(res.tokens))
 
 
@@ -279,10 +279,10 @@ def measure_confidence(draft: str, target: str, prompt: list[int], text: str, to
     and whether that proposal is the target's token ([p, 1 or 0]; [0, 0] where it proposes nothing). The twin
     draws from these pairs, so a cutoff (-pa) decides what is proposed and how much of it is right."""
     from ..drafters.drafter import Cutoffs
-    from ..drafters.factory import DraftSpec, make_drafter
-    spec = DraftSpec(target, draft, n_ctx=RUN_N_CTX, max_branches=1, n_threads=threads, n_threads_batch=threads,
-                     kernels=kernels, head_tokens=head_tokens)
-    drafter = make_drafter(spec)(prompt, text, True)   # the same drafter, or translating through text (chat format)
+    from ..drafters.factory import make_drafter
+    config = Config(target, draft=draft, drafter="model", n_ctx=RUN_N_CTX, max_branches=1, kernels=kernels,
+                    draft_head=head_tokens)
+    drafter = make_drafter(config, n_vocab=0, n_threads=threads, n_threads_batch=threads)(prompt, text, True)   # the same drafter, or translating through text (chat format)
     inner = getattr(drafter, "drafter", drafter)          # the draft model itself (a translating drafter's inner one)
     drafter.prefill(prompt)
     n_max = getattr(drafter, "ahead_chunk", 1)

@@ -1,4 +1,5 @@
-"""The digital twin: the real Head scheduler (head.py) against a simulated pipeline in virtual time.
+"""The digital twin: the real generation loop (ranks/scheduler.py, head.py) against a simulated pipeline in
+virtual time.
 
 Nothing here touches MPI or llama.cpp. `SimPipeline` has the interface of pipeline.Pipeline and plays
 the cluster (cluster.py describes it) as a discrete-event simulation:
@@ -18,7 +19,7 @@ the cluster (cluster.py describes it) as a discrete-event simulation:
 
 The target's token after every output row comes from a reference sequence, so verification, the
 cutoffs, multibuffering, cancellation and compaction all run the real code. The Head reads the
-virtual clock (Head(clock=...)), so Stats, --results rows and `pipeinfer plot` work unchanged.
+virtual clock (Scheduler(clock=...)), so Stats, --results rows and `pipeinfer plot` work unchanged.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import numpy as np
 from ..core.kvplan import PartitionPool, cells_reserve, lane_count, plan_partitions
 from ..core.metrics import Stats
 from ..core.protocol import HEADER_LEN, NO_RUN, Batch, Kind, kv_ops
-from ..ranks.head import GenConfig, Head, auto_p_recovery
+from ..ranks.head import GenConfig, auto_p_recovery
 from ..ranks.pipeline import Result
 from ..ranks.scheduler import Request, Scheduler, SchedulerStats
 from ..drafters.drafter import Cutoffs, DraftNode, ReplayDrafter
@@ -481,7 +482,7 @@ def _replay_drafter(ref: list[int], seed: int, cost: SimDraftCost, agreement: fl
 def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prompt: int = 64,
              reference: list[int] | None = None, max_in_flight: int = 8, seed: int = 0,
              propose: float = 1.0, confidence: list | None = None) -> SimResult:
-    """Run the real Head on the twin: one generation of gen.n_predict tokens in virtual time. The draft
+    """Run the real loop on the twin: one generation of gen.n_predict tokens in virtual time. The draft
     agrees with probability `agreement` and proposes at `propose` of its calls, or, given `confidence`
     (measured (confidence, right) pairs), as those pairs and the cutoff decide."""
     clock = VirtualClock()
@@ -494,15 +495,14 @@ def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prom
         n_part, n_seq_max = plan_partitions(gen.cut.max_branches, max_in_flight)
         pool = PartitionPool(n_part, gen.cut.max_branches, n_seq_max)
         drafter = _replay_drafter(ref, seed, SimDraftCost(cluster, clock, pipe), agreement, propose, confidence)
-    head = Head(pipe, gen, pool, drafter, clock=clock)
-    tokens = head.generate(ref[:n_prompt])
+    sched = Scheduler(pipe, gen, n_stages=cluster.n_ranks, pool=pool, drafter_for=lambda *_: drafter, clock=clock)
+    tokens, stats = sched.generate(Request(ref[:n_prompt], gen.n_predict, gen.sampling))
     expect = ref[n_prompt:n_prompt + len(tokens)]
     if tokens != expect:
         raise RuntimeError("internal: the twin's output differs from its reference")
     stages = pipe.stage_stats()
-    head.stats.stage_stats = stages
-    head.stats.n_kv0 = head.n_kv0
-    return SimResult(tokens, head.stats, stages, gen.p_recovery)
+    stats.stage_stats = stages
+    return SimResult(tokens, stats, stages, gen.p_recovery)
 
 
 # ==================================================================== several clients at once (ranks/scheduler.py)
@@ -664,7 +664,7 @@ def simulate_clients(cluster: Cluster, gen: GenConfig, *, n_clients: int | None 
         need = 2 * n_parallel * (n_prompt + gen.n_predict) if n_parallel > 1 else n_prompt + gen.n_predict
         n_ctx = max(gen.n_ctx, need + cells_reserve(n_part, gen.cut.n_max) * (1 + n_lanes))
     sched = Scheduler(pipe, replace(gen, n_ctx=n_ctx), n_stages=cluster.n_ranks, n_parallel=n_parallel, pool=pool,
-                      n_part=n_part, drafter_for=drafter_for, clock=clock)
+                      drafter_for=drafter_for, clock=clock)
     pipe.reference_of = lambda run_id: clients.reference_of_prompt(sched.owner[run_id].req.prompt)
     if n_clients is not None:
         clients.closed_loop = True

@@ -71,6 +71,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -533,3 +534,13 @@ def mpi_rank() -> int:
     """This process's rank as its launcher numbered it; 0 without one. No MPI call."""
     launched = launcher_world(os.environ)
     return launched.rank if launched else 0
+
+
+def signal_to_pass_on(mpi: str, signum: int, first: bool) -> int:
+    """The signal the MPI's launcher gets when this process gets `signum`. The first asks the job to stop cleanly:
+    MPICH's mpiexec forwards SIGINT and SIGTERM to every rank; Open MPI's mpirun answers them by killing the ranks
+    (SIGTERM, then SIGKILL 1 s later) but forwards SIGUSR1 as it is, which the ranks take as a stop
+    (cli/guard.StopSignals). A later one ends the job the MPI's own way."""
+    if mpi == "openmpi":
+        return signal.SIGUSR1 if first else signal.SIGTERM
+    return signum

@@ -1,0 +1,107 @@
+"""The run's configuration: every option of a pipeline run, typed, built once from the command line
+(cli/options.py: config_from_options), checked once, and handed whole to every rank (ranks/startup.py) and to
+a supervised job (server/supervisor.py, as JSON).
+
+The ranks derive what they run from it: the head's GenConfig (ranks/startup.py, with what start-up measured),
+the drafter (drafters/factory.make_drafter), the stage engines. Adding an option: a field here, a click option
+in cli/options.py, and the code that reads it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+from .errors import UserError
+from .verify import SamplingParams
+
+MODES = ("iterative", "speculative", "pipeinfer")
+KERNELS = ("repack", "no-repack", "fast")   # engine/kernels.py: what each means
+DEFAULT_KERNELS = "repack"
+# --draft-head auto: the draft's output projection pruned to the most frequent 65,536 tokens (drafters/drafter.py)
+DRAFT_HEAD_AUTO = 65536
+DEFAULT_DRAFT_MAX = 4  # --draft-max when not given: at most this, within the exact batch limit (engine/kernels.py)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every option of a pipeline run, resolved: file paths, not registry names; the drafter and where it runs
+    decided (never "auto")."""
+    model: str                              # the target GGUF's path
+    mode: str = "pipeinfer"                 # iterative | speculative | pipeinfer
+    # ---- the stages
+    layer_split: str | None = None          # balanced | even | auto | fractions (core/topology.plan_layers)
+    threads: str | None = None              # per rank: one value or a,b,c (None: cores / ranks)
+    threads_batch: str | None = None        # per rank, batch decodes (None: threads)
+    n_ctx: int = 4096
+    n_batch: int = 512                      # largest batch a stage decodes (prompt chunks)
+    kernels: str = DEFAULT_KERNELS          # engine/kernels.py: repack | no-repack | fast
+    # ---- the draft
+    draft: str | None = None                # the draft GGUF's path (None: no draft model)
+    drafter: str = "ngram"                  # model | ngram | replay
+    drafter_asked: bool = True              # False: chosen for the user (the statistics say how to give a better one)
+    draft_vocab: str = "auto"               # auto | same | translate
+    draft_at: str = "head"                  # head (in series) | thread (beside, rank 0) | rank (its own, the last)
+    draft_threads: int | None = None        # None: ranks/draft_rank.draft_thread_count
+    draft_head: int | None = DRAFT_HEAD_AUTO  # tokens the draft's output head keeps (None: all)
+    draft_max: int | None = None            # draft tokens per micro-batch (None: within the exact batch limit)
+    adaptive_draft: bool = True             # --micro-batch auto: size micro-batches by measured stage costs
+    replay_ref: str | None = None           # replay drafter: JSON of an earlier --json run
+    replay_accuracy: float = 0.8            # replay drafter: probability each proposal is right
+    # ---- speculation
+    p_accept: float = 0.5
+    p_split: float = 0.1
+    p_recovery: float | None = None         # None: auto_p_recovery(ranks), resolved at start-up
+    p_decay: float = 0.0
+    max_branches: int = 1
+    max_in_flight: int = 8
+    cancel: bool = True
+    continuous: bool = True
+    quiet_first: bool = True
+    # ---- generations
+    n_predict: int = 128                    # tokens per answer unless a request says otherwise
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_at_eos: bool = True
+    parallel: int | None = 1                # generations at once (None: 2 per stage, resolved at start-up)
+    # ---- the wire
+    poll_s: float = 0.0005                  # sleep between message probes while waiting
+    stall_timeout: float = 60.0             # wire/liveness.py: a rank silent this long ends the job (0: only losses)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r} (one of {', '.join(MODES)})")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"unknown kernels {self.kernels!r} (one of {', '.join(KERNELS)})")
+        if self.draft_at not in ("head", "thread", "rank"):
+            raise ValueError(f"--draft-at {self.draft_at!r} is not resolved (head, thread or rank)")
+        if self.mode == "speculative" and self.parallel not in (None, 1):
+            raise ValueError("--mode speculative runs one request at a time (--parallel 1)")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Config:
+        raw = json.loads(text)
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise ValueError(f"configuration has unknown options: {', '.join(unknown)}")
+        raw["sampling"] = SamplingParams(**raw.get("sampling", {}))
+        return cls(**raw)
+
+
+def cells_reserve(config: Config) -> int:
+    """KV cells the runs in flight may take beyond the prompt and the answer (auto --draft-max: at most the
+    default)."""
+    from .kvplan import cells_reserve as reserve, plan_partitions
+    n_part = 0 if config.mode == "iterative" else plan_partitions(config.max_branches, config.max_in_flight)[0]
+    return reserve(n_part, config.draft_max or DEFAULT_DRAFT_MAX)
+
+
+def check_fits(config: Config, n_prompt: int, n_predict: int) -> None:
+    """The one context-fit check of the front ends: a prompt and its answer fit the context beside the runs in
+    flight (the scheduler checks the same against the context as the stages planned it)."""
+    reserve = cells_reserve(config)
+    if n_prompt + n_predict + reserve > config.n_ctx:
+        raise UserError(f"prompt of {n_prompt} tokens + {n_predict} to generate + {reserve} for runs in flight does "
+                        f"not fit the context of {config.n_ctx} tokens (-c/--ctx-size)")

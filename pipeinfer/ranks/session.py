@@ -1,0 +1,114 @@
+"""Rank 0's end of a loaded pipeline, the API every front end uses: requests go into the one generation loop
+(scheduler.py), one at a time (`generate`) or several at once (`scheduler()` + `request`), and `close` shuts the
+pipeline down and gathers every rank's statistics. startup.open_session makes it."""
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass, field
+
+from ..core.config import Config
+from ..core.kvplan import PartitionPool, garbage_seq
+from ..core.metrics import Stats
+from ..core.topology import LayerRange
+from ..wire.transport import polite_barrier
+from .head import GenConfig
+from .scheduler import Request, Scheduler
+
+
+@dataclass
+class RunResult:
+    tokens: list[int]
+    stats: Stats
+    ranges: list[LayerRange]
+    peak_rss_mb: list[float]
+    probe_ms_per_layer: list[float] | None = None  # --layer-split auto's measurements, one per rank
+    p_recovery: float = 0.0                         # the recovery factor used (-pr auto resolved)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+@dataclass
+class HeadSession:
+    """Rank 0's end of a loaded pipeline: the scheduler of every generation on it, then the pipeline's shutdown."""
+    config: Config                      # the run's configuration, resolved (parallel: a number)
+    cfg: GenConfig                      # resolved: draft max, n_batch, n_ctx, p_recovery
+    comm: object
+    engine: object
+    transport: object
+    pipe: object
+    pool: PartitionPool | None
+    drafter_for: object                 # callable(prompt tokens, prompt text, chat) -> Drafter, or None
+    tok: object
+    eos: set[int]
+    ranges: list[LayerRange]
+    exact_per_rank: list[int | None]
+    n_seq_max: int
+    probe_ms: list[float] | None = None
+    live: object = None                 # liveness.Liveness (several ranks)
+    beside: object = None               # the drafter beside the pipeline (ThreadDrafter, or the draft rank's client)
+    last_tokens: list[int] = field(default_factory=list)
+    n_generations: int = 0
+    _n_runs: int = 0
+    _sched: Scheduler | None = None
+
+    @property
+    def parallel(self) -> int:
+        """Generations at once on this pipeline."""
+        return self.config.parallel
+
+    def scheduler(self) -> Scheduler:
+        """The one loop of every generation on this pipeline: submit Requests made by `request` and step it."""
+        if self._sched is None:
+            self._sched = Scheduler(self.pipe, self.cfg, n_stages=self.pipe.topo.n_ranks,
+                                    n_parallel=self.config.parallel, pool=self.pool, drafter_for=self.drafter_for,
+                                    eos=self.eos)
+        return self._sched
+
+    def load(self) -> dict:
+        """What the pipeline holds now, for /health (read from another thread: a snapshot, not a lock)."""
+        sched = self._sched
+        return {"generating": len(sched.gens) if sched else None, "waiting": len(sched.waiting) if sched else 0,
+                "most_generating": sched.stats.max_active if sched else None,
+                "runs_in_flight": len(self.pipe.in_flight),
+                "partitions_free": self.pool.n_free if self.pool else 0,
+                "partitions": self.pool.n_partitions if self.pool else 0}
+
+    def request(self, prompt: list[int], *, n_predict: int | None = None, sampling=None, prompt_text: str | None = None,
+                chat: bool = False, on_tokens=None, on_progress=None, should_stop=None, on_done=None,
+                replay=()) -> Request:
+        """A Request for `scheduler()`; on_done(tokens, stats) gets the statistics `generate` reports."""
+        def done(tokens: list[int], stats: Stats) -> None:
+            self._n_runs += stats.n_runs
+            self.n_generations += 1
+            stats.kernels, stats.exact_batch, stats.draft_at = self.config.kernels, self.exact_per_rank, self.config.draft_at
+            if on_done is not None:
+                on_done(tokens, stats)
+        return Request(list(prompt), self.cfg.n_predict if n_predict is None else n_predict,
+                       self.cfg.sampling if sampling is None else sampling, prompt_text, chat, on_tokens, should_stop,
+                       done, on_progress=on_progress, replay=list(replay))
+
+    def generate(self, prompt: list[int], **request) -> Stats:
+        """One generation to its end (keyword arguments as `request`); its tokens are in `last_tokens`."""
+        self.last_tokens, stats = self.scheduler().generate(self.request(prompt, **request))
+        return stats
+
+    def close(self) -> tuple[list[dict], list[float]]:
+        """Shut the pipeline down; every rank's stage statistics (worker.StageStats as dicts, rank 0 first)
+        and peak RSS (MiB)."""
+        from .worker import StageStats
+        head_stage = StageStats(rank=0, n_decoded=self._n_runs, t_idle_s=self.transport.t_wait_s if self.transport else 0.0,
+                                kv=self.engine.kv_summary(exclude=garbage_seq(self.n_seq_max)),
+                                bytes_sent=self.transport.bytes_sent if self.transport else 0)
+        self.pipe.shutdown()
+        if self.beside is not None:
+            self.beside.close()
+        polite_barrier(self.comm, self.config.poll_s)
+        stage_stats = self.comm.gather(None, root=0)[1:]
+        rss = self.comm.gather(peak_rss_mb(), root=0)
+        if self.live is not None:
+            self.live.close()
+        self.tok.close()
+        self.engine.close()
+        return [vars(head_stage)] + stage_stats, rss

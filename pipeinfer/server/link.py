@@ -1,0 +1,222 @@
+"""The supervisor <-> rank 0 link of a supervised server (supervisor.py <-> attach.py): its messages, declared
+once, and the socket that carries them.
+
+One JSON object per line each way over a local Unix socket, `{"op": ..., field: value, ...}`. It stays JSON
+(unlike the MPI messages, core/protocol): it carries start-up and control at a low rate, a few dozen bytes per
+token, and a line of it reads as it is in a log.
+
+    supervisor -> rank 0:  Job (op "job"), Cancel ("cancel"), Stop ("stop")
+    rank 0 -> supervisor:  Ready ("ready", once, when it attaches), Tokens ("tokens"), Done ("done"),
+                           JobError ("error": a job rank 0 refused)
+
+A line that is not one of these (not JSON, an unknown op, a field missing, unknown or of the wrong type) raises
+LinkError with one line saying which.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import types
+import typing
+from dataclasses import MISSING, dataclass, fields
+from typing import ClassVar, Iterator, Union
+
+
+class LinkError(ValueError):
+    """A line that is not a message of this link."""
+
+
+class LinkClosed(OSError):
+    """A send on a link that was closed."""
+
+
+# ------------------------------------------------------------------------------------ supervisor -> rank 0
+@dataclass(frozen=True)
+class Job:
+    """Generate for a request: its prompt, the tokens it already streamed (`replay`: decoded again as they first
+    were, after a re-form) and how many more to generate."""
+    op: ClassVar[str] = "job"
+    id: int
+    prompt: list[int]
+    replay: list[int]
+    n_predict: int
+    sampling: tuple[float, int, float, int]  # temp, top_k, top_p, seed (core.verify.SamplingParams's order)
+    prompt_text: str | None = None           # for the drafters that read text
+    chat: bool = False
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Stop that request's runs (its client left, or a stop string matched); rank 0 still answers Done."""
+    op: ClassVar[str] = "cancel"
+    id: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Finish the jobs in flight, then end the pipeline."""
+    op: ClassVar[str] = "stop"
+
+
+# ------------------------------------------------------------------------------------ rank 0 -> supervisor
+@dataclass(frozen=True)
+class Ready:
+    """Rank 0 attached: the job's target ranks, how many generations it runs at once, every rank's (host, pid)
+    (the supervisor names a rank that the launcher reports by its pid) and the bytes each rank's host had
+    available before the job loaded its model (what a re-form on fewer hosts is checked against)."""
+    op: ClassVar[str] = "ready"
+    ranks: int
+    parallel: int
+    ranks_at: list[tuple[str, int]]
+    mem_available: list[int]
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A request's next tokens."""
+    op: ClassVar[str] = "tokens"
+    id: int
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class Done:
+    """A request finished: its statistics (core.metrics.Stats.to_dict)."""
+    op: ClassVar[str] = "done"
+    id: int
+    stats: dict
+
+
+@dataclass(frozen=True)
+class JobError:
+    """Rank 0 refused a request (it does not fit): the reason, for its client."""
+    op: ClassVar[str] = "error"
+    id: int
+    message: str
+
+
+TO_RANK0 = (Job, Cancel, Stop)
+TO_SUPERVISOR = (Ready, Tokens, Done, JobError)
+Message = Union[Job, Cancel, Stop, Ready, Tokens, Done, JobError]
+BY_OP: dict[str, type] = {cls.op: cls for cls in (*TO_RANK0, *TO_SUPERVISOR)}
+_HINTS = {cls: typing.get_type_hints(cls) for cls in BY_OP.values()}  # each field's type, read once
+
+
+def encode(msg: Message) -> str:
+    """`msg` as its line (newline included)."""
+    body = {"op": msg.op, **{f.name: getattr(msg, f.name) for f in fields(msg)}}
+    return json.dumps(body, separators=(",", ":")) + "\n"
+
+
+def decode(line: str, expected: tuple[type, ...] = (*TO_RANK0, *TO_SUPERVISOR)) -> Message:
+    """The message on `line`, one of `expected` (the kinds this end receives); LinkError where it is not."""
+    try:
+        body = json.loads(line)
+    except ValueError as e:
+        raise LinkError(f"not a JSON line: {e}: {line.strip()[:120]!r}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("op"), str):
+        raise LinkError(f"not a message (an object with an \"op\"): {line.strip()[:120]!r}")
+    op = body.pop("op")
+    cls = BY_OP.get(op)
+    if cls not in expected:
+        what = "unknown op" if cls is None else "op going the other way:"
+        raise LinkError(f"{what} {op!r} (this end takes: {', '.join(c.op for c in expected)})")
+    hints = _HINTS[cls]
+    declared = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(body) - set(declared))
+    if unknown:
+        raise LinkError(f"{op}: unknown field(s) {', '.join(unknown)}")
+    for name, f in declared.items():
+        if name not in body:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise LinkError(f"{op}: field {name!r} missing")
+            continue
+        if not _fits(body[name], hints[name]):
+            raise LinkError(f"{op}: field {name!r} is not {_type_name(hints[name])}: {body[name]!r:.80}")
+    return cls(**{name: _as_declared(value, hints[name]) for name, value in body.items()})
+
+
+def _fits(value, hint) -> bool:
+    """Whether a decoded JSON value has the declared type (a tuple arrives as a list; an int is a float)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if isinstance(value, bool) and hint is not bool:  # JSON's true is no number
+        return False
+    if origin is list:
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
+    if origin is tuple:
+        return (isinstance(value, (list, tuple)) and len(value) == len(args)
+                and all(_fits(v, a) for v, a in zip(value, args)))
+    if hint is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, origin or hint)
+
+
+def _as_declared(value, hint):
+    """A value that _fits `hint` with its lists that are declared tuples made tuples (a message decodes equal to
+    the one encoded)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple:
+        return tuple(_as_declared(v, a) for v, a in zip(value, args))
+    if origin is list:
+        return [_as_declared(v, args[0]) for v in value]
+    return value
+
+
+def _type_name(hint) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
+class Link:
+    """One end of the socket, a message per line each way; sends from any thread, receives on one."""
+
+    def __init__(self, sock: socket.socket, receives: tuple[type, ...]):
+        self.sock = sock
+        self.receives = receives  # the kinds of message this end takes
+        self._out = sock.makefile("w", encoding="utf-8")
+        self._in = sock.makefile("r", encoding="utf-8")
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def connect(cls, path: str) -> Link:
+        """Rank 0's end: connect to the supervisor's socket."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        return cls(sock, TO_RANK0)
+
+    def send(self, msg: Message) -> None:
+        """OSError where the other end is gone (LinkClosed where this end was closed)."""
+        line = encode(msg)
+        with self._lock:
+            if self._closed:
+                raise LinkClosed(f"the link is closed ({msg.op} not sent)")
+            self._out.write(line)
+            self._out.flush()
+
+    def receive(self) -> Message | None:
+        """The next message; None once the other end closed the socket."""
+        line = self._in.readline()
+        return decode(line, self.receives) if line else None
+
+    def messages(self) -> Iterator[Message]:
+        while (msg := self.receive()) is not None:
+            yield msg
+
+    def close(self) -> None:
+        """Close from any thread: a receive blocked on the other end returns None."""
+        with self._lock:
+            self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected any more
+        for f in (self._out, self._in, self.sock):
+            try:
+                f.close()
+            except OSError:
+                pass  # the other end is gone already: nothing to flush

@@ -1,0 +1,220 @@
+"""The supervisor <-> rank 0 link (server/link.py): every message encodes to one JSON line and decodes to itself
+on the end that takes it; a line that is not one of them is one clear LinkError; and the two real ends
+(Supervisor and attach.run_attached, over a Unix socket) understand each other."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from pipeinfer.core.metrics import Stats
+from pipeinfer.core.verify import SamplingParams
+from pipeinfer.server import link
+
+WAIT_S = 20.0
+
+SAMPLES = [
+    link.Job(3, [1, 2, 3], [7, 8], 40, (0.7, 40, 0.9, 11), "lo ki", True),
+    link.Job(4, [5], [], 1, (0.0, 0, 1.0, 0)),
+    link.Cancel(3),
+    link.Stop(),
+    link.Ready(2, 4, [("node-a", 1201), ("node-b", 1202)], [2**33, 2**32]),
+    link.Tokens(3, [9, 10]),
+    link.Done(3, Stats(n_prompt=3, n_generated=2).to_dict()),
+    link.JobError(4, "prompt (5000 tokens) + max tokens (40) does not fit the context"),
+]
+
+
+def test_every_kind_of_message_has_a_sample():
+    assert {type(m) for m in SAMPLES} == set(link.BY_OP.values())
+    assert set(link.TO_RANK0) | set(link.TO_SUPERVISOR) == set(link.BY_OP.values())
+    assert not set(link.TO_RANK0) & set(link.TO_SUPERVISOR)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: m.op)
+def test_a_message_is_one_line_and_decodes_to_itself_on_the_end_that_takes_it(msg):
+    line = link.encode(msg)
+    assert line.endswith("\n") and "\n" not in line[:-1]
+    receiver = link.TO_RANK0 if isinstance(msg, link.TO_RANK0) else link.TO_SUPERVISOR
+    assert link.decode(line, receiver) == msg
+    other = link.TO_SUPERVISOR if receiver is link.TO_RANK0 else link.TO_RANK0
+    with pytest.raises(link.LinkError, match=f"^op going the other way: '{msg.op}' \\(this end takes: "):
+        link.decode(line, other)
+
+
+@pytest.mark.parametrize("line, error", [
+    ("nope", "not a JSON line: Expecting value"),
+    ("[1, 2]", 'not a message (an object with an "op")'),
+    ('{"id": 3}', 'not a message (an object with an "op")'),
+    ('{"op": "launch", "id": 3}', "unknown op 'launch' (this end takes: ready, tokens, done, error)"),
+    ('{"op": "tokens", "id": 3}', "tokens: field 'tokens' missing"),
+    ('{"op": "done", "stats": {}}', "done: field 'id' missing"),
+    ('{"op": "tokens", "id": 3, "tokens": [1], "rank": 2}', "tokens: unknown field(s) rank"),
+    ('{"op": "tokens", "id": "3", "tokens": [1]}', "tokens: field 'id' is not int: '3'"),
+    ('{"op": "tokens", "id": true, "tokens": [1]}', "tokens: field 'id' is not int: True"),
+    ('{"op": "tokens", "id": 3, "tokens": [1, 2.5]}', "tokens: field 'tokens' is not list[int]: [1, 2.5]"),
+    ('{"op": "ready", "ranks": 2, "parallel": 4, "ranks_at": [["a", 1, 2]], "mem_available": [1]}',
+     "ready: field 'ranks_at' is not list[tuple[str, int]]"),
+])
+def test_a_line_that_is_no_message_is_one_clear_error(line, error):
+    with pytest.raises(link.LinkError) as e:
+        link.decode(line, link.TO_SUPERVISOR)
+    assert str(e.value).startswith(error) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_job_without_its_optional_fields_takes_their_defaults():
+    line = '{"op":"job","id":1,"prompt":[2],"replay":[],"n_predict":3,"sampling":[0,0,1,0]}'
+    assert link.decode(line, link.TO_RANK0) == link.Job(1, [2], [], 3, (0, 0, 1, 0), None, False)
+
+
+def test_a_closed_link_refuses_to_send_and_its_reader_sees_the_end():
+    a, b = socket.socketpair()
+    near, far = link.Link(a, link.TO_RANK0), link.Link(b, link.TO_SUPERVISOR)
+    near.send(link.Tokens(1, [2]))  # (a rank 0 message on a socket pair: the direction is the receiver's)
+    assert far.receive() == link.Tokens(1, [2])
+    got = []
+    reader = threading.Thread(target=lambda: got.append(near.receive()))
+    reader.start()
+    near.close()
+    reader.join(WAIT_S)
+    assert not reader.is_alive() and got == [None]
+    with pytest.raises(link.LinkClosed):
+        near.send(link.Stop())
+    assert far.receive() is None
+    far.close()
+
+
+# ------------------------------------------------------------------------------------ the two real ends
+def letter(position: int) -> int:
+    return ord("a") + position % 26
+
+
+class LetterTokenizer:
+    def piece(self, token: int) -> bytes:
+        return bytes([token % 256])
+
+
+@dataclass
+class FakeRequest:
+    prompt: list[int]
+    n_predict: int
+    sampling: SamplingParams
+    prompt_text: str | None
+    chat: bool
+    on_tokens: object
+    should_stop: object
+    on_done: object
+    replay: list[int]
+    out: list[int] = field(default_factory=list)
+
+
+class FakeScheduler:
+    """What run_attached uses of ranks.scheduler.Scheduler: each step gives every request its next token (letter i
+    at position i of the answer, the replayed ones counted); a prompt over 8 tokens does not fit (ValueError)."""
+
+    def __init__(self):
+        self.waiting: list = []
+        self.running: list[FakeRequest] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
+
+    def submit(self, req: FakeRequest) -> None:
+        if len(req.prompt) > 8:
+            raise ValueError(f"prompt ({len(req.prompt)} tokens) does not fit")
+        self.running.append(req)
+
+    def step(self) -> None:
+        for req in list(self.running):
+            if req.should_stop() or len(req.out) == req.n_predict:
+                self.running.remove(req)
+                req.on_done(req.out, Stats(n_generated=len(req.out)))
+            else:
+                req.out.append(letter(len(req.replay) + len(req.out)))
+                req.on_tokens(req.out[-1:])
+        time.sleep(0.001)
+
+
+class FakeSession:
+    """What run_attached uses of a head session (ranks/session.py), without a pipeline."""
+    live = None
+    ranges = [(0, 2), (2, 4)]
+    parallel = 3
+
+    def __init__(self):
+        self.sched, self.requests = FakeScheduler(), []
+
+    def scheduler(self) -> FakeScheduler:
+        return self.sched
+
+    def request(self, prompt, *, n_predict, sampling, prompt_text, chat, on_tokens, should_stop, on_done,
+                replay=()) -> FakeRequest:
+        self.requests.append(FakeRequest(list(prompt), n_predict, sampling, prompt_text, chat, on_tokens,
+                                         should_stop, on_done, list(replay)))
+        return self.requests[-1]
+
+
+def outcome(job) -> tuple:
+    assert job.finished.wait(WAIT_S), "the request was left waiting"
+    return job.outcome
+
+
+def test_the_supervisor_and_rank0_understand_each_other(tmp_path):
+    """A Supervisor attached to run_attached (a fake session) over a Unix socket: Ready, a job with every field,
+    a resumed job (its replay), a refused one, a cancelled one, and Stop."""
+    from pipeinfer.server.app import _Answer
+    from pipeinfer.server.attach import run_attached
+    from pipeinfer.server.resume import StdoutJob
+    from pipeinfer.server.supervisor import Supervisor, _Record
+    path = str(tmp_path / "rank0.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    listener.settimeout(WAIT_S)
+    session, stop = FakeSession(), SimpleNamespace(requested=False)
+    rank0 = threading.Thread(target=run_attached, args=(session, path, stop), daemon=True)
+    rank0.start()
+    conn, _ = listener.accept()
+    fatal: list[str] = []
+    sup = Supervisor(["localhost", "localhost"], [], LetterTokenizer(), log=lambda _msg: None,
+                     on_fatal=fatal.append)
+    try:
+        sup._attach(conn)
+        assert sup.parallel == 3 and sup._pids == [os.getpid()] and sup._host_mem["localhost"] > 0
+        full = StdoutJob([1, 2], 12, SamplingParams(0.5, 40, 0.9, 7), "lo ki", True, as_json=True)
+        sup.submit(full)
+        assert outcome(full)[0] == "done" and full.tokens == [letter(i) for i in range(12)]
+        assert (session.requests[0].prompt, session.requests[0].sampling, session.requests[0].prompt_text,
+                session.requests[0].chat) == ([1, 2], SamplingParams(0.5, 40, 0.9, 7), "lo ki", True)
+
+        resumed = StdoutJob([1], 10, SamplingParams(), "lo", False, as_json=True)
+        rec = _Record(100, resumed, _Answer(resumed, sup.tok), tokens=[letter(0), letter(1), letter(2)])
+        with sup._lock:
+            sup._records[rec.jid] = rec
+            sup._send_job(rec)
+        assert outcome(resumed)[0] == "done" and rec.tokens == [letter(i) for i in range(10)]
+        assert session.requests[-1].replay == rec.tokens[:3] and session.requests[-1].n_predict == 7
+
+        refused = StdoutJob(list(range(20)), 5, SamplingParams(), None, False, as_json=True)
+        sup.submit(refused)
+        assert outcome(refused) == ("error", "prompt (20 tokens) does not fit")
+
+        threading.Thread(target=sup._watch_cancels, daemon=True).start()
+        endless = StdoutJob([1], 10**6, SamplingParams(), None, False, as_json=True)
+        sup.submit(endless)
+        endless.cancelled.set()
+        kind, info = outcome(endless)
+        assert kind == "done" and info["finish_reason"] == "cancelled", info
+    finally:
+        sup.stop()
+        listener.close()
+        shutil.rmtree(sup._dir, ignore_errors=True)
+    rank0.join(WAIT_S)
+    assert not rank0.is_alive() and not fatal
