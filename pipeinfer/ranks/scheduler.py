@@ -223,7 +223,7 @@ class Scheduler:
             self._admit()
         if not self.gens:
             return
-        if self._cells_short():
+        if self._cells_short() and not all(g.head.done for g in self.gens):  # done ones only drain: no new cells
             self._compact()
             return
         holder = self._lease()
