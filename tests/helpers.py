@@ -366,15 +366,11 @@ class Job:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=tagged_env(self.tag, env), cwd=tmp,
                                          start_new_session=True)
 
-    def wait_for_text(self, n_bytes: int = 200, timeout: float = 120, after_first_line: bool = False) -> None:
-        """Until n_bytes of text are on stdout (with after_first_line, after `pipeinfer launch`'s command line)."""
-        def n_text() -> int:
-            text = self.out.read_bytes()
-            return len(text.partition(b"\n")[2]) if after_first_line else len(text)
-
+    def wait_for_text(self, n_bytes: int = 200, timeout: float = 120) -> None:
+        """Until n_bytes of text are on stdout."""
         def enough() -> bool:
             assert self.proc.poll() is None, f"ended with {self.proc.returncode} before any text:\n{self.stderr()}"
-            return n_text() >= n_bytes
+            return self.out.stat().st_size >= n_bytes
         wait_until(enough, timeout, lambda: f"no text:\n{self.stderr()}", every=0.05)
 
     def signal_rank(self, rank: int, sig: int) -> None:

@@ -103,6 +103,7 @@ def test_speculative_one_and_three_ranks(qwen, code_prompt, reference, n_ranks, 
     assert out["stats"]["n_draft_accepted"] > 0, out["stats"]
 
 
+@pytest.mark.slow  # 256 tokens of the real 1.5B model, 1 thread per rank: 45 s here, 53-56 s with a core busy
 def test_speculative_256_tokens_two_ranks(qwen, code_prompt, reference):
     out = mpirun(2, {"model": qwen, "prompt": code_prompt, "n": 256, "n_ctx": 1024, "mode": "speculative",
                      "drafter": "ngram", "p_accept": 0.5}, timeout=900)
@@ -114,6 +115,7 @@ def test_speculative_256_tokens_two_ranks(qwen, code_prompt, reference):
 # its attention sums the canonical prefix in the same order as a plain run and the output is exact even
 # through near-ties (this prompt has a top-2 margin of 0.013 at token 20). n_ctx 640 makes retired
 # cells fill the cache: the run compacts on the way.
+@pytest.mark.slow  # 256 tokens of the real 1.5B model, 1 thread per rank: 45 s here, 59-60 s with a core busy
 def test_pipeinfer_256_tokens_two_ranks(qwen, code_prompt, reference):
     # fixed 4-token micro-batches: enough cancelled cells that the 640-cell context needs compacting
     out = mpirun(2, {"model": qwen, "prompt": code_prompt, "n": 256, "n_ctx": 640, "mode": "pipeinfer",

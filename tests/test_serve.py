@@ -258,6 +258,7 @@ def srv_model(models) -> str:
 
 
 @pytest.mark.real
+@pytest.mark.slow  # the real 1.5B model in a server and in generate: 37 s here, 48 s with a core busy, 145 s with two
 def test_real_qwen_chat_equals_generate(tmp_path):
     """The default model and draft (Qwen2.5-Coder-1.5B, Gemma 3 270M through text) served on 2 ranks: a chat
     answer is the text `pipeinfer generate -p` prints for the same prompt."""

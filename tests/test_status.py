@@ -171,6 +171,7 @@ def test_cli_on_a_terminal_streams_text_above_the_status(models, n_ranks):
     assert "generation speed" in out.split("\x1b[r")[-1]  # the final statistics come after
 
 
+@pytest.mark.mpi
 def test_no_status_when_mpiexec_output_is_piped(models):
     p = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pipeinfer", "generate", "-m",
                         str(models["f32"]), "-p", "hi", "-n", "6", "--ignore-eos"], capture_output=True, text=True,

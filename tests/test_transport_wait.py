@@ -11,6 +11,7 @@ from helpers import MPIEXEC, ROOT
 from pipeinfer.wire.transport import FINE_LEAD_S, FINE_POLL_S, FINE_SPAN_S, ArrivalWindow, poll_sleep_s
 
 
+@pytest.mark.mpi
 def test_a_message_that_came_while_the_rank_slept_is_seen_at_the_first_look():
     cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(ROOT / "tests" / "mpi_probe.py")]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

@@ -59,7 +59,7 @@ def main() -> None:
 @click.option("--resume-on-failure", is_flag=True, help="the same as --np/--hostfile's supervision (which it needs)")
 def generate(**kw) -> None:
     """Generate text with the target model split across the MPI ranks."""
-    run_guarded(lambda kw: _generate(GenerateArgs.of(kw)), kw)
+    run_guarded(_generate, kw)
 
 
 @dataclass(frozen=True)
@@ -99,14 +99,15 @@ class Prompt:
     name: str          # the prompt_name column of --results
 
 
-def _generate(args: GenerateArgs) -> None:
+def _generate(kw: dict) -> None:
     """Every rank: the options resolved and the prompt read; rank 0 tokenizes and streams the answer, then
     reports; the other ranks serve the pipeline."""
-    if args.np or args.hostfile or args.resume_on_failure or args.rejoin:
-        return _generate_supervised(args)
-    from mpi4py import MPI
+    if kw["np"] or kw["hostfile"] or kw["resume_on_failure"] or kw["rejoin"]:
+        return _generate_supervised(GenerateArgs.of(kw))  # outside mpiexec: this process must not start MPI
+    from mpi4py import MPI  # first: an error in the options then ends the whole job in one line (guard.die)
 
     from ..ranks.startup import run
+    args = GenerateArgs.of(kw)
     config = args.config
     if args.prompts:
         return _generate_batch(args)
@@ -274,7 +275,7 @@ def _print_report(config: Config, res) -> None:
 @click.option("--attach", default=None, hidden=True, help="rank 0 of a supervised job: the supervisor's socket")
 def serve(**kw) -> None:
     """Serve the model over an OpenAI-compatible HTTP API from rank 0 (streaming and not)."""
-    run_guarded(lambda kw: _serve(ServeArgs.of(kw)), kw)
+    run_guarded(_serve, kw)
 
 
 @dataclass(frozen=True)
@@ -301,12 +302,14 @@ class ServeArgs:
         return cls(config, kw["model"], **own_fields(cls, kw, skip=("config", "model_name")))
 
 
-def _serve(args: ServeArgs) -> None:
-    if args.np or args.hostfile:
-        return _supervise(args)
-    if args.rejoin:
+def _serve(kw: dict) -> None:
+    if kw["np"] or kw["hostfile"]:
+        return _supervise(ServeArgs.of(kw))  # outside mpiexec: this process must not start MPI
+    if kw["rejoin"]:
         raise UserError("--rejoin needs --np N or --hostfile HOSTS (a supervised server, run without mpiexec)")
-    from mpi4py import MPI
+    from mpi4py import MPI  # first: an error in the options then ends the whole job in one line (guard.die)
+
+    args = ServeArgs.of(kw)
 
     from ..ranks.startup import open_session
     rank = MPI.COMM_WORLD.Get_rank()

@@ -275,12 +275,11 @@ class Scheduler:
         return bound + len(self.gens) + self.reserve > self.cfg.n_ctx
 
     def _compact(self) -> None:
-        """Collect every run in flight, then have every stage keep only the live canonical sequences, repacked."""
+        """Collect every run in flight, then have every stage keep only the canonical sequences of the generations
+        still here, repacked (one that ended while its runs were collected keeps its cells: it is finished after)."""
         while self.pipe.in_flight:
             res = self.pipe.next_result()
             self.owner.pop(res.run_id).head.handle(res)
-        for g in [g for g in self.gens if g.head.done]:
-            self._finish(g)
         live = [self._canon[g.lane] for g in self.gens]
         self.pipe.kv(kv_ops(*[compact(s) for s in live]) if live else kv_ops(rm(-1)))
         for g in self.gens:
@@ -289,9 +288,10 @@ class Scheduler:
         self._dirty.clear()
         self.n_cells_dead = 0
         self.stats.n_compactions += 1
+        for g in [g for g in self.gens if g.head.done]:
+            self._finish(g)
         for g in self.gens:
-            if not g.head.done:
-                g.head.cover()
+            g.head.cover()
 
     # ================================================================ the drafter's lease
     def _lease(self) -> _Gen | None:
