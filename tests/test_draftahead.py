@@ -11,7 +11,7 @@ from pipeinfer.drafters import draftahead
 from pipeinfer.drafters.draftahead import DraftClient, DraftService, ThreadDrafter, common_prefix, queue_pair
 from pipeinfer.drafters.drafter import Cutoffs, DraftNode
 from pipeinfer.core.protocol import Ctrl, DraftCtrl, Proposal, ProtocolError
-from test_head_logic import FakePipeline, ToyDrafter, assert_clean_end, run_head
+from toy import FakePipeline, ToyDrafter, assert_clean_end, run_head
 
 N_CTX, N_VOCAB = 4096, 1000
 

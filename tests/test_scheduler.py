@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from test_head_logic import FakePipeline, KvError, ToyDrafter, ToyStage, logits_flat, logits_greedy, target_alone
+from toy import FakePipeline, KvError, ToyDrafter, ToyStage, logits_flat, logits_greedy, target_alone
 
 from pipeinfer.core.kvplan import PartitionPool, lane_canonical, lane_seq_max, plan_partitions
 from pipeinfer.core.protocol import KvOp

@@ -3,7 +3,7 @@ each request answered from its own reference, throughput near the stages' limit 
 generation, one client as fast as simulate()'s PipeInfer, Poisson arrivals, and `pipeinfer plan --clients`."""
 import pytest
 
-from test_twin import equal_stages, gen, hand_profile
+from twin_cases import equal_stages, gen, hand_profile
 
 from pipeinfer.twin import sim
 from pipeinfer.twin.cluster import Link
