@@ -359,7 +359,8 @@ def _supervise(args: ServeArgs) -> None:
     def on_done(job, stats, finish, n_resumes=0):
         _served_row(args, [None] * len(sup.slots), job, stats, finish, resumed_status(n_resumes))
     sup = Supervisor(slots, child_args(sys.argv, "serve", {"--np", "--hostfile"}, {"--rejoin"}) + where.settings, tok,
-                     on_done=on_done, footprint=where.footprint, rejoin=args.rejoin, draft=where.draft)
+                     on_done=on_done, footprint=where.footprint, rejoin=args.rejoin, draft=where.draft,
+                     on_fatal=lambda why: stop.request("the pipeline failed"))
     try:
         sup.start()
         draft = f" and the draft on {where.draft.name}" if where.draft else ""
