@@ -1,6 +1,6 @@
 """The run's configuration: every option of a pipeline run, typed, built once from the command line
-(cli/options.py: config_from_options), checked once, and handed whole to every rank (ranks/startup.py) and to
-a supervised job (server/supervisor.py, as JSON).
+(cli/options.py: config_from_options), checked once, and handed whole to every rank (ranks/startup.py). A
+supervised job's rank 0 still rebuilds it from the options on its command line (server/supervisor.child_args).
 
 The ranks derive what they run from it: the head's GenConfig (ranks/startup.py, with what start-up measured),
 the drafter (drafters/factory.make_drafter), the stage engines. Adding an option: a field here, a click option
@@ -8,8 +8,7 @@ in cli/options.py, and the code that reads it.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 
 from .errors import UserError
 from .verify import SamplingParams
@@ -75,19 +74,6 @@ class Config:
             raise ValueError(f"--draft-at {self.draft_at!r} is not resolved (head, thread or rank)")
         if self.mode == "speculative" and self.parallel not in (None, 1):
             raise ValueError("--mode speculative runs one request at a time (--parallel 1)")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> Config:
-        raw = json.loads(text)
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - names)
-        if unknown:
-            raise ValueError(f"configuration has unknown options: {', '.join(unknown)}")
-        raw["sampling"] = SamplingParams(**raw.get("sampling", {}))
-        return cls(**raw)
 
 
 def cells_reserve(config: Config) -> int:
