@@ -37,6 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from ..core.decoding import Decoding, TokenLogprob
 from ..core.kvplan import PartitionPool, cells_reserve, lane_canonical, lane_count
 from ..core.metrics import Stats
 from ..core.protocol import compact, kv_ops, rm
@@ -86,6 +87,8 @@ class Request:
     t_queued_s: float = 0.0
     replay: list[int] = field(default_factory=list)  # tokens the answer already has (a resumed request, Head.start):
                                                      # n_predict, on_tokens and on_done count only those after them
+    decoding: Decoding = Decoding()                  # constraint, biases, penalties, log-probabilities (core/decoding)
+    on_logprobs: Callable[[list[TokenLogprob]], None] | None = None  # called just before on_tokens, one per token
 
     @property
     def need(self) -> int:

@@ -7,6 +7,7 @@ import resource
 from dataclasses import dataclass, field
 
 from ..core.config import Config
+from ..core.decoding import Decoding
 from ..core.kvplan import PartitionPool, garbage_seq
 from ..core.metrics import Stats
 from ..core.topology import LayerRange
@@ -77,7 +78,7 @@ class HeadSession:
 
     def request(self, prompt: list[int], *, n_predict: int | None = None, sampling=None, prompt_text: str | None = None,
                 chat: bool = False, on_tokens=None, on_progress=None, should_stop=None, on_done=None,
-                replay=()) -> Request:
+                replay=(), decoding=None, on_logprobs=None) -> Request:
         """A Request for `scheduler()`; on_done(tokens, stats) gets the statistics `generate` reports."""
         def done(tokens: list[int], stats: Stats) -> None:
             self._n_runs += stats.n_runs
@@ -87,7 +88,8 @@ class HeadSession:
                 on_done(tokens, stats)
         return Request(list(prompt), self.cfg.n_predict if n_predict is None else n_predict,
                        self.cfg.sampling if sampling is None else sampling, prompt_text, chat, on_tokens, should_stop,
-                       done, on_progress=on_progress, replay=list(replay))
+                       done, on_progress=on_progress, replay=list(replay), decoding=decoding or Decoding(),
+                       on_logprobs=on_logprobs)
 
     def generate(self, prompt: list[int], **request) -> Stats:
         """One generation to its end (keyword arguments as `request`); its tokens are in `last_tokens`."""
