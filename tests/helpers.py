@@ -107,7 +107,7 @@ def tagged_pids(tag: str) -> list[int]:
 
 def rank_pids(tag: str, attached: bool = False) -> dict[int, int]:
     """rank -> pid of the pipeinfer ranks of the job with this tag (MPICH's PMI_RANK, Open MPI's
-    OMPI_COMM_WORLD_RANK). attached: only a supervised job's ranks (`serve --attach`), not the supervisor's
+    OMPI_COMM_WORLD_RANK). attached: only a supervised job's ranks (`pipeinfer attach`), not the supervisor's
     one-rank `pipeinfer --version` probes."""
     out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -119,7 +119,7 @@ def rank_pids(tag: str, attached: bool = False) -> dict[int, int]:
         except OSError:
             continue
         rank = env.get("PMI_RANK", env.get("OMPI_COMM_WORLD_RANK"))
-        if rank is not None and b"pipeinfer" in cmd and (not attached or b"--attach" in cmd):
+        if rank is not None and b"pipeinfer" in cmd and (not attached or b"attach" in cmd):
             out[int(rank)] = int(pid)
     return out
 

@@ -198,23 +198,25 @@ def test_launch_serve_is_the_supervised_server(tmp_path):
 
 
 def test_supervised_placement_takes_the_hostfiles_settings(tmp_path):
-    from types import SimpleNamespace
+    from dataclasses import replace
 
+    from pipeinfer.core.config import Config
     from pipeinfer.server.supervisor import DraftHost, placement
     model = tmp_path / "m.gguf"
     model.write_bytes(b"x" * 1000)
     hf = tmp_path / "hosts"
     hf.write_text("a:2 # pipeinfer: threads=4 weight=2 mem=8\nb # pipeinfer: threads=2 weight=1\n")
-    setup = SimpleNamespace(model=str(model), draft=None, draft_at="thread")
+    setup = Config(str(model))
     where = placement(None, str(hf), setup, ["pipeinfer", "serve", "-m", str(model)])
     assert where.slots == ["a", "a", "b"]
-    assert where.settings == ["--threads", "4,4,2", "--layer-split", "0.4,0.4,0.2"]
+    assert (where.config.threads, where.config.layer_split) == ("4,4,2", "0.4,0.4,0.2")
     assert (where.footprint.weights_bytes, where.footprint.declared_gib) == (1000, {"a": 8.0})
-    assert placement(2, str(hf), setup, ["serve", "--threads", "1"]).settings == ["--layer-split", "0.5,0.5"]
+    user_threads = placement(2, str(hf), replace(setup, threads="1"), ["serve", "--threads", "1"]).config
+    assert (user_threads.threads, user_threads.layer_split) == ("1", "0.5,0.5")  # the user's option wins
     hf.write_text("a\nd # pipeinfer: role=draft threads=2\n")  # the draft host: the job's last rank
-    with_draft = SimpleNamespace(model=str(model), draft=str(model), draft_at="thread")
+    with_draft = Config(str(model), draft=str(model), drafter="model", draft_at="thread")
     where = placement(None, str(hf), with_draft, [])
-    assert where.slots == ["a"] and where.draft == DraftHost("d", ["--draft-at", "rank", "--draft-threads", "2"], 1000)
+    assert where.slots == ["a"] and where.draft == DraftHost("d", {"draft_at": "rank", "draft_threads": 2}, 1000)
     assert where.footprint.head_bytes == 0  # not beside rank 0 (until its host is lost)
     with pytest.raises(UserError, match="d has role=draft but this run has no draft model"):
         placement(None, str(hf), setup, [])

@@ -36,13 +36,33 @@ def stop_supervised(p: subprocess.Popen, tag: str) -> None:
 
 
 def test_per_rank_options_follow_the_slots_left():
-    from pipeinfer.server.supervisor import per_rank_args
-    args = ["-m", "x.gguf", "--layer-split", "0.2,0.3,0.5", "-t", "4,2,1", "--threads-batch=8,4,2", "-c", "2048",
-            "-tb", "3"]
-    assert per_rank_args(args, [0, 2], 3) == ["-m", "x.gguf", "--layer-split", "0.2,0.5", "-t", "4,1",
-                                               "--threads-batch=8,2", "-c", "2048", "-tb", "3"]
-    assert per_rank_args(args, [0, 1, 2], 3) == args      # every slot back (--rejoin): the first job's options
-    assert per_rank_args(["--layer-split", "auto"], [1], 2) == ["--layer-split", "auto"]  # re-measured anyway
+    from pipeinfer.core.config import Config
+    first = Config("x.gguf", layer_split="0.2,0.3,0.5", threads="4,2,1", threads_batch="3", n_ctx=2048)
+    assert first.for_places([0, 2], 3) == Config("x.gguf", layer_split="0.2,0.5", threads="4,1", threads_batch="3",
+                                                 n_ctx=2048)
+    assert first.for_places([0, 1, 2], 3) == first  # every slot back (--rejoin): the first job's configuration
+    assert Config("x.gguf", layer_split="auto").for_places([1], 2).layer_split == "auto"  # re-measured anyway
+
+
+def test_the_configuration_travels_whole_as_json():
+    from pipeinfer.core.config import Config
+    from pipeinfer.core.verify import SamplingParams
+    config = Config("x.gguf", mode="speculative", threads="2,1", sampling=SamplingParams(0.7, 40, 0.9, -3),
+                    draft="d.gguf", drafter="model", draft_at="thread", parallel=None, poll_s=0.001)
+    assert Config.from_json(config.to_json()) == config
+    with pytest.raises(ValueError, match="unknown fields"):
+        Config.from_json('{"model": "x.gguf", "no_such_option": 1}')
+    with pytest.raises(ValueError, match="not a pipeinfer configuration"):
+        Config.from_json("[1, 2]")
+
+
+def test_a_configuration_that_contradicts_itself_is_refused_however_made():
+    from dataclasses import replace
+
+    from pipeinfer.core.config import Config
+    from pipeinfer.core.errors import UserError
+    with pytest.raises(UserError, match="--max-branches must be 1"):
+        replace(Config("x.gguf", max_branches=2), draft_at="rank")  # a hostfile's draft host on a tree run
 
 
 @pytest.fixture(scope="module")

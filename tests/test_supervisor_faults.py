@@ -97,7 +97,7 @@ class FakeLauncher:
         self.n_jobs = 0
         self.launching = threading.Event()  # the faulty launch has begun
 
-    def __call__(self, slots: list[str], args: list[str], hostfile: str) -> list[str]:
+    def __call__(self, slots: list[str], args: list[str], hostfile: str, environ=None) -> list[str]:
         if args == ["--version"]:
             if self.probe_fault is not None:
                 raise self.probe_fault
@@ -110,7 +110,7 @@ class FakeLauncher:
                 assert self.gate.wait(WAIT_S), "the test never released the faulty launch"
             raise fault
         fail_after = self.fail_after if self.n_jobs == 1 else None
-        return [sys.executable, __file__, "rank0", args[args.index("--attach") + 1], ",".join(slots),
+        return [sys.executable, __file__, "rank0", args[args.index("attach") + 1], ",".join(slots),
                 str(fail_after or 0), str(self.n_jobs_first), "garble" if self.garble else "clean"]
 
     @classmethod
@@ -141,7 +141,8 @@ class Harness:
         monkeypatch.setattr(supervisor, "_launch_command", launcher)
         monkeypatch.setattr(supervisor, "REJOIN_CHECK_S", 0.05)
         self.launcher, self.logs, self.fatal_calls = launcher, [], []
-        self.sup = supervisor.Supervisor(list(slots), [], LetterTokenizer(), log=self.logs.append,
+        from pipeinfer.core.config import Config
+        self.sup = supervisor.Supervisor(list(slots), Config("fake.gguf"), LetterTokenizer(), log=self.logs.append,
                                          on_fatal=self.fatal_calls.append, rejoin=rejoin)
 
     def job(self, n_predict: int):

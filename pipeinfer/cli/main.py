@@ -6,6 +6,7 @@ on any rank prints one line and ends the whole job with a non-zero status (MPI_A
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from ..core.files import prompt_path, read_prompt_file
 from ..core.results import append_result, stats_row
 from ..core.verify import SamplingParams
 from .guard import StopSignals, die, mpi_rank, mpi_size, run_guarded
-from ..core.config import Config, cells_reserve, check_fits
+from ..core.config import CONFIG_ENV, Config, cells_reserve, check_fits
 from .options import (config_from_options, draft_label, drafter_note, n_target_ranks, own_fields,
                       pipeline_options, supervision_options)
 from .status import StatusLine
@@ -272,7 +273,6 @@ def _print_report(config: Config, res) -> None:
 @supervision_options("every request")
 @click.option("--ignore-eos", is_flag=True, help="generate past the end-of-sequence token (every answer max_tokens "
               "long: load tests and benchmarks)")
-@click.option("--attach", default=None, hidden=True, help="rank 0 of a supervised job: the supervisor's socket")
 def serve(**kw) -> None:
     """Serve the model over an OpenAI-compatible HTTP API from rank 0 (streaming and not)."""
     run_guarded(_serve, kw)
@@ -291,7 +291,6 @@ class ServeArgs:
     np: int | None
     hostfile: str | None
     rejoin: bool
-    attach: str | None
 
     @classmethod
     def of(cls, kw: dict) -> ServeArgs:
@@ -312,20 +311,12 @@ def _serve(kw: dict) -> None:
     args = ServeArgs.of(kw)
 
     from ..ranks.startup import open_session
-    rank = MPI.COMM_WORLD.Get_rank()
-    if rank == 0 and not args.attach:
+    if MPI.COMM_WORLD.Get_rank() == 0:
         _check_port_free(args.host, args.port)  # before the models load
     # Ctrl-C or SIGTERM: rank 0 stops the server (below); a stage rank ends when the head shuts the pipeline down
     stop = StopSignals().install()
     session = open_session(args.config)
     if session is None:
-        return
-    if args.attach:  # rank 0 of a supervised server's job (supervisor.py): the supervisor has the HTTP side
-        from ..server.attach import run_attached
-        try:
-            run_attached(session, args.attach, stop)
-        finally:
-            session.close()
         return
     from ..server.app import Generator
 
@@ -345,11 +336,39 @@ def _serve(kw: dict) -> None:
         raise UserError(f"the pipeline failed: {generator.fatal}")
 
 
+@main.command(hidden=True)
+@click.argument("socket_path")
+def attach(socket_path: str) -> None:
+    """Every rank of a supervised job (server/supervisor.py starts it): the configuration from PIPEINFER_CONFIG;
+    rank 0 takes its requests from the supervisor's socket, the others serve the pipeline."""
+    run_guarded(_attach, {"socket_path": socket_path})
+
+
+def _attach(kw: dict) -> None:
+    from mpi4py import MPI  # noqa: F401  first: an error then ends the whole job in one line (guard.die)
+
+    from ..ranks.startup import open_session
+    from ..server.attach import run_attached
+    try:
+        config = Config.from_json(os.environ[CONFIG_ENV])
+    except (KeyError, ValueError) as e:
+        raise UserError(f"pipeinfer attach: no configuration in {CONFIG_ENV} ({e}); the supervisor starts this "
+                        "command (serve or generate with --np/--hostfile)") from None
+    stop = StopSignals().install()
+    session = open_session(config)
+    if session is None:
+        return
+    try:
+        run_attached(session, kw["socket_path"], stop)
+    finally:
+        session.close()
+
+
 def _supervise(args: ServeArgs) -> None:
     """`serve --np N` / `--hostfile HOSTS` outside mpiexec: the HTTP server here, the pipeline a child job that is
     re-formed on the slots that remain when a rank is lost (supervisor.py)."""
     from ..engine.tokenizer import Tokenizer
-    from ..server.supervisor import Supervisor, child_args, placement, resumed_status
+    from ..server.supervisor import Supervisor, placement, resumed_status
     where = placement(args.np, args.hostfile, args.config, sys.argv)
     slots = where.slots
     _check_port_free(args.host, args.port)
@@ -358,7 +377,7 @@ def _supervise(args: ServeArgs) -> None:
 
     def on_done(job, stats, finish, n_resumes=0):
         _served_row(args, [None] * len(sup.slots), job, stats, finish, resumed_status(n_resumes))
-    sup = Supervisor(slots, child_args(sys.argv, "serve", {"--np", "--hostfile"}, {"--rejoin"}) + where.settings, tok,
+    sup = Supervisor(slots, where.config, tok,
                      on_done=on_done, footprint=where.footprint, rejoin=args.rejoin, draft=where.draft,
                      on_fatal=lambda why: stop.request("the pipeline failed"))
     try:

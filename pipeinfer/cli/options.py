@@ -152,16 +152,7 @@ def config_from_options(kw: dict, *, n_predict: int, sampling: SamplingParams, s
     if draft_at == "auto":  # measured: results/bench_draft_layout.csv (README, The draft beside the pipeline)
         beside = mode == "pipeinfer" and drafter in ("model", "replay") and kw["max_branches"] == 1
         draft_at = "thread" if beside else "head"
-    if draft_at != "head" and kw["max_branches"] > 1:
-        raise UserError(f"--draft-at {draft_at} drafts chains: --max-branches must be 1")
-    if draft_at == "rank" and drafter == "ngram" and mode != "iterative":
-        raise UserError("--draft-at rank: the draft rank has no draft model (give --draft MODEL.gguf; the n-gram "
-                        "drafter costs nothing and runs on the head)")
-    if drafter == "replay" and not replay_ref:
-        raise UserError("--drafter replay needs --replay-ref FILE.json (from an earlier --json run)")
-    if mode == "speculative":
-        if parallel not in (None, 1):
-            raise UserError("--mode speculative runs one request at a time (--parallel 1)")
+    if mode == "speculative" and parallel is None:
         parallel = 1
     return Config(
         model=model, mode=mode, layer_split=kw["layer_split"], threads=kw["threads"],

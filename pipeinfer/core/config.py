@@ -1,6 +1,8 @@
 """The run's configuration: every option of a pipeline run, typed, built once from the command line
-(cli/options.py: config_from_options), checked once, and handed whole to every rank (ranks/startup.py). A
-supervised job's rank 0 still rebuilds it from the options on its command line (server/supervisor.child_args).
+(cli/options.py: config_from_options), checked once (here: every Config is a valid one, `replace` included), and
+handed whole to every rank (ranks/startup.py). A supervised job gets it as JSON in its environment
+(PIPEINFER_CONFIG, forwarded by the launcher to every rank: server/supervisor.py, `pipeinfer attach`), with the
+values of its hosts (`for_places`, a hostfile's settings) put in by `dataclasses.replace`.
 
 The ranks derive what they run from it: the head's GenConfig (ranks/startup.py, with what start-up measured),
 the drafter (drafters/factory.make_drafter), the stage engines. Adding an option: a field here, a click option
@@ -8,7 +10,8 @@ in cli/options.py, and the code that reads it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from .errors import UserError
 from .verify import SamplingParams
@@ -19,6 +22,8 @@ DEFAULT_KERNELS = "repack"
 # --draft-head auto: the draft's output projection pruned to the most frequent 65,536 tokens (drafters/drafter.py)
 DRAFT_HEAD_AUTO = 65536
 DEFAULT_DRAFT_MAX = 4  # --draft-max when not given: at most this, within the exact batch limit (engine/kernels.py)
+PER_RANK_FIELDS = ("layer_split", "threads", "threads_batch")  # "a,b,c": one value per target rank
+CONFIG_ENV = "PIPEINFER_CONFIG"  # a supervised job's configuration, as JSON (Config.to_json)
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,40 @@ class Config:
         if self.draft_at not in ("head", "thread", "rank"):
             raise ValueError(f"--draft-at {self.draft_at!r} is not resolved (head, thread or rank)")
         if self.mode == "speculative" and self.parallel not in (None, 1):
-            raise ValueError("--mode speculative runs one request at a time (--parallel 1)")
+            raise UserError("--mode speculative runs one request at a time (--parallel 1)")
+        if self.draft_at != "head" and self.max_branches > 1:
+            raise UserError(f"--draft-at {self.draft_at} drafts chains: --max-branches must be 1")
+        if self.draft_at == "rank" and self.drafter == "ngram" and self.mode != "iterative":
+            raise UserError("--draft-at rank: the draft rank has no draft model (give --draft MODEL.gguf; the n-gram "
+                            "drafter costs nothing and runs on the head)")
+        if self.drafter == "replay" and not self.replay_ref:
+            raise UserError("--drafter replay needs --replay-ref FILE.json (from an earlier --json run)")
+
+    def for_places(self, places: list[int], n_first: int) -> "Config":
+        """This configuration for a job on the ranks at `places` of a first job of `n_first` ranks (a supervised job
+        re-formed on the slots left): an option with one value per rank keeps the values of those places, in order
+        (a lost rank's share of the layers goes, the rest are re-planned in proportion); named values as they are."""
+        def keep(value: str | None) -> str | None:
+            parts = value.split(",") if value else []
+            return ",".join(parts[p] for p in places) if len(parts) == n_first > 1 else value
+        return replace(self, **{name: keep(getattr(self, name)) for name in PER_RANK_FIELDS})
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Config":
+        """The Config `to_json` wrote (ValueError naming what is wrong with any other text)."""
+        try:
+            d = json.loads(text)
+            if not isinstance(d, dict):
+                raise TypeError(f"a JSON object is expected, not {type(d).__name__}")
+            unknown = set(d) - {f.name for f in fields(cls)}
+            if unknown:
+                raise ValueError(f"unknown fields {sorted(unknown)} (another pipeinfer version?)")
+            return cls(**{**d, "sampling": SamplingParams(**d.get("sampling", {}))})
+        except (TypeError, json.JSONDecodeError, AttributeError) as e:
+            raise ValueError(f"not a pipeinfer configuration: {e}") from None
 
 
 def cells_reserve(config: Config) -> int:

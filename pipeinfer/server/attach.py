@@ -1,4 +1,4 @@
-"""Rank 0's end of a supervised server (`serve --attach SOCKET`, started by supervisor.py): the pipeline's
+"""Rank 0's end of a supervised server (`pipeinfer attach SOCKET`, started by supervisor.py): the pipeline's
 scheduler fed by the supervisor over a local Unix socket instead of by HTTP.
 
 The messages each way are link.py's (one JSON line each; the HTTP front end, the text, the stop strings and every

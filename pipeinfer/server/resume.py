@@ -14,11 +14,6 @@ from pathlib import Path
 
 from ..core.errors import UserError
 
-# generate's own options (the pipeline's, and --ignore-eos, go to the supervised job's `serve --attach` as they are)
-_WITH_VALUE = {"-p", "--prompt", "-f", "--file", "--prompt-name", "-n", "--n-predict", "--temp", "--top-k", "--top-p",
-               "--seed", "--replay-ref", "--replay-accuracy", "--results", "--prompts", "--np", "--hostfile"}
-_FLAGS = {"--chat", "--no-chat", "-q", "--quiet", "--json", "--resume-on-failure", "--rejoin"}
-
 
 class StdoutJob:
     """server.Job's shape for the supervisor: the text goes to stdout as it comes (or, with --json, at the end)."""
@@ -52,13 +47,13 @@ class StdoutJob:
 def _run_supervised(args, where, tok, jobs: list[StdoutJob], on_done, stop):
     """`jobs` on a supervised pipeline until each has finished (a stop signal cancels them all); on_done(sup, job,
     stats, finish, n_resumes) as each finishes. Returns the stopped supervisor (its fatal, slots, lost)."""
-    from .supervisor import Supervisor, child_args
+    from .supervisor import Supervisor
 
     def log(msg: str) -> None:
         if not args.quiet or "re-form" in msg:
             print(msg.replace("[serve]", "[pipeinfer]"), file=sys.stderr, flush=True)
     # on_fatal: nothing to stop here; the jobs end with the error, and the caller reports sup.fatal
-    sup = Supervisor(where.slots, child_args(sys.argv, "generate", _WITH_VALUE, _FLAGS) + where.settings, tok,
+    sup = Supervisor(where.slots, where.config, tok,
                      log=log, on_done=lambda *done: on_done(sup, *done), footprint=where.footprint,
                      rejoin=args.rejoin, draft=where.draft, on_fatal=lambda _why: None)
     try:

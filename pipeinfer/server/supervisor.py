@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..core.config import CONFIG_ENV
 from ..core.errors import UserError
 from ..core.metrics import Stats
 from . import link
@@ -41,42 +42,6 @@ _FAILED_RANK = re.compile(r"rank (\d+) \(host ([^,)]+)")  # liveness's line, fro
 # the host as the hostfile names it), Open MPI's mpirun the rank
 _HYDRA_PID = re.compile(r"PID (\d+) RUNNING AT (\S+)")
 _OMPI_RANK = re.compile(r"process rank (\d+) with PID \d+ on node (\S+)")
-
-
-def child_args(argv: list[str], command: str, with_value: set[str], flags: set[str] = frozenset()) -> list[str]:
-    """`command`'s arguments in argv less the named options (--opt VALUE, --opt=VALUE, flags): what the
-    supervised job's rank 0 takes of this process's command line."""
-    out, skip = [], False
-    for a in argv[argv.index(command) + 1:]:
-        if skip:
-            skip = False
-            continue
-        name = a.split("=", 1)[0]
-        if name in with_value:
-            skip = "=" not in a
-        elif name not in flags:
-            out.append(a)
-    return out
-
-
-PER_RANK_OPTIONS = {"--layer-split", "-t", "--threads", "-tb", "--threads-batch"}  # "a,b,c": one value per rank
-
-
-def per_rank_args(args: list[str], places: list[int], n_first: int) -> list[str]:
-    """`args` for a job on the slots at `places` (their ranks in the first job of `n_first` ranks): an option that
-    gives one value per rank keeps the values of those places, in order (a lost rank's share of the layers goes,
-    the rest are re-planned in proportion); every other option as it is."""
-    def keep(value: str) -> str:
-        parts = value.split(",")
-        return ",".join(parts[p] for p in places) if len(parts) == n_first > 1 else value
-    out = list(args)
-    for i, a in enumerate(out):
-        name, eq, value = a.partition("=")
-        if name in PER_RANK_OPTIONS and eq:
-            out[i] = f"{name}={keep(value)}"
-        elif a in PER_RANK_OPTIONS and i + 1 < len(out):
-            out[i + 1] = keep(out[i + 1])
-    return out
 
 
 START_TIMEOUT_S = 600.0
@@ -136,17 +101,11 @@ class Footprint:
         return memory_shortfall(slots, self.weights_bytes, self.head_bytes, available, fractions)
 
 
-def split_fractions(args: list[str], n_ranks: int) -> list[float] | None:
-    """The --layer-split fractions in a job's options, or None (absent or balanced: about even in weight bytes,
-    the output projection counted; even; auto: not known before the job measures; or not valid: the job itself
-    says why)."""
+def split_fractions(config, n_ranks: int) -> list[float] | None:
+    """A job's --layer-split fractions, or None (absent or balanced: about even in weight bytes, the output
+    projection counted; even; auto: not known before the job measures; or not valid: the job itself says why)."""
     from ..core.topology import SPLIT_NAMES, SplitError, parse_split
-    value = None
-    for i, a in enumerate(args):
-        if a.startswith("--layer-split="):
-            value = a.partition("=")[2]
-        elif a == "--layer-split" and i + 1 < len(args):
-            value = args[i + 1]
+    value = config.layer_split
     if value is None or value.strip() in SPLIT_NAMES:
         return None
     try:
@@ -155,9 +114,10 @@ def split_fractions(args: list[str], n_ranks: int) -> list[float] | None:
         return None
 
 
-def _launch_command(slots: list[str], pipeinfer_args: list[str], hostfile: str) -> list[str]:
+def _launch_command(slots: list[str], pipeinfer_args: list[str], hostfile: str, environ=None) -> list[str]:
     """The launcher's command line that runs `pipeinfer ARGS` with one rank per slot (the MPI mpi4py loads, the
-    hostfile as `launch` writes it, PIPEINFER_MPI_ARGS: the launcher's own options, README)."""
+    hostfile as `launch` writes it, PIPEINFER_MPI_ARGS: the launcher's own options, README); the PIPEINFER_*
+    variables of `environ` (default: this process's) go to every rank."""
     from ..wire.launcher import Host, build_command, choose_launcher, mpi4py_library
     library = mpi4py_library()
     mpi = library.kind
@@ -165,7 +125,7 @@ def _launch_command(slots: list[str], pipeinfer_args: list[str], hostfile: str) 
     extra = ["--allow-run-as-root"] if mpi == "openmpi" and os.geteuid() == 0 else []
     extra += shlex.split(os.environ.get("PIPEINFER_MPI_ARGS", ""))
     return build_command(hosts, len(slots), mpi, pipeinfer_args, mpiexec=choose_launcher(library, None),
-                         extra=extra, hostfile=hostfile)
+                         extra=extra, hostfile=hostfile, environ=environ)
 
 
 def _answers(host: str, work_dir: str) -> bool:
@@ -186,51 +146,51 @@ def _answers(host: str, work_dir: str) -> bool:
 
 @dataclass(frozen=True)
 class DraftHost:
-    """The hostfile's draft host (role=draft): the job's last rank runs the draft there (`args`: --draft-at rank,
-    --draft-threads); when it is lost, the draft (`n_bytes` of it) moves beside rank 0."""
+    """The hostfile's draft host (role=draft): the job's last rank runs the draft there (`settings`: draft_at rank,
+    draft_threads, as Config fields); when it is lost, the draft (`n_bytes` of it) moves beside rank 0."""
     name: str
-    args: list[str]
+    settings: dict
     n_bytes: int
 
 
 @dataclass(frozen=True)
 class Placement:
     """Where a supervised job runs: one host per target rank (rank 0 first), the draft's host if the hostfile has
-    one, what the model asks of them, and the pipeline options the hostfile's per-host settings give (threads=,
-    threads_batch=, weight=)."""
+    one, what the model asks of them, and the configuration with what the hostfile's per-host settings give
+    (threads=, threads_batch=, weight=)."""
     slots: list[str]
     footprint: Footprint
-    settings: list[str]
+    config: object   # core/config.Config
     draft: DraftHost | None = None
 
 
 def placement(np: int | None, hostfile: str | None, config, argv: list[str]) -> Placement:
     """--hostfile's slots (--np of them), or --np on this machine; `argv`: the user's options (which win over
     the hostfile's settings)."""
-    from ..wire.launcher import mpi_size
-    from ..wire.launcher import parse_hostfile, rank_hosts, settings_args, with_draft_last
+    from ..wire.launcher import host_settings, mpi_size, parse_hostfile, rank_hosts, with_draft_last
     if mpi_size() > 1:
         raise UserError("--np/--hostfile start the pipeline's MPI job themselves: run pipeinfer without mpiexec")
-    hosts, settings, draft = [], [], None
+    hosts, settings, draft = [], {}, None
     draft_bytes = Path(config.draft).stat().st_size if config.draft else 0
     if hostfile:
         try:
             hosts = parse_hostfile(hostfile)
             n = np or sum(h.slots for h in hosts)
-            ordered, draft_args = with_draft_last(hosts, n, argv)
+            ordered, draft_settings = with_draft_last(hosts, n, argv)
             if ordered and ordered[-1].role == "draft":
                 if not config.draft:
                     raise ValueError(f"{ordered[-1].name} has role=draft but this run has no draft model")
-                draft, ordered, n = DraftHost(ordered[-1].name, draft_args, draft_bytes), ordered[:-1], n - 1
+                draft, ordered, n = DraftHost(ordered[-1].name, draft_settings, draft_bytes), ordered[:-1], n - 1
             slots = [h.name for h in rank_hosts(ordered, n)]
-            settings = settings_args(ordered, n, argv)
+            settings = host_settings(ordered, n, argv)
+            config = replace(config, **settings)
         except (ValueError, OSError) as e:
             raise UserError(f"--hostfile {hostfile}: {e}") from None
     else:
         slots = ["localhost"] * np
     beside = draft is None and config.draft_at != "rank"
     return Placement(slots, Footprint(Path(config.model).stat().st_size, draft_bytes if beside else 0,
-                                      {h.name: h.mem for h in hosts if h.mem}), settings, draft)
+                                      {h.name: h.mem for h in hosts if h.mem}), config, draft)
 
 
 @dataclass
@@ -262,7 +222,7 @@ class Supervisor:
     Why one class: the records of the requests, the link to the current child and the child's lifecycle change
     together on every failure (stop reading, drop a slot, start again, resend every unfinished record)."""
 
-    def __init__(self, slots: list[str], child_args: list[str], tok, log=None, on_done=None,
+    def __init__(self, slots: list[str], config, tok, log=None, on_done=None,
                  footprint: Footprint | None = None, rejoin: bool = False, draft: DraftHost | None = None,
                  on_fatal=None):
         self.slots = list(slots)            # one host name per target rank, rank 0 first
@@ -273,7 +233,7 @@ class Supervisor:
         self._retired: subprocess.Popen | None = None  # a job stopped for a re-plan (--rejoin), not failed
         self._pids: list[int] = []  # the current job's ranks' pids (rank 0 reports them when it attaches)
         self._host_mem: dict[str, int] = {}  # host -> available bytes its ranks reported when a job last started
-        self.child_args, self.tok = child_args, tok
+        self.config, self.tok = config, tok   # core/config.Config of the first job (the user's, the hosts' settings)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.on_done = on_done
         self.on_fatal = on_fatal or _stop_this_process  # callable(why) once the pipeline cannot go on
@@ -317,23 +277,26 @@ class Supervisor:
         serving = self._draft_host_serving
         return self.slots + ([serving.name] if serving else [])
 
-    def _job_args(self) -> list[str]:
-        """The pipeline's options for a job on the slots left (per-rank values of theirs; where the draft runs)."""
+    def _job_config(self):
+        """The configuration of a job on the slots left (per-rank values of theirs; where the draft runs)."""
         n_places = len(self._places) + len([p for p in self._away if p != DRAFT_PLACE])
-        args = per_rank_args(self.child_args, self._places, n_places)
+        config = self.config.for_places(self._places, n_places)
         if self.draft_host is not None:  # the draft on its host (the last rank), or, that host lost, beside rank 0
-            args += self.draft_host.args if self._draft_host_serving else ["--draft-at", "thread"]
-        return args
+            config = replace(config, **self.draft_host.settings) if self._draft_host_serving else \
+                replace(config, draft_at="thread")
+        return config
 
-    def _command(self) -> list[str]:
-        return _launch_command(self._job_hosts(), ["serve", "--attach", self._sock_path] + self._job_args(),
-                               os.path.join(self._dir, "hosts.txt"))
+    def _command(self) -> tuple[list[str], dict]:
+        """The launcher's command line of the job and its environment: every rank reads the configuration from it."""
+        env = {**os.environ, CONFIG_ENV: self._job_config().to_json()}
+        return _launch_command(self._job_hosts(), ["attach", self._sock_path], os.path.join(self._dir, "hosts.txt"),
+                               env), env
 
     def _check_room(self) -> None:
         """UserError where the slots left cannot run the pipeline: none left, or too little memory on them."""
         if not self.slots:
             raise UserError(f"no slot left to run the pipeline on (lost: {'; '.join(self.lost)})")
-        short = (self.footprint.shortfall(self.slots, split_fractions(self._job_args(), len(self.slots)),
+        short = (self.footprint.shortfall(self.slots, split_fractions(self._job_config(), len(self.slots)),
                                           self._host_mem) if self.footprint else None)
         if short:
             raise UserError(f"the {len(self.slots)} slot(s) left cannot hold the model: {short}" if self.lost else
@@ -350,9 +313,9 @@ class Supervisor:
             listener.listen(1)
             listener.settimeout(0.5)
             self._log_path = os.path.join(self._dir, f"job{self.n_reforms}.log")
-            command = self._command()
+            command, env = self._command()
             with open(self._log_path, "w") as job_log:
-                self._child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=job_log,
+                self._child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=job_log, env=env,
                                                stderr=subprocess.STDOUT, start_new_session=True)
             conn = self._await_rank0(listener)
         finally:

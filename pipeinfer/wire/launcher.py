@@ -82,7 +82,8 @@ from typing import Iterable, Mapping, Sequence
 
 __all__ = [
     "Host", "parse_hostfile", "parse_hostfile_text", "detect_mpi", "mpi_from_version",
-    "write_hostfile", "format_hostfile", "rank_hosts", "settings_args", "build_command",
+    "write_hostfile", "format_hostfile", "rank_hosts", "settings_args", "host_settings", "option_args",
+    "build_command",
     "DEFAULT_ENV_FORWARD", "MpiLibrary", "mpi4py_library", "choose_launcher",
 ]
 
@@ -375,35 +376,47 @@ def _fmt_weight(w: float) -> str:
     return f"{w:.6f}".rstrip("0").rstrip(".") or "0"
 
 
-def settings_args(hosts: Sequence[Host], np: int, user_args: Sequence[str] = ()) -> list[str]:
-    """pipeinfer options from per-host settings that ``user_args`` does not already set."""
+def host_settings(hosts: Sequence[Host], np: int, user_args: Sequence[str] = ()) -> dict[str, str]:
+    """The run's options (core/config field names) that per-host settings give and ``user_args`` does not already
+    set: threads=, threads_batch= and weight= (as --layer-split fractions), one value per rank."""
     per_rank = rank_hosts(hosts, np)
-    out: list[str] = []
+    out: dict[str, str] = {}
     if any(h.threads for h in per_rank) and not _has_option(user_args, "--threads"):
         missing = sorted({h.name for h in per_rank if h.threads is None})
         if missing:
             raise ValueError(f"threads= is set on some hosts but not on {', '.join(missing)}")
-        out += ["--threads", ",".join(str(h.threads) for h in per_rank)]
+        out["threads"] = ",".join(str(h.threads) for h in per_rank)
     if any(h.threads_batch for h in per_rank) and not _has_option(user_args, "--threads-batch"):
         tb = [h.threads_batch or h.threads for h in per_rank]
         missing = sorted({h.name for h, v in zip(per_rank, tb) if v is None})
         if missing:
             raise ValueError(f"threads_batch= (or threads=) missing on {', '.join(missing)}")
-        out += ["--threads-batch", ",".join(str(v) for v in tb)]
+        out["threads_batch"] = ",".join(str(v) for v in tb)
     if any(h.weight is not None for h in per_rank) and not _has_option(user_args, "--layer-split"):
         ws = [1.0 if h.weight is None else h.weight for h in per_rank]
         total = sum(ws)
-        out += ["--layer-split", ",".join(_fmt_weight(w / total) for w in ws)]
+        out["layer_split"] = ",".join(_fmt_weight(w / total) for w in ws)
     return out
 
 
-def with_draft_last(hosts: Sequence[Host], np: int, user_args: Sequence[str] = ()) -> tuple[list[Host], list[str]]:
-    """(hosts in rank order, options) for a hostfile with a draft host: the stage slots the first np - 1 ranks
-    fill, then the draft host (the world's last rank is the draft's, runner.py); options --draft-at rank and
-    --draft-threads (from its threads=) unless user_args set them. Without a draft host: (hosts, [])."""
+def option_args(settings: Mapping[str, object]) -> list[str]:
+    """Config field values as the command line spells them: {"threads_batch": "2,1"} -> --threads-batch 2,1."""
+    return [a for name, value in settings.items() for a in (f"--{name.replace('_', '-')}", str(value))]
+
+
+def settings_args(hosts: Sequence[Host], np: int, user_args: Sequence[str] = ()) -> list[str]:
+    """host_settings as pipeinfer options (what `pipeinfer launch` adds to the command it runs)."""
+    return option_args(host_settings(hosts, np, user_args))
+
+
+def with_draft_last(hosts: Sequence[Host], np: int,
+                    user_args: Sequence[str] = ()) -> tuple[list[Host], dict[str, object]]:
+    """(hosts in rank order, settings) for a hostfile with a draft host: the stage slots the first np - 1 ranks
+    fill, then the draft host (the world's last rank is the draft's, runner.py); settings draft_at rank and
+    draft_threads (from its threads=) unless user_args set them. Without a draft host: (hosts, {})."""
     draft = next((h for h in hosts if h.role == "draft"), None)
     if draft is None:
-        return list(hosts), []
+        return list(hosts), {}
     if np < 2:
         raise ValueError(f"np={np}: a hostfile with a draft host needs at least 2 ranks (a stage and the draft)")
     stages, left = [], np - 1
@@ -413,10 +426,10 @@ def with_draft_last(hosts: Sequence[Host], np: int, user_args: Sequence[str] = (
             left -= stages[-1].slots
     if left > 0:
         raise ValueError(f"np={np} exceeds the {np - 1 - left} stage slots + 1 draft slot in the hostfile")
-    opts = [] if _has_option(user_args, "--draft-at") else ["--draft-at", "rank"]
+    settings: dict[str, object] = {} if _has_option(user_args, "--draft-at") else {"draft_at": "rank"}
     if draft.threads and not _has_option(user_args, "--draft-threads"):
-        opts += ["--draft-threads", str(draft.threads)]
-    return stages + [draft], opts
+        settings["draft_threads"] = draft.threads
+    return stages + [draft], settings
 
 
 def _forwarded(env_forward: Iterable[str], environ: Mapping[str, str]) -> list[str]:
@@ -451,8 +464,8 @@ def build_command(
     if mpi not in MPI_KINDS:
         raise ValueError(f"unknown MPI {mpi!r} (expected one of {MPI_KINDS})")
     args = list(pipeinfer_args)
-    hosts, added = with_draft_last(group_hosts(hosts), np, args)
-    added += settings_args(hosts, np - (hosts[-1].role == "draft"), args)
+    hosts, draft_settings = with_draft_last(group_hosts(hosts), np, args)
+    added = option_args(draft_settings) + settings_args(hosts, np - (hosts[-1].role == "draft"), args)
     if added:  # options must come before a literal "--" in the user's args
         cut = args.index("--") if "--" in args else len(args)
         args[cut:cut] = added
