@@ -17,7 +17,8 @@ from pipeinfer.core.verify import SamplingParams
 def test_frozen_tags():
     assert {m.name: int(m) for m in Tag} == {"BEGIN": 1, "META": 2, "ACTIV": 3, "KV": 5, "CANCEL": 6,
                                              "SAMPLING": 7, "TOKENS": 8, "DRAFT_CTRL": 9,
-                                             "PROPOSAL": 10}  # 4 (LOGITS, protocol 2) is retired
+                                             "PROPOSAL": 10, "RULES": 11,
+                                             "LOGPROBS": 12}  # 4 (LOGITS, protocol 2) is retired
 
 
 def test_frozen_draft_layouts():
@@ -42,19 +43,20 @@ def test_frozen_kv_ops():
 
 
 def test_frozen_header_layout():
-    assert protocol.PROTOCOL_VERSION == 4
-    assert HEADER_LEN == 8 and NO_RUN == -1
+    assert protocol.PROTOCOL_VERSION == 5
+    assert HEADER_LEN == 9 and NO_RUN == -1
     assert (protocol.H_KIND, protocol.H_RUN, protocol.H_N_TOKENS, protocol.H_N_META, protocol.H_FLAGS,
-            protocol.H_PARENT, protocol.H_N_OUTPUTS, protocol.H_N_EMBD) == (0, 1, 2, 3, 4, 5, 6, 7)
+            protocol.H_PARENT, protocol.H_N_OUTPUTS, protocol.H_N_EMBD, protocol.H_N_RULES) == tuple(range(9))
+    assert (protocol.SAMPLING_LEN, protocol.RULES_HEAD, protocol.MAX_TOP_LOGPROBS) == (5, 3, 20)
 
 
 # ---------------------------------------------------------------- HEADER
 def test_header_pack_layout_and_round_trip():
     h = Header(Kind.DECODE, run_id=17, n_tokens=5, n_meta=40, flags=Flag.SPECULATIVE | Flag.CANCELLED,
-               parent_id=12, n_outputs=3, n_embd=1536)
+               parent_id=12, n_outputs=3, n_embd=1536, n_rules=77)
     buf = h.pack()
     assert buf.dtype == np.int32 and buf.shape == (HEADER_LEN,)
-    assert buf.tolist() == [1, 17, 5, 40, 3, 12, 3, 1536]
+    assert buf.tolist() == [1, 17, 5, 40, 3, 12, 3, 1536, 77]
     back = Header.unpack(buf)
     assert back == h
     assert isinstance(back.kind, Kind) and isinstance(back.flags, Flag)
@@ -73,7 +75,7 @@ def test_header_round_trip(h):
 
 def test_header_defaults():
     h = Header(Kind.SHUTDOWN)
-    assert h.pack().tolist() == [4, -1, 0, 0, 0, -1, 0, 0]
+    assert h.pack().tolist() == [4, -1, 0, 0, 0, -1, 0, 0, 0]
 
 
 @pytest.mark.parametrize("kind", [0, 6, -1, 99])
@@ -85,11 +87,11 @@ def test_header_unknown_kind(kind):
 
 
 @pytest.mark.parametrize("buf", [
-    np.zeros(7, dtype=np.int32),
-    np.zeros(9, dtype=np.int32),
-    np.zeros((2, 4), dtype=np.int32),
-    np.ones(8, dtype=np.int64),
-    np.ones(8, dtype=np.float32),
+    np.zeros(8, dtype=np.int32),
+    np.zeros(10, dtype=np.int32),
+    np.zeros((3, 3), dtype=np.int32),
+    np.ones(9, dtype=np.int64),
+    np.ones(9, dtype=np.float32),
 ])
 def test_header_wrong_shape_or_dtype(buf):
     with pytest.raises(ValueError, match="malformed header"):
@@ -189,7 +191,8 @@ def test_meta_malformed_rejected(meta):
 @pytest.mark.parametrize("sp", [SamplingParams(), SamplingParams(0.7, 40, 0.95, 12345), SamplingParams(1.5, 0, 1.0, -3),
                                 SamplingParams(2.0, 5, 0.5, 2**70 + 9)])
 def test_sampling_round_trip(sp):
-    got = unpack_sampling(pack_sampling(sp))
+    got, k = unpack_sampling(pack_sampling(sp))
+    assert k is None and unpack_sampling(pack_sampling(sp, 5))[1] == 5
     assert (got.temp, got.top_k, got.top_p) == (sp.temp, sp.top_k, sp.top_p)
     assert got.seed % 2**63 == sp.seed % 2**63  # sample_at seeds its RNG with seed mod 2**63
     with pytest.raises(ValueError, match="malformed SAMPLING"):

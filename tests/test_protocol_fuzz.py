@@ -185,7 +185,8 @@ def test_any_sampling_buffer_is_valid_parameters_or_refused(buf):
 
 def test_sampling_round_trips_still():
     sp = SamplingParams(0.7, 40, 0.95, 12345)
-    assert unpack_sampling(pack_sampling(sp)) == sp
+    assert unpack_sampling(pack_sampling(sp)) == (sp, None)
+    assert unpack_sampling(pack_sampling(sp, 0)) == (sp, 0)
 
 
 @st.composite

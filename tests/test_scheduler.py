@@ -56,7 +56,7 @@ class LanePipeline(FakePipeline):
             if stage.seq_cells(s):
                 raise KvError(f"{stage.name}: sequence {s} still holds {sorted(stage.seq_cells(s))} at a new run")
 
-    def set_sampling(self, sp) -> None:
+    def set_sampling(self, sp, top_logprobs=None) -> None:
         self.sampling_sent.append(sp)
         if self.distributed:
             self.queue.append(("sampling", sp))

@@ -82,9 +82,9 @@ def test_decode_tokens_reads_the_logits_in_place(models):
             eng.clear_kv()
         for p0, n in ((0, len(toks)), (len(toks), 1), (len(toks) + 1, 3)):
             batch = Batch(toks[:n], np.arange(p0, p0 + n, dtype=np.int32), [[0]] * n, np.ones(n, np.int32), kv_ops())
-            got = a.decode_tokens(batch, None, sp)
+            got, logprobs = a.decode_tokens(batch, None, sp)
             want = row_tokens(b.decode(batch), batch.output_pos, sp)
-            assert got.dtype == np.int32 and np.array_equal(got, want)
+            assert got.dtype == np.int32 and np.array_equal(got, want) and logprobs is None
 
 
 def _thp_available() -> bool:

@@ -6,7 +6,7 @@ import pytest
 
 from pipeinfer.drafters.drafter import Cutoffs
 from pipeinfer.ranks.head import GenConfig
-from pipeinfer.core.protocol import Batch, kv_ops
+from pipeinfer.core.protocol import HEADER_LEN, Batch, kv_ops
 from pipeinfer.twin.cluster import Cluster, Link, StageCost
 from pipeinfer.twin.sim import SimPipeline, VirtualClock, reference_tokens, simulate
 
@@ -23,12 +23,12 @@ def test_iterative_is_stages_times_cost_plus_links(n_stages):
 
 
 def test_bandwidth_adds_each_message_transfer_time():
-    # DECODE to the next stage: header 32 B + META + activations (1 token x 64 floats); RESULT: 32 + 4 bytes
+    # DECODE to the next stage: header 36 B + META + activations (1 token x 64 floats); RESULT: 36 + 4 bytes
     bw = 1e6  # 1 MB/s: transfer times are milliseconds, well above float noise
     res = simulate(equal_stages(2, ms=10.0, bandwidth_Bps=bw), gen("iterative"))
     meta_bytes = 4 * len(Batch(np.zeros(1, np.int32), np.zeros(1, np.int32), [[0]], np.ones(1, np.int32), kv_ops()).pack_meta())
-    forward = 32 + meta_bytes + 4 * 64
-    back = 32 + 4
+    forward = 4 * HEADER_LEN + meta_bytes + 4 * 64
+    back = 4 * HEADER_LEN + 4
     assert res.stats.itl_s == pytest.approx(2 * 0.010 + (forward + back) / bw, rel=1e-9)
 
 

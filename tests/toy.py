@@ -204,14 +204,14 @@ class FakePipeline:
         stage.check_canonical()
         return out
 
-    def set_sampling(self, sp: SamplingParams) -> None:
+    def set_sampling(self, sp: SamplingParams, top_logprobs=None) -> None:
         self.sampling = sp
 
     def _tokens(self, batch: Batch, logits: np.ndarray) -> np.ndarray:
         """What the last stage sends back: the token after each output row (protocol: RESULT)."""
         return row_tokens(logits, batch.output_pos, self.sampling)
 
-    def launch(self, run_id: int, batch: Batch, speculative: bool, parent_id: int = NO_RUN) -> None:
+    def launch(self, run_id: int, batch: Batch, speculative: bool, parent_id: int = NO_RUN, rules=None) -> None:
         assert run_id not in self.speculative, f"run id {run_id} reused"
         assert not self.in_flight or run_id > self.in_flight[-1]
         self.speculative[run_id] = speculative

@@ -4,9 +4,12 @@ Every pipeline operation is a *transaction*: a fixed-size header on TAG_BEGIN, t
 the header announces, each on its kind's own tag (the paper's design):
 
     DECODE  (rank r -> r+1):  | HEADER | META i32[n_meta] on TAG_META | ACTIV f32[n_tokens, n_embd] on TAG_ACTIV |
+        and, when the header's n_rules > 0, the head sends the last stage directly:
+                 (0 -> last): | RULES i32[n_rules] on TAG_RULES |  (a run's masks and biases, even when cancelled)
     RESULT  (last -> head):   | HEADER | TOKENS i32[n_outputs] on TAG_TOKENS |
+                                       | LOGPROBS i32[n_outputs, n_embd] on TAG_LOGPROBS | (when n_embd > 0)
     KV      (rank r -> r+1):  | HEADER | KV_OPS i32[n_ops, 5] on TAG_KV |
-    SAMPLING(rank r -> r+1):  | HEADER | SAMPLING i64[4] on TAG_SAMPLING |
+    SAMPLING(rank r -> r+1):  | HEADER | SAMPLING i64[5] on TAG_SAMPLING |
     SHUTDOWN(rank r -> r+1):  | HEADER |
     CANCEL  (out of band, comm_cancel, last -> ... -> 1): i32[k] run ids on TAG_CANCEL
 
@@ -23,6 +26,9 @@ A RESULT carries one token id per output row, not the row's logits: the target's
 drawn by the last stage exactly as verification draws it (verify.sample_at: arg-max, or a sample seeded
 by (seed, position) with the generation's SAMPLING parameters, which the head sends before its prompt).
 That is 4 bytes per row instead of n_vocab x 4 (607,744 bytes for Qwen2.5's 151,936-token vocabulary).
+A request's constraint and biases (core/decoding.py) reach the last stage as a run's RULES: a bit mask of the
+allowed tokens per output row (n_vocab / 8 bytes: 18,992 for Qwen2.5) and sparse (row, token, bias) entries; the
+log-probabilities asked for come back as the chosen token's and the top k per row, not as the rows' logits.
 
 The draft beside the pipeline (draftahead.py) talks to the head on a communicator of its own, one
 message per operation, each one i32 array (so a thread drafter uses the same packing):
@@ -37,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class ProtocolError(ValueError):
@@ -54,6 +60,8 @@ class Tag(enum.IntEnum):
     TOKENS = 8     # i32[n_outputs]: the target's token after each output row (tag 4 is unused)
     DRAFT_CTRL = 9  # head -> drafter: DRAFT_CTRL layout
     PROPOSAL = 10  # drafter -> head: PROPOSAL layout
+    RULES = 11     # head -> last stage: RULES layout, i32[n_rules]
+    LOGPROBS = 12  # RESULT: LOGPROBS layout, i32[n_outputs, n_embd]
 
 
 class Kind(enum.IntEnum):
@@ -78,9 +86,9 @@ class KvOp(enum.IntEnum):
                  # 0..n-1 in position order, one sequence after another (stage.py)
 
 
-# HEADER: i32[8]
-HEADER_LEN = 8
-H_KIND, H_RUN, H_N_TOKENS, H_N_META, H_FLAGS, H_PARENT, H_N_OUTPUTS, H_N_EMBD = range(HEADER_LEN)
+# HEADER: i32[9]
+HEADER_LEN = 9
+H_KIND, H_RUN, H_N_TOKENS, H_N_META, H_FLAGS, H_PARENT, H_N_OUTPUTS, H_N_EMBD, H_N_RULES = range(HEADER_LEN)
 NO_RUN = -1
 
 
@@ -93,11 +101,12 @@ class Header:
     flags: Flag = Flag.NONE
     parent_id: int = NO_RUN  # DECODE: run whose cells this run builds on (cancelled with it)
     n_outputs: int = 0     # DECODE/RESULT: output rows the head wants the target's token of
-    n_embd: int = 0        # DECODE: width of ACTIV (0 when the payload is token ids only)
+    n_embd: int = 0        # DECODE: width of ACTIV (0 when the payload is token ids only); RESULT: of LOGPROBS
+    n_rules: int = 0       # DECODE: length of the RULES the head sends the last stage for this run (0: none)
 
     def pack(self) -> np.ndarray:
         return np.array([self.kind, self.run_id, self.n_tokens, self.n_meta, self.flags,
-                         self.parent_id, self.n_outputs, self.n_embd], dtype=np.int32)
+                         self.parent_id, self.n_outputs, self.n_embd, self.n_rules], dtype=np.int32)
 
     @classmethod
     def unpack(cls, buf: np.ndarray) -> "Header":
@@ -110,7 +119,7 @@ class Header:
         if flags & ~int(Flag.SPECULATIVE | Flag.CANCELLED):
             raise ProtocolError(f"unknown flags {flags:#x}")
         return cls(Kind(kind), int(buf[H_RUN]), int(buf[H_N_TOKENS]), int(buf[H_N_META]), Flag(flags),
-                   int(buf[H_PARENT]), int(buf[H_N_OUTPUTS]), int(buf[H_N_EMBD]))
+                   int(buf[H_PARENT]), int(buf[H_N_OUTPUTS]), int(buf[H_N_EMBD]), int(buf[H_N_RULES]))
 
 
 @dataclass(frozen=True)
@@ -127,6 +136,10 @@ class Limits:
     def max_ops(self) -> int:
         """KV ops in one transaction or one run's prefix (kvplan: a few per sequence and per retired node)."""
         return 8 * (self.n_seq_max + self.n_batch) + 16
+
+    def max_rules(self, n_outputs: int) -> int:
+        """RULES of a run with n_outputs rows: a mask row each and a bias per token of the vocabulary at most."""
+        return RULES_HEAD + n_outputs * (mask_words(self.n_vocab) + 3 * self.n_vocab)
 
     @property
     def max_meta(self) -> int:
@@ -154,6 +167,10 @@ def check_header(hdr: Header, lim: Limits, kinds: frozenset, last_run: int) -> N
             bad(f"with n_outputs {hdr.n_outputs}, outside 0..{hdr.n_tokens} (n_tokens)")
         if not (hdr.parent_id == NO_RUN or 0 <= hdr.parent_id < hdr.run_id):
             bad(f"with parent run {hdr.parent_id}, not an earlier run than {hdr.run_id}")
+        if not 0 <= hdr.n_rules <= (lim.max_rules(hdr.n_outputs) if hdr.kind == Kind.DECODE else 0):
+            bad(f"with n_rules {hdr.n_rules}, outside 0..{lim.max_rules(hdr.n_outputs)}")
+    if hdr.kind == Kind.RESULT and not hdr.flags & Flag.CANCELLED and hdr.n_embd not in LOGPROB_WIDTHS:
+        bad(f"with n_embd {hdr.n_embd}: LOGPROBS rows are 0 or 1 + 2k ints wide, k <= {MAX_TOP_LOGPROBS}")
     if hdr.kind == Kind.DECODE and not hdr.flags & Flag.CANCELLED:
         if hdr.n_embd != lim.n_embd:
             bad(f"with n_embd {hdr.n_embd}, the model's is {lim.n_embd}")
@@ -171,10 +188,11 @@ def payload_shapes(hdr: Header) -> list[tuple[Tag, tuple[int, ...], type]]:
     if hdr.kind == Kind.DECODE:
         return [(Tag.META, (hdr.n_meta,), np.int32), (Tag.ACTIV, (hdr.n_tokens, hdr.n_embd), np.float32)]
     if hdr.kind == Kind.RESULT:
-        return [(Tag.TOKENS, (hdr.n_outputs,), np.int32)]
+        logprobs = [(Tag.LOGPROBS, (hdr.n_outputs, hdr.n_embd), np.int32)] if hdr.n_embd else []
+        return [(Tag.TOKENS, (hdr.n_outputs,), np.int32)] + logprobs
     if hdr.kind == Kind.KV:
         return [(Tag.KV, (hdr.n_tokens, 5), np.int32)]
-    return [(Tag.SAMPLING, (4,), np.int64)]
+    return [(Tag.SAMPLING, (SAMPLING_LEN,), np.int64)]
 
 
 def check_kv_ops(ops: np.ndarray, lim: Limits) -> None:
@@ -296,21 +314,92 @@ def _check_meta(n, tokens, pos, output, n_seq, flat, ops, lim: Limits, hdr: Head
     check_kv_ops(ops, lim)
 
 
-# SAMPLING: i64[4] | temp (f64 bits) | top_p (f64 bits) | top_k | seed mod 2**63 |
-def pack_sampling(sp) -> np.ndarray:
+# SAMPLING: i64[5] | temp (f64 bits) | top_p (f64 bits) | top_k | seed mod 2**63 | top_logprobs (-1: none) |
+SAMPLING_LEN = 5
+
+
+def pack_sampling(sp, top_logprobs: int | None = None) -> np.ndarray:
     floats = np.array([sp.temp, sp.top_p], dtype=np.float64).view(np.int64)
-    return np.concatenate([floats, np.array([sp.top_k, sp.seed % 2**63], dtype=np.int64)])
+    k = -1 if top_logprobs is None else top_logprobs
+    return np.concatenate([floats, np.array([sp.top_k, sp.seed % 2**63, k], dtype=np.int64)])
 
 
 def unpack_sampling(buf: np.ndarray):
+    """(SamplingParams, top_logprobs or None)."""
     from .verify import SamplingParams
-    if not isinstance(buf, np.ndarray) or buf.shape != (4,) or buf.dtype != np.int64:
+    if not isinstance(buf, np.ndarray) or buf.shape != (SAMPLING_LEN,) or buf.dtype != np.int64:
         raise ProtocolError(f"malformed SAMPLING: {getattr(buf, 'shape', None)} {getattr(buf, 'dtype', type(buf))}")
     temp, top_p = buf[:2].view(np.float64).tolist()
-    top_k, seed = int(buf[2]), int(buf[3])
-    if not (np.isfinite(temp) and temp >= 0 and 0 < top_p <= 1 and top_k >= 0 and seed >= 0):
-        raise ProtocolError(f"SAMPLING out of range: temp {temp} top_p {top_p} top_k {top_k} seed {seed}")
-    return SamplingParams(temp, top_k, top_p, seed)
+    top_k, seed, k = int(buf[2]), int(buf[3]), int(buf[4])
+    if not (np.isfinite(temp) and temp >= 0 and 0 < top_p <= 1 and top_k >= 0 and seed >= 0
+            and -1 <= k <= MAX_TOP_LOGPROBS):
+        raise ProtocolError(f"SAMPLING out of range: temp {temp} top_p {top_p} top_k {top_k} seed {seed} "
+                            f"top_logprobs {k}")
+    return SamplingParams(temp, top_k, top_p, seed), (None if k < 0 else k)
+
+
+# RULES: i32[n_rules] | n_rows | n_words | n_bias | mask u32[n_rows, n_words] (as i32; n_words 0: no mask) |
+#        bias rows i32[n_bias] | bias tokens i32[n_bias] | bias values f32[n_bias] (as i32) |
+RULES_HEAD = 3
+
+
+def mask_words(n_vocab: int) -> int:
+    """32-bit words of one row's mask: bit t of word t // 32 (least significant first) allows token t."""
+    return (n_vocab + 31) // 32
+
+
+@dataclass
+class RowRules:
+    """What the last stage does to a run's output rows' logits before it draws their tokens (verify.row_tokens):
+    add the biases, then keep only the tokens each row's mask allows."""
+    mask: np.ndarray | None      # i32[n_rows, mask_words(n_vocab)] or None (no constraint)
+    bias_row: np.ndarray         # i32[n_bias]: the output row of each bias
+    bias_token: np.ndarray       # i32[n_bias]
+    bias_value: np.ndarray       # f32[n_bias]
+
+    def pack(self, n_rows: int) -> np.ndarray:
+        words = 0 if self.mask is None else self.mask.shape[1]
+        head = np.array([n_rows, words, len(self.bias_row)], dtype=np.int32)
+        mask = np.empty(0, np.int32) if self.mask is None else self.mask.astype(np.int32, copy=False).ravel()
+        return np.concatenate([head, mask, self.bias_row.astype(np.int32), self.bias_token.astype(np.int32),
+                               self.bias_value.astype(np.float32).view(np.int32)])
+
+    @classmethod
+    def unpack(cls, buf: np.ndarray, lim: Limits | None, n_rows: int) -> "RowRules":
+        """The rules of a run of n_rows output rows; ProtocolError for anything malformed (with `lim`, every
+        value checked against the vocabulary)."""
+        if not isinstance(buf, np.ndarray) or buf.ndim != 1 or buf.dtype != np.int32 or len(buf) < RULES_HEAD:
+            raise ProtocolError(f"malformed RULES: {getattr(buf, 'shape', None)} {getattr(buf, 'dtype', type(buf))}")
+        rows, words, n_bias = (int(x) for x in buf[:RULES_HEAD])
+        n_vocab = lim.n_vocab if lim is not None else 32 * max(words, 1) if words else 2**31 - 1
+        if rows != n_rows or words not in (0, mask_words(n_vocab)) or n_bias < 0:
+            raise ProtocolError(f"RULES of {rows} rows x {words} words, {n_bias} biases for a run of {n_rows} rows")
+        o = RULES_HEAD + rows * words
+        if len(buf) != o + 3 * n_bias:
+            raise ProtocolError(f"malformed RULES: expected {o + 3 * n_bias} ints, got {len(buf)}")
+        mask = buf[RULES_HEAD:o].reshape(rows, words) if words else None
+        bias_row, bias_token = buf[o:o + n_bias], buf[o + n_bias:o + 2 * n_bias]
+        bias_value = buf[o + 2 * n_bias:].view(np.float32)
+        if n_bias and not (((bias_row >= 0) & (bias_row < rows)).all() and
+                           ((bias_token >= 0) & (bias_token < n_vocab)).all() and np.isfinite(bias_value).all()):
+            raise ProtocolError("RULES bias outside its run's rows, the vocabulary, or not finite")
+        return cls(mask, bias_row, bias_token, bias_value)
+
+
+# LOGPROBS: i32[n_outputs, 1 + 2k] per row | chosen token's logprob (f32 bits) | top k ids | their logprobs (f32 bits) |
+MAX_TOP_LOGPROBS = 20
+LOGPROB_WIDTHS = frozenset([0] + [1 + 2 * k for k in range(MAX_TOP_LOGPROBS + 1)])
+
+
+def pack_logprobs(chosen: np.ndarray, top_ids: np.ndarray, top_logprobs: np.ndarray) -> np.ndarray:
+    """f32[n], i32[n, k], f32[n, k] -> i32[n, 1 + 2k]."""
+    return np.concatenate([chosen.astype(np.float32).reshape(-1, 1).view(np.int32), top_ids.astype(np.int32),
+                           top_logprobs.astype(np.float32).view(np.int32)], axis=1)
+
+
+def unpack_logprobs(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    k = (buf.shape[1] - 1) // 2
+    return buf[:, 0].view(np.float32), buf[:, 1:1 + k], buf[:, 1 + k:].view(np.float32)
 
 
 def kv_ops(*ops: tuple[int, int, int, int, int]) -> np.ndarray:

@@ -18,8 +18,8 @@ from typing import Callable
 import llama_cpp
 import numpy as np
 
-from ..core.protocol import Batch, KvOp
-from ..core.verify import SamplingParams, row_tokens
+from ..core.protocol import Batch, KvOp, RowRules, pack_logprobs
+from ..core.verify import SamplingParams, row_logprobs, row_tokens
 from .kernels import DEFAULT_KERNELS, flash_attn_type, model_params
 
 LLAMA_MAX_SEQ = 256  # llama.cpp's cap on n_seq_max
@@ -314,11 +314,17 @@ class StageEngine:
             return self._hidden(batch.n_tokens)
         return self._logits(batch.n_tokens).copy()
 
-    def decode_tokens(self, batch: Batch, embd: np.ndarray | None, sp: SamplingParams) -> np.ndarray:
-        """A final stage's token after each output row, i32[n_outputs] (verify.row_tokens), read from llama.cpp's
-        own logits buffer: the vocabulary-sized rows are not copied."""
+    def decode_tokens(self, batch: Batch, embd: np.ndarray | None, sp: SamplingParams, rules: RowRules | None = None,
+                      top_logprobs: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """A final stage's token after each output row, i32[n_outputs] (verify.row_tokens, after the run's rules),
+        read from llama.cpp's own logits buffer (the vocabulary-sized rows are copied only to apply rules); with
+        top_logprobs k, the LOGPROBS payload i32[n_outputs, 1 + 2k] beside them (else None)."""
         self._decode(batch, embd)
-        return row_tokens(self._logits(batch.n_tokens), batch.output_pos, sp)
+        logits = self._logits(batch.n_tokens)
+        tokens = row_tokens(logits, batch.output_pos, sp, rules)
+        if top_logprobs is None:
+            return tokens, None
+        return tokens, pack_logprobs(*row_logprobs(logits, tokens, top_logprobs))
 
     def _hidden(self, n: int) -> np.ndarray:
         hidden = np.concatenate(self._captured) if len(self._captured) > 1 else self._captured[0]

@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 
 from ..core.config import MODES, Config
+from ..core.decoding import TokenLogprob
 from ..core.kvplan import (
     CANONICAL,
     PartitionPool,
@@ -50,6 +51,7 @@ from ..core.verify import (
 )
 from ..drafters.drafter import Cutoffs, Drafter, DraftNode, main_chain
 from .pipeline import Pipeline
+from .rules import RunRules
 
 
 
@@ -146,6 +148,16 @@ def check_gen_config(cfg: GenConfig) -> None:
         raise ValueError("p_recovery is unresolved: pass a number (auto_p_recovery gives the default)")
 
 
+def token_logprobs(logprobs, rows: list[int], tokens: list[int]) -> list[TokenLogprob] | None:
+    """The accepted tokens' log-probabilities from a RESULT's LOGPROBS (pipeline.Result.logprobs: chosen f32[n],
+    top ids i32[n, k], top f32[n, k]) and the rows they were drawn from (verify.Verdict.rows)."""
+    if logprobs is None:
+        return None
+    chosen, top_ids, top = logprobs
+    return [TokenLogprob(t, float(chosen[r]), tuple(zip(top_ids[r].tolist(), top[r].tolist())))
+            for t, r in zip(tokens, rows)]
+
+
 @dataclass(frozen=True)
 class DrafterCounts:
     """A drafter beside the pipeline's running counters (draftahead.DraftClient), read when it is lent and given
@@ -196,7 +208,9 @@ class Head:
                  eos: set[int] = frozenset(), on_tokens: Callable[[list[int]], None] | None = None,
                  on_progress: Callable[[Stats, int], None] | None = None,
                  should_stop: Callable[[], bool] | None = None,
-                 clock: Callable[[], float] = time.perf_counter, canon: int = CANONICAL):
+                 clock: Callable[[], float] = time.perf_counter, canon: int = CANONICAL,
+                 rules: RunRules | None = None, top_logprobs: int | None = None,
+                 on_logprobs: Callable[[list[TokenLogprob]], None] | None = None):
         check_gen_config(cfg)
         self.pipe, self.cfg = pipe, cfg
         self.pool: PartitionPool | None = None
@@ -207,6 +221,9 @@ class Head:
         self.should_stop = should_stop      # polled after every result: True ends the generation early
         self.clock = clock                  # seconds; the digital twin (twin/sim.py) passes its virtual clock
         self.canon = canon                  # this generation's canonical sequence (scheduler.py: one per generation)
+        self.rules = rules                  # its constraint's masks and biases for each run's rows (rules.py)
+        self.top_logprobs = top_logprobs    # log-probabilities asked of the last stage (None: none)
+        self.on_logprobs = on_logprobs      # one TokenLogprob per token, just before on_tokens
         self._new_run_id = new_run_id       # every generation on one pipeline draws run ids from one counter
         self.accepted: list[int] = []
         self.n_kv0 = 0                      # positions in sequence 0 once every issued transaction is applied
@@ -260,7 +277,7 @@ class Head:
         self.stats.t_start_s = self.clock()
         self.stats.n_prompt = len(prompt)
         self._n_prompt = len(prompt) + len(replay)  # where this start's new tokens begin in `accepted`
-        self.pipe.set_sampling(self.cfg.sampling)
+        self.pipe.set_sampling(self.cfg.sampling, self.top_logprobs)
         self._launch_prompt(prompt, list(replay))
         if self.drafter is not None:
             self.drafter.prefill(self.accepted)  # while the target's stages process the prompt
@@ -376,7 +393,9 @@ class Head:
             n = len(verdict.new_tokens)
             self.stats.accept_hist[n] = self.stats.accept_hist.get(n, 0) + 1
             self.adjust = 0.0  # recovery and decay both reset on acceptance
-            self._emit(verdict.new_tokens)
+            if self.rules is not None:
+                self.rules.commit(self.accepted)
+            self._emit(verdict.new_tokens, token_logprobs(res.logprobs, verdict.rows, verdict.new_tokens))
         self._prune_chain()
         self._cancel_useless()
 
@@ -465,11 +484,14 @@ class Head:
                       [n.seq_ids for n in run.nodes],
                       np.array([n.row >= 0 for n in run.nodes], dtype=np.int32), pre_ops)
         self.flights[run.run_id] = fl
-        self.pipe.launch(run.run_id, batch, fl.speculative, fl.parent_id)
+        if self.rules is None:
+            self.pipe.launch(run.run_id, batch, fl.speculative, fl.parent_id)
+        else:
+            self.pipe.launch(run.run_id, batch, fl.speculative, fl.parent_id, self.rules.for_run(run, self.accepted))
         self.stats.n_runs += 1
 
     # ================================================================ bookkeeping
-    def _emit(self, tokens: list[int]) -> None:
+    def _emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         room = self.cfg.n_predict - self.stats.n_generated
         out = tokens[:room]
         if self.cfg.stop_at_eos:
@@ -491,6 +513,8 @@ class Head:
             self.stats.n_generated += len(out)
             if self.stats.n_generated // 250 > before // 250:
                 self.stats.rss_trace_mb[self.stats.n_generated // 250 * 250] = rss_mb()
+            if self.on_logprobs and logprobs is not None:
+                self.on_logprobs(logprobs[:len(out)])
             if self.on_tokens:
                 self.on_tokens(out)
             if self.on_progress:

@@ -21,10 +21,12 @@ from ..core.protocol import (
     Kind,
     Limits,
     ProtocolError,
+    RowRules,
     Tag,
     check_header,
     check_tokens,
     pack_sampling,
+    unpack_logprobs,
 )
 from ..core.topology import Topology
 from ..core.verify import SamplingParams
@@ -39,6 +41,7 @@ class Result:
     run_id: int
     cancelled: bool
     tokens: np.ndarray | None  # i32[n_outputs]: the target's token after each output row (verify.row_tokens)
+    logprobs: tuple | None = None  # with top_logprobs k: (chosen f32[n], top ids i32[n, k], top f32[n, k])
 
 
 class Pipeline:
@@ -52,6 +55,7 @@ class Pipeline:
         self.tx = transport
         self.in_flight: deque[int] = deque()  # run ids in launch order
         self.sampling = SamplingParams()
+        self.top_logprobs: int | None = None
         self._local: deque[Result] = deque()   # single-rank results
         self.last = topo.n_ranks - 1
 
@@ -59,23 +63,32 @@ class Pipeline:
     def distributed(self) -> bool:
         return self.topo.n_ranks > 1
 
-    def launch(self, run_id: int, batch: Batch, speculative: bool, parent_id: int = NO_RUN) -> None:
+    def launch(self, run_id: int, batch: Batch, speculative: bool, parent_id: int = NO_RUN,
+               rules: RowRules | None = None) -> None:
+        """A run into the pipeline; `rules` (a request's masks and biases for its output rows) go straight to the
+        last stage, which applies them before it draws the rows' tokens."""
         flags = Flag.SPECULATIVE if speculative else Flag.NONE
         self.engine.apply_kv_ops(batch.prefix_ops)
         if not self.distributed:
-            self._local.append(Result(run_id, False, self.engine.decode_tokens(batch, None, self.sampling)))
+            tokens, logprobs = self.engine.decode_tokens(batch, None, self.sampling, rules, self.top_logprobs)
+            self._local.append(Result(run_id, False, tokens, None if logprobs is None else unpack_logprobs(logprobs)))
         else:
             meta = batch.pack_meta()
+            packed = rules.pack(batch.n_outputs) if rules is not None else None
             hidden = self.engine.decode(batch, self.embedder(batch.tokens))
-            hdr = Header(Kind.DECODE, run_id, batch.n_tokens, len(meta), flags, parent_id, batch.n_outputs, hidden.shape[1])
+            hdr = Header(Kind.DECODE, run_id, batch.n_tokens, len(meta), flags, parent_id, batch.n_outputs,
+                         hidden.shape[1], 0 if packed is None else len(packed))
             self.tx.send(1, hdr, (Tag.META, meta), (Tag.ACTIV, hidden))
+            if packed is not None:
+                self.tx.send_i32(self.last, Tag.RULES, packed)
         self.in_flight.append(run_id)
 
-    def set_sampling(self, sp: SamplingParams) -> None:
-        """How the last stage turns each output row into a token, from the next run on (in order with runs)."""
-        self.sampling = sp
+    def set_sampling(self, sp: SamplingParams, top_logprobs: int | None = None) -> None:
+        """How the last stage turns each output row into a token, and how many log-probabilities it reports, from
+        the next run on (in order with runs)."""
+        self.sampling, self.top_logprobs = sp, top_logprobs
         if self.distributed:
-            self.tx.send(1, Header(Kind.SAMPLING), (Tag.SAMPLING, pack_sampling(sp)))
+            self.tx.send(1, Header(Kind.SAMPLING), (Tag.SAMPLING, pack_sampling(sp, top_logprobs)))
 
     def kv(self, ops: np.ndarray) -> None:
         """Apply KV ops on every stage, in order with the runs around them."""
@@ -112,12 +125,16 @@ class Pipeline:
                 tokens = None if cancelled else self.tx.recv_array(self.last, Tag.TOKENS, (hdr.n_outputs,), np.int32)
                 if tokens is not None and self.limits is not None:
                     check_tokens(tokens, self.limits)
+                logprobs = None
+                if not cancelled and hdr.n_embd:
+                    logprobs = unpack_logprobs(self.tx.recv_array(self.last, Tag.LOGPROBS, (hdr.n_outputs, hdr.n_embd),
+                                                                  np.int32))
             except ProtocolError as e:
                 from ..wire.transport import (
                     bad_message,  # mpi4py: not imported where the twin runs
                 )
                 raise bad_message(self.last, e) from None
-            res = Result(hdr.run_id, cancelled, tokens)
+            res = Result(hdr.run_id, cancelled, tokens, logprobs)
         self.in_flight.popleft()
         if res.run_id != expected:
             raise RuntimeError(f"results out of order: expected run {expected}, got {res.run_id}")

@@ -109,17 +109,17 @@ class _LanePipe:
 
     def __init__(self, sched: Scheduler, lane: int):
         self.sched, self.lane = sched, lane
-        self.sampling = SamplingParams()
+        self.sampling: tuple[SamplingParams, int | None] = (SamplingParams(), None)
 
     @property
     def distributed(self) -> bool:
         return self.sched.pipe.distributed
 
-    def set_sampling(self, sp: SamplingParams) -> None:
-        self.sampling = sp
+    def set_sampling(self, sp: SamplingParams, top_logprobs: int | None = None) -> None:
+        self.sampling = (sp, top_logprobs)
 
-    def launch(self, run_id: int, batch, speculative: bool, parent_id: int) -> None:
-        self.sched.launch(self.lane, run_id, batch, speculative, parent_id, self.sampling)
+    def launch(self, run_id: int, batch, speculative: bool, parent_id: int, rules=None) -> None:
+        self.sched.launch(self.lane, run_id, batch, speculative, parent_id, self.sampling, rules)
 
     def kv(self, ops) -> None:
         self.sched.pipe.kv(ops)
@@ -155,13 +155,14 @@ class Scheduler:
 
     def __init__(self, pipe, cfg: GenConfig, *, n_stages: int, n_parallel: int = 1, pool: PartitionPool | None = None,
                  drafter_for=None, eos: set[int] = frozenset(), first_run_id: int = 0,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, rules_for=None):
         check_gen_config(cfg)
         if cfg.mode == "speculative" and n_parallel != 1:
             raise ValueError("synchronous speculative mode runs one generation at a time (--parallel 1)")
         if cfg.mode != "iterative" and (pool is None or drafter_for is None):
             raise ValueError(f"mode {cfg.mode} needs a drafter and a partition pool")
         self.pipe, self.cfg, self.pool, self.drafter_for = pipe, cfg, pool, drafter_for
+        self.rules_for = rules_for  # callable(decoding, answer_at) -> rules.RunRules (a request that shapes logits)
         n_part = pool.n_partitions if pool is not None else 0
         self.n_stages, self.n_parallel, self.eos, self.clock = n_stages, n_parallel, set(eos), clock
         self.depth = pipeline_depth(n_stages, cfg.stage_ms)  # runs in flight that fill the slowest stage
@@ -172,13 +173,13 @@ class Scheduler:
         self._dirty: list[int] = []
         self.n_cells_dead = 0                 # cells of finished generations, until the next COMPACT
         self.reserve = cells_reserve(pool.n_partitions, cfg.cut.n_max) if pool is not None else 0
-        self.waiting: deque[tuple[int, Request]] = deque()
+        self.waiting: deque[tuple[int, Request, object]] = deque()  # (number, request, its RunRules or None)
         self.gens: list[_Gen] = []            # admission order
         self.owner: dict[int, _Gen] = {}      # run id -> the generation that launched it
         self._on_lane: dict[int, _Gen] = {}   # slot -> the generation in it
         self.holder: _Gen | None = None       # the generation the drafter is lent to
         self._run_id = first_run_id
-        self._sampling_sent: SamplingParams | None = None
+        self._sampling_sent: tuple[SamplingParams, int | None] | None = None
         self._n_requests = 0
         self.stats = SchedulerStats()
 
@@ -189,9 +190,14 @@ class Scheduler:
         if req.need + self.reserve > self.cfg.n_ctx:
             raise ValueError(f"prompt ({len(req.prompt) + len(req.replay)} tokens) + max tokens ({req.n_predict}) does not fit the "
                              f"context ({self.cfg.n_ctx} cells, {self.reserve} kept for speculative runs)")
+        rules = None
+        if req.decoding.shapes_logits:  # built here: a constraint that cannot compile is this request's ValueError
+            if self.rules_for is None:
+                raise ValueError("this pipeline takes no constraints or biases")
+            rules = self.rules_for(req.decoding, len(req.prompt))
         if not req.t_queued_s:
             req.t_queued_s = self.clock()
-        self.waiting.append((self._n_requests, req))
+        self.waiting.append((self._n_requests, req, rules))
         self._n_requests += 1
 
     @property
@@ -249,19 +255,20 @@ class Scheduler:
             if not self._clean:
                 self._compact()  # every free slot is dirty: repack to clean them
                 continue
-            num, req = self.waiting[0]
+            num, req, rules = self.waiting[0]
             if sum(g.req.need for g in self.gens) + req.need + self.reserve > self.cfg.n_ctx:
                 self.stats.waits_for_cells += 1
                 return  # first come first served: the next request waits for cells, no one overtakes it
             self.waiting.popleft()
-            self._start(num, req)
+            self._start(num, req, rules)
 
-    def _start(self, num: int, req: Request) -> None:
+    def _start(self, num: int, req: Request, rules) -> None:
         lane = self._clean.popleft()
         cfg = replace(self.cfg, n_predict=req.n_predict, sampling=req.sampling)
         head = Head(_LanePipe(self, lane), cfg, self._new_run_id, eos=self.eos, on_tokens=req.on_tokens,
                     on_progress=req.on_progress, should_stop=req.should_stop, clock=self.clock,
-                    canon=self._canon[lane])
+                    canon=self._canon[lane], rules=rules, top_logprobs=req.decoding.top_logprobs,
+                    on_logprobs=req.on_logprobs)
         g = _Gen(req, head, lane)
         self._on_lane[lane] = g
         self.gens.append(g)
@@ -331,12 +338,16 @@ class Scheduler:
     def last_run_id(self) -> int:
         return self._run_id
 
-    def launch(self, lane: int, run_id: int, batch, speculative: bool, parent_id: int, sp: SamplingParams) -> None:
-        if sp != self._sampling_sent:  # the last stage draws this generation's tokens by its parameters
-            self.pipe.set_sampling(sp)
-            self._sampling_sent = sp
+    def launch(self, lane: int, run_id: int, batch, speculative: bool, parent_id: int,
+               sampling: tuple[SamplingParams, int | None], rules=None) -> None:
+        if sampling != self._sampling_sent:  # the last stage draws this generation's tokens by its parameters
+            self.pipe.set_sampling(*sampling)
+            self._sampling_sent = sampling
         self.owner[run_id] = self._on_lane[lane]
-        self.pipe.launch(run_id, batch, speculative, parent_id)
+        if rules is None:
+            self.pipe.launch(run_id, batch, speculative, parent_id)
+        else:
+            self.pipe.launch(run_id, batch, speculative, parent_id, rules)
 
     def _take(self, res) -> None:
         g = self.owner.pop(res.run_id)

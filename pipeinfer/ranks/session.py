@@ -13,6 +13,7 @@ from ..core.metrics import Stats
 from ..core.topology import LayerRange
 from ..wire.transport import polite_barrier
 from .head import GenConfig
+from .rules import RunRules
 from .scheduler import Request, Scheduler
 
 
@@ -64,8 +65,18 @@ class HeadSession:
         if self._sched is None:
             self._sched = Scheduler(self.pipe, self.cfg, n_stages=self.pipe.topo.n_ranks,
                                     n_parallel=self.config.parallel, pool=self.pool, drafter_for=self.drafter_for,
-                                    eos=self.eos)
+                                    eos=self.eos, rules_for=self.rules_for)
         return self._sched
+
+    def rules_for(self, decoding: Decoding, answer_at: int) -> RunRules:
+        """A request's rules for its runs' rows: its constraint compiled for this model's vocabulary (a
+        grammar.ConstraintError, a ValueError, where it cannot be), its biases."""
+        masker = None
+        if decoding.constraint is not None:
+            from ..engine.grammar import RowMasker, compile_constraint, lltokenizer
+            lltok = lltokenizer(self.tok)
+            masker = RowMasker(compile_constraint(decoding.constraint, lltok), lltok, self.tok.n_vocab, self.eos)
+        return RunRules(decoding, answer_at, self.tok.n_vocab, masker)
 
     def load(self) -> dict:
         """What the pipeline holds now, for /health (read from another thread: a snapshot, not a lock)."""

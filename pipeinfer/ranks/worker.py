@@ -24,6 +24,8 @@ from ..core.protocol import (
     Kind,
     Limits,
     ProtocolError,
+    RowRules,
+    SAMPLING_LEN,
     Tag,
     check_header,
     check_kv_ops,
@@ -64,6 +66,7 @@ class StageWorker:
         self.stats = StageStats(rank=topo.rank)
         self._newest_run = -1
         self.sampling = SamplingParams()  # the last stage's rule for each output row's token (SAMPLING)
+        self.top_logprobs: int | None = None  # ... and the log-probabilities it reports of each (SAMPLING)
 
     def _take_cancels(self) -> None:
         ids = self.tx.poll_cancel(self.topo.next_rank)  # for the last stage, next_rank is the head
@@ -92,8 +95,8 @@ class StageWorker:
             elif hdr.kind == Kind.DECODE:
                 self._decode(hdr)
             elif hdr.kind == Kind.SAMPLING:
-                buf = self.tx.recv_array(prev, Tag.SAMPLING, (4,), np.int64)
-                self.sampling = self._valid(lambda b, lim: unpack_sampling(b), buf)
+                buf = self.tx.recv_array(prev, Tag.SAMPLING, (SAMPLING_LEN,), np.int64)
+                self.sampling, self.top_logprobs = self._valid(lambda b, lim: unpack_sampling(b), buf)
                 if not self.topo.is_last:
                     self.tx.send(nxt, hdr, (Tag.SAMPLING, buf))
             else:
@@ -131,6 +134,9 @@ class StageWorker:
             self.cancelled = {r for r in self.cancelled if r > self._newest_run - CANCEL_WINDOW}
         out, started = None, False
         cancelled = bool(hdr.flags & Flag.CANCELLED) or hdr.run_id in self.cancelled or hdr.parent_id in self.cancelled
+        rules = None
+        if self.topo.is_last and hdr.n_rules:  # taken even for a cancelled run: the next run's follow on this tag
+            rules = self.tx.recv_array(0, Tag.RULES, (hdr.n_rules,), np.int32)
         if not hdr.flags & Flag.CANCELLED:
             (_, meta_shape, _), (_, activ_shape, _) = payload_shapes(hdr)
             meta = self.tx.recv_array(prev, Tag.META, meta_shape, np.int32)
@@ -138,7 +144,9 @@ class StageWorker:
             if not cancelled:
                 started = True
                 batch = self._valid(Batch.unpack_meta, meta, hdr)
-                out = self._run(hdr, batch, activ)
+                if rules is not None:
+                    rules = self._valid(RowRules.unpack, rules, batch.n_outputs)
+                out = self._run(hdr, batch, activ, rules)
                 cancelled = out is None
         if cancelled:
             # pass an empty transaction on: later stages and the head's FIFO stay aligned
@@ -146,19 +154,21 @@ class StageWorker:
             hdr.flags |= Flag.CANCELLED
             self.stats.n_cancelled_before += not started
             if self.topo.is_last:
-                hdr.kind = Kind.RESULT
+                hdr.kind, hdr.n_embd, hdr.n_rules = Kind.RESULT, 0, 0
             self.tx.send(self.topo.next_rank, hdr)
         elif self.topo.is_last:
-            hdr.kind = Kind.RESULT
-            self.tx.send(0, hdr, (Tag.TOKENS, out))
+            tokens, logprobs = out
+            hdr.kind, hdr.n_rules = Kind.RESULT, 0
+            hdr.n_embd = 0 if logprobs is None else logprobs.shape[1]
+            self.tx.send(0, hdr, (Tag.TOKENS, tokens), *([] if logprobs is None else [(Tag.LOGPROBS, logprobs)]))
         else:
             hdr.n_embd = out.shape[1]
             self.tx.send(self.topo.next_rank, hdr, (Tag.META, meta), (Tag.ACTIV, out))
 
-    def _run(self, hdr: Header, batch: Batch, activ: np.ndarray) -> np.ndarray | None:
-        """Decode one run: hidden states for the next stage, or on the last stage the token verification needs
-        after each output row (the logits stay in llama.cpp); None when it was cancelled mid-decode
-        (non-speculative runs never are)."""
+    def _run(self, hdr: Header, batch: Batch, activ: np.ndarray, rules: RowRules | None = None):
+        """Decode one run: hidden states for the next stage, or on the last stage (tokens, logprobs): the token
+        verification needs after each output row, under the run's rules (the logits stay in llama.cpp), and the
+        LOGPROBS asked for (or None); None when it was cancelled mid-decode (non-speculative runs never are)."""
         self.engine.apply_kv_ops(batch.prefix_ops)
         run_id = hdr.run_id
         if hdr.flags & Flag.SPECULATIVE:
@@ -169,7 +179,7 @@ class StageWorker:
         t0 = time.perf_counter()
         try:
             if self.topo.is_last:
-                out = self.engine.decode_tokens(batch, activ, self.sampling)
+                out = self.engine.decode_tokens(batch, activ, self.sampling, rules, self.top_logprobs)
             else:
                 out = self.engine.decode(batch, activ)
         except DecodeAborted:

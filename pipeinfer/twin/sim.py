@@ -281,7 +281,7 @@ class SimPipeline:
                 break
         self.stages[0].trace.t_busy_s += self.clock() - t0
 
-    def launch(self, run_id: int, batch: Batch, speculative: bool, parent_id: int = NO_RUN) -> None:
+    def launch(self, run_id: int, batch: Batch, speculative: bool, parent_id: int = NO_RUN, rules=None) -> None:
         self._head_work(self.c.head_overhead_ms)
         self._head_work(self.c.stages[0].ms(batch.n_tokens), compute=True)
         self.stages[0].trace.n_decoded += 1
@@ -296,7 +296,7 @@ class SimPipeline:
         self.stages[0].trace.bytes_sent += n_bytes
         self._send(self.clock(), 0, n_bytes, self._arrive, 1, txn)
 
-    def set_sampling(self, sp) -> None:
+    def set_sampling(self, sp, top_logprobs=None) -> None:
         self._sent_from_head(Txn(Kind.SAMPLING))
 
     def kv(self, ops: np.ndarray) -> None:
