@@ -155,7 +155,7 @@ class FakeSession:
         return self.sched
 
     def request(self, prompt, *, n_predict, sampling, prompt_text, chat, on_tokens, should_stop, on_done,
-                replay=()) -> FakeRequest:
+                replay=(), decoding=None, on_logprobs=None) -> FakeRequest:
         self.requests.append(FakeRequest(list(prompt), n_predict, sampling, prompt_text, chat, on_tokens,
                                          should_stop, on_done, list(replay)))
         return self.requests[-1]

@@ -123,6 +123,75 @@ def test_stop_string_cuts_the_answer(server):
     assert streamed == r.choices[0].text
 
 
+def test_a_list_of_prompts_is_one_choice_each_equal_to_its_single_request(server):
+    c = client(server)
+    prompts = [PROMPT, "lo ki ba", "ki ki"]
+    singles = [c.completions.create(model="synthetic", prompt=p, max_tokens=14).choices[0].text for p in prompts]
+    r = c.completions.create(model="synthetic", prompt=prompts, max_tokens=14)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert [ch.text for ch in r.choices] == singles and len(set(singles)) == 3  # never joined
+    assert r.usage.completion_tokens == 42
+
+
+@pytest.fixture
+def flat_server(tmp_path):
+    """A server of a synthetic model whose next-token distribution is flat enough that sampled answers differ by
+    seed (the shared models put almost all the mass on one token, even at temperature 2)."""
+    from synth import make_llama_gguf
+    model = make_llama_gguf(tmp_path / "flat.gguf", n_layer=4, qtype="q8_0", logit_scale=1.0)
+    srv = Server(["-m", str(model), "--mode", "pipeinfer", "--drafter", "ngram", "-c", "1024", "--alias", "flat"], 2,
+                 tmp_path / "server.log")
+    yield srv
+    assert srv.stop() == 0, srv.text()[-3000:]
+
+
+def test_n_choices_each_equal_the_single_request_with_its_seed(flat_server):
+    """n: 3 sampled: choice j is the single request with seed + j, whole and streamed (interleaved by index)."""
+    c = client(flat_server)
+    ask = {"model": "flat", "prompt": PROMPT, "max_tokens": 16, "temperature": 1.5, "top_p": 0.95}
+    singles = [c.completions.create(seed=4 + j, **ask).choices[0].text for j in range(3)]
+    assert len(set(singles)) == 3
+    r = c.completions.create(n=3, seed=4, **ask)
+    assert [ch.text for ch in r.choices] == singles
+    assert r.usage.completion_tokens == 48 and r.usage.prompt_tokens == len(tokenize(flat_server, PROMPT))
+    texts = ["", "", ""]
+    for chunk in c.completions.create(n=3, seed=4, stream=True, **ask):
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == singles
+
+
+def tokenize(srv, text: str) -> list[int]:
+    status, _, body = srv.request("POST", "/tokenize", {"content": text, "add_special": True})
+    assert status == 200, body
+    return json.loads(body)["tokens"]
+
+
+def test_token_id_prompts_equal_their_text(server):
+    c = client(server)
+    texts = [PROMPT, "lo ki ba"]
+    want = [c.completions.create(model="synthetic", prompt=t, max_tokens=12).choices[0].text for t in texts]
+    ids = [tokenize(server, t) for t in texts]
+    assert c.completions.create(model="synthetic", prompt=ids[0], max_tokens=12).choices[0].text == want[0]
+    both = c.completions.create(model="synthetic", prompt=ids, max_tokens=12)
+    assert [ch.text for ch in both.choices] == want
+    status, _, body = server.request("POST", "/detokenize", {"tokens": ids[1]})
+    _, _, pieces = server.request("POST", "/tokenize", {"content": texts[1], "add_special": True, "with_pieces": True})
+    joined = b"".join(p.encode() if isinstance(p, str) else bytes(p) for p in
+                      (t["piece"] for t in json.loads(pieces)["tokens"]))  # a piece that is part of a character: bytes
+    assert status == 200 and json.loads(body)["content"] == joined.decode()
+    status, _, body = server.request("POST", "/v1/completions", {"model": "synthetic", "prompt": [ids[0], [10 ** 7]]})
+    assert status == 400 and json.loads(body)["error"]["param"] == "prompt.1", body
+
+
+def test_models_report_the_context_and_unknown_routes_are_openai_errors(server):
+    status, _, body = server.request("GET", "/v1/models")
+    (model,) = json.loads(body)["data"]
+    assert model["max_model_len"] == 2048 and model["meta"]["n_ctx"] == 2048 and model["meta"]["n_ctx_train"] > 0
+    for method, path, want in (("GET", "/v2/nothing", 404), ("GET", "/v1/completions", 405)):
+        status, _, body = server.request(method, path)
+        assert status == want and json.loads(body)["error"]["type"] == "invalid_request_error", body
+
+
 @pytest.mark.parametrize("body, status, code_or_param", [
     (b"{not json", 400, None),
     ({"model": "synthetic"}, 400, "prompt"),

@@ -11,6 +11,7 @@ import os
 import queue
 import threading
 
+from ..core.decoding import Decoding
 from ..core.verify import SamplingParams
 from ..wire.hosts import host_name
 from ..wire.liveness import available_memory
@@ -52,11 +53,16 @@ def _submit(session, sched, link: Link, msg: Job, cancelled: set, stop) -> None:
 
     def done(tokens: list[int], stats) -> None:
         link.send(Done(jid, stats.to_dict()))
+    pending: list = []  # the log-probabilities of the tokens about to be sent (on_logprobs comes just before)
+
+    def on_tokens(tokens: list[int]) -> None:
+        link.send(Tokens(jid, list(tokens), [[lp.token, lp.logprob, [list(t) for t in lp.top]] for lp in pending]
+                         if pending else None))
+        pending.clear()
     req = session.request(msg.prompt, n_predict=msg.n_predict, sampling=SamplingParams(*msg.sampling),
-                          prompt_text=msg.prompt_text, chat=msg.chat,
-                          on_tokens=lambda tokens: link.send(Tokens(jid, list(tokens))),
+                          prompt_text=msg.prompt_text, chat=msg.chat, on_tokens=on_tokens,
                           should_stop=lambda: jid in cancelled or stop.requested, on_done=done,
-                          replay=msg.replay)
+                          replay=msg.replay, decoding=Decoding.from_dict(msg.decoding), on_logprobs=pending.extend)
     try:
         sched.submit(req)
     except ValueError as e:

@@ -44,6 +44,7 @@ class Job:
     sampling: tuple[float, int, float, int]  # temp, top_k, top_p, seed (core.verify.SamplingParams's order)
     prompt_text: str | None = None           # for the drafters that read text
     chat: bool = False
+    decoding: dict | None = None             # core.decoding.Decoding.to_dict(): constraint, biases, log-probabilities
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,11 @@ class Ready:
 
 @dataclass(frozen=True)
 class Tokens:
-    """A request's next tokens."""
+    """A request's next tokens (and their log-probabilities when it asked: [token, logprob, [[id, logprob], ...]])."""
     op: ClassVar[str] = "tokens"
     id: int
     tokens: list[int]
+    logprobs: list | None = None
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..core.config import CONFIG_ENV
+from ..core.decoding import TokenLogprob
 from ..core.errors import UserError
 from ..core.metrics import Stats
 from . import link
@@ -532,6 +533,9 @@ class Supervisor:
         if isinstance(msg, link.Tokens):
             rec.tokens += msg.tokens
             rec.job.on_token_ids(msg.tokens)
+            if msg.logprobs is not None:
+                rec.answer.on_logprobs([TokenLogprob(t, lp, tuple(tuple(x) for x in top))
+                                        for t, lp, top in msg.logprobs])
             rec.answer.on_tokens(msg.tokens)
         elif isinstance(msg, link.Done):
             stats = Stats.from_dict(msg.stats)
@@ -609,8 +613,10 @@ class Supervisor:
     def _send_job(self, rec: _Record) -> None:
         job, left = rec.job, rec.job.n_predict - len(rec.tokens)
         sp = job.sampling
+        decoding = getattr(job, "decoding", None)
         self._send(link.Job(rec.jid, job.prompt_tokens, rec.tokens, max(1, left),
-                            (sp.temp, sp.top_k, sp.top_p, sp.seed), job.prompt_text, job.chat))
+                            (sp.temp, sp.top_k, sp.top_p, sp.seed), job.prompt_text, job.chat,
+                            decoding.to_dict() if decoding is not None else None))
 
     def _send(self, msg) -> bool:
         """Whether `msg` went to the attached rank 0. Not while none is (between jobs: _attach sends every record

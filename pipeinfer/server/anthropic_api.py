@@ -1,0 +1,442 @@
+"""Anthropic's Messages API on `pipeinfer serve`: POST /v1/messages (one JSON message, or Anthropic's server-sent
+events) and POST /v1/messages/count_tokens; and the turn machinery the Responses API (responses_api.py) shares.
+
+A request becomes a conversation in OpenAI's shape (tools.from_anthropic_messages / from_anthropic_tools), rendered
+through the chat template (with tools or tool calls: the GGUF's Jinja template, engine/chat.py; else the app's
+apply_chat_template), one job (jobs.make_jobs) queued on the generator; the answer's text is cut at the first stop
+sequence (answer.StopMatcher here, so the reply can say which one matched; the job is then cancelled) and, when
+the request has tools, parsed into text and tool calls as it streams (tools.ToolCallParser).
+
+Every error on these routes is Anthropic's: {"type": "error", "error": {"type", "message"}}; the body is validated
+here (not by FastAPI) so that a malformed one is not answered in OpenAI's shape. `x-api-key` and
+`anthropic-version` are accepted and ignored.
+
+    field                   what the server does
+    ----------------------  -----------------------------------------------------------------------------------
+    model                   must be the served model's id (404 not_found_error)
+    max_tokens              required, >= 1; prompt + max_tokens must fit the context (400)
+    messages                roles user / assistant; content a string or blocks text, tool_use, tool_result;
+                            image, document, thinking ... blocks refused (400)
+    system                  a string or text blocks
+    stop_sequences          the text is cut before the first match: stop_reason "stop_sequence"
+    temperature 0..1, top_p, top_k   sampling (temperature 0, the default here: greedy)
+    stream                  Anthropic's events (message_start ... message_stop)
+    tools, tool_choice      client tools {name, description, input_schema}; auto / any / tool / none
+                            (any and tool constrain the answer to a call); server tools refused
+    metadata, thinking, service_tier, container, mcp_servers ...  ignored
+"""
+from __future__ import annotations
+
+import json
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..core.decoding import Constraint, Decoding
+from .answer import StopMatcher
+from .jobs import (Job, Prompt, RequestError, ServeConfig, Settings, acheck_constraint, check_model, make_jobs,
+                   new_request_id, submit)
+from .tools import (CallArgs, CallEnd, CallFailed, CallStart, Text, ToolCallParser, ToolError, from_anthropic_messages,
+                    from_anthropic_tools, new_call_id, prompt_tools, tool_constraint, tool_format)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# ==================================================================================== the turn (shared)
+@dataclass
+class Conversation:
+    """What a request asks, in OpenAI's chat shapes (tools.py, engine/chat.py)."""
+    messages: list[dict]
+    tools: list[dict] | None = None          # OpenAI's [{"type": "function", "function": {...}}]
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    constraint: Constraint | None = None     # the answer's format (the Responses API's text.format)
+    constraint_param: str = ""
+
+
+def _chat_template(tokenizer) -> str | None:
+    get = getattr(tokenizer, "chat_template", None)
+    return get() if callable(get) else None
+
+
+def render(conv: Conversation, tokenizer, apply_chat_template: Callable[[list[dict]], str]) -> Prompt:
+    """The conversation's prompt: through the GGUF's Jinja template when tools or tool calls are in it (400 when
+    the model has no template), else through the app's apply_chat_template (as the chat route does)."""
+    tools = prompt_tools(conv.tools, conv.tool_choice)
+    needs_jinja = tools or any(m.get("tool_calls") or m["role"] == "tool" for m in conv.messages)
+    if needs_jinja:
+        template = _chat_template(tokenizer)
+        if template is None:
+            raise RequestError(400, "this model has no chat template: it cannot take tools or tool calls",
+                               param="tools")
+        from ..engine.chat import render_chat
+        try:
+            text = render_chat(template, conv.messages, tools)
+        except ValueError as e:
+            raise RequestError(400, str(e), param="messages") from None
+    else:
+        text = apply_chat_template([{"role": m["role"], "content": m.get("content") or ""} for m in conv.messages])
+    users = [m["content"] for m in conv.messages if m["role"] == "user"]
+    single = len(conv.messages) == 1 and len(users) == 1 and isinstance(users[0], str)
+    return Prompt(tokenizer.encode(text), users[0] if single else text, single)
+
+
+@dataclass
+class Outcome:
+    """The end of a turn."""
+    finish: str                     # "stop" | "length" | "stop_sequence" | "tool_calls" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    stop_sequence: str | None = None
+
+
+class Turn:
+    """One generation of a conversation: checked and queued by `start`, then `events()`: the parser's Text /
+    CallStart / CallArgs / CallEnd / CallFailed as the answer streams, then an Outcome (none when the client went
+    away). A failed generation raises RequestError (500)."""
+
+    def __init__(self, cfg: ServeConfig, tokenizer, apply_chat_template, conv: Conversation, *,
+                 max_tokens: int | None, max_tokens_param: str, temperature: float | None, top_p: float | None,
+                 top_k: int | None, stops: list[str], call_id: Callable[[], str] = new_call_id):
+        self.cfg, self.tokenizer, self.conv = cfg, tokenizer, conv
+        self.prompt = render(conv, tokenizer, apply_chat_template)
+        self.stops = [s for s in stops if s]
+        constraint, self.constraint_param = conv.constraint, conv.constraint_param
+        self.parser = None
+        if prompt_tools(conv.tools, conv.tool_choice):
+            try:
+                fmt = tool_format(_chat_template(tokenizer), tokenizer)
+                forced = tool_constraint(conv.tools, conv.tool_choice, conv.parallel_tool_calls, fmt)
+            except ToolError as e:
+                raise RequestError(400, str(e), param=e.param) from None
+            if forced is not None:
+                if constraint is not None:
+                    raise RequestError(400, f"{conv.constraint_param}: a forced tool call and a text format cannot "
+                                            "both constrain the answer", param=conv.constraint_param)
+                constraint, self.constraint_param = forced, "tool_choice"
+            names = [t["function"]["name"] for t in conv.tools]
+            self.parser = ToolCallParser(fmt, names, call_id)
+        self.constraint = constraint
+        # stop sequences are matched here (not by the job), so the reply can name the one that matched
+        self.settings = Settings(max_tokens, max_tokens_param, temperature or 0.0, 1.0 if top_p is None else top_p,
+                                 top_k or 0, 0, (), Decoding(constraint), 1)
+        self.request_id = new_request_id()
+        self.job: Job | None = None
+        self._events = None
+
+    async def start(self, generator, request) -> "Turn":
+        await acheck_constraint(self.constraint, self.tokenizer, self.constraint_param)
+        self.job = make_jobs(self.cfg, [self.prompt], self.settings, self.request_id)[0]
+        self._events = submit(generator, self.job, request)
+        return self
+
+    def _parse(self, text: str, end: bool = False) -> list:
+        if self.parser is None:
+            return [Text(text)] if text else []
+        return self.parser.feed(text) + (self.parser.close() if end else [])
+
+    async def events(self):
+        matcher, raw, hit = StopMatcher(self.stops), "", None
+        async for ev in self._events:
+            if ev[0] == "text":
+                raw += ev[1]
+                out = matcher.feed(ev[1])
+                if matcher.hit and hit is None:
+                    hit = min(self.stops, key=lambda s: (raw.find(s) if s in raw else len(raw) + 1))
+                    self.job.cancelled.set()  # the generation stops; its "done" still comes
+                for e in self._parse(out):
+                    yield e
+            elif ev[0] == "error":
+                raise RequestError(500, ev[1], code="pipeline_failed")
+            else:
+                for e in self._parse(matcher.flush(), end=True):
+                    yield e
+                info = ev[1]
+                finish = info["finish_reason"]
+                if hit is not None:
+                    finish = "stop_sequence"
+                elif self.parser is not None and self.parser.n_calls:
+                    finish = "tool_calls"
+                yield Outcome(finish, info["prompt_tokens"], info["completion_tokens"], hit)
+                return
+
+
+@dataclass
+class Block:
+    """A piece of the answer in order: text, or a tool call (its arguments' JSON text)."""
+    kind: str                        # "text" | "call"
+    text: str = ""
+    call_id: str = ""
+    name: str = ""
+    call_index: int = -1
+    arguments: str = ""
+
+
+@dataclass
+class Folded:
+    blocks: list[Block] = field(default_factory=list)
+    outcome: Outcome | None = None
+
+
+async def fold(events) -> Folded:
+    """A turn's events as its blocks in order (a call that broke down becomes text); the whole answer."""
+    out = Folded()
+    async for e in events:
+        if isinstance(e, Outcome):
+            out.outcome = e
+        elif isinstance(e, CallStart):
+            out.blocks.append(Block("call", call_id=e.id, name=e.name, call_index=e.index))
+        elif isinstance(e, CallArgs):
+            next(b for b in out.blocks if b.call_index == e.index).arguments += e.fragment
+        elif isinstance(e, (Text, CallFailed)):
+            if isinstance(e, CallFailed):
+                out.blocks = [b for b in out.blocks if b.call_index != e.index]
+            if out.blocks and out.blocks[-1].kind == "text":
+                out.blocks[-1].text += e.text
+            elif e.text:
+                out.blocks.append(Block("text", text=e.text))
+    return out
+
+
+def arguments_object(text: str) -> dict:
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def sse(event: str, data: dict) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def read_body(request: Request, model: type[BaseModel], describe: Callable[[ValidationError], RequestError]):
+    """The JSON body validated by `model` (RequestError 400 naming the field; never FastAPI's 422 path)."""
+    try:
+        raw = await request.json()
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise RequestError(400, "the body must be a JSON object")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        raise describe(e) from None
+
+
+def validation_error(e: ValidationError) -> RequestError:
+    first = e.errors()[0] if e.errors() else {}
+    where = ".".join(str(x) for x in first.get("loc", ()))
+    msg = first.get("msg", "invalid request body")
+    if first.get("type") == "missing":
+        msg = "Field required"
+    return RequestError(400, f"{where or 'body'}: {msg}", param=where or None)
+
+
+# ==================================================================================== Anthropic's bodies
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class AnthropicMessage(_Body):
+    role: str
+    content: Any                              # a string or a list of blocks (checked by hand)
+
+
+class CountTokensRequest(_Body):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    stream: bool = False
+
+
+BLOCKS = ("text", "tool_use", "tool_result")
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large",
+               429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error(e: RequestError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 503 else None
+    return JSONResponse({"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"),
+                                                    "message": e.message}}, status_code=e.status, headers=headers)
+
+
+def _bad(param: str, message: str) -> RequestError:
+    return RequestError(400, f"{param}: {message}", param=param)
+
+
+def _check_messages(req: CountTokensRequest) -> None:
+    if req.system is not None and not isinstance(req.system, str):
+        if not isinstance(req.system, list) or not all(isinstance(b, dict) and b.get("type") == "text"
+                                                       and isinstance(b.get("text"), str) for b in req.system):
+            raise _bad("system", "must be a string or a list of text blocks")
+    for i, m in enumerate(req.messages):
+        if m.role not in ("user", "assistant"):
+            raise _bad(f"messages.{i}.role", f"unexpected role '{m.role}' (user or assistant; the system prompt is "
+                                             "the top-level system field)")
+        if isinstance(m.content, str):
+            continue
+        if not isinstance(m.content, list):
+            raise _bad(f"messages.{i}.content", "must be a string or a list of content blocks")
+        for k, b in enumerate(m.content):
+            where = f"messages.{i}.content.{k}"
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind not in BLOCKS:
+                raise _bad(where, f"unsupported content block type {kind!r} (only {', '.join(BLOCKS)})")
+            if kind == "text" and not isinstance(b.get("text"), str):
+                raise _bad(f"{where}.text", "must be a string")
+            if kind == "tool_use" and (m.role != "assistant" or not isinstance(b.get("input", {}), dict)
+                                       or not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str)):
+                raise _bad(where, "a tool_use block is the assistant's {id, name, input: object}")
+            if kind == "tool_result":
+                if m.role != "user" or not isinstance(b.get("tool_use_id"), str):
+                    raise _bad(where, "a tool_result block is the user's {tool_use_id, content}")
+                c = b.get("content")
+                if c is not None and not isinstance(c, str) and not (
+                        isinstance(c, list) and all(isinstance(x, dict) and x.get("type") == "text" for x in c)):
+                    raise _bad(f"{where}.content", "must be a string or a list of text blocks")
+
+
+def conversation(req: CountTokensRequest) -> Conversation:
+    _check_messages(req)
+    try:
+        tools, choice, parallel = from_anthropic_tools(req.tools, req.tool_choice)
+    except ToolError as e:
+        raise RequestError(400, str(e), param=e.param) from None
+    messages = from_anthropic_messages(req.system, [m.model_dump() for m in req.messages])
+    return Conversation(messages, tools, choice, parallel)
+
+
+# ==================================================================================== Anthropic's replies
+STOP_REASONS = {"length": "max_tokens", "stop_sequence": "stop_sequence", "tool_calls": "tool_use"}
+
+
+def _stop_reason(o: Outcome) -> str:
+    return STOP_REASONS.get(o.finish, "end_turn")
+
+
+def _block(b: Block) -> dict:
+    if b.kind == "text":
+        return {"type": "text", "text": b.text}
+    return {"type": "tool_use", "id": b.call_id, "name": b.name, "input": arguments_object(b.arguments)}
+
+
+class MessageReply:
+    def __init__(self, model_id: str, turn: Turn):
+        self.id, self.model_id, self.turn = "msg_" + uuid.uuid4().hex[:24], model_id, turn
+
+    def message(self, content: list, stop_reason, stop_sequence, input_tokens: int, output_tokens: int) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model_id, "content": content,
+                "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+                "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
+
+    async def whole(self):
+        folded = await fold(self.turn.events())
+        o = folded.outcome
+        if o is None:
+            return JSONResponse({}, status_code=499)
+        return self.message([_block(b) for b in folded.blocks], _stop_reason(o), o.stop_sequence,
+                            o.prompt_tokens, o.completion_tokens)
+
+    async def stream(self):
+        n_prompt = len(self.turn.prompt.tokens)
+        yield sse("message_start", {"type": "message_start",
+                                    "message": self.message([], None, None, n_prompt, 0)})
+        index, open_kind, calls = -1, None, {}   # calls: the parser's call index -> block index
+
+        def close():
+            nonlocal open_kind
+            if open_kind is None:
+                return []
+            open_kind = None
+            return [sse("content_block_stop", {"type": "content_block_stop", "index": index})]
+
+        def delta(d: dict) -> str:
+            return sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": d})
+
+        try:
+            async for e in self.turn.events():
+                out: list[str] = []
+                if isinstance(e, (Text, CallFailed)) and e.text:
+                    if open_kind != "text":
+                        out += close()
+                        index, open_kind = index + 1, "text"
+                        out.append(sse("content_block_start", {"type": "content_block_start", "index": index,
+                                                               "content_block": {"type": "text", "text": ""}}))
+                    out.append(delta({"type": "text_delta", "text": e.text}))
+                elif isinstance(e, CallStart):
+                    out += close()
+                    index, open_kind = index + 1, "call"
+                    calls[e.index] = index
+                    out.append(sse("content_block_start", {"type": "content_block_start", "index": index,
+                                                           "content_block": {"type": "tool_use", "id": e.id,
+                                                                             "name": e.name, "input": {}}}))
+                elif isinstance(e, CallArgs) and e.fragment:
+                    out.append(delta({"type": "input_json_delta", "partial_json": e.fragment}))
+                elif isinstance(e, CallEnd):
+                    out += close()
+                elif isinstance(e, Outcome):
+                    out += close()
+                    out.append(sse("message_delta", {"type": "message_delta",
+                                                     "delta": {"stop_reason": _stop_reason(e),
+                                                               "stop_sequence": e.stop_sequence},
+                                                     "usage": {"input_tokens": e.prompt_tokens,
+                                                               "output_tokens": e.completion_tokens}}))
+                    out.append(sse("message_stop", {"type": "message_stop"}))
+                for chunk in out:
+                    yield chunk
+        except RequestError as err:
+            yield sse("error", {"type": "error", "error": {"type": "api_error", "message": err.message}})
+
+
+# ==================================================================================== the routes
+def register_anthropic(app: FastAPI, cfg: ServeConfig, generator, tokenizer, apply_chat_template) -> None:
+    """POST /v1/messages and /v1/messages/count_tokens, every error in Anthropic's shape."""
+
+    async def guarded(work):
+        try:
+            return await work()
+        except RequestError as e:
+            return anthropic_error(e)
+        except Exception as e:  # a bug: the client gets one line in Anthropic's shape, the log the traceback
+            traceback.print_exc()
+            return anthropic_error(RequestError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        async def work():
+            req = await read_body(request, MessagesRequest, validation_error)
+            check_model(cfg, req.model)
+            turn = Turn(cfg, tokenizer, apply_chat_template, conversation(req), max_tokens=req.max_tokens,
+                        max_tokens_param="max_tokens", temperature=req.temperature, top_p=req.top_p,
+                        top_k=req.top_k, stops=req.stop_sequences or [], call_id=lambda: new_call_id("toolu_"))
+            await turn.start(generator, request)
+            reply = MessageReply(cfg.model_id, turn)
+            if req.stream:
+                return StreamingResponse(reply.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+            return await reply.whole()
+        return await guarded(work)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        async def work():
+            req = await read_body(request, CountTokensRequest, validation_error)
+            check_model(cfg, req.model)
+            conv = conversation(req)
+            return {"input_tokens": len(render(conv, tokenizer, apply_chat_template).tokens)}
+        return await guarded(work)

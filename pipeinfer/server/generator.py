@@ -1,0 +1,90 @@
+"""The generation thread of `pipeinfer serve` on rank 0: it owns the head session (every MPI call and llama.cpp
+decode happens there) and pumps queued jobs (jobs.py) into its scheduler (ranks/scheduler.py), which runs up to
+--parallel of them at once, admitted first come first served. Each job's answer goes back to its request's
+handler through the job's asyncio queue (answer.py)."""
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+
+from .answer import Answer
+from .jobs import Job, RequestError
+from .pump import pump
+
+
+class Generator:
+    """Jobs in (`submit`, from the event loop), answers out through each job's events."""
+
+    def __init__(self, session, max_queue: int, log=None, on_done=None):
+        self.session, self.tok = session, session.tok
+        self.parallel = session.parallel
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.on_done = on_done  # callable(job, stats, finish_reason), e.g. a --results row
+        self.fatal: str | None = None
+        self.thread = threading.Thread(target=self._loop, name="pipeinfer-generation", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        if self.fatal:
+            raise RequestError(503, f"the pipeline failed: {self.fatal}", code="pipeline_failed")
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise RequestError(503, f"the queue is full ({self.jobs.maxsize} requests waiting); retry later",
+                               code="queue_full") from None
+
+    def stop(self) -> None:
+        while True:  # drop what waits, then tell the thread to end after the jobs it runs
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.push(("error", "the server is shutting down"))
+        self.jobs.put(None)
+        self.thread.join()
+
+    def load(self) -> dict:
+        """For /health: what waits and what the pipeline holds now (a snapshot read from another thread)."""
+        load = self.session.load()
+        return {"queued": self.jobs.qsize() + load.pop("waiting"), **load}
+
+    def _fail(self, e: Exception, jobs) -> None:
+        """The pipeline is gone (a rank failed): fail these and every later request."""
+        self.fatal = f"{type(e).__name__}: {e}"
+        for job in jobs:
+            job.push(("error", f"the pipeline failed: {self.fatal}"))
+        self.log(f"[serve] fatal: {self.fatal}")
+
+    def _loop(self) -> None:
+        sched = self.session.scheduler()
+        running: dict[int, Job] = {}
+        try:
+            pump(sched, self.jobs, lambda job: self._admit(sched, job, running))
+        except Exception as e:
+            self._fail(e, list(running.values()))
+
+    def _admit(self, sched, job: Job, running: dict) -> None:
+        if job.cancelled.is_set():
+            self.log(f"[serve] {job.request_id}: cancelled while queued")
+            return
+        ans = Answer(job, self.tok)
+
+        def done(tokens: list[int], stats) -> None:
+            running.pop(id(job), None)
+            ans.finish(stats, self.log, self.on_done)
+        req = self.session.request(job.prompt_tokens, n_predict=job.n_predict, sampling=job.sampling,
+                                   prompt_text=job.prompt_text, chat=job.chat, on_tokens=ans.on_tokens,
+                                   should_stop=ans.should_stop, on_done=done, decoding=job.decoding,
+                                   on_logprobs=ans.on_logprobs)
+        req.t_queued_s = job.t_queued_s
+        try:
+            sched.submit(req)
+        except ValueError as e:  # does not fit the context as the stages planned it
+            job.push(("error", str(e)))
+            return
+        running[id(job)] = job

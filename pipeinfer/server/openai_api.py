@@ -1,0 +1,243 @@
+"""OpenAI's request bodies (POST /v1/chat/completions, /v1/completions) and what they ask, as jobs (jobs.py).
+
+Every field, and what the server does with it (C: chat, T: completions; llama-server's own fields marked L):
+
+    field                              what the server does
+    ---------------------------------  ---------------------------------------------------------------------------
+    model                              must be the served model's id (404 model_not_found otherwise)
+    messages (C)                       roles system, developer (as system), user, assistant, tool; text content
+                                       parts joined; any other content part refused (400)
+    prompt (T)                         a string, a list of strings, a list of token ids, or a list of token-id
+                                       lists: one prompt each, never joined; ids checked against the vocabulary
+    max_tokens, max_completion_tokens  the answer's length (C: max_completion_tokens first); without either, the
+                                       server's default within the room the context leaves
+    temperature 0..2, top_p, top_k (L) sampling (temperature 0, the default: greedy)
+    seed                               choice j of a prompt samples with seed + j (no seed: 0)
+    stop                               a string or a list of strings; the text is cut before the first match
+    n 1..8                             choices per prompt, each its own generation (T: index prompt_i * n + j)
+    stream, stream_options             server-sent events; include_usage adds a last chunk with the usage
+    logprobs, top_logprobs             C: logprobs true, top_logprobs 0..20 -> choices[i].logprobs.content;
+                                       T: logprobs 0..5 -> the legacy {tokens, token_logprobs, top_logprobs,
+                                       text_offset}; streamed with the chunk that releases each token's text
+    logit_bias                         {"token id": -100..100}, ids checked against the vocabulary
+    frequency_penalty, presence_penalty  -2..2, OpenAI's rule
+    response_format                    text | json_object | json_schema {name, schema, strict}: the answer is
+                                       constrained (llguidance, engine/grammar.py); L: json_object with a schema
+    grammar (L), json_schema (L)       a GBNF grammar / a JSON schema, as llama-server takes them
+    echo (T)                           refused when true (400)
+    suffix (T)                         refused when not empty (400)
+    best_of (T)                        refused above n (400): the server does not rank choices
+    tools, tool_choice, functions ...  the tool-call layer's (server/tools.py, engine/chat.py); ignored here
+    anything else                      ignored (user, metadata, store, service_tier, min_p, cache_prompt, ...)
+
+A malformed field is a 400 naming it, before anything reaches the ranks; at most one constraint per request.
+No body field is a union (beyond None): pydantic would name the union's member in the error's location, so such
+fields are `Any` here and checked by hand, with one-line errors.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any, Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..core.decoding import MAX_TOP_LOGPROBS, Constraint, Decoding
+from .jobs import Prompt, RequestError, Settings, bad, check_token_ids
+
+MAX_N = 8
+MAX_CHOICES = 64           # prompts x n in one request: each is a generation in the queue
+MAX_LEGACY_LOGPROBS = 5    # /v1/completions' logprobs
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+# ------------------------------------------------------------------------------------ bodies
+class Body(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # unknown fields are accepted and ignored
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(Body):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # llama-server's json_object + schema
+
+
+class Common(Body):
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    stop: Any = None                          # a string or a list of strings (`stops`)
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    response_format: ResponseFormat | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+
+
+class CompletionRequest(Common):
+    prompt: Any                               # the four shapes (`completion_prompts`)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LEGACY_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+
+class Message(Body):
+    role: str
+    content: Any = None                       # a string, or a list of content parts
+
+
+class ChatRequest(Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+# ------------------------------------------------------------------------------------ fields
+def stops(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise bad("stop", "must be a string or a list of strings")
+
+
+def _response_format(rf: ResponseFormat) -> Constraint | None:
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object" and rf.schema_ is None:
+        return Constraint("json_object")
+    if rf.type == "json_object":
+        return Constraint("json_schema", json.dumps(rf.schema_))
+    if rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise bad("response_format.json_schema.schema", "a schema is required for type json_schema")
+        return Constraint("json_schema", json.dumps(rf.json_schema.schema_), bool(rf.json_schema.strict))
+    raise bad("response_format.type", f"unknown type '{rf.type}' (text, json_object or json_schema)")
+
+
+def constraint_of(req: Common) -> tuple[Constraint | None, str]:
+    """The constraint a request asks for and the field it came from: response_format, or llama-server's grammar
+    or json_schema, one at most."""
+    asked = []
+    if req.response_format is not None and (c := _response_format(req.response_format)) is not None:
+        asked.append((c, "response_format"))
+    if req.grammar:
+        asked.append((Constraint("gbnf", req.grammar), "grammar"))
+    if req.json_schema is not None:
+        asked.append((Constraint("json_schema", json.dumps(req.json_schema)), "json_schema"))
+    if len(asked) > 1:
+        raise bad(asked[1][1], f"one constraint per request: {' and '.join(p for _, p in asked)} were both given")
+    return asked[0] if asked else (None, "")
+
+
+def logit_bias(bias: dict[str, float] | None, tokenizer) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias} as (id, bias) pairs, each id in the vocabulary."""
+    if not bias:
+        return ()
+    out = []
+    for key, b in bias.items():
+        if not re.fullmatch(r"\d+", key.strip()):
+            raise bad("logit_bias", f"'{key}' is not a token id")
+        t = int(key)
+        if t >= tokenizer.n_vocab:
+            raise bad("logit_bias", f"token id {t} is not in the vocabulary (0..{tokenizer.n_vocab - 1})")
+        out.append((t, float(b)))
+    return tuple(sorted(out))
+
+
+def chat_top_logprobs(req: ChatRequest) -> int | None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad("top_logprobs", "needs logprobs: true")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def refuse_unsupported(req: CompletionRequest) -> None:
+    if req.echo:
+        raise bad("echo", "echoing the prompt is not supported")
+    if req.suffix:
+        raise bad("suffix", "a suffix (insertion) is not supported")
+    if req.best_of is not None and req.best_of > req.n:
+        raise bad("best_of", "choices are not ranked here: best_of above n is not supported")
+
+
+def settings_of(req: Common, constraint: Constraint | None, top_logprobs: int | None, tokenizer,
+                max_tokens: int | None, max_tokens_param: str) -> Settings:
+    decoding = Decoding(constraint, logit_bias(req.logit_bias, tokenizer), req.frequency_penalty or 0.0,
+                        req.presence_penalty or 0.0, top_logprobs)
+    return Settings(max_tokens, max_tokens_param, req.temperature or 0.0, req.top_p or 1.0, req.top_k or 0,
+                    req.seed or 0, stops(req.stop), decoding, req.n)
+
+
+# ------------------------------------------------------------------------------------ prompts
+def completion_prompts(value, tokenizer) -> list[Prompt]:
+    """OpenAI's four prompt shapes, one Prompt per prompt (never joined)."""
+    shapes = "a string, a list of strings, a list of token ids or a list of token-id lists"
+    if isinstance(value, str):
+        return [Prompt(tokenizer.encode(value), value)]
+    if not isinstance(value, list) or not value:
+        raise bad("prompt", f"must be {shapes}")
+    if all(isinstance(p, str) for p in value):
+        return [Prompt(tokenizer.encode(p), p) for p in value]
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return [_token_prompt(value, tokenizer, "prompt")]
+    if all(isinstance(p, list) for p in value):
+        return [_token_prompt(p, tokenizer, f"prompt.{i}") for i, p in enumerate(value)]
+    raise bad("prompt", f"must be {shapes}, not a mix")
+
+
+def _token_prompt(ids: list, tokenizer, param: str) -> Prompt:
+    ids = check_token_ids(ids, tokenizer.n_vocab, param)
+    return Prompt(ids, tokenizer.decode(ids))
+
+
+def _message_text(i: int, content) -> str:
+    """A message's content: a string, or its text parts joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
+        raise bad(f"messages.{i}.content", "must be a string or a list of content parts")
+    for k, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad(f"messages.{i}.content.{k}", f"only text parts are supported (this one is '{part.get('type')}')")
+    return "".join(p["text"] for p in content)
+
+
+def chat_prompt(req: ChatRequest, tokenizer, apply_chat_template: Callable[[list[dict]], str]) -> Prompt:
+    """The messages through the chat template (roles checked; a developer message is a system one)."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        if m.role not in ROLES:
+            raise bad(f"messages.{i}.role", f"unknown role '{m.role}' ({', '.join(ROLES)})")
+        messages.append({"role": "system" if m.role == "developer" else m.role,
+                         "content": _message_text(i, m.content)})
+    text = apply_chat_template(messages)
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    single = len(messages) == 1 and len(users) == 1  # the draft formats a lone user message its own way
+    return Prompt(tokenizer.encode(text), users[0] if single else text, single)
+
+
+def check_choices(n_prompts: int, n: int) -> None:
+    if n_prompts * n > MAX_CHOICES:
+        raise RequestError(400, f"prompt: {n_prompts} prompt(s) x n {n} is more than {MAX_CHOICES} generations "
+                                f"in one request", param="prompt")

@@ -1,0 +1,155 @@
+"""OpenAI's reply shapes for chat and completions: a request's events (jobs.submit_all) as one JSON answer or as
+server-sent events, every choice under its index.
+
+Streamed: chat opens each choice with a chunk holding the assistant's role; then a chunk per piece of text (the
+choices interleaved as their pieces come, each chunk one choice), a chunk with each choice's finish reason, the
+usage when stream_options.include_usage asks (after every choice finished), then `data: [DONE]`. A failed
+generation ends the stream with an error object instead. Usage counts each prompt's tokens once and every
+choice's completion tokens (as OpenAI does with n and with a list of prompts).
+
+Log-probabilities (answer.py's entries, OpenAI's chat shape) go out with the piece of text that completes their
+tokens: chat as `logprobs: {"content": [...], "refusal": null}`, completions in the legacy shape {tokens,
+token_logprobs, top_logprobs: [{token: logprob}], text_offset}, where a token's offset is the sum of the lengths
+of the tokens before it in its choice (its piece decoded; exact while each token holds whole characters).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .jobs import Job, Prompt, RequestError, collect, submit_all
+
+
+def chat_logprobs(entries: list[dict], _offset: int) -> dict:
+    return {"content": entries, "refusal": None}
+
+
+def legacy_logprobs(entries: list[dict], offset: int) -> dict:
+    """The completions' shape; `offset`: the text's length before the first of these tokens."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    tops = []
+    for e in entries:
+        top = {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+        top.setdefault(e["token"], e["logprob"])  # OpenAI: up to logprobs + 1, the chosen token's always there
+        tops.append(top)
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+def _completion_choice(index: int, text: str | None, finish: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
+
+
+def _chat_delta(index: int, text: str | None, finish: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "delta": {"content": text} if text or logprobs else {}, "finish_reason": finish,
+            "logprobs": logprobs}
+
+
+def _chat_message(index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+            "logprobs": logprobs}
+
+
+def _chat_opening(index: int) -> dict:
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+
+
+Shape = Callable[[int, "str | None", "str | None", "dict | None"], dict]  # (index, text, finish, logprobs) -> choice
+
+
+@dataclass(frozen=True)
+class ReplyKind:
+    """What differs between OpenAI's chat and completion replies; the rest of a reply is the same for both."""
+    id_prefix: str
+    object_name: str                 # the whole answer's "object"
+    chunk_object: str                # a streamed chunk's "object"
+    piece: Shape                     # a streamed choice
+    whole: Shape                     # the whole answer's choice
+    logprobs: Callable[[list[dict], int], dict]      # (entries, text offset) -> a choice's "logprobs"
+    opening: Callable[[int], dict] | None = None     # the choice streamed before any text (chat: the role)
+
+
+COMPLETION = ReplyKind("cmpl-", "text_completion", "text_completion", _completion_choice, _completion_choice,
+                       legacy_logprobs)
+CHAT = ReplyKind("chatcmpl-", "chat.completion", "chat.completion.chunk", _chat_delta, _chat_message,
+                 chat_logprobs, opening=_chat_opening)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One request's reply: the same id, time and model on every object, in the shape of its kind."""
+    kind: ReplyKind
+    request_id: str
+    model_id: str
+    n_choices: int = 1
+    prompt_tokens: int = 0           # every prompt's tokens, each counted once
+    logprobs: bool = False           # asked for: every choice carries "logprobs"
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def body(self, object_name: str, choices: list, **more) -> dict:
+        return {"id": self.kind.id_prefix + self.request_id, "object": object_name, "created": self.created,
+                "model": self.model_id, "choices": choices, **more}
+
+    def chunk(self, choice: dict) -> str:
+        return _sse(self.body(self.kind.chunk_object, [choice]))
+
+    async def stream(self, events, want_usage: bool):
+        """Server-sent events from submit_all's (index, event)s (the shape in the module docstring)."""
+        if self.kind.opening is not None:
+            for i in range(self.n_choices):
+                yield self.chunk(self.kind.opening(i))
+        offsets, completion = [0] * self.n_choices, 0
+        async for i, ev in events:
+            if ev[0] == "text":
+                shaped = None
+                if self.logprobs:
+                    shaped = self.kind.logprobs(ev[2] or [], offsets[i])
+                    offsets[i] += sum(len(e["token"]) for e in ev[2] or [])
+                yield self.chunk(self.kind.piece(i, ev[1], None, shaped))
+            elif ev[0] == "error":
+                yield _sse(RequestError(500, ev[1]).body())
+                return
+            else:
+                completion += ev[1]["completion_tokens"]
+                yield self.chunk(self.kind.piece(i, None, ev[1]["finish_reason"], None))
+        if want_usage:
+            yield _sse(self.body(self.kind.chunk_object, [], usage=_usage(self.prompt_tokens, completion)))
+        yield "data: [DONE]\n\n"
+
+    async def whole(self, events):
+        """One JSON answer once every choice is done."""
+        choices = await collect(events, self.n_choices)
+        if choices is None:  # the client went away
+            return JSONResponse({}, status_code=499)
+        shaped = [self.kind.whole(i, c.text, c.finish_reason, self.kind.logprobs(c.logprobs, 0) if self.logprobs
+                                  else None) for i, c in enumerate(choices)]
+        return self.body(self.kind.object_name, shaped,
+                         usage=_usage(self.prompt_tokens, sum(c.completion_tokens for c in choices)))
+
+
+async def respond(generator, kind: ReplyKind, model_id: str, stream: bool, want_usage: bool, prompts: list[Prompt],
+                  jobs: list[Job], request_id: str, request):
+    """Submit the jobs; the reply streamed (server-sent events) or whole, as the request asks."""
+    reply = Reply(kind, request_id, model_id, len(jobs), sum(len(p.tokens) for p in prompts),
+                  jobs[0].decoding.top_logprobs is not None)
+    events = submit_all(generator, jobs, request)
+    if stream:
+        return StreamingResponse(reply.stream(events, want_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await reply.whole(events)

@@ -1,0 +1,122 @@
+"""Fakes shared by the HTTP API tests: a byte tokenizer with a Hermes-style Jinja chat template, and a head
+session whose scheduler answers what the prompt's last "say:" asks for (then ends, as at an end-of-generation
+token), a few tokens per step; plus the app served by uvicorn on a free port in a thread (for the real SDKs)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+from pipeinfer.core.decoding import Decoding
+from pipeinfer.core.metrics import Stats
+from pipeinfer.ranks.scheduler import Request
+
+N_VOCAB, BOS = 257, 256
+
+# what engine/chat.render_chat renders: roles in <|role|> tags, tools listed, calls in Hermes tags
+TEMPLATE = (
+    "{%- if tools %}<|tools|>{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
+    "{%- for m in messages %}<|{{ m.role }}|>{% if m.content %}{{ m.content }}{% endif %}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+    "{%- endfor %}<|assistant|>")
+
+
+class ByteTokenizer:
+    """Ids 0..255 are bytes, 256 BOS."""
+    n_vocab = N_VOCAB
+
+    def piece(self, token: int) -> bytes:
+        return b"" if token == BOS else bytes([token])
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return ([BOS] if add_special else []) + list(text.encode())
+
+    def decode(self, tokens: list[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def chat_template(self) -> str:
+        return TEMPLATE
+
+
+def simple_template(messages: list[dict]) -> str:
+    """The app's apply_chat_template for messages without tools."""
+    return "".join(f"<|{m['role']}|>{m['content']}" for m in messages) + "<|assistant|>"
+
+
+def scripted_answer(prompt_text: str) -> str:
+    """What follows the prompt's last "say:", up to the next <|tag|>."""
+    at = prompt_text.rfind("say:")
+    if at < 0:
+        return "ok"
+    rest = prompt_text[at + 4:]
+    end = rest.find("<|")
+    return rest if end < 0 else rest[:end]
+
+
+class ScriptedScheduler:
+    def __init__(self):
+        self.running: list[tuple[Request, list[int]]] = []
+        self.waiting: list = []
+        self.made: dict[int, int] = {}   # id(request) -> tokens made so far
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
+
+    def submit(self, req: Request) -> None:
+        script = list(scripted_answer(ByteTokenizer().decode(req.prompt)).encode())
+        self.running.append((req, script))
+
+    def step(self) -> None:
+        for req, script in list(self.running):
+            done = self.made.get(id(req), 0)
+            if req.should_stop() or done >= min(req.n_predict, len(script)):
+                self.running.remove((req, script))
+                self.made.pop(id(req), None)
+                req.on_done(script[:done], Stats(n_prompt=len(req.prompt), n_generated=done))
+                continue
+            tokens = script[done:min(req.n_predict, len(script), done + 1 + done % 3)]
+            self.made[id(req)] = done + len(tokens)
+            req.on_tokens(tokens)
+        time.sleep(0.001)
+
+
+class ScriptedSession:
+    parallel = 4
+
+    def __init__(self):
+        self.tok, self.sched, self.requests = ByteTokenizer(), ScriptedScheduler(), []
+
+    def scheduler(self) -> ScriptedScheduler:
+        return self.sched
+
+    def load(self) -> dict:
+        return {"generating": len(self.sched.running), "waiting": 0}
+
+    def request(self, prompt, *, n_predict, sampling, prompt_text, chat, on_tokens, should_stop, on_done,
+                decoding=None, on_logprobs=None) -> Request:
+        self.requests.append(Request(list(prompt), n_predict, sampling, prompt_text, chat, on_tokens, should_stop,
+                                     on_done, decoding=decoding or Decoding(), on_logprobs=on_logprobs))
+        return self.requests[-1]
+
+
+@contextmanager
+def serving(app):
+    """The app on a free port of 127.0.0.1 (uvicorn in a thread); yields its base URL."""
+    import uvicorn
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
