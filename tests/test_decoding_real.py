@@ -96,3 +96,29 @@ def test_logprobs_are_the_same_in_every_mode(answers):
                 assert lp["logprob"] == pytest.approx(lp_ref["logprob"], abs=1e-4)
                 assert [t for t, _ in lp["top"]] == [t for t, _ in lp_ref["top"]]
                 assert lp["top"][0][1] >= lp["top"][1][1] and lp["logprob"] <= lp["top"][0][1] + 1e-6
+
+
+def test_logprobs_equal_llama_cpp_pythons_own(answers):
+    """Ours (the last stage's, 2 ranks, PipeInfer) against llama-cpp-python's own Llama on the same file and
+    kernels (--kernels repack: flash attention on, the repacked weights; engine/kernels.py), decoding the prompt
+    and then our answer a token at a time as the one-process run does: the log-softmax of its raw logits."""
+    import llama_cpp
+    import numpy as np
+    from llama_cpp import Llama
+
+    from pipeinfer.engine.kernels import UNUSED_EXTRA_BUFFERS, drop_extra_buffer_types
+    model, requests, by_mode = answers
+    drop_extra_buffer_types(UNUSED_EXTRA_BUFFERS)
+    llm = Llama(model, n_ctx=1024, n_threads=1, n_batch=512, flash_attn=True, verbose=False)
+    for req, ans in list(zip(requests, by_mode["pipeinfer"]))[:2]:
+        prompt, tokens = req["prompt"], ans["tokens"][:12]
+        llm.reset()
+        for i, chunk in enumerate([prompt] + [[t] for t in tokens[:-1]]):
+            llm.eval(chunk)
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
+            theirs = Llama.logits_to_logprobs(logits.copy())
+            lp = ans["logprobs"][i]
+            assert lp["token"] == tokens[i]
+            assert lp["logprob"] == pytest.approx(float(theirs[tokens[i]]), abs=1e-4), i
+            for alt, alt_lp in lp["top"]:
+                assert alt_lp == pytest.approx(float(theirs[alt]), abs=1e-4), i
