@@ -43,9 +43,9 @@ def _requests(model: str) -> list[dict]:
     return out
 
 
-def _run(n: int, config: dict, requests: list[dict], tmp_path) -> list[dict]:
-    spec = tmp_path / f"spec-{n}-{config['mode']}.json"
-    spec.write_text(json.dumps({"config": config, "requests": requests}))
+def _run(n: int, config: dict, requests: list[dict], tmp_path, at_once: bool = False) -> list[dict]:
+    spec = tmp_path / f"spec-{n}-{config['mode']}-{at_once}.json"
+    spec.write_text(json.dumps({"config": config, "requests": requests, "at_once": at_once}))
     cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", str(ROOT / "tests" / "mpi_requests.py"), f"@{spec}"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -63,7 +63,19 @@ def answers(tmp_path_factory):
         "one process": _run(1, {**base, "mode": "iterative"}, requests, tmp),
         "pipeinfer": _run(2, {**base, "mode": "pipeinfer"}, requests, tmp),
         "speculative": _run(2, {**base, "mode": "speculative"}, requests, tmp),
+        # three at once on one pipeline: each constrained answer beside a free one and another constrained one
+        "parallel": _run(2, {**base, "mode": "pipeinfer", "parallel": 3}, _mixed(requests), tmp, at_once=True),
     }
+
+
+def _mixed(requests: list[dict]) -> list[dict]:
+    """The constrained requests with a free one (the same prompt, no constraint) after every second one."""
+    out = []
+    for i, req in enumerate(requests):
+        out.append(req)
+        if i % 2:
+            out.append({**req, "decoding": {"logit_bias": [[req["prompt"][-1], -3.0]], "presence_penalty": 0.4}})
+    return out
 
 
 def test_json_schema_answers_are_exact_in_every_mode_and_valid(answers):
@@ -75,6 +87,21 @@ def test_json_schema_answers_are_exact_in_every_mode_and_valid(answers):
     assert len(ref) == len(SCHEMAS)
     for mode in ("pipeinfer", "speculative"):
         assert [a["tokens"] for a in by_mode[mode]] == [a["tokens"] for a in ref], mode
+    constrained_at_once = [a for req, a in zip(_mixed(requests), by_mode["parallel"]) if "constraint" in req["decoding"]]
+    for ours, want in zip(constrained_at_once, ref):
+        n = _before_a_near_tie(want)
+        assert ours["tokens"][:n] == want["tokens"][:n]
+
+
+def _before_a_near_tie(answer: dict, gap: float = 0.01) -> int:
+    """Tokens of an answer before the first position whose two most likely tokens are within `gap` in
+    log-probability. Under --parallel the KV cells of a generation sit beside others' and the real model's logits
+    move in their low bits (measured: a 0.0037 tie flipped); bit-for-bit equality there is an open question of the
+    engine's, not of the constraint's, which must hold everywhere else."""
+    for i, lp in enumerate(answer["logprobs"]):
+        if len(lp["top"]) > 1 and lp["top"][0][1] - lp["top"][1][1] < gap:
+            return i
+    return len(answer["tokens"])
     tok = Tokenizer(model)
     finished = 0
     for schema, a in zip(SCHEMAS, ref):

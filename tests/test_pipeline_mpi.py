@@ -2,6 +2,8 @@
 import pytest
 
 from helpers import PROMPT, mpirun
+
+from pipeinfer.core.protocol import HEADER_LEN
 from synth import reference_greedy
 
 pytestmark = pytest.mark.mpi
@@ -209,7 +211,7 @@ def test_the_last_stage_sends_token_ids_not_logits(models, ref):
     out = mpirun(2, {"model": str(models["q8"]), "prompt": PROMPT, "n": N})
     assert out["tokens"] == ref["q8"]
     forward, back = out["stats"]["bytes_per_token"]
-    assert back <= 32 + 4 + 1, back       # HEADER i32[8] + TOKENS i32[1] per run (+ the prompt's run, amortised)
+    assert back <= 4 * HEADER_LEN + 4 + 1, back  # HEADER + TOKENS i32[1] per run (+ the prompt's run, amortised)
     assert forward >= 4 * 64, forward     # hidden states f32[1, n_embd] and META per run go forward
 
 
