@@ -102,12 +102,16 @@ class ScriptedSession:
 
 
 @contextmanager
-def serving(app):
-    """The app on a free port of 127.0.0.1 (uvicorn in a thread); yields its base URL."""
+def serving(app, sndbuf: int | None = None, **config):
+    """The app on a free port of 127.0.0.1 (uvicorn in a thread); yields its base URL (https with ssl_certfile).
+    `config`: more of uvicorn.Config's; `sndbuf`: the send buffer of every connection (a small one: a client that
+    stops reading blocks the server's writes soon)."""
     import uvicorn
     sock = socket.socket()
+    if sndbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)  # accepted sockets inherit it
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **config))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -115,8 +119,59 @@ def serving(app):
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        scheme = "https" if config.get("ssl_certfile") else "http"
+        yield f"{scheme}://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+# ------------------------------------------------------------------------------------ a load of known size
+class CountingScheduler:
+    """--ignore-eos style: every request gets exactly n_predict tokens ("abc..."), 1 + (made % 3) per step, and
+    Stats with known draft counts (2 drafted and 1 accepted per token, one cancelled run per 4 tokens) and
+    timings; `step_s` a sleep per step."""
+
+    def __init__(self, step_s: float = 0.0):
+        self.running: list[list] = []   # [request, tokens made, stats]
+        self.waiting: list = []
+        self.step_s = step_s
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
+
+    def submit(self, req: Request) -> None:
+        self.running.append([req, 0, Stats(n_prompt=len(req.prompt), t_start_s=time.perf_counter())])
+
+    def step(self) -> None:
+        for entry in list(self.running):
+            req, made, st = entry
+            now = time.perf_counter()
+            if req.should_stop() or made >= req.n_predict:
+                self.running.remove(entry)
+                st.n_generated, st.n_drafted, st.n_draft_accepted = made, 2 * made, made
+                st.n_runs, st.n_spec_runs, st.n_cancelled = 1 + made, made, made // 4
+                req.on_done([ord("a") + k % 26 for k in range(made)], st)
+                continue
+            tokens = [ord("a") + k % 26 for k in range(made, min(req.n_predict, made + 1 + made % 3))]
+            if made == 0:
+                st.t_prompt_done_s = now
+            elif not st.t_first_s:
+                st.t_first_s = now
+            st.t_last_s = now
+            entry[1] = made + len(tokens)
+            req.on_tokens(tokens)
+        time.sleep(self.step_s)
+
+
+class CountingSession(ScriptedSession):
+    """ScriptedSession with CountingScheduler's answers."""
+
+    def __init__(self, step_s: float = 0.0):
+        super().__init__()
+        self.sched = CountingScheduler(step_s)
+
+    def load(self) -> dict:
+        return {"generating": len(self.sched.running), "waiting": 0}

@@ -15,6 +15,7 @@ import pytest
 
 from pipeinfer.core.metrics import Stats
 from pipeinfer.core.verify import SamplingParams
+from pipeinfer.core.topology import LayerRange
 from pipeinfer.server import link
 
 WAIT_S = 20.0
@@ -145,7 +146,7 @@ class FakeScheduler:
 class FakeSession:
     """What run_attached uses of a head session (ranks/session.py), without a pipeline."""
     live = None
-    ranges = [(0, 2), (2, 4)]
+    ranges = [LayerRange(0, 2), LayerRange(2, 4)]
     parallel = 3
 
     def __init__(self):

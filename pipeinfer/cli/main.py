@@ -273,6 +273,19 @@ def _print_report(config: Config, res) -> None:
 @supervision_options("every request")
 @click.option("--ignore-eos", is_flag=True, help="generate past the end-of-sequence token (every answer max_tokens "
               "long: load tests and benchmarks)")
+@click.option("--webui/--no-webui", default=True, show_default=True,
+              help="the cluster's live page (and a chat) at / (GET /state: its JSON)")
+@click.option("--api-key", "api_key", multiple=True, metavar="KEY", help="require `Authorization: Bearer KEY` (or "
+              "x-api-key) on every route but /health (repeatable; --api-key-file keeps keys out of `ps`)")
+@click.option("--api-key-file", default=None, metavar="FILE", help="API keys, one a line (# comments)")
+@click.option("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
+@click.option("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
+@click.option("--max-body-bytes", default=4 * 2**20, show_default=True, type=click.IntRange(1024),
+              help="largest request body; larger ones get 413")
+@click.option("--max-connections", default=128, show_default=True, type=click.IntRange(1),
+              help="requests in progress at once (/health and /metrics aside); more get 503 with Retry-After")
+@click.option("--stalled-client-timeout", default=60.0, show_default=True, type=click.FloatRange(0.1),
+              help="seconds a client may take none of its answer before it is dropped (its generations cancelled)")
 def serve(**kw) -> None:
     """Serve the model over an OpenAI-compatible HTTP API from rank 0 (streaming and not)."""
     run_guarded(_serve, kw)
@@ -291,14 +304,20 @@ class ServeArgs:
     np: int | None
     hostfile: str | None
     rejoin: bool
+    webui: bool = True
+    access: object = None   # server/access.Access: keys and limits
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
 
     @classmethod
     def of(cls, kw: dict) -> ServeArgs:
         if kw["drafter"] == "replay":
             raise UserError("--drafter replay is a benchmark instrument for generate, not for serve")
+        from ..server.access import access_of
         config = config_from_options(kw, n_predict=kw["n_predict"], sampling=SamplingParams(),
                                      stop_at_eos=not kw["ignore_eos"], parallel=kw["parallel"])
-        return cls(config, kw["model"], **own_fields(cls, kw, skip=("config", "model_name")))
+        return cls(config, kw["model"], access=access_of(kw),
+                   **own_fields(cls, kw, skip=("config", "model_name", "access")))
 
 
 def _serve(kw: dict) -> None:
@@ -401,14 +420,21 @@ def _serve_http(args: ServeArgs, generator, tok, ranks: str, stop: StopSignals) 
     from ..server.app import ServeConfig, create_app
     model_id = _model_id(args)
     config = args.config
-    app = create_app(ServeConfig(model_id, config.n_ctx, cells_reserve(config), config.n_predict), generator,
-                     tok, lambda messages: apply_chat(tok, messages))
+    app = create_app(ServeConfig(model_id, config.n_ctx, cells_reserve(config), config.n_predict, webui=args.webui),
+                     generator, tok, lambda messages: apply_chat(tok, messages), access=args.access)
     if stop.requested:
         return
-    print(f"[pipeinfer] serving '{model_id}' on http://{args.host}:{args.port}/v1 (mode {config.mode}, {ranks}, "
-          f"{generator.parallel} request(s) at once); Ctrl-C stops", file=sys.stderr, flush=True)
+    from ..server.access import exposure_warning
+    scheme, keyed = ("https" if args.ssl_certfile else "http"), bool(args.access.api_keys)
+    print(f"[pipeinfer] serving '{model_id}' on {scheme}://{args.host}:{args.port}/v1 (mode {config.mode}, {ranks}, "
+          f"{generator.parallel} request(s) at once{', API key required' if keyed else ''}); Ctrl-C stops",
+          file=sys.stderr, flush=True)
+    if warning := exposure_warning(args.host, args.access.api_keys):
+        print(warning, file=sys.stderr, flush=True)
+    backstop = args.access.max_connections + 16 if args.access.max_connections else None  # idle connections too
     _http_server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                timeout_graceful_shutdown=5), stop).run()
+                                timeout_graceful_shutdown=5, ssl_certfile=args.ssl_certfile,
+                                ssl_keyfile=args.ssl_keyfile, limit_concurrency=backstop), stop).run()
 
 
 def _served_row(args: ServeArgs, ranges, job, stats, finish: str, status: str = "ok") -> None:

@@ -50,6 +50,7 @@ class HeadSession:
     probe_ms: list[float] | None = None
     live: object = None                 # liveness.Liveness (several ranks)
     beside: object = None               # the drafter beside the pipeline (ThreadDrafter, or the draft rank's client)
+    threads: list[int] | None = None    # each target rank's --threads, as start-up planned them (the web page)
     last_tokens: list[int] = field(default_factory=list)
     n_generations: int = 0
     _n_runs: int = 0

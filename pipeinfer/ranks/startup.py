@@ -257,7 +257,8 @@ def _open_head(config: Config, ranks: _Ranks, plan: _LayerPlan, stage: _Stage) -
     if ranks.live is not None:
         ranks.live.in_flight = lambda: len(pipe.in_flight)
     return HeadSession(config, cfg, ranks.comm, stage.engine, stage.transport, pipe, pool, drafter_for, tok, eos,
-                       plan.ranges, stage.exact_per_rank, stage.n_seq_max, plan.probe_ms, ranks.live, beside)
+                       plan.ranges, stage.exact_per_rank, stage.n_seq_max, plan.probe_ms, ranks.live, beside,
+                       threads=list(plan.threads))
 
 
 def _head_drafter(config: Config, ranks: _Ranks, plan: _LayerPlan, stage: _Stage):

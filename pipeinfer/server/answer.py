@@ -113,6 +113,8 @@ class Answer:
         self.lps.add(lps)
 
     def on_tokens(self, tokens: list[int]) -> None:
+        if (meter := getattr(self.job, "meter", None)) is not None:  # the web page's counters (state.Meter)
+            meter.on_tokens(len(tokens))
         self.lps.place(tokens)
         self._release(self.stop.feed(self.dec.feed(tokens)))
 
@@ -139,5 +141,7 @@ class Answer:
             f"acceptance {stats.acceptance_rate * 100:.0f}%, {finish}")
         if on_done is not None:
             on_done(job, stats, finish)
+        if (meter := getattr(job, "meter", None)) is not None:
+            meter.on_done(job, stats, finish)
         job.push(("done", {"finish_reason": finish, "prompt_tokens": len(job.prompt_tokens),
                            "completion_tokens": stats.n_generated, "stats": stats}))

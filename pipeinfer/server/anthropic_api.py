@@ -1,11 +1,13 @@
 """Anthropic's Messages API on `pipeinfer serve`: POST /v1/messages (one JSON message, or Anthropic's server-sent
-events) and POST /v1/messages/count_tokens; and the turn machinery the Responses API (responses_api.py) shares.
+events) and POST /v1/messages/count_tokens; and the body and event helpers the Responses API (responses_api.py)
+shares.
 
-A request becomes a conversation in OpenAI's shape (tools.from_anthropic_messages / from_anthropic_tools), rendered
-through the chat template (with tools or tool calls: the GGUF's Jinja template, engine/chat.py; else the app's
-apply_chat_template), one job (jobs.make_jobs) queued on the generator; the answer's text is cut at the first stop
-sequence (answer.StopMatcher here, so the reply can say which one matched; the job is then cancelled) and, when
-the request has tools, parsed into text and tool calls as it streams (tools.ToolCallParser).
+A request becomes a conversation in OpenAI's shape (tools.from_anthropic_messages / from_anthropic_tools), run as
+one turn (turn.Turn): rendered through the chat template (with tools or tool calls: the GGUF's Jinja template,
+engine/chat.py; else the app's apply_chat_template), one job (jobs.make_jobs) queued on the generator; the answer's
+text is cut at the first stop sequence (answer.StopMatcher there, so the reply can say which one matched; the job
+is then cancelled) and, when the request has tools, parsed into text and tool calls as it streams
+(tools.ToolCallParser).
 
 Every error on these routes is Anthropic's: {"type": "error", "error": {"type", "message"}}; the body is validated
 here (not by FastAPI) so that a malformed one is not answered in OpenAI's shape. `x-api-key` and
@@ -22,7 +24,8 @@ here (not by FastAPI) so that a malformed one is not answered in OpenAI's shape.
     temperature 0..1, top_p, top_k   sampling (temperature 0, the default here: greedy)
     stream                  Anthropic's events (message_start ... message_stop)
     tools, tool_choice      client tools {name, description, input_schema}; auto / any / tool / none
-                            (any and tool constrain the answer to a call); server tools refused
+                            (any and tool constrain the answer to a call; disable_parallel_tool_use: one call
+                            at most); server tools refused
     metadata, thinking, service_tier, container, mcp_servers ...  ignored
 """
 from __future__ import annotations
@@ -30,185 +33,18 @@ from __future__ import annotations
 import json
 import traceback
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..core.decoding import Constraint, Decoding
-from .answer import StopMatcher
-from .jobs import (Job, Prompt, RequestError, ServeConfig, Settings, acheck_constraint, check_model, make_jobs,
-                   new_request_id, submit)
-from .tools import (CallArgs, CallEnd, CallFailed, CallStart, Text, ToolCallParser, ToolError, from_anthropic_messages,
-                    from_anthropic_tools, new_call_id, prompt_tools, tool_constraint, tool_format)
+from .jobs import RequestError, ServeConfig, check_model
+from .tools import (CallArgs, CallEnd, CallFailed, CallStart, Text, ToolError, from_anthropic_messages,
+                    from_anthropic_tools, new_call_id)
+from .turn import Block, Conversation, Outcome, Turn, arguments_object, fold, render
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-# ==================================================================================== the turn (shared)
-@dataclass
-class Conversation:
-    """What a request asks, in OpenAI's chat shapes (tools.py, engine/chat.py)."""
-    messages: list[dict]
-    tools: list[dict] | None = None          # OpenAI's [{"type": "function", "function": {...}}]
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-    constraint: Constraint | None = None     # the answer's format (the Responses API's text.format)
-    constraint_param: str = ""
-
-
-def _chat_template(tokenizer) -> str | None:
-    get = getattr(tokenizer, "chat_template", None)
-    return get() if callable(get) else None
-
-
-def render(conv: Conversation, tokenizer, apply_chat_template: Callable[[list[dict]], str]) -> Prompt:
-    """The conversation's prompt: through the GGUF's Jinja template when tools or tool calls are in it (400 when
-    the model has no template), else through the app's apply_chat_template (as the chat route does)."""
-    tools = prompt_tools(conv.tools, conv.tool_choice)
-    needs_jinja = tools or any(m.get("tool_calls") or m["role"] == "tool" for m in conv.messages)
-    if needs_jinja:
-        template = _chat_template(tokenizer)
-        if template is None:
-            raise RequestError(400, "this model has no chat template: it cannot take tools or tool calls",
-                               param="tools")
-        from ..engine.chat import render_chat
-        try:
-            text = render_chat(template, conv.messages, tools)
-        except ValueError as e:
-            raise RequestError(400, str(e), param="messages") from None
-    else:
-        text = apply_chat_template([{"role": m["role"], "content": m.get("content") or ""} for m in conv.messages])
-    users = [m["content"] for m in conv.messages if m["role"] == "user"]
-    single = len(conv.messages) == 1 and len(users) == 1 and isinstance(users[0], str)
-    return Prompt(tokenizer.encode(text), users[0] if single else text, single)
-
-
-@dataclass
-class Outcome:
-    """The end of a turn."""
-    finish: str                     # "stop" | "length" | "stop_sequence" | "tool_calls" | "cancelled"
-    prompt_tokens: int
-    completion_tokens: int
-    stop_sequence: str | None = None
-
-
-class Turn:
-    """One generation of a conversation: checked and queued by `start`, then `events()`: the parser's Text /
-    CallStart / CallArgs / CallEnd / CallFailed as the answer streams, then an Outcome (none when the client went
-    away). A failed generation raises RequestError (500)."""
-
-    def __init__(self, cfg: ServeConfig, tokenizer, apply_chat_template, conv: Conversation, *,
-                 max_tokens: int | None, max_tokens_param: str, temperature: float | None, top_p: float | None,
-                 top_k: int | None, stops: list[str], call_id: Callable[[], str] = new_call_id):
-        self.cfg, self.tokenizer, self.conv = cfg, tokenizer, conv
-        self.prompt = render(conv, tokenizer, apply_chat_template)
-        self.stops = [s for s in stops if s]
-        constraint, self.constraint_param = conv.constraint, conv.constraint_param
-        self.parser = None
-        if prompt_tools(conv.tools, conv.tool_choice):
-            try:
-                fmt = tool_format(_chat_template(tokenizer), tokenizer)
-                forced = tool_constraint(conv.tools, conv.tool_choice, conv.parallel_tool_calls, fmt)
-            except ToolError as e:
-                raise RequestError(400, str(e), param=e.param) from None
-            if forced is not None:
-                if constraint is not None:
-                    raise RequestError(400, f"{conv.constraint_param}: a forced tool call and a text format cannot "
-                                            "both constrain the answer", param=conv.constraint_param)
-                constraint, self.constraint_param = forced, "tool_choice"
-            names = [t["function"]["name"] for t in conv.tools]
-            self.parser = ToolCallParser(fmt, names, call_id)
-        self.constraint = constraint
-        # stop sequences are matched here (not by the job), so the reply can name the one that matched
-        self.settings = Settings(max_tokens, max_tokens_param, temperature or 0.0, 1.0 if top_p is None else top_p,
-                                 top_k or 0, 0, (), Decoding(constraint), 1)
-        self.request_id = new_request_id()
-        self.job: Job | None = None
-        self._events = None
-
-    async def start(self, generator, request) -> "Turn":
-        await acheck_constraint(self.constraint, self.tokenizer, self.constraint_param)
-        self.job = make_jobs(self.cfg, [self.prompt], self.settings, self.request_id)[0]
-        self._events = submit(generator, self.job, request)
-        return self
-
-    def _parse(self, text: str, end: bool = False) -> list:
-        if self.parser is None:
-            return [Text(text)] if text else []
-        return self.parser.feed(text) + (self.parser.close() if end else [])
-
-    async def events(self):
-        matcher, raw, hit = StopMatcher(self.stops), "", None
-        async for ev in self._events:
-            if ev[0] == "text":
-                raw += ev[1]
-                out = matcher.feed(ev[1])
-                if matcher.hit and hit is None:
-                    hit = min(self.stops, key=lambda s: (raw.find(s) if s in raw else len(raw) + 1))
-                    self.job.cancelled.set()  # the generation stops; its "done" still comes
-                for e in self._parse(out):
-                    yield e
-            elif ev[0] == "error":
-                raise RequestError(500, ev[1], code="pipeline_failed")
-            else:
-                for e in self._parse(matcher.flush(), end=True):
-                    yield e
-                info = ev[1]
-                finish = info["finish_reason"]
-                if hit is not None:
-                    finish = "stop_sequence"
-                elif self.parser is not None and self.parser.n_calls:
-                    finish = "tool_calls"
-                yield Outcome(finish, info["prompt_tokens"], info["completion_tokens"], hit)
-                return
-
-
-@dataclass
-class Block:
-    """A piece of the answer in order: text, or a tool call (its arguments' JSON text)."""
-    kind: str                        # "text" | "call"
-    text: str = ""
-    call_id: str = ""
-    name: str = ""
-    call_index: int = -1
-    arguments: str = ""
-
-
-@dataclass
-class Folded:
-    blocks: list[Block] = field(default_factory=list)
-    outcome: Outcome | None = None
-
-
-async def fold(events) -> Folded:
-    """A turn's events as its blocks in order (a call that broke down becomes text); the whole answer."""
-    out = Folded()
-    async for e in events:
-        if isinstance(e, Outcome):
-            out.outcome = e
-        elif isinstance(e, CallStart):
-            out.blocks.append(Block("call", call_id=e.id, name=e.name, call_index=e.index))
-        elif isinstance(e, CallArgs):
-            next(b for b in out.blocks if b.call_index == e.index).arguments += e.fragment
-        elif isinstance(e, (Text, CallFailed)):
-            if isinstance(e, CallFailed):
-                out.blocks = [b for b in out.blocks if b.call_index != e.index]
-            if out.blocks and out.blocks[-1].kind == "text":
-                out.blocks[-1].text += e.text
-            elif e.text:
-                out.blocks.append(Block("text", text=e.text))
-    return out
-
-
-def arguments_object(text: str) -> dict:
-    try:
-        value = json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def sse(event: str, data: dict) -> str:

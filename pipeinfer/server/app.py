@@ -18,7 +18,8 @@ cache on every stage (ranks/startup.HeadSession), so no request sees another's s
 pipeline as they do for `generate`.
 
 Modules, downward: jobs.py (requests as jobs, their events) <- answer.py (a job's text and log-probabilities on
-the way out) <- generator.py (the generation thread) <- openai_api.py / openai_reply.py <- this one (the routes).
+the way out) <- generator.py (the generation thread) <- turn.py (a conversation with tools: its prompt, the tool
+calls parsed from its answers) <- openai_api.py / openai_reply.py <- this one (the routes).
 """
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ from .answer import Answer, StopMatcher
 from .generator import Generator
 from .jobs import (Job, Prompt, RequestError, ServeConfig, acheck_constraint, check_model, check_token_ids,
                    make_jobs, new_request_id, submit)
-from .openai_api import (Body, ChatRequest, Common, CompletionRequest, chat_prompt, chat_top_logprobs, check_choices,
-                         completion_prompts, constraint_of, refuse_unsupported, settings_of)
+from .openai_api import (Body, ChatRequest, Common, CompletionRequest, chat_conversation, chat_top_logprobs,
+                         check_choices, completion_prompts, constraint_of, refuse_unsupported, settings_of)
 from .openai_reply import CHAT, COMPLETION, Reply, ReplyKind, respond
+from .turn import AnswerFormat, answer_format, render
 
 _Answer = Answer  # the name the supervisor (supervisor.py) and its tests know it by
 
@@ -145,17 +147,18 @@ def _token_routes(app: FastAPI, tokenizer) -> None:
 
 def _openai_routes(app: FastAPI, cfg: ServeConfig, generator, tokenizer, apply_chat_template) -> None:
     async def answer(request: Request, kind: ReplyKind, req: Common, prompts: list[Prompt], top_logprobs: int | None,
-                     max_tokens: int | None, max_tokens_param: str):
-        """Every field checked (the constraint compiled) and every job made before the first is queued."""
+                     max_tokens: int | None, max_tokens_param: str, fmt: AnswerFormat | None = None):
+        """Every field checked (the constraint compiled) and every job made before the first is queued; `fmt`
+        (chat): the constraint and the tool-call parsing (turn.answer_format)."""
         check_choices(len(prompts), req.n)
-        constraint, where = constraint_of(req)
+        constraint, where = constraint_of(req) if fmt is None else (fmt.constraint, fmt.constraint_param)
         settings = settings_of(req, constraint, top_logprobs, tokenizer, max_tokens, max_tokens_param)
         await acheck_constraint(constraint, tokenizer, where)
         request_id = new_request_id()
         jobs = make_jobs(cfg, prompts, settings, request_id)
         want_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await respond(generator, kind, cfg.model_id, req.stream, want_usage, prompts, jobs, request_id,
-                             request)
+                             request, fmt.parser if fmt is not None else None)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -169,17 +172,22 @@ def _openai_routes(app: FastAPI, cfg: ServeConfig, generator, tokenizer, apply_c
         check_model(cfg, req.model)
         top = chat_top_logprobs(req)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        return await answer(request, CHAT, req, [chat_prompt(req, tokenizer, apply_chat_template)], top,
-                            req.max_completion_tokens or req.max_tokens, param)
+        conv = chat_conversation(req)
+        prompt = render(conv, tokenizer, apply_chat_template)
+        return await answer(request, CHAT, req, [prompt], top, req.max_completion_tokens or req.max_tokens, param,
+                            answer_format(conv, tokenizer))
 
 
-def create_app(cfg: ServeConfig, generator, tokenizer, apply_chat_template):
+def create_app(cfg: ServeConfig, generator, tokenizer, apply_chat_template, access=None):
     """The ASGI app over `generator` (generator.Generator, or the supervisor). `apply_chat_template(messages) ->
-    prompt text`."""
-    app = FastAPI(title="pipeinfer", docs_url=None, redoc_url=None, openapi_url=None)
+    prompt text`; `access` (access.Access): keys and limits (none by default but a 4 MiB body), /metrics always."""
+    app = FastAPI(title="pipeinfer", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     _error_handlers(app)
     _info_routes(app, cfg, generator, tokenizer)
     _token_routes(app, tokenizer)
     _openai_routes(app, cfg, generator, tokenizer, apply_chat_template)
     from .responses_api import register_apis; register_apis(app, cfg, generator, tokenizer, apply_chat_template)  # noqa: E702,E501
+    from .page import register_page; register_page(app, cfg, generator)  # noqa: E702  the page at /, GET /state
+    from .access import Access, Gate; from .metrics import register_metrics  # noqa: E702
+    app.add_middleware(Gate, access=access or Access(), metrics=register_metrics(app, generator))
     return app

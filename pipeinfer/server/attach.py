@@ -42,7 +42,8 @@ def run_attached(session, path: str, stop) -> None:
         ranks_at, mem = session.live.hosts, session.live.mem_available
     else:
         ranks_at, mem = [(host_name(), os.getpid())], [available_memory()]
-    link.send(Ready(len(session.ranges), session.parallel, list(ranks_at), list(mem)))
+    link.send(Ready(len(session.ranges), session.parallel, list(ranks_at), list(mem),
+                    [(r.start, r.end) for r in session.ranges], getattr(session, "threads", None)))
     sched = session.scheduler()
     pump(sched, inbox, lambda msg: _submit(session, sched, link, msg, cancelled, stop),
          ends=lambda msg: msg is None or isinstance(msg, Stop), stop_requested=lambda: stop.requested)

@@ -53,6 +53,7 @@ class ServeConfig:
     n_ctx: int
     cells_reserve: int      # KV cells runs in flight may take beyond the prompt and the answer
     default_max_tokens: int
+    webui: bool = True      # the web page at / (server/page.py; --no-webui turns it off)
 
 
 @dataclass(frozen=True)

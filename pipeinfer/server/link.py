@@ -71,6 +71,8 @@ class Ready:
     parallel: int
     ranks_at: list[tuple[str, int]]
     mem_available: list[int]
+    layers: list[tuple[int, int]] | None = None  # each target rank's layer range [start, end) (the web page)
+    threads: list[int] | None = None             # each target rank's --threads (the web page)
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,8 @@ def _as_declared(value, hint):
     """A value that _fits `hint` with its lists that are declared tuples made tuples (a message decodes equal to
     the one encoded)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):  # X | None: as the member it fits
+        return next((_as_declared(value, a) for a in args if a is not type(None) and _fits(value, a)), value)
     if origin is tuple:
         return tuple(_as_declared(v, a) for v, a in zip(value, args))
     if origin is list:

@@ -6,7 +6,10 @@ Every field, and what the server does with it (C: chat, T: completions; llama-se
     ---------------------------------  ---------------------------------------------------------------------------
     model                              must be the served model's id (404 model_not_found otherwise)
     messages (C)                       roles system, developer (as system), user, assistant, tool; text content
-                                       parts joined; any other content part refused (400)
+                                       parts joined; any other content part refused (400); an assistant's
+                                       tool_calls [{id, type: function, function: {name, arguments: JSON text of
+                                       an object}}] and a tool message's tool_call_id rendered through the GGUF's
+                                       chat template (engine/chat.py)
     prompt (T)                         a string, a list of strings, a list of token ids, or a list of token-id
                                        lists: one prompt each, never joined; ids checked against the vocabulary
     max_tokens, max_completion_tokens  the answer's length (C: max_completion_tokens first); without either, the
@@ -22,12 +25,25 @@ Every field, and what the server does with it (C: chat, T: completions; llama-se
     logit_bias                         {"token id": -100..100}, ids checked against the vocabulary
     frequency_penalty, presence_penalty  -2..2, OpenAI's rule
     response_format                    text | json_object | json_schema {name, schema, strict}: the answer is
-                                       constrained (llguidance, engine/grammar.py); L: json_object with a schema
+                                       constrained (llguidance, engine/grammar.py); L: json_object with a schema;
+                                       with a forced tool call (below) refused (400)
     grammar (L), json_schema (L)       a GBNF grammar / a JSON schema, as llama-server takes them
     echo (T)                           refused when true (400)
     suffix (T)                         refused when not empty (400)
     best_of (T)                        refused above n (400): the server does not rank choices
-    tools, tool_choice, functions ...  the tool-call layer's (server/tools.py, engine/chat.py); ignored here
+    tools (C)                          function tools {type: function, function: {name, description,
+                                       parameters: JSON schema, strict}}, checked (400 naming the field) and
+                                       rendered through the GGUF's chat template (turn.py, tools.py); the answer
+                                       is parsed into message.tool_calls (streamed: delta.tool_calls), each choice
+                                       its own, finish_reason "tool_calls"; arguments are held to the parameters
+                                       only when a call is forced (strict or not)
+    tool_choice (C)                    none: tools not rendered, nothing parsed; auto (the default with tools):
+                                       free text, parsed (the model's loose habits too: Qwen's fenced JSON);
+                                       required / {type: function, function: {name}}: the answer constrained to
+                                       calls (llguidance grammar, tools.tool_constraint)
+    parallel_tool_calls (C)            false: one call at most (required: the grammar; auto: the generation
+                                       stops after the first call)
+    functions, function_call           (deprecated) ignored
     anything else                      ignored (user, metadata, store, service_tier, min_p, cache_prompt, ...)
 
 A malformed field is a 400 naming it, before anything reaches the ranks; at most one constraint per request.
@@ -38,12 +54,14 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.decoding import MAX_TOP_LOGPROBS, Constraint, Decoding
 from .jobs import Prompt, RequestError, Settings, bad, check_token_ids
+from .tools import ToolError, check_tools
+from .turn import Conversation
 
 MAX_N = 8
 MAX_CHOICES = 64           # prompts x n in one request: each is a generation in the queue
@@ -102,6 +120,8 @@ class CompletionRequest(Common):
 class Message(Body):
     role: str
     content: Any = None                       # a string, or a list of content parts
+    tool_calls: Any = None                    # an assistant's calls (`chat_conversation`)
+    tool_call_id: Any = None                  # a tool message's answer to a call
 
 
 class ChatRequest(Common):
@@ -109,6 +129,9 @@ class ChatRequest(Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Any = None                         # checked by hand (tools.check_tools)
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
 
 
 # ------------------------------------------------------------------------------------ fields
@@ -223,18 +246,64 @@ def _message_text(i: int, content) -> str:
     return "".join(p["text"] for p in content)
 
 
-def chat_prompt(req: ChatRequest, tokenizer, apply_chat_template: Callable[[list[dict]], str]) -> Prompt:
-    """The messages through the chat template (roles checked; a developer message is a system one)."""
-    messages = []
-    for i, m in enumerate(req.messages):
-        if m.role not in ROLES:
-            raise bad(f"messages.{i}.role", f"unknown role '{m.role}' ({', '.join(ROLES)})")
-        messages.append({"role": "system" if m.role == "developer" else m.role,
-                         "content": _message_text(i, m.content)})
-    text = apply_chat_template(messages)
-    users = [m["content"] for m in messages if m["role"] == "user"]
-    single = len(messages) == 1 and len(users) == 1  # the draft formats a lone user message its own way
-    return Prompt(tokenizer.encode(text), users[0] if single else text, single)
+def _tool_calls(i: int, calls) -> list[dict]:
+    """An assistant message's tool_calls, checked: [{id, type: function, function: {name, arguments}}]."""
+    where = f"messages.{i}.tool_calls"
+    if not isinstance(calls, list):
+        raise bad(where, "must be a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.{j}"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(call, dict) or not isinstance(call.get("id"), str) or not isinstance(fn, dict):
+            raise bad(at, "a tool call is {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}")
+        if call.get("type", "function") != "function":
+            raise bad(f"{at}.type", f"unsupported tool call type {call.get('type')!r} (only 'function')")
+        if not isinstance(fn.get("name"), str):
+            raise bad(f"{at}.function.name", "must be a string")
+        args = fn.get("arguments") or "{}"
+        if not isinstance(args, str) or not _object_text(args):
+            raise bad(f"{at}.function.arguments", "must be the JSON text of an object")
+        out.append({"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _object_text(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def _chat_message(i: int, m: Message) -> dict:
+    """A message in engine/chat.py's shape (a developer message is a system one)."""
+    if m.role not in ROLES:
+        raise bad(f"messages.{i}.role", f"unknown role '{m.role}' ({', '.join(ROLES)})")
+    out = {"role": "system" if m.role == "developer" else m.role, "content": _message_text(i, m.content)}
+    if m.tool_calls is not None:
+        if m.role != "assistant":
+            raise bad(f"messages.{i}.tool_calls", "only an assistant message carries tool calls")
+        if calls := _tool_calls(i, m.tool_calls):
+            out["tool_calls"] = calls
+            out["content"] = out["content"] or None
+    if m.role == "tool":
+        if not isinstance(m.tool_call_id, str) or not m.tool_call_id:
+            raise bad(f"messages.{i}.tool_call_id", "a tool message answers a call: its tool_call_id (a string) is "
+                                                   "required")
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def chat_conversation(req: ChatRequest) -> Conversation:
+    """The messages (roles and tool calls checked), the tools (tools.check_tools: 400 naming the field) and the
+    constraint the request asks for (`constraint_of`), as turn.py takes them."""
+    messages = [_chat_message(i, m) for i, m in enumerate(req.messages)]
+    try:
+        check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    except ToolError as e:
+        raise RequestError(400, str(e), param=e.param) from None
+    constraint, where = constraint_of(req)
+    return Conversation(messages, req.tools or None, req.tool_choice, req.parallel_tool_calls, constraint, where)
 
 
 def check_choices(n_prompts: int, n: int) -> None:

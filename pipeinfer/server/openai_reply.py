@@ -2,15 +2,19 @@
 server-sent events, every choice under its index.
 
 Streamed: chat opens each choice with a chunk holding the assistant's role; then a chunk per piece of text (the
-choices interleaved as their pieces come, each chunk one choice), a chunk with each choice's finish reason, the
-usage when stream_options.include_usage asks (after every choice finished), then `data: [DONE]`. A failed
-generation ends the stream with an error object instead. Usage counts each prompt's tokens once and every
-choice's completion tokens (as OpenAI does with n and with a list of prompts).
+choices interleaved as their pieces come, each chunk one choice; with tools, the pieces of each call as OpenAI's
+delta.tool_calls: [{index, id, type: function, function: {name, arguments: ""}}] at its start, then [{index,
+function: {arguments: fragment}}], turn.py parsing the text; a call that breaks down once started goes on as
+content), a chunk with each choice's finish reason, the usage when stream_options.include_usage asks (after every
+choice finished), then `data: [DONE]`. A failed generation ends the stream with an error object instead. Usage
+counts each prompt's tokens once and every choice's completion tokens (as OpenAI does with n and with a list of
+prompts).
 
 Log-probabilities (answer.py's entries, OpenAI's chat shape) go out with the piece of text that completes their
 tokens: chat as `logprobs: {"content": [...], "refusal": null}`, completions in the legacy shape {tokens,
 token_logprobs, top_logprobs: [{token: logprob}], text_offset}, where a token's offset is the sum of the lengths
-of the tokens before it in its choice (its piece decoded; exact while each token holds whole characters).
+of the tokens before it in its choice (its piece decoded; exact while each token holds whole characters). With
+tools, every token's entry, its text content or a call's, goes with its choice's next chunk (turn.parsed_events).
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from typing import Callable
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .jobs import Job, Prompt, RequestError, collect, submit_all
+from .tools import CallArgs, CallFailed, CallStart
+from .turn import CallParser, ParsedChoice, collect_parsed, parsed_events
 
 
 def chat_logprobs(entries: list[dict], _offset: int) -> dict:
@@ -55,6 +61,29 @@ def _chat_delta(index: int, text: str | None, finish: str | None, logprobs: dict
 def _chat_message(index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
     return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
             "logprobs": logprobs}
+
+
+def _chat_call_message(index: int, c: ParsedChoice, logprobs: dict | None) -> dict:
+    """A whole chat choice whose answer was parsed for tool calls: content null when empty beside calls."""
+    message = {"role": "assistant", "content": c.text}
+    if c.tool_calls:
+        message.update(content=c.text or None, tool_calls=c.tool_calls)
+    return {"index": index, "message": message, "finish_reason": c.finish_reason, "logprobs": logprobs}
+
+
+def _chat_call_delta(index: int, e, logprobs: dict | None) -> dict | None:
+    """A streamed piece of a tool call (OpenAI's delta.tool_calls: the id, type and name at the call's start, then
+    its arguments in fragments), or a broken call's text as content; None when there is nothing to send."""
+    if isinstance(e, CallStart):
+        delta = {"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                 "function": {"name": e.name, "arguments": ""}}]}
+    elif isinstance(e, CallArgs) and e.fragment:
+        delta = {"tool_calls": [{"index": e.index, "function": {"arguments": e.fragment}}]}
+    elif isinstance(e, CallFailed) and e.text:
+        delta = {"content": e.text}
+    else:
+        return None
+    return {"index": index, "delta": delta, "finish_reason": None, "logprobs": logprobs}
 
 
 def _chat_opening(index: int) -> dict:
@@ -100,6 +129,7 @@ class Reply:
     n_choices: int = 1
     prompt_tokens: int = 0           # every prompt's tokens, each counted once
     logprobs: bool = False           # asked for: every choice carries "logprobs"
+    tools: bool = False              # chat: the events are turn.parsed_events' (tool calls parsed)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def body(self, object_name: str, choices: list, **more) -> dict:
@@ -122,6 +152,10 @@ class Reply:
                     shaped = self.kind.logprobs(ev[2] or [], offsets[i])
                     offsets[i] += sum(len(e["token"]) for e in ev[2] or [])
                 yield self.chunk(self.kind.piece(i, ev[1], None, shaped))
+            elif ev[0] == "call":
+                choice = _chat_call_delta(i, ev[1], self.kind.logprobs(ev[2] or [], 0) if self.logprobs else None)
+                if choice is not None:
+                    yield self.chunk(choice)
             elif ev[0] == "error":
                 yield _sse(RequestError(500, ev[1]).body())
                 return
@@ -134,21 +168,31 @@ class Reply:
 
     async def whole(self, events):
         """One JSON answer once every choice is done."""
-        choices = await collect(events, self.n_choices)
+        choices = await (collect_parsed if self.tools else collect)(events, self.n_choices)
         if choices is None:  # the client went away
             return JSONResponse({}, status_code=499)
-        shaped = [self.kind.whole(i, c.text, c.finish_reason, self.kind.logprobs(c.logprobs, 0) if self.logprobs
-                                  else None) for i, c in enumerate(choices)]
+        if self.tools:
+            shaped = [_chat_call_message(i, c, self.kind.logprobs(c.logprobs, 0) if self.logprobs else None)
+                      for i, c in enumerate(choices)]
+        else:
+            shaped = [self.kind.whole(i, c.text, c.finish_reason, self.kind.logprobs(c.logprobs, 0)
+                                      if self.logprobs else None) for i, c in enumerate(choices)]
         return self.body(self.kind.object_name, shaped,
                          usage=_usage(self.prompt_tokens, sum(c.completion_tokens for c in choices)))
 
 
 async def respond(generator, kind: ReplyKind, model_id: str, stream: bool, want_usage: bool, prompts: list[Prompt],
-                  jobs: list[Job], request_id: str, request):
-    """Submit the jobs; the reply streamed (server-sent events) or whole, as the request asks."""
+                  jobs: list[Job], request_id: str, request,
+                  parser: Callable[[], CallParser | None] | None = None):
+    """Submit the jobs; the reply streamed (server-sent events) or whole, as the request asks. `parser` (chat with
+    tools: turn.AnswerFormat.parser) gives each choice its tool-call parser."""
+    parsers = [parser() for _ in jobs] if parser is not None else []
+    tools = bool(parsers) and parsers[0] is not None
     reply = Reply(kind, request_id, model_id, len(jobs), sum(len(p.tokens) for p in prompts),
-                  jobs[0].decoding.top_logprobs is not None)
+                  jobs[0].decoding.top_logprobs is not None, tools)
     events = submit_all(generator, jobs, request)
+    if tools:
+        events = parsed_events(events, parsers, jobs)
     if stream:
         return StreamingResponse(reply.stream(events, want_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

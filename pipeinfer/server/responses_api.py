@@ -1,6 +1,6 @@
 """OpenAI's Responses API on `pipeinfer serve`: POST /v1/responses, one Response object or its typed server-sent
 events. Stateless: nothing is stored, so previous_response_id and conversation are refused. The turn (prompt,
-job, stop and tool-call parsing) is anthropic_api.Turn's; errors are OpenAI's shape (jobs.RequestError).
+job, stop and tool-call parsing) is turn.Turn's; errors are OpenAI's shape (jobs.RequestError).
 
     field                   what the server does
     ----------------------  -----------------------------------------------------------------------------------
@@ -30,10 +30,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .anthropic_api import SSE_HEADERS, Block, Conversation, Outcome, Turn, fold, read_body, sse, validation_error
+from .anthropic_api import SSE_HEADERS, read_body, sse, validation_error
 from .jobs import RequestError, ServeConfig, bad, check_model
 from .openai_api import Common, ResponseFormat, constraint_of
 from .tools import CallArgs, CallEnd, CallFailed, CallStart, Text, ToolError, check_tools
+from .turn import Block, Conversation, Outcome, Turn, fold
 
 
 class ResponsesRequest(BaseModel):

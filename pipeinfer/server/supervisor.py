@@ -234,6 +234,7 @@ class Supervisor:
         self._retired: subprocess.Popen | None = None  # a job stopped for a re-plan (--rejoin), not failed
         self._pids: list[int] = []  # the current job's ranks' pids (rank 0 reports them when it attaches)
         self._host_mem: dict[str, int] = {}  # host -> available bytes its ranks reported when a job last started
+        self.ready: link.Ready | None = None  # the current (or last) job's rank 0 said so when it attached
         self.config, self.tok = config, tok   # core/config.Config of the first job (the user's, the hosts' settings)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.on_done = on_done
@@ -351,7 +352,7 @@ class Supervisor:
             self._kill_child()
             raise UserError(f"the pipeline's rank 0 did not attach: {why or _last_error(self._job_log())}")
         conn.settimeout(None)
-        self.parallel = ready.parallel
+        self.parallel, self.ready = ready.parallel, ready
         self._pids = [pid for _host, pid in ready.ranks_at]  # each rank's pid, rank 0 first
         self._host_mem.update(zip(self._job_hosts(), ready.mem_available))
         with self._lock:

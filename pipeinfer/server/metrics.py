@@ -1,0 +1,176 @@
+"""GET /metrics: the server's counters in Prometheus' text format (prometheus-client, a registry of the app's own),
+named `pipeinfer:...` as vLLM's `vllm:` and llama-server's `llamacpp:`.
+
+Where the numbers come from, at no cost per token:
+- each finished generation's Stats (core/metrics.Stats), once, in the callback the generation thread (or the
+  supervisor) calls as the job finishes (`job_done`, chained to the generator's on_done): tokens, the draft's
+  tokens and acceptance, runs and cancelled runs, time to first token, inter-token latency, end to end;
+- each HTTP answer's route and status, counted by access.Gate (requests, errors, refusals);
+- at scrape time, what /health reads (generator.load(): generating, queued, runs in flight, KV partitions; the
+  supervisor's re-forms and lost hosts) and the stages (rank, host, layers) where rank 0 knows them. No MPI message
+  is added: the stages' own counters reach rank 0 only when the pipeline shuts down.
+
+Latencies follow vLLM: time_to_first_token_seconds from the request's arrival (its wait for admission + the
+prompt) to its first token; inter_token_latency_seconds one observation per request, its mean gap between tokens
+after the first (Stats.itl_s); e2e_request_latency_seconds from the request's arrival to its last token.
+"""
+from __future__ import annotations
+
+import socket
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+P = "pipeinfer:"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+                   160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+REFUSED = {401: "unauthorized", 413: "body_too_large", 503: "overloaded"}
+
+
+class ServerMetrics:
+    """The app's metrics over `generator` (server.Generator, or the supervisor)."""
+
+    def __init__(self, generator):
+        self.generator = generator
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished generations", registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter(P + "requests", "HTTP requests answered, by route and status", ["route", "status"],
+                                registry=r)
+        self.errors = Counter(P + "request_errors", "HTTP requests answered with a server error (5xx but 503)",
+                              registry=r)
+        self.rejected = Counter(P + "requests_rejected", "Requests refused before any work: 401 unauthorized, "
+                                "413 body_too_large, 503 overloaded (queue full, too many at once, pipeline down)",
+                                ["reason"], registry=r)
+        self.finished = Counter(P + "request_success", "Generations finished, by finish reason (stop, length, "
+                                "cancelled: the client left)", ["finished_reason"], registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "From a generation's arrival to its first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Each generation's mean time between tokens after "
+                             "the first", buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "From a generation's arrival to its end",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.drafted = Counter(P + "draft_tokens", "Draft tokens sent to the target for verification", registry=r)
+        self.accepted = Counter(P + "accepted_draft_tokens", "Draft tokens the target agreed with", registry=r)
+        self.runs = Counter(P + "runs", "Runs launched into the pipeline (prompt chunks included)", registry=r)
+        self.spec_runs = Counter(P + "speculative_runs", "Speculative runs launched", registry=r)
+        self.cancelled_runs = Counter(P + "cancelled_runs", "Speculative runs the head cancelled", registry=r)
+        self.acceptance = Gauge(P + "acceptance_ratio", "accepted_draft_tokens_total / draft_tokens_total",
+                                registry=r)
+        self._n_drafted = self._n_accepted = 0
+        r.register(_Now(generator))
+
+    # ---------------------------------------------------------------- hooks
+    def attach(self, generator) -> None:
+        """Count every job `generator` finishes (its on_done chained; read at call time by Answer.finish)."""
+        before = getattr(generator, "on_done", None)
+
+        def on_done(job, stats, finish, *more):
+            self.job_done(job, stats, finish)
+            if before is not None:
+                before(job, stats, finish, *more)
+        generator.on_done = on_done
+
+    def job_done(self, job, stats, finish: str) -> None:
+        """One finished generation (the generation thread; counters only)."""
+        self.prompt_tokens.inc(len(job.prompt_tokens))
+        self.generation_tokens.inc(stats.n_generated)
+        self.finished.labels(finish).inc()
+        if stats.n_drafted:
+            self.drafted.inc(stats.n_drafted)
+            self.accepted.inc(stats.n_draft_accepted)
+            self._n_drafted += stats.n_drafted
+            self._n_accepted += stats.n_draft_accepted
+            self.acceptance.set(self._n_accepted / self._n_drafted)
+        self.runs.inc(stats.n_runs)
+        self.spec_runs.inc(stats.n_spec_runs)
+        self.cancelled_runs.inc(stats.n_cancelled)
+        if stats.n_generated and stats.t_prompt_done_s:
+            self.ttft.observe(max(0.0, stats.t_queue_s + stats.t_prompt_done_s - stats.t_start_s))
+        if stats.n_generated > 1:
+            self.itl.observe(stats.itl_s)
+        self.e2e.observe(max(0.0, time.perf_counter() - job.t_queued_s))
+
+    def answered(self, route: str, status: int) -> None:
+        """One HTTP answer (access.Gate)."""
+        self.requests.labels(route, str(status)).inc()
+        if status in REFUSED:
+            self.rejected.labels(REFUSED[status]).inc()
+        elif status >= 500:
+            self.errors.inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Now:
+    """What /health reads, at scrape time."""
+
+    def __init__(self, generator):
+        self.generator = generator
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        g = self.generator
+        try:
+            load = g.load()
+        except Exception:  # a snapshot read from another thread (or none): a scrape must never fail
+            load = {}
+        yield _gauge("requests_generating", "Generations in progress", load.get("generating"))
+        yield _gauge("requests_queued", "Generations waiting for admission", load.get("queued"))
+        yield _gauge("pipeline_up", "1 while the pipeline serves, 0 once it failed",
+                     0 if getattr(g, "fatal", None) else 1)
+        yield _gauge("runs_in_flight", "Runs in the pipeline now", load.get("runs_in_flight"))
+        used = (load["partitions"] - load["partitions_free"]) if load.get("partitions") else None
+        yield _gauge("kv_partitions_used", "KV-cache partitions held by generations", used)
+        yield _gauge("kv_partitions", "KV-cache partitions in all", load.get("partitions") or None)
+        if "reforms" in load:  # the supervisor
+            reforms = CounterMetricFamily(P + "reforms", "Times the supervised pipeline was re-formed")
+            reforms.add_metric([], load["reforms"])
+            yield reforms
+            yield _gauge("lost_hosts", "Ranks (hosts) lost and not back", len(load.get("lost") or ()))
+        stages = GaugeMetricFamily(P + "stage_layers", "Layers each stage rank holds (-1: not known here)",
+                                   labels=["rank", "host"])
+        for rank, host, layers in _stages(g):
+            stages.add_metric([str(rank), host], layers)
+        yield stages
+
+
+def _gauge(name: str, doc: str, value):
+    family = GaugeMetricFamily(P + name, doc)
+    if value is not None:
+        family.add_metric([], value)
+    return family
+
+
+def _stages(g) -> list[tuple[int, str, int]]:
+    """(rank, host, layers) of each stage rank, from what rank 0 has: the session's layer ranges and the liveness
+    channel's hosts (mpiexec), or the supervisor's slots."""
+    session = getattr(g, "session", None)
+    ranges = getattr(session, "ranges", None)
+    if ranges:
+        live = getattr(session, "live", None)
+        hosts = [h[0] for h in getattr(live, "hosts", None) or []]
+        hosts = hosts or [socket.gethostname()] + [""] * (len(ranges) - 1)
+        return [(r, hosts[r] if r < len(hosts) else "", x.n_layers) for r, x in enumerate(ranges)]
+    slots = getattr(g, "slots", None)
+    if isinstance(slots, list):
+        return [(r, str(h), -1) for r, h in enumerate(slots)]
+    return []
+
+
+def register_metrics(app, generator) -> ServerMetrics:
+    """GET /metrics on `app`; the jobs `generator` finishes are counted."""
+    from fastapi.responses import Response
+    metrics = ServerMetrics(generator)
+    metrics.attach(generator)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    return metrics
