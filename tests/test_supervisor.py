@@ -111,6 +111,40 @@ def test_a_lost_rank_costs_seconds_not_answers(models, refs, tmp_path, mode, vic
     assert "Traceback" not in srv.text()
 
 
+def test_a_request_with_biases_and_logprobs_resumes_after_a_lost_rank(models, tmp_path):
+    """A request's decoding (here a logit bias that bans the answer's first token, and log-probabilities) travels
+    to the supervised job and again to the re-formed one: the resumed answer is the biased one, equal to the same
+    request asked of the re-formed pipeline afterwards."""
+    from pipeinfer.engine.tokenizer import Tokenizer
+    srv = supervised(["--np", "2", "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048",
+                      "--stall-timeout", "3"], tmp_path / "sup.log")
+    try:
+        status, _, raw = srv.request("POST", "/v1/completions", {"model": "t-q8", "prompt": PROMPT_TEXT,
+                                                                "max_tokens": 8, "logprobs": 1})
+        assert status == 200, raw
+        choice = json.loads(raw)["choices"][0]
+        free, first_piece = choice["text"], choice["logprobs"]["tokens"][0].encode()
+        tok = Tokenizer(str(models["q8"]))
+        first = next(t for t in range(tok.n_vocab) if tok.piece(t) == first_piece)  # the answer's first token id
+        tok.close()
+        body = {"model": "t-q8", "prompt": PROMPT_TEXT, "max_tokens": 300, "logprobs": 2,
+                "logit_bias": {str(first): -100}}
+        killed = threading.Event()
+
+        def on_piece(k: int) -> None:
+            if k == 20 and not killed.is_set():
+                killed.set()
+                os.kill(srv.job_ranks()[1], signal.SIGKILL)
+        resumed = srv.stream(body, on_piece)
+        assert killed.is_set()
+        srv.wait_for_log(r"request\(s\) resumed")
+        assert not resumed.startswith(first_piece.decode())  # the bias reached the first job
+        assert resumed == srv.stream(body)  # ... and the re-formed one: the same answer, uninterrupted
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.text()[-3000:]
+
+
 def test_a_rank_lost_during_the_prompt(models, tmp_path):
     """Rank 1 is frozen before a long prompt arrives (so no token can come out) and killed a second later, while
     rank 0 works through the prompt's 8-token chunks: the job re-forms on 2 slots, the prompt is processed again
