@@ -7,6 +7,11 @@
     python launch/serve_load.py --config '--np 3' --kill-rank 1 --kill-after 10 --out results/serve_lost_rank.csv
     python launch/serve_load.py --netns 3 --config '--hostfile {hosts} --stall-timeout 10' --kill-rank 2 \
                                 --fault cut --out results/serve_netcut.csv
+    python launch/serve_load.py --config '--no-webui' --config '{watch}' --rounds 3 --out results/serve_page.csv
+
+`{watch}` in a config: while each load runs, a headless chromium (selenium, Debian's chromium-driver) shows the
+server's page, which polls /state every second, and /metrics is scraped every second: what watching the server
+costs, against a config without it.
 
 A config with --np or --hostfile starts a supervised server (no mpiexec: it runs the pipeline's job itself);
 --kill-rank R injects --fault into rank R of that job --kill-after seconds into each load: `kill` (SIGKILL),
@@ -163,9 +168,39 @@ def supervised(serve_args: list[str]) -> bool:
     return "--np" in serve_args or "--hostfile" in serve_args
 
 
+@contextlib.contextmanager
+def watching(port: int, on: bool):
+    """A headless chromium on the server's page and a /metrics scrape every second, while the block runs."""
+    if not on:
+        yield
+        return
+    from selenium import webdriver
+    opts = webdriver.ChromeOptions()
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        opts.add_argument(a)
+    browser = webdriver.Chrome(options=opts)
+    stop = threading.Event()
+
+    def scrape() -> None:
+        while not stop.wait(1.0):
+            with contextlib.suppress(OSError):
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/metrics")
+                conn.getresponse().read()
+                conn.close()
+    scraper = threading.Thread(target=scrape, daemon=True)
+    try:
+        browser.get(f"http://127.0.0.1:{port}/")
+        scraper.start()
+        yield
+    finally:
+        stop.set()
+        browser.quit()
+
+
 def run_load(serve_args: list[str], log_path: Path, loads: list[tuple[int, int]], max_tokens: int,
-             kinds: tuple[str, ...], reference: dict | None, kill: tuple[int, float, str] | None = None
-             ) -> tuple[list[dict], list[dict], dict]:
+             kinds: tuple[str, ...], reference: dict | None, kill: tuple[int, float, str] | None = None,
+             watch: bool = False) -> tuple[list[dict], list[dict], dict]:
     """One server with these options; for each (clients, requests) in `loads` a burst of requests.
     Returns the per-request rows, one summary per load, and the reference answers (asked alone, first)."""
     port, tag = free_port(), new_tag()
@@ -198,7 +233,7 @@ def run_load(serve_args: list[str], log_path: Path, loads: list[tuple[int, int]]
             t0 = time.perf_counter()
             fault: dict = {}
             timer = kill_later(tag, kill[0], kill[1], fault, kill[2]) if kill and supervised(serve_args) else None
-            with ThreadPoolExecutor(n_clients) as pool:
+            with watching(port, watch), ThreadPoolExecutor(n_clients) as pool:
                 list(pool.map(one, range(n_requests)))
             wall = time.perf_counter() - t0
             if timer is not None:
@@ -303,9 +338,9 @@ def main() -> None:
     for k, (rnd, config) in enumerate(runs):  # each round starts one config later: none always runs first
         kill = (args.kill_rank, args.kill_after, args.fault) if args.kill_rank is not None else None
         with emulated_hosts(args.netns, out.with_suffix(".hosts")) as hosts:
-            serve_args = common + config.replace("{hosts}", str(hosts)).split()
+            serve_args = common + config.replace("{hosts}", str(hosts)).replace("{watch}", "").split()
             r, s, reference = run_load(serve_args, out.with_suffix(f".server{k}.log"), loads, args.max_tokens, kinds,
-                                       reference, kill)
+                                       reference, kill, watch="{watch}" in config)
         for x in r + s:
             x.update(round=rnd, config=config)
         rows += r

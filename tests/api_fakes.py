@@ -175,3 +175,38 @@ class CountingSession(ScriptedSession):
 
     def load(self) -> dict:
         return {"generating": len(self.sched.running), "waiting": 0}
+
+
+@contextmanager
+def scripted_server(n_ctx: int, default_max: int):
+    """The real app and generation thread over a ScriptedSession on a port, with the real `openai` and `anthropic`
+    clients pointed at it: (session, url, http, oai, claude)."""
+    from types import SimpleNamespace
+
+    import anthropic
+    import httpx2
+    import openai
+
+    from pipeinfer.server.app import Generator, ServeConfig, create_app
+    session = ScriptedSession()
+    gen = Generator(session, max_queue=16, log=lambda _msg: None)
+    gen.start()
+    app = create_app(ServeConfig("fake", n_ctx, 4, default_max), gen, session.tok, simple_template)
+    try:
+        with serving(app) as url:
+            http = httpx2.Client(timeout=30)
+            yield SimpleNamespace(session=session, url=url, http=http,
+                                  claude=anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, http_client=http),
+                                  oai=openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, http_client=http))
+            http.close()
+    finally:
+        gen.stop()
+
+
+def say(text: str) -> list[dict]:
+    """A conversation the scripted model answers with `text`."""
+    return [{"role": "user", "content": f"say:{text}"}]
+
+
+def last_prompt(api) -> str:
+    return ByteTokenizer().decode(api.session.requests[-1].prompt)

@@ -34,3 +34,10 @@ def models(tmp_path_factory):
         "draft30": make_llama_gguf(d / "d30.gguf", n_layer=4, perturb=PERTURB_FOR_AGREEMENT[4][0.3]),
     }
 
+
+
+@pytest.fixture
+def no_lltokenizer(monkeypatch):
+    """Constraints compiled without llguidance's tokenizer (the API tests' fake models have no vocabulary)."""
+    from pipeinfer.engine import grammar
+    monkeypatch.setattr(grammar, "lltokenizer", lambda tok: None)

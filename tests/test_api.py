@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
+from api_fakes import ScriptedSession
+
 from pipeinfer.core.decoding import Constraint, Decoding, TokenLogprob
 from pipeinfer.core.metrics import Stats
 from pipeinfer.core.verify import SamplingParams
@@ -92,24 +94,12 @@ class FakeScheduler:
         time.sleep(self.step_s)
 
 
-class FakeSession:
-    """What server.Generator uses of ranks/session.HeadSession; every Request it made kept."""
-    parallel = 4
+class FakeSession(ScriptedSession):
+    """What server.Generator uses of ranks/session.HeadSession (api_fakes.ScriptedSession's), over this module's
+    fake tokenizer and scheduler; every Request it made kept."""
 
     def __init__(self):
         self.tok, self.sched, self.requests = FakeTokenizer(), FakeScheduler(), []
-
-    def scheduler(self) -> FakeScheduler:
-        return self.sched
-
-    def load(self) -> dict:
-        return {"generating": len(self.sched.running), "waiting": 0}
-
-    def request(self, prompt, *, n_predict, sampling, prompt_text, chat, on_tokens, should_stop, on_done,
-                decoding=None, on_logprobs=None) -> Request:
-        self.requests.append(Request(list(prompt), n_predict, sampling, prompt_text, chat, on_tokens, should_stop,
-                                     on_done, decoding=decoding or Decoding(), on_logprobs=on_logprobs))
-        return self.requests[-1]
 
 
 def chat_template(messages: list[dict]) -> str:

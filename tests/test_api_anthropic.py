@@ -4,12 +4,10 @@ of `pipeinfer serve`, without ranks: the real app and generation thread over a s
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
-from api_fakes import ByteTokenizer, ScriptedSession, serving, simple_template
-from pipeinfer.server.app import Generator, ServeConfig, create_app
+from api_fakes import last_prompt, say, scripted_server
 
 N_CTX, DEFAULT_MAX = 2048, 64
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -21,41 +19,14 @@ FN_WEATHER = {"type": "function", "name": "get_weather", "description": "the wea
 
 @pytest.fixture(scope="module")
 def served():
-    import anthropic
-    import httpx2
-    import openai
-    session = ScriptedSession()
-    gen = Generator(session, max_queue=16, log=lambda _msg: None)
-    gen.start()
-    app = create_app(ServeConfig("fake", N_CTX, 4, DEFAULT_MAX), gen, session.tok, simple_template)
-    with serving(app) as url:
-        http = httpx2.Client(timeout=30)
-        yield SimpleNamespace(session=session, url=url, http=http,
-                              claude=anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, http_client=http),
-                              oai=openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, http_client=http))
-        http.close()
-    gen.stop()
+    with scripted_server(N_CTX, DEFAULT_MAX) as srv:
+        yield srv
 
 
 @pytest.fixture
 def api(served):
     served.session.requests.clear()
     return served
-
-
-@pytest.fixture
-def no_lltokenizer(monkeypatch):
-    """Constraints compiled without llguidance's tokenizer (the fake has no vocab)."""
-    from pipeinfer.engine import grammar
-    monkeypatch.setattr(grammar, "lltokenizer", lambda tok: None)
-
-
-def say(text: str) -> list[dict]:
-    return [{"role": "user", "content": f"say:{text}"}]
-
-
-def last_prompt(api) -> str:
-    return ByteTokenizer().decode(api.session.requests[-1].prompt)
 
 
 # ------------------------------------------------------------------------------------ Anthropic: messages

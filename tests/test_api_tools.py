@@ -5,12 +5,10 @@ error shapes and the raw deltas by hand."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
-from api_fakes import ByteTokenizer, ScriptedSession, serving, simple_template
-from pipeinfer.server.app import Generator, ServeConfig, create_app
+from api_fakes import ByteTokenizer, last_prompt, say, scripted_server
 
 N_CTX, DEFAULT_MAX = 2048, 64
 ARGS = {"city": "Paris"}
@@ -26,39 +24,14 @@ TIME = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def served():
-    import httpx2
-    import openai
-    session = ScriptedSession()
-    gen = Generator(session, max_queue=16, log=lambda _msg: None)
-    gen.start()
-    app = create_app(ServeConfig("fake", N_CTX, 4, DEFAULT_MAX), gen, session.tok, simple_template)
-    with serving(app) as url:
-        http = httpx2.Client(timeout=30)
-        yield SimpleNamespace(session=session, url=url, http=http,
-                              oai=openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, http_client=http))
-        http.close()
-    gen.stop()
+    with scripted_server(N_CTX, DEFAULT_MAX) as srv:
+        yield srv
 
 
 @pytest.fixture
 def api(served):
     served.session.requests.clear()
     return served
-
-
-@pytest.fixture
-def no_lltokenizer(monkeypatch):
-    """Constraints compiled without llguidance's tokenizer (the fake has no vocab)."""
-    from pipeinfer.engine import grammar
-    monkeypatch.setattr(grammar, "lltokenizer", lambda tok: None)
-
-
-def say(text: str) -> list[dict]:
-    return [{"role": "user", "content": f"say:{text}"}]
-
-
-def last_prompt(api) -> str:
-    return ByteTokenizer().decode(api.session.requests[-1].prompt)
 
 
 def create(api, **body):
