@@ -129,3 +129,42 @@ def test_weights_in_huge_pages_give_the_same_bits(tmp_path, monkeypatch):
                            timeout=120, env=dict(os.environ, PIPEINFER_HUGE_PAGES="1"))
         assert p.returncode == 0, p.stderr[-2000:]
         assert int(p.stdout.split()[-1]) >= 2 << 20, p.stdout
+
+
+@pytest.mark.real
+def test_where_a_sequence_s_cells_sit_changes_large_batches_only():
+    """What exactness under load rests on, measured on the real Qwen2.5-Coder-1.5B (--kernels repack: flash
+    attention): a batch of up to 63 rows gives the same logits bit for bit wherever the sequence's cells sit (other
+    sequences' cells before them, or between its own), and so do the 1-4 row decodes after it; a batch of 64 rows
+    or more goes through llama.cpp's tiled flash attention, whose result depends on the cells' offset mod 64 (up
+    to ~1 in a logit). So a prompt chunk of 64+ tokens that lands elsewhere than it would alone (a newcomer under
+    --parallel, a prompt after cached entries) is not the cold answer's: prompts must be decoded in chunks of at
+    most 63 tokens, or their cells placed at the same offset mod 64."""
+    from helpers import real_model
+    from pipeinfer.engine.tokenizer import Tokenizer
+    path = real_model("qwen2.5-coder-1.5b")
+    tok = Tokenizer(path)
+    prompt = tok.encode("Write a Python function that parses a CSV file into a list of dictionaries, with a docstring "
+                        "and type hints, and explain each step of it in a short comment. " * 2)
+    tok.close()
+    eng = StageEngine(path, n_ctx=512, n_batch=128, n_seq_max=2, n_threads=1, n_threads_batch=1, embd_input=False,
+                      capture_hidden=False)
+
+    def last_logits(n: int, fill: int) -> np.ndarray:
+        eng.clear_kv()
+        if fill:  # another sequence's cells first
+            g = np.arange(100, 100 + fill, dtype=np.int32)
+            eng.decode_tokens(Batch(g, np.arange(fill, dtype=np.int32), [[1]] * fill, np.eye(1, fill, fill - 1,
+                                    dtype=np.int32)[0], kv_ops()), None, SamplingParams())
+        toks = np.array(prompt[:n], np.int32)
+        eng.decode_tokens(Batch(toks, np.arange(n, dtype=np.int32), [[0]] * n, np.eye(1, n, n - 1, dtype=np.int32)[0],
+                                kv_ops()), None, SamplingParams())
+        return eng._logits(n)[0].copy()
+    assert len(prompt) >= 64
+    try:
+        for n, fill in ((63, 1), (63, 20), (40, 30)):
+            assert np.array_equal(last_logits(n, 0), last_logits(n, fill)), (n, fill)
+        assert np.array_equal(last_logits(64, 0), last_logits(64, 64))      # the same offset mod 64
+        assert not np.array_equal(last_logits(64, 0), last_logits(64, 1))  # another offset: other bits
+    finally:
+        eng.close()
