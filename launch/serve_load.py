@@ -7,11 +7,12 @@
     python launch/serve_load.py --config '--np 3' --kill-rank 1 --kill-after 10 --out results/serve_lost_rank.csv
     python launch/serve_load.py --netns 3 --config '--hostfile {hosts} --stall-timeout 10' --kill-rank 2 \
                                 --fault cut --out results/serve_netcut.csv
-    python launch/serve_load.py --config '--no-webui' --config '{watch}' --rounds 3 --out results/serve_page.csv
+    python launch/serve_load.py --config=--no-webui --config '{watch}' --rounds 2 --out results/serve_page.csv
 
 `{watch}` in a config: while each load runs, a headless chromium (selenium, Debian's chromium-driver) shows the
 server's page, which polls /state every second, and /metrics is scraped every second: what watching the server
-costs, against a config without it.
+costs, against a config without it (the browser shares the machine's cores). `{poll}`: the same requests (/state
+and /metrics each second) from a thread, without a browser: what the server itself pays.
 
 A config with --np or --hostfile starts a supervised server (no mpiexec: it runs the pipeline's job itself);
 --kill-rank R injects --fault into rank R of that job --kill-after seconds into each load: `kill` (SIGKILL),
@@ -169,26 +170,44 @@ def supervised(serve_args: list[str]) -> bool:
 
 
 @contextlib.contextmanager
-def watching(port: int, on: bool):
-    """A headless chromium on the server's page and a /metrics scrape every second, while the block runs."""
-    if not on:
+def watching(port: int, how: str | None):
+    """While the block runs: `browser`, a headless chromium on the server's page (which polls /state every second)
+    and a /metrics scrape every second; `poll`, the same requests from a thread (what the server pays, without a
+    browser sharing its cores); None, nothing."""
+    if how is None:
         yield
         return
-    from selenium import webdriver
-    opts = webdriver.ChromeOptions()
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
-        opts.add_argument(a)
-    browser = webdriver.Chrome(options=opts)
     stop = threading.Event()
+
+    def get(path: str) -> None:
+        with contextlib.suppress(OSError):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", path)
+            conn.getresponse().read()
+            conn.close()
 
     def scrape() -> None:
         while not stop.wait(1.0):
-            with contextlib.suppress(OSError):
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/metrics")
-                conn.getresponse().read()
-                conn.close()
+            for path in ("/metrics",) if how == "browser" else ("/state", "/metrics"):
+                get(path)
     scraper = threading.Thread(target=scrape, daemon=True)
+    if how == "poll":
+        get("/")
+        scraper.start()
+        try:
+            yield
+        finally:
+            stop.set()
+        return
+    import shutil
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = shutil.which("chromium") or shutil.which("chromium-browser") or ""
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        opts.add_argument(a)
+    browser = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
     try:
         browser.get(f"http://127.0.0.1:{port}/")
         scraper.start()
@@ -200,7 +219,7 @@ def watching(port: int, on: bool):
 
 def run_load(serve_args: list[str], log_path: Path, loads: list[tuple[int, int]], max_tokens: int,
              kinds: tuple[str, ...], reference: dict | None, kill: tuple[int, float, str] | None = None,
-             watch: bool = False) -> tuple[list[dict], list[dict], dict]:
+             watch: str | None = None) -> tuple[list[dict], list[dict], dict]:
     """One server with these options; for each (clients, requests) in `loads` a burst of requests.
     Returns the per-request rows, one summary per load, and the reference answers (asked alone, first)."""
     port, tag = free_port(), new_tag()
@@ -338,9 +357,11 @@ def main() -> None:
     for k, (rnd, config) in enumerate(runs):  # each round starts one config later: none always runs first
         kill = (args.kill_rank, args.kill_after, args.fault) if args.kill_rank is not None else None
         with emulated_hosts(args.netns, out.with_suffix(".hosts")) as hosts:
-            serve_args = common + config.replace("{hosts}", str(hosts)).replace("{watch}", "").split()
+            watch = "browser" if "{watch}" in config else "poll" if "{poll}" in config else None
+            serve_args = common + config.replace("{hosts}", str(hosts)).replace("{watch}", "").replace(
+                "{poll}", "").split()
             r, s, reference = run_load(serve_args, out.with_suffix(f".server{k}.log"), loads, args.max_tokens, kinds,
-                                       reference, kill, watch="{watch}" in config)
+                                       reference, kill, watch)
         for x in r + s:
             x.update(round=rnd, config=config)
         rows += r

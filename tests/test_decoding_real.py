@@ -1,6 +1,7 @@
-"""Constraints, biases and log-probabilities on the real Qwen2.5-Coder-1.5B: JSON-schema answers on 2 ranks in
-PipeInfer and synchronous speculative mode equal the one-process constrained answer token for token and validate
-with jsonschema, and so do their log-probabilities (to 1e-4)."""
+"""Constraints, biases and log-probabilities on the real Qwen2.5-Coder-1.5B: 20 JSON-schema answers on 2 ranks in
+PipeInfer (6 also in synchronous speculative mode and three at once) equal the one-process constrained answer token
+for token and validate with jsonschema; their log-probabilities are the same in every mode and equal
+llama-cpp-python's own (to 1e-4)."""
 from __future__ import annotations
 
 import json
@@ -25,9 +26,41 @@ SCHEMAS = [
                                                                            "maxItems": 2}},
      "required": ["ok", "tags"]},
     {"type": "string", "enum": ["yes", "no"]},
+    {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer", "minimum": 0}},
+     "required": ["city", "population"]},
+    {"type": "array", "items": {"enum": ["python", "c", "rust", "go"]}, "minItems": 1, "maxItems": 3},
+    {"type": "object", "properties": {"title": {"type": "string"}, "year": {"type": "integer"},
+                                      "authors": {"type": "array", "items": {"type": "string"}, "maxItems": 2}},
+     "required": ["title", "year", "authors"]},
+    {"type": "object", "properties": {"valid": {"type": "boolean"}, "reason": {"type": "string"}},
+     "required": ["valid"]},
+    {"type": "integer", "minimum": 1, "maximum": 10},
+    {"type": "object", "properties": {"function": {"type": "string"}, "args": {"type": "array",
+                                                                            "items": {"type": "string"}}},
+     "required": ["function", "args"]},
+    {"type": "object", "properties": {"status": {"enum": ["open", "closed"]}, "priority": {"type": "integer"}},
+     "required": ["status", "priority"]},
+    {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}, "v": {"type": "number"}},
+                                "required": ["k", "v"]}, "maxItems": 2},
+    {"type": "object", "properties": {"language": {"type": "string"}, "typed": {"type": "boolean"},
+                                      "since": {"type": "integer"}}, "required": ["language", "typed"]},
+    {"type": "number"},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {"id": {"type": "integer"},
+                                                                                "email": {"type": "string"}},
+                                               "required": ["id"]}}, "required": ["user"]},
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 3, "maxItems": 3},
+    {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}}, "required": ["answer"]},
+    {"type": "object", "properties": {"min": {"type": "integer"}, "max": {"type": "integer"},
+                                      "unit": {"enum": ["ms", "s"]}}, "required": ["min", "max", "unit"]},
 ]
 QUESTIONS = ["Describe a programmer.", "Give a few small numbers.", "Pick a color.", "Give a point in the plane.",
-             "Is Python typed? Add tags.", "Is water wet?"]
+             "Is Python typed? Add tags.", "Is water wet?", "Name a big city and its population.",
+             "Which languages compile to machine code?", "Describe a famous programming book.",
+             "Is 17 a prime number? Say why.", "Rate Python from 1 to 10.", "Call a function that adds two numbers.",
+             "Describe an open bug of high priority.", "Give two key-value pairs.", "Describe the Rust language.",
+             "What is pi to three decimals?", "Describe a user of a website.", "Which of these are true: 1<2, "
+             "2<1, 3<4?", "What is the capital of France?", "How long does a disk seek take?"]
+N_MIXED = 6  # schemas also run speculative and three at once (the cost of the real model on 2 cores)
 N_PREDICT = 48
 
 
@@ -38,7 +71,8 @@ def _requests(model: str) -> list[dict]:
     for schema, q in zip(SCHEMAS, QUESTIONS):
         prompt = tok.encode(apply_chat(tok, f"{q} Answer in JSON with this schema: {json.dumps(schema)}"))
         constraint = {"kind": "json_schema", "text": json.dumps(schema), "strict": True}
-        out.append({"prompt": prompt, "n": N_PREDICT, "decoding": {"constraint": constraint, "top_logprobs": 2}})
+        out.append({"prompt": prompt, "n": N_PREDICT, "decoding": {"constraint": constraint, "top_logprobs": 2},
+                    "question": f"{q} Answer in JSON with this schema: {json.dumps(schema)}", "schema": schema})
     tok.close()
     return out
 
@@ -52,8 +86,36 @@ def _run(n: int, config: dict, requests: list[dict], tmp_path, at_once: bool = F
     return [json.loads(line[len("ANSWER "):]) for line in p.stdout.splitlines() if line.startswith("ANSWER ")]
 
 
+def _served(model: str, mode: str, requests: list[dict], log) -> list[dict]:
+    """The requests through the real `openai` client to `pipeinfer serve` on 2 ranks in `mode`, one at a time:
+    each answer's text and its log-probabilities."""
+    from openai import OpenAI
+
+    from helpers import Server
+    srv = Server(["-m", model, "--mode", mode, "--drafter", "ngram", "-t", "1", "-c", "1024", "--alias", "qwen",
+                  "--parallel", "1"], 2, log)
+    try:
+        client = OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=300)
+        out = []
+        for req in requests:
+            r = client.chat.completions.create(
+                model="qwen", messages=[{"role": "user", "content": req["question"]}], max_tokens=N_PREDICT,
+                response_format={"type": "json_schema", "json_schema": {"name": "answer", "strict": True,
+                                                                        "schema": req["schema"]}},
+                logprobs=True, top_logprobs=2)
+            c = r.choices[0]
+            out.append({"text": c.message.content, "logprobs": [e.logprob for e in c.logprobs.content]})
+    finally:
+        code = srv.stop()
+    assert code == 0 and "Traceback" not in srv.text(), srv.text()[-3000:]
+    return out
+
+
 @pytest.fixture(scope="module")
 def answers(tmp_path_factory):
+    """The one-process reference (tests/mpi_requests.py on 1 rank, iterative) of every schema; the server's answers
+    on 2 ranks (PipeInfer: every schema; synchronous speculative and iterative: the first N_MIXED); and the first
+    N_MIXED three at once on one 2-rank pipeline beside free biased requests."""
     model = real_model("qwen2.5-coder-1.5b")
     tmp = tmp_path_factory.mktemp("decoding")
     requests = _requests(model)
@@ -61,10 +123,11 @@ def answers(tmp_path_factory):
             "draft_at": "head"}
     return model, requests, {
         "one process": _run(1, {**base, "mode": "iterative"}, requests, tmp),
-        "pipeinfer": _run(2, {**base, "mode": "pipeinfer"}, requests, tmp),
-        "speculative": _run(2, {**base, "mode": "speculative"}, requests, tmp),
-        # three at once on one pipeline: each constrained answer beside a free one and another constrained one
-        "parallel": _run(2, {**base, "mode": "pipeinfer", "parallel": 3}, _mixed(requests), tmp, at_once=True),
+        "pipeinfer": _served(model, "pipeinfer", requests, tmp / "pipeinfer.log"),
+        "speculative": _served(model, "speculative", requests[:N_MIXED], tmp / "speculative.log"),
+        "iterative": _served(model, "iterative", requests[:N_MIXED], tmp / "iterative.log"),
+        "parallel": _run(2, {**base, "mode": "pipeinfer", "parallel": 3}, _mixed(requests[:N_MIXED]), tmp,
+                         at_once=True),
     }
 
 
@@ -79,54 +142,54 @@ def _mixed(requests: list[dict]) -> list[dict]:
 
 
 def test_json_schema_answers_are_exact_in_every_mode_and_valid(answers):
+    """The server's answers (the real openai client) equal the one-process constrained answers in every mode, and
+    every answer the model ended validates against its schema."""
     import jsonschema
 
     from pipeinfer.engine.tokenizer import Tokenizer
     model, requests, by_mode = answers
     ref = by_mode["one process"]
     assert len(ref) == len(SCHEMAS)
-    for mode in ("pipeinfer", "speculative"):
-        assert [a["tokens"] for a in by_mode[mode]] == [a["tokens"] for a in ref], mode
-    constrained_at_once = [a for req, a in zip(_mixed(requests), by_mode["parallel"]) if "constraint" in req["decoding"]]
-    for ours, want in zip(constrained_at_once, ref):
-        n = _before_a_near_tie(want)
-        assert ours["tokens"][:n] == want["tokens"][:n]
+    tok = Tokenizer(model)
+    want = [tok.decode(a["tokens"]) for a in ref]
+    for mode in ("pipeinfer", "speculative", "iterative"):
+        assert [a["text"] for a in by_mode[mode]] == want[:len(by_mode[mode])], mode
+    finished = 0
+    for schema, a, text in zip(SCHEMAS, ref, want):
+        if len(a["tokens"]) < N_PREDICT:  # ended by the model (EOS): the whole answer is there
+            jsonschema.validate(json.loads(text), schema)
+            finished += 1
+    tok.close()
+    assert finished >= len(SCHEMAS) - 2, finished
+    constrained_at_once = [a for req, a in zip(_mixed(requests[:N_MIXED]), by_mode["parallel"])
+                           if "constraint" in req["decoding"]]
+    for ours, one in zip(constrained_at_once, ref):
+        n = _before_a_near_tie(one)
+        assert ours["tokens"][:n] == one["tokens"][:n]
 
 
 def _before_a_near_tie(answer: dict, gap: float = 0.01) -> int:
     """Tokens of an answer before the first position whose two most likely tokens are within `gap` in
-    log-probability. Under --parallel the KV cells of a generation sit beside others' and the real model's logits
-    move in their low bits (measured: a 0.0037 tie flipped); bit-for-bit equality there is an open question of the
-    engine's, not of the constraint's, which must hold everywhere else."""
+    log-probability: three at once, a newcomer's prompt (64+ tokens) lands at another cell offset than alone, and
+    llama.cpp's tiled flash attention then moves the real model's logits (tests/test_stage_engine.py; README, Many
+    users): equality holds up to a near tie."""
     for i, lp in enumerate(answer["logprobs"]):
         if len(lp["top"]) > 1 and lp["top"][0][1] - lp["top"][1][1] < gap:
             return i
     return len(answer["tokens"])
-    tok = Tokenizer(model)
-    finished = 0
-    for schema, a in zip(SCHEMAS, ref):
-        if len(a["tokens"]) < N_PREDICT:  # ended by the model (EOS): the whole answer is there
-            jsonschema.validate(json.loads(tok.decode(a["tokens"])), schema)
-            finished += 1
-    assert finished >= len(SCHEMAS) - 1
 
 
 def test_logprobs_are_the_same_in_every_mode(answers):
-    """The log-probabilities the last stage reports for each answer token (and its top 2) are the one-process run's
-    on 2 ranks in both speculative modes: the rows verification used are the same rows, whichever run held them."""
+    """The log-probabilities the server reports for each answer token are the one-process run's, on 2 ranks in
+    every mode: the rows verification used are the same rows, whichever run held them."""
     _, _, by_mode = answers
-    for mode in ("pipeinfer", "speculative"):
+    for mode in ("pipeinfer", "speculative", "iterative"):
         for ours, ref in zip(by_mode[mode], by_mode["one process"]):
-            assert len(ours["logprobs"]) == len(ours["tokens"])
-            for lp, lp_ref in zip(ours["logprobs"], ref["logprobs"]):
-                assert lp["token"] == lp_ref["token"]
-                assert lp["logprob"] == pytest.approx(lp_ref["logprob"], abs=1e-4)
-                assert [t for t, _ in lp["top"]] == [t for t, _ in lp_ref["top"]]
-                assert lp["top"][0][1] >= lp["top"][1][1] and lp["logprob"] <= lp["top"][0][1] + 1e-6
+            assert ours["logprobs"] == pytest.approx([lp["logprob"] for lp in ref["logprobs"]], abs=1e-4), mode
 
 
 def test_logprobs_equal_llama_cpp_pythons_own(answers):
-    """Ours (the last stage's, 2 ranks, PipeInfer) against llama-cpp-python's own Llama on the same file and
+    """Ours (the last stage's; the same on 2 ranks in every mode, above) against llama-cpp-python's own Llama on the same file and
     kernels (--kernels repack: flash attention on, the repacked weights; engine/kernels.py), decoding the prompt
     and then our answer a token at a time as the one-process run does: the log-softmax of its raw logits."""
     import llama_cpp
@@ -137,7 +200,7 @@ def test_logprobs_equal_llama_cpp_pythons_own(answers):
     model, requests, by_mode = answers
     drop_extra_buffer_types(UNUSED_EXTRA_BUFFERS)
     llm = Llama(model, n_ctx=1024, n_threads=1, n_batch=512, flash_attn=True, verbose=False)
-    for req, ans in list(zip(requests, by_mode["pipeinfer"]))[:2]:
+    for req, ans in list(zip(requests, by_mode["one process"]))[:2]:
         prompt, tokens = req["prompt"], ans["tokens"][:12]
         llm.reset()
         for i, chunk in enumerate([prompt] + [[t] for t in tokens[:-1]]):
