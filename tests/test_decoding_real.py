@@ -1,6 +1,6 @@
-"""Constraints, biases and log-probabilities on the real Qwen2.5-Coder-1.5B: 20 JSON-schema answers on 2 ranks in
-PipeInfer (6 also in synchronous speculative mode and three at once) equal the one-process constrained answer token
-for token and validate with jsonschema; their log-probabilities are the same in every mode and equal
+"""Constraints, biases and log-probabilities on the real Qwen2.5-Coder-1.5B: 20 JSON-schema answers through the real
+`openai` client on 2 ranks in every mode (and 6 three at once) equal the one-process constrained answer and
+validate with jsonschema; their log-probabilities are the same in every mode and equal
 llama-cpp-python's own (to 1e-4)."""
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ QUESTIONS = ["Describe a programmer.", "Give a few small numbers.", "Pick a colo
              "Describe an open bug of high priority.", "Give two key-value pairs.", "Describe the Rust language.",
              "What is pi to three decimals?", "Describe a user of a website.", "Which of these are true: 1<2, "
              "2<1, 3<4?", "What is the capital of France?", "How long does a disk seek take?"]
-N_MIXED = 6  # schemas also run speculative and three at once (the cost of the real model on 2 cores)
+N_MIXED = 6  # schemas also run three at once beside free requests (the cost of the real model on 2 cores)
 N_PREDICT = 48
 
 
@@ -114,8 +114,8 @@ def _served(model: str, mode: str, requests: list[dict], log) -> list[dict]:
 @pytest.fixture(scope="module")
 def answers(tmp_path_factory):
     """The one-process reference (tests/mpi_requests.py on 1 rank, iterative) of every schema; the server's answers
-    on 2 ranks (PipeInfer: every schema; synchronous speculative and iterative: the first N_MIXED); and the first
-    N_MIXED three at once on one 2-rank pipeline beside free biased requests."""
+    on 2 ranks in every mode (PipeInfer, synchronous speculative, iterative); and the first N_MIXED three at once on
+    one 2-rank pipeline beside free biased requests."""
     model = real_model("qwen2.5-coder-1.5b")
     tmp = tmp_path_factory.mktemp("decoding")
     requests = _requests(model)
@@ -124,8 +124,8 @@ def answers(tmp_path_factory):
     return model, requests, {
         "one process": _run(1, {**base, "mode": "iterative"}, requests, tmp),
         "pipeinfer": _served(model, "pipeinfer", requests, tmp / "pipeinfer.log"),
-        "speculative": _served(model, "speculative", requests[:N_MIXED], tmp / "speculative.log"),
-        "iterative": _served(model, "iterative", requests[:N_MIXED], tmp / "iterative.log"),
+        "speculative": _served(model, "speculative", requests, tmp / "speculative.log"),
+        "iterative": _served(model, "iterative", requests, tmp / "iterative.log"),
         "parallel": _run(2, {**base, "mode": "pipeinfer", "parallel": 3}, _mixed(requests[:N_MIXED]), tmp,
                          at_once=True),
     }
