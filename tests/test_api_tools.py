@@ -308,6 +308,7 @@ def qwen_server(tmp_path_factory):
     assert "Traceback" not in srv.text()
 
 
+@pytest.mark.slow  # about 100 s: the real model served on 2 ranks
 @pytest.mark.real
 @pytest.mark.mpi
 def test_real_qwen_calls_a_tool_and_reads_its_result(qwen_server):

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import MPIEXEC, ROOT, real_model
 
-pytestmark = [pytest.mark.real, pytest.mark.mpi]
+pytestmark = [pytest.mark.real, pytest.mark.mpi, pytest.mark.slow]  # 4-8 min: the 1.5B model on 2 cores, 5 jobs
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
