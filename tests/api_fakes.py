@@ -8,6 +8,8 @@ import threading
 import time
 from contextlib import contextmanager
 
+import pytest
+
 from pipeinfer.core.decoding import Decoding
 from pipeinfer.core.metrics import Stats
 from pipeinfer.ranks.scheduler import Request
@@ -210,3 +212,20 @@ def say(text: str) -> list[dict]:
 
 def last_prompt(api) -> str:
     return ByteTokenizer().decode(api.session.requests[-1].prompt)
+
+
+# the fixtures of the API modules that talk to one scripted server (imported by them: pytest finds them there)
+SCRIPTED_N_CTX, SCRIPTED_DEFAULT_MAX = 2048, 64
+
+
+@pytest.fixture(scope="module")
+def served():
+    with scripted_server(SCRIPTED_N_CTX, SCRIPTED_DEFAULT_MAX) as srv:
+        yield srv
+
+
+@pytest.fixture
+def api(served):
+    """The module's scripted server, its record of requests emptied."""
+    served.session.requests.clear()
+    return served

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from api_fakes import ScriptedSession
+from api_fakes import ScriptedSession, serving
 
 from pipeinfer.core.decoding import Constraint, Decoding, TokenLogprob
 from pipeinfer.core.metrics import Stats
@@ -565,25 +565,10 @@ def test_a_request_whose_choices_do_not_all_fit_in_the_queue_is_refused_whole():
 # ------------------------------------------------------------------------------------ the openai package
 @pytest.fixture(scope="module")
 def openai_client(served):
-    import socket
-
     import httpx2
-    import uvicorn
     from openai import OpenAI
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(served.app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="none", max_retries=0,
-                 http_client=httpx2.Client(timeout=30))
-    server.should_exit = True
-    thread.join(30)
-    sock.close()
+    with serving(served.app) as url:
+        yield OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, http_client=httpx2.Client(timeout=30))
 
 
 def test_the_openai_package_reads_every_shape(openai_client):

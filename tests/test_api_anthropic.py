@@ -7,26 +7,13 @@ import json
 
 import pytest
 
-from api_fakes import last_prompt, say, scripted_server
+from api_fakes import api, last_prompt, say, served  # noqa: F401  (api, served: fixtures)
 
-N_CTX, DEFAULT_MAX = 2048, 64
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 WEATHER = {"name": "get_weather", "description": "the weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 FN_WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
               "parameters": WEATHER["input_schema"]}
-
-
-@pytest.fixture(scope="module")
-def served():
-    with scripted_server(N_CTX, DEFAULT_MAX) as srv:
-        yield srv
-
-
-@pytest.fixture
-def api(served):
-    served.session.requests.clear()
-    return served
 
 
 # ------------------------------------------------------------------------------------ Anthropic: messages

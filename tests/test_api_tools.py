@@ -8,9 +8,8 @@ import json
 
 import pytest
 
-from api_fakes import ByteTokenizer, last_prompt, say, scripted_server
+from api_fakes import ByteTokenizer, api, last_prompt, say, served  # noqa: F401  (api, served: fixtures)
 
-N_CTX, DEFAULT_MAX = 2048, 64
 ARGS = {"city": "Paris"}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CALL_2 = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
@@ -20,18 +19,6 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
-
-
-@pytest.fixture(scope="module")
-def served():
-    with scripted_server(N_CTX, DEFAULT_MAX) as srv:
-        yield srv
-
-
-@pytest.fixture
-def api(served):
-    served.session.requests.clear()
-    return served
 
 
 def create(api, **body):

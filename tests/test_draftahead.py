@@ -282,8 +282,9 @@ def test_quiet_first_token_launches_nothing_speculative_before_it(monkeypatch, q
     from pipeinfer.ranks.head import Head
     events: list[tuple[str, int]] = []
     launch, emit = FakePipeline.launch, Head._emit
-    monkeypatch.setattr(FakePipeline, "launch", lambda self, rid, batch, spec, parent=-1:
-                        (events.append(("spec" if spec else "run", rid)), launch(self, rid, batch, spec, parent))[1])
+    monkeypatch.setattr(FakePipeline, "launch", lambda self, rid, batch, spec, parent=-1, rules=None:
+                        (events.append(("spec" if spec else "run", rid)), launch(self, rid, batch, spec, parent,
+                                                                              rules))[1])
     monkeypatch.setattr(Head, "_emit", lambda self, tokens, logprobs=None: (events.append(("emit", len(tokens))),
                                                                          emit(self, tokens, logprobs))[1])
     r, _ = thread_head("pipeinfer", 0.2, 6, monkeypatch, n_max=2, quiet_first=quiet_first)

@@ -2,7 +2,6 @@
 format, streaming parser and forcing grammar. The `real` tests load the Qwen2.5-Coder vocabulary (no weights)."""
 import itertools
 import json
-import warnings
 
 import pytest
 from helpers import real_model
@@ -297,10 +296,8 @@ def qwen():
 
 @pytest.fixture(scope="module")
 def qwen_lltok(qwen):
-    from llguidance.llamacpp import lltokenizer_from_vocab
-    with warnings.catch_warnings():   # llguidance calls llama-cpp-python's deprecated llama_token_get_attr per token
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return lltokenizer_from_vocab(qwen.vocab, eos_token=sorted(qwen.eos))
+    from pipeinfer.engine.grammar import lltokenizer
+    return lltokenizer(qwen)
 
 
 QWEN_SYSTEM = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"

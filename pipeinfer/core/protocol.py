@@ -371,8 +371,9 @@ class RowRules:
         if not isinstance(buf, np.ndarray) or buf.ndim != 1 or buf.dtype != np.int32 or len(buf) < RULES_HEAD:
             raise ProtocolError(f"malformed RULES: {getattr(buf, 'shape', None)} {getattr(buf, 'dtype', type(buf))}")
         rows, words, n_bias = (int(x) for x in buf[:RULES_HEAD])
-        n_vocab = lim.n_vocab if lim is not None else 32 * max(words, 1) if words else 2**31 - 1
-        if rows != n_rows or words not in (0, mask_words(n_vocab)) or n_bias < 0:
+        n_vocab = lim.n_vocab if lim is not None else None  # without limits: the layout is checked, not the ids
+        words_fit = words == 0 or (words > 0 and (n_vocab is None or words == mask_words(n_vocab)))
+        if rows != n_rows or not words_fit or n_bias < 0:
             raise ProtocolError(f"RULES of {rows} rows x {words} words, {n_bias} biases for a run of {n_rows} rows")
         o = RULES_HEAD + rows * words
         if len(buf) != o + 3 * n_bias:
@@ -381,7 +382,8 @@ class RowRules:
         bias_row, bias_token = buf[o:o + n_bias], buf[o + n_bias:o + 2 * n_bias]
         bias_value = buf[o + 2 * n_bias:].view(np.float32)
         if n_bias and not (((bias_row >= 0) & (bias_row < rows)).all() and
-                           ((bias_token >= 0) & (bias_token < n_vocab)).all() and np.isfinite(bias_value).all()):
+                           (bias_token >= 0).all() and (n_vocab is None or (bias_token < n_vocab).all()) and
+                           np.isfinite(bias_value).all()):
             raise ProtocolError("RULES bias outside its run's rows, the vocabulary, or not finite")
         return cls(mask, bias_row, bias_token, bias_value)
 

@@ -484,10 +484,8 @@ class Head:
                       [n.seq_ids for n in run.nodes],
                       np.array([n.row >= 0 for n in run.nodes], dtype=np.int32), pre_ops)
         self.flights[run.run_id] = fl
-        if self.rules is None:
-            self.pipe.launch(run.run_id, batch, fl.speculative, fl.parent_id)
-        else:
-            self.pipe.launch(run.run_id, batch, fl.speculative, fl.parent_id, self.rules.for_run(run, self.accepted))
+        rules = self.rules.for_run(run, self.accepted) if self.rules is not None else None
+        self.pipe.launch(run.run_id, batch, fl.speculative, fl.parent_id, rules)
         self.stats.n_runs += 1
 
     # ================================================================ bookkeeping

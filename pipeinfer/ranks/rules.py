@@ -69,7 +69,7 @@ class RunRules:
             end = next((i + 1 for i, t in enumerate(new) if t in self.masker.eos_ids), len(new))
             if not self.masker.done:
                 self.masker.commit(new[:end])
-        self.committed = list(answer)
+        self.committed = answer
 
     def for_run(self, run: TreeRun, accepted: list[int]) -> RowRules | None:
         contexts = row_contexts(run, accepted, self.answer_at)

@@ -344,10 +344,7 @@ class Scheduler:
             self.pipe.set_sampling(*sampling)
             self._sampling_sent = sampling
         self.owner[run_id] = self._on_lane[lane]
-        if rules is None:
-            self.pipe.launch(run_id, batch, speculative, parent_id)
-        else:
-            self.pipe.launch(run_id, batch, speculative, parent_id, rules)
+        self.pipe.launch(run_id, batch, speculative, parent_id, rules)
 
     def _take(self, res) -> None:
         g = self.owner.pop(res.run_id)

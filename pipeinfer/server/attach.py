@@ -57,8 +57,7 @@ def _submit(session, sched, link: Link, msg: Job, cancelled: set, stop) -> None:
     pending: list = []  # the log-probabilities of the tokens about to be sent (on_logprobs comes just before)
 
     def on_tokens(tokens: list[int]) -> None:
-        link.send(Tokens(jid, list(tokens), [[lp.token, lp.logprob, [list(t) for t in lp.top]] for lp in pending]
-                         if pending else None))
+        link.send(Tokens.of(jid, tokens, pending))
         pending.clear()
     req = session.request(msg.prompt, n_predict=msg.n_predict, sampling=SamplingParams(*msg.sampling),
                           prompt_text=msg.prompt_text, chat=msg.chat, on_tokens=on_tokens,

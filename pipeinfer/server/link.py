@@ -22,6 +22,8 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import ClassVar, Iterator, Union
 
+from ..core.decoding import TokenLogprob
+
 
 class LinkError(ValueError):
     """A line that is not a message of this link."""
@@ -82,6 +84,16 @@ class Tokens:
     id: int
     tokens: list[int]
     logprobs: list | None = None
+
+    @classmethod
+    def of(cls, id: int, tokens: list[int], logprobs: list[TokenLogprob]) -> Tokens:
+        return cls(id, list(tokens), [[lp.token, lp.logprob, [list(t) for t in lp.top]] for lp in logprobs]
+                   if logprobs else None)
+
+    def token_logprobs(self) -> list[TokenLogprob] | None:
+        if self.logprobs is None:
+            return None
+        return [TokenLogprob(t, lp, tuple(tuple(x) for x in top)) for t, lp, top in self.logprobs]
 
 
 @dataclass(frozen=True)

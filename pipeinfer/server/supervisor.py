@@ -32,7 +32,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..core.config import CONFIG_ENV
-from ..core.decoding import TokenLogprob
 from ..core.errors import UserError
 from ..core.metrics import Stats
 from . import link
@@ -534,9 +533,8 @@ class Supervisor:
         if isinstance(msg, link.Tokens):
             rec.tokens += msg.tokens
             rec.job.on_token_ids(msg.tokens)
-            if msg.logprobs is not None:
-                rec.answer.on_logprobs([TokenLogprob(t, lp, tuple(tuple(x) for x in top))
-                                        for t, lp, top in msg.logprobs])
+            if (logprobs := msg.token_logprobs()) is not None:
+                rec.answer.on_logprobs(logprobs)
             rec.answer.on_tokens(msg.tokens)
         elif isinstance(msg, link.Done):
             stats = Stats.from_dict(msg.stats)
