@@ -32,7 +32,7 @@ def test_iterative_equals_target():
 
 
 def test_iterative_prompt_in_chunks():
-    r = run_head("iterative", n_predict=5, n_batch=3)
+    r = run_head("iterative", n_predict=5, prompt_chunk=3)
     assert r.out == r.expected
     assert r.stats.n_runs == 4 + 4                   # ceil(10 / 3) prompt chunks + 4 single-token runs
     assert_clean_end(r)
@@ -175,7 +175,7 @@ def test_pipeinfer_single_rank():
 
 
 def test_pipeinfer_prompt_in_chunks_and_small_pool():
-    r = run_head("pipeinfer", error_rate=0.2, seed=15, n_batch=4, max_in_flight=2)
+    r = run_head("pipeinfer", error_rate=0.2, seed=15, prompt_chunk=4, max_in_flight=2)
     assert r.out == r.expected
     assert r.n_part == 2
     assert_clean_end(r)

@@ -11,7 +11,7 @@ import pytest
 
 from toy import FakePipeline, KvError, ToyDrafter, ToyStage, logits_flat, logits_greedy, target_alone
 
-from pipeinfer.core.kvplan import PartitionPool, lane_canonical, lane_seq_max, plan_partitions
+from pipeinfer.core.kvplan import PartitionPool, lane_canonical, lane_count, lane_seq_max, plan_partitions
 from pipeinfer.core.protocol import KvOp
 from pipeinfer.core.verify import SamplingParams
 from pipeinfer.ranks.head import GenConfig
@@ -35,7 +35,13 @@ class LaneStage(ToyStage):
             return
         keep = [int(r[1]) for r in rows if r[0] == KvOp.COMPACT]
         if keep:
-            assert all(r[0] == KvOp.COMPACT for r in rows), "COMPACT travels alone"
+            k = len(rows) - len(keep)
+            assert all(r[0] == KvOp.COMPACT for r in rows[k:]), "COMPACT ends its transaction"
+            for op, seq, _, p0, p1 in rows[:k].tolist():  # what an entry keeps: the cells go in the compaction
+                assert op == KvOp.RM and p0 >= 0 and p1 == -1, "before a COMPACT only trims of cache entries"
+                for c in self.cells:
+                    if c.pos >= p0:
+                        c.seqs.discard(seq)
             self.cells = [c for c in self.cells if c.seqs & set(keep)]
             for c in self.cells:
                 c.seqs &= set(keep)
@@ -83,8 +89,8 @@ class LanePipeline(FakePipeline):
 
 def make(mode: str, *, n_parallel: int, n_ctx: int = 4096, max_in_flight: int = 4, n_max: int = 3,
          logits_fn=logits_greedy, n_stages: int = 2, error_rate: float = 0.2, poll_every: int = 3,
-         p_recovery: float = 0.5):
-    n_lanes = 2 * n_parallel if n_parallel > 1 else 1
+         p_recovery: float = 0.5, cache_prompt: bool = True, prompt_chunk: int = 63):
+    n_lanes = lane_count(n_parallel, cache_prompt)
     n_part, n_seq = plan_partitions(1, max_in_flight, n_lanes=n_lanes)
     if mode == "iterative":  # no partitions: the slots' canonical sequences follow sequence 0 (as startup plans it)
         n_part, n_seq = 0, lane_seq_max(0, 1, n_lanes)
@@ -92,7 +98,8 @@ def make(mode: str, *, n_parallel: int, n_ctx: int = 4096, max_in_flight: int = 
     pipe = LanePipeline(canon, logits_fn=logits_fn, poll_every=poll_every, garbage=n_seq - 1)
     pool = PartitionPool(n_part, 1, n_seq, n_lanes=n_lanes) if mode == "pipeinfer" else None
     lent = iter(range(1 << 30))
-    cfg = GenConfig(mode=mode, n_ctx=n_ctx, cut=Cutoffs(0.5, 0.1, n_max, 1), p_recovery=p_recovery)
+    cfg = GenConfig(mode=mode, n_ctx=n_ctx, cut=Cutoffs(0.5, 0.1, n_max, 1), p_recovery=p_recovery,
+                    cache_prompt=cache_prompt, prompt_chunk=prompt_chunk)
     sched = Scheduler(pipe, cfg, n_stages=n_stages, n_parallel=n_parallel, pool=pool,
                       drafter_for=lambda p, t, c: ToyDrafter(error_rate, next(lent), 0.9))  # one per lease
     return sched, pipe, pool
@@ -190,12 +197,12 @@ def test_request_that_never_fits_is_refused():
 
 def test_a_prompt_beside_others_goes_in_the_chunks_it_takes_alone():
     """Smaller chunks would change the prompt's numerics on real stages (the answer would differ from the
-    single-request one): a newcomer's prompt is launched in n_batch chunks whatever runs beside it."""
+    single-request one): a newcomer's prompt is launched in prompt_chunk chunks whatever runs beside it."""
     long_prompt = [(7 * i) % 29 for i in range(40)]
     sizes = {}
     for n_parallel in (1, 2):
         sched, pipe, _ = make("iterative", n_parallel=n_parallel)
-        sched.cfg = replace(sched.cfg, n_batch=16)
+        sched.cfg = replace(sched.cfg, prompt_chunk=16)
         launched = []
         launch = pipe.launch
         pipe.launch = lambda run_id, batch, *a: (launched.append(batch.n_tokens), launch(run_id, batch, *a))

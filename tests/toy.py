@@ -67,10 +67,11 @@ class KvError(RuntimeError):
 
 # ---------------------------------------------------------------- fake stage: a unified KV cache
 class Cell:
-    __slots__ = ("pos", "token", "seqs")
+    __slots__ = ("pos", "token", "seqs", "batch")
 
-    def __init__(self, pos: int, token: int, seqs: set[int]):
+    def __init__(self, pos: int, token: int, seqs: set[int], batch: tuple[int, int] = (-1, 0)):
         self.pos, self.token, self.seqs = pos, token, seqs
+        self.batch = batch  # (first position, rows) of the decode that computed it: its bits on a real stage
 
 
 class ToyStage:
@@ -138,7 +139,8 @@ class ToyStage:
             if sorted(ps) != list(range(last + 1, last + 1 + len(ps))):
                 raise KvError(f"{self.name}: inconsistent sequence positions: seq {s} ends at {last}, "
                               f"batch has {sorted(ps)}")
-        new = [Cell(p, t, set(ids)) for p, t, ids in zip(batch.pos.tolist(), batch.tokens.tolist(), batch.seq_ids)]
+        shape = (int(batch.pos.min()), len(batch.pos))
+        new = [Cell(p, t, set(ids), shape) for p, t, ids in zip(batch.pos.tolist(), batch.tokens.tolist(), batch.seq_ids)]
         self.cells += new
         rows = []
         for c, out in zip(new, batch.output.tolist()):

@@ -12,7 +12,7 @@ import click
 from ..core.errors import UserError
 from ..core.verify import SamplingParams
 from ..engine.kernels import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, KERNELS
-from ..core.config import DRAFT_HEAD_AUTO, MODES, Config
+from ..core.config import DRAFT_HEAD_AUTO, MODES, PROMPT_CHUNK, Config
 from .guard import installed, mpi_size
 
 
@@ -52,6 +52,12 @@ PIPELINE_OPTIONS = [
     click.option("-tb", "--threads-batch", default=None, help="threads per rank for batch decodes [default: --threads]"),
     click.option("-c", "--ctx-size", default=4096, show_default=True, type=click.IntRange(16), help="KV cache size per stage"),
     click.option("-b", "--batch-size", default=512, show_default=True, type=click.IntRange(1), help="largest batch per decode"),
+    click.option("--prompt-chunk", default=PROMPT_CHUNK, show_default=True, type=click.IntRange(1),
+                 help="prompt tokens per decode; up to 63 a prompt's bits do not depend on where its KV cells sit, "
+                      "which the prompt cache and --parallel's exactness rest on"),
+    click.option("--cache-prompt", type=click.Choice(["on", "off"]), default="on", show_default=True,
+                 help="keep each finished request's prompt on every stage and reuse its longest common prefix "
+                      "(exact: the answer is the cold one's)"),
     click.option("--draft", default=None, help="draft GGUF (same vocabulary as the target)"),
     click.option("--drafter", type=click.Choice(["model", "ngram", "replay"]), default=None,
                  help="[default: model if --draft (on the default target: gemma3-270m when installed) else ngram]; "
@@ -157,6 +163,7 @@ def config_from_options(kw: dict, *, n_predict: int, sampling: SamplingParams, s
     return Config(
         model=model, mode=mode, layer_split=kw["layer_split"], threads=kw["threads"],
         threads_batch=kw["threads_batch"], n_ctx=kw["ctx_size"], n_batch=kw["batch_size"],
+        prompt_chunk=kw["prompt_chunk"], cache_prompt=kw["cache_prompt"] == "on",
         kernels="fast" if kw["fast_kernels"] else kw["kernels"], draft=draft, drafter=drafter,
         drafter_asked=kw["drafter"] is not None, draft_vocab=kw["draft_vocab"], draft_at=draft_at,
         draft_threads=kw["draft_threads"], draft_head=kw["draft_head"], draft_max=kw["draft_max"],

@@ -23,6 +23,11 @@ DEFAULT_KERNELS = "repack"
 DRAFT_HEAD_AUTO = 65536
 DEFAULT_DRAFT_MAX = 4  # --draft-max when not given: at most this, within the exact batch limit (engine/kernels.py)
 PER_RANK_FIELDS = ("layer_split", "threads", "threads_batch")  # "a,b,c": one value per target rank
+# prompt tokens per decode: the most rows llama.cpp's CPU flash attention takes one row at a time; from 64 rows on
+# it tiles the cells, and a row's result then depends on where the sequence's cells sit (mod 64), so a prompt
+# decoded after other requests' cells, or from the prompt cache, would not be the cold answer's bits
+# (tests/test_stage_engine.py pins both). Measured cost against 512-token chunks: results/bench_prompt.csv
+PROMPT_CHUNK = 63
 CONFIG_ENV = "PIPEINFER_CONFIG"  # a supervised job's configuration, as JSON (Config.to_json)
 
 
@@ -37,7 +42,9 @@ class Config:
     threads: str | None = None              # per rank: one value or a,b,c (None: cores / ranks)
     threads_batch: str | None = None        # per rank, batch decodes (None: threads)
     n_ctx: int = 4096
-    n_batch: int = 512                      # largest batch a stage decodes (prompt chunks)
+    n_batch: int = 512                      # largest batch a stage decodes
+    prompt_chunk: int = PROMPT_CHUNK        # prompt tokens per decode (at most n_batch), at positions 0, C, 2C, ...
+    cache_prompt: bool = True               # keep finished prompts on every stage for later requests (prefixcache.py)
     kernels: str = DEFAULT_KERNELS          # engine/kernels.py: repack | no-repack | fast
     # ---- the draft
     draft: str | None = None                # the draft GGUF's path (None: no draft model)
@@ -84,6 +91,8 @@ class Config:
         if self.draft_at == "rank" and self.drafter == "ngram" and self.mode != "iterative":
             raise UserError("--draft-at rank: the draft rank has no draft model (give --draft MODEL.gguf; the n-gram "
                             "drafter costs nothing and runs on the head)")
+        if self.prompt_chunk < 1:
+            raise UserError(f"--prompt-chunk {self.prompt_chunk}: at least 1 token")
         if self.drafter == "replay" and not self.replay_ref:
             raise UserError("--drafter replay needs --replay-ref FILE.json (from an earlier --json run)")
 

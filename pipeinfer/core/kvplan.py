@@ -69,10 +69,14 @@ def plan_partitions(max_branches: int, max_in_flight: int, n_seq_max: int = 256,
     return n_part, lane_seq_max(n_part, max_branches, n_lanes)
 
 
-def lane_count(n_parallel: int) -> int:
+CACHE_ENTRIES = 8  # finished prompts kept at most (prefixcache.py); each holds a generation slot
+
+
+def lane_count(n_parallel: int, cache_prompt: bool = False) -> int:
     """Generation slots for --parallel N: twice N (a finished generation's slot stays dirty until the next
-    COMPACT, scheduler.py), one for one generation at a time."""
-    return 2 * n_parallel if n_parallel > 1 else 1
+    COMPACT, scheduler.py), one for one generation at a time; with the prompt cache, twice CACHE_ENTRIES more (an
+    entry holds its slot, and an entry that goes leaves it dirty until the next COMPACT)."""
+    return (2 * n_parallel if n_parallel > 1 else 1) + (2 * CACHE_ENTRIES if cache_prompt else 0)
 
 
 def lane_seq_max(n_part: int, size: int, n_lanes: int) -> int:

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 @dataclass
 class Stats:
     n_prompt: int = 0              # prompt tokens
+    n_cached: int = 0              # ... of them taken from the prompt cache (not decoded again)
     n_generated: int = 0           # tokens emitted
     n_runs: int = 0                # runs launched (prompt chunks included)
     n_spec_runs: int = 0           # speculative runs launched
@@ -63,7 +64,7 @@ class Stats:
     @property
     def pp_tokens_per_s(self) -> float:
         dt = self.t_prompt_done_s - self.t_start_s
-        return self.n_prompt / dt if dt > 0 else 0.0
+        return (self.n_prompt - self.n_cached) / dt if dt > 0 else 0.0
 
     def bytes_per_token(self) -> list[float]:
         """Bytes sent per generated token on each link, rank r -> r+1 (the last: -> rank 0)."""
@@ -104,7 +105,7 @@ class Stats:
 
     def report(self) -> str:
         lines = [
-            f"n_prompt          = {self.n_prompt}",
+            f"n_prompt          = {self.n_prompt}" + (f" ({self.n_cached} from the prompt cache)" if self.n_cached else ""),
             f"n_generated       = {self.n_generated}",
             f"ttft              = {self.ttft_s * 1e3:.1f} ms",
             f"prompt speed      = {self.pp_tokens_per_s:.2f} tokens/s",

@@ -29,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..core.config import MODES, Config
+from ..core.config import MODES, PROMPT_CHUNK, Config
 from ..core.decoding import TokenLogprob
 from ..core.kvplan import (
     CANONICAL,
@@ -39,7 +39,7 @@ from ..core.kvplan import (
     retire_starts,
 )
 from ..core.metrics import Stats, rss_mb
-from ..core.protocol import NO_RUN, Batch, kv_ops
+from ..core.protocol import NO_RUN, Batch, cp, kv_ops
 from ..core.verify import (
     Node,
     SamplingParams,
@@ -122,7 +122,9 @@ class GenConfig:
     p_decay: float = 0.0      # cutoff falls by this per failed draft while no result is waiting
     cancel: bool = True       # --no-cancel: never send cancellation signals
     continuous: bool = True   # --no-continuous: at most one speculative run in flight
-    n_batch: int = 512        # largest batch a stage decodes (prompt chunks)
+    n_batch: int = 512        # largest batch a stage decodes
+    prompt_chunk: int = PROMPT_CHUNK  # prompt tokens per run, at positions 0, C, 2C, ... (core/prefixcache.py)
+    cache_prompt: bool = True  # keep finished prompts on the stages for later requests (scheduler.py)
     n_ctx: int = 4096
     stop_at_eos: bool = True
     # each stage's decode time (ms) for 1..limit tokens, rank 0 first (startup.py measures it):
@@ -137,7 +139,8 @@ def gen_config(config: Config, *, n_batch: int, p_recovery: float) -> GenConfig:
     return GenConfig(mode=config.mode, n_predict=config.n_predict, sampling=config.sampling,
                      cut=Cutoffs(config.p_accept, config.p_split, config.draft_max, config.max_branches),
                      p_recovery=p_recovery, p_decay=config.p_decay, cancel=config.cancel, continuous=config.continuous,
-                     n_batch=n_batch, n_ctx=config.n_ctx, stop_at_eos=config.stop_at_eos,
+                     n_batch=n_batch, prompt_chunk=min(config.prompt_chunk, n_batch),
+                     cache_prompt=config.cache_prompt, n_ctx=config.n_ctx, stop_at_eos=config.stop_at_eos,
                      adaptive_draft=config.adaptive_draft, quiet_first=config.quiet_first)
 
 
@@ -267,18 +270,19 @@ class Head:
 
     # ================================================================ the algorithm
 
-    def start(self, prompt: list[int], replay: list[int] = ()) -> None:
-        """Launch the prompt, in chunks of n_batch tokens (non-speculative runs), then `replay`: tokens this
-        answer already has (streamed before the pipeline was lost), one per run, as they were first decoded, so
-        the cells and every token after them are bit for bit the uninterrupted answer's; cfg.n_predict then
-        counts only the tokens after them."""
+    def start(self, prompt: list[int], replay: list[int] = (), cached: tuple[int, int] | None = None) -> None:
+        """Launch the prompt, in chunks of prompt_chunk tokens at positions 0, C, 2C, ... (non-speculative runs),
+        then `replay`: tokens this answer already has (streamed before the pipeline was lost), one per run, as they
+        were first decoded, so the cells and every token after them are bit for bit the uninterrupted answer's;
+        cfg.n_predict then counts only the tokens after them. cached = (seq, n): positions [0, n) are the cold
+        bits of sequence `seq` (core/prefixcache.py), copied instead of decoded."""
         if not prompt:
             raise ValueError("empty prompt")
         self.stats.t_start_s = self.clock()
         self.stats.n_prompt = len(prompt)
         self._n_prompt = len(prompt) + len(replay)  # where this start's new tokens begin in `accepted`
         self.pipe.set_sampling(self.cfg.sampling, self.top_logprobs)
-        self._launch_prompt(prompt, list(replay))
+        self._launch_prompt(prompt, list(replay), cached)
         if self.drafter is not None:
             self.drafter.prefill(self.accepted)  # while the target's stages process the prompt
 
@@ -415,18 +419,25 @@ class Head:
         self._launch_nonspec()
 
     # ================================================================ launching runs
-    def _launch_prompt(self, prompt: list[int], replay: list[int]) -> None:
-        """The prompt's chunks (the last row of the last one predicts the next token), then each replayed token
-        alone: a generated token was decoded alone or in a micro-batch within the exact batch limit, which gives
-        the same cells."""
+    def _launch_prompt(self, prompt: list[int], replay: list[int], cached: tuple[int, int] | None) -> None:
+        """The prompt's chunks after its cached positions (the last row of the last one predicts the next token),
+        then each replayed token alone: a generated token was decoded alone or in a micro-batch within the exact
+        batch limit, which gives the same cells."""
         self.accepted = list(prompt) + replay
-        runs = [(start, prompt[start:start + self.cfg.n_batch]) for start in range(0, len(prompt), self.cfg.n_batch)]
+        size, first, pre = self.cfg.prompt_chunk, 0, kv_ops()
+        if cached is not None:
+            src, first = cached
+            if first % size or not 0 < first < len(prompt):
+                raise RuntimeError(f"internal: a cached start at {first} in a prompt of {len(prompt)} ({size}-token chunks)")
+            pre = kv_ops(cp(src, self.canon, 0, first))
+            self.stats.n_cached = first
+        runs = [(start, prompt[start:start + size]) for start in range(first, len(prompt), size)]
         runs += [(len(prompt) + k, [t]) for k, t in enumerate(replay)]
         for i, (start, chunk) in enumerate(runs):
             last = i == len(runs) - 1
             nodes = [Node(t, start + k, k - 1, [self.canon], 0 if (last and k == len(chunk) - 1) else -1)
                      for k, t in enumerate(chunk)]
-            self._launch(Flight(TreeRun(self._new_run_id(), nodes), speculative=False), kv_ops())
+            self._launch(Flight(TreeRun(self._new_run_id(), nodes), speculative=False), pre if i == 0 else kv_ops())
         self.n_kv0 = len(self.accepted)
 
     def _launch_nonspec(self) -> None:

@@ -38,8 +38,9 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..core.decoding import Decoding, TokenLogprob
-from ..core.kvplan import PartitionPool, cells_reserve, lane_canonical, lane_count
+from ..core.kvplan import CACHE_ENTRIES, PartitionPool, cells_reserve, lane_canonical, lane_count
 from ..core.metrics import Stats
+from ..core.prefixcache import Entry, PrefixCache
 from ..core.protocol import compact, kv_ops, rm
 from ..core.verify import SamplingParams
 from .head import GenConfig, Head, check_gen_config
@@ -89,6 +90,7 @@ class Request:
                                                      # n_predict, on_tokens and on_done count only those after them
     decoding: Decoding = Decoding()                  # constraint, biases, penalties, log-probabilities (core/decoding)
     on_logprobs: Callable[[list[TokenLogprob]], None] | None = None  # called just before on_tokens, one per token
+    cache_prompt: bool = True                        # start from the prompt cache, and leave this prompt in it
 
     @property
     def need(self) -> int:
@@ -167,7 +169,8 @@ class Scheduler:
         self.n_stages, self.n_parallel, self.eos, self.clock = n_stages, n_parallel, set(eos), clock
         self.depth = pipeline_depth(n_stages, cfg.stage_ms)  # runs in flight that fill the slowest stage
         size = cfg.cut.max_branches
-        self.n_lanes = lane_count(n_parallel)
+        self.n_lanes = lane_count(n_parallel, cfg.cache_prompt)
+        self.cache = PrefixCache(cfg.prompt_chunk, CACHE_ENTRIES) if cfg.cache_prompt else None
         self._canon = [lane_canonical(k, n_part, size) for k in range(self.n_lanes)]
         self._clean = deque(range(self.n_lanes))
         self._dirty: list[int] = []
@@ -259,6 +262,8 @@ class Scheduler:
             if sum(g.req.need for g in self.gens) + req.need + self.reserve > self.cfg.n_ctx:
                 self.stats.waits_for_cells += 1
                 return  # first come first served: the next request waits for cells, no one overtakes it
+            if self._cells_short(req.need):
+                self._compact()  # the cache entries beyond what this request may need go
             self.waiting.popleft()
             self._start(num, req, rules)
 
@@ -275,14 +280,19 @@ class Scheduler:
         self.stats.n_admitted += 1
         self.stats.max_active = max(self.stats.max_active, len(self.gens))
         self.stats.admitted_order.append(num)
-        head.start(req.prompt, req.replay)  # in the chunks it takes alone (n_batch): smaller ones change the numerics
+        start = None
+        if self.cache is not None and req.cache_prompt:
+            start = self.cache.find(req.prompt, [(self._canon[h.lane], h.req.prompt) for h in self.gens
+                                                 if h is not g and h.req.cache_prompt])
+        # in the chunks it takes alone (prompt_chunk, from position 0): other chunks change the numerics
+        head.start(req.prompt, req.replay, cached=(start.seq, start.n) if start else None)
         head.stats.t_queue_s = max(0.0, head.stats.t_start_s - req.t_queued_s)
 
-    def _cells_short(self) -> bool:
-        """Whether one more round's runs might not fit: a token per generation and the speculation (a newcomer's
-        prompt is counted in its admission)."""
-        bound = sum(g.head.n_cells_bound for g in self.gens) + self.n_cells_dead
-        return bound + len(self.gens) + self.reserve > self.cfg.n_ctx
+    def _cells_short(self, newcomer: int = 0) -> bool:
+        """Whether one more round's runs might not fit: a token per generation and the speculation, and the cells a
+        newcomer may need."""
+        bound = sum(g.head.n_cells_bound for g in self.gens) + self.n_cells_dead + self.n_cells_cached
+        return bound + len(self.gens) + self.reserve + newcomer > self.cfg.n_ctx
 
     def _compact(self) -> None:
         """Collect every run in flight, then have every stage keep only the canonical sequences of the generations
@@ -291,7 +301,19 @@ class Scheduler:
             res = self.pipe.next_result()
             self.owner.pop(res.run_id).head.handle(res)
         live = [self._canon[g.lane] for g in self.gens]
-        self.pipe.kv(kv_ops(*[compact(s) for s in live]) if live else kv_ops(rm(-1)))
+        kept: list[Entry] = []
+        if self.cache is not None:  # the entries that fit beside what the generations here and the next may need
+            budget = self.cfg.n_ctx - self.reserve - sum(g.req.need + 1 for g in self.gens)
+            start = None
+            if self.waiting:  # the next request: its cells, but not those it will share with the entry it starts from
+                nxt = self.waiting[0][1]
+                start = self.cache.peek(nxt.prompt) if nxt.cache_prompt else None
+                budget -= nxt.need - (start.n if start else 0)
+            self._clean.extend(e.lane for e in self.cache.keep_within(budget, start.entry if start else None))
+            kept = self.cache.entries
+        trim = [rm(e.seq, len(e.tokens), -1) for e in kept]  # an entry keeps only the positions it can give
+        keep = live + [e.seq for e in kept]
+        self.pipe.kv(kv_ops(*trim, *[compact(s) for s in keep]) if keep else kv_ops(rm(-1)))
         for g in self.gens:
             g.head.compacted()
         self._clean.extend(sorted(self._dirty))
@@ -302,6 +324,26 @@ class Scheduler:
             self._finish(g)
         for g in self.gens:
             g.head.cover()
+
+    # ================================================================ the prompt cache
+    def _drop(self, e: Entry) -> None:
+        """A cache entry goes: its slot and cells wait for the next COMPACT (freeing cells now would leave holes,
+        kvplan.py)."""
+        self._dirty.append(e.lane)
+        self.n_cells_dead += e.cells
+
+    @property
+    def n_cells_cached(self) -> int:
+        return self.cache.n_cells if self.cache is not None else 0
+
+    def cache_load(self) -> dict:
+        """The prompt cache and the cells, for /health (a snapshot read from another thread)."""
+        cache = self.cache
+        bound = sum(g.head.n_cells_bound for g in list(self.gens)) + self.n_cells_dead + self.n_cells_cached
+        return {"enabled": cache is not None, "entries": len(cache.entries) if cache else 0,
+                "tokens": cache.n_tokens if cache else 0, "hits": cache.n_hits if cache else 0,
+                "tokens_reused": cache.n_tokens_reused if cache else 0,
+                "cells_used": min(bound, self.cfg.n_ctx), "cells": self.cfg.n_ctx}
 
     # ================================================================ the drafter's lease
     def _lease(self) -> _Gen | None:
@@ -356,14 +398,21 @@ class Scheduler:
             g.head.cancel_all()
 
     def _finish(self, g: _Gen) -> None:
-        """Every run of a finished generation is back: deliver its answer; its slot waits for a COMPACT."""
+        """Every run of a finished generation is back: deliver its answer; its slot holds its prompt as a cache
+        entry, or waits for a COMPACT."""
         if self.holder is g:
             g.head.give_back()
             self.holder = None
         self.gens.remove(g)
         del self._on_lane[g.lane]
-        self._dirty.append(g.lane)
-        self.n_cells_dead += g.head.n_cells_bound
+        entry = None
+        if self.cache is not None and g.req.cache_prompt:
+            entry, gone = self.cache.add(g.lane, self._canon[g.lane], g.req.prompt, g.head.n_cells_bound)
+            for e in gone:
+                self._drop(e)
+        if entry is None:
+            self._dirty.append(g.lane)
+            self.n_cells_dead += g.head.n_cells_bound
         self.stats.n_finished += 1
         tokens = g.head.result()
         g.head.stats.n_kv0 = g.head.n_kv0

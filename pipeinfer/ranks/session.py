@@ -86,11 +86,12 @@ class HeadSession:
                 "most_generating": sched.stats.max_active if sched else None,
                 "runs_in_flight": len(self.pipe.in_flight),
                 "partitions_free": self.pool.n_free if self.pool else 0,
-                "partitions": self.pool.n_partitions if self.pool else 0}
+                "partitions": self.pool.n_partitions if self.pool else 0,
+                "prompt_cache": sched.cache_load() if sched else None}
 
     def request(self, prompt: list[int], *, n_predict: int | None = None, sampling=None, prompt_text: str | None = None,
                 chat: bool = False, on_tokens=None, on_progress=None, should_stop=None, on_done=None,
-                replay=(), decoding=None, on_logprobs=None) -> Request:
+                replay=(), decoding=None, on_logprobs=None, cache_prompt: bool = True) -> Request:
         """A Request for `scheduler()`; on_done(tokens, stats) gets the statistics `generate` reports."""
         def done(tokens: list[int], stats: Stats) -> None:
             self._n_runs += stats.n_runs
@@ -101,7 +102,7 @@ class HeadSession:
         return Request(list(prompt), self.cfg.n_predict if n_predict is None else n_predict,
                        self.cfg.sampling if sampling is None else sampling, prompt_text, chat, on_tokens, should_stop,
                        done, on_progress=on_progress, replay=list(replay), decoding=decoding or Decoding(),
-                       on_logprobs=on_logprobs)
+                       on_logprobs=on_logprobs, cache_prompt=cache_prompt)
 
     def generate(self, prompt: list[int], **request) -> Stats:
         """One generation to its end (keyword arguments as `request`); its tokens are in `last_tokens`."""

@@ -181,7 +181,7 @@ def _load_stage(config: Config, comm, plan: _LayerPlan) -> _Stage:
     """This rank's stage engine, the generation settings resolved on every stage, the links between them."""
     rank, size = comm.Get_rank(), comm.Get_size()
     topo = Topology(rank, size, tuple(plan.ranges))
-    n_lanes = lane_count(config.parallel)
+    n_lanes = lane_count(config.parallel, config.cache_prompt)
     if config.mode == "iterative":
         n_part, n_seq_max = 0, lane_seq_max(0, 1, n_lanes)
     else:
@@ -250,7 +250,7 @@ def _open_head(config: Config, ranks: _Ranks, plan: _LayerPlan, stage: _Stage) -
     pipe = Pipeline(stage.topo, stage.engine, embedder=embedder, transport=stage.transport, limits=stage.limits)
     pool = None
     if cfg.mode != "iterative":
-        pool = PartitionPool(stage.n_part, cfg.cut.max_branches, stage.n_seq_max, lane_count(config.parallel))
+        pool = PartitionPool(stage.n_part, cfg.cut.max_branches, stage.n_seq_max, lane_count(config.parallel, config.cache_prompt))
     drafter_for, beside = _head_drafter(config, ranks, plan, stage)
     tok = Tokenizer(config.model)
     eos = set() if not cfg.stop_at_eos else {t for t in tok.eos}

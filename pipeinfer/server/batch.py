@@ -3,12 +3,13 @@ at once (ranks/scheduler.py; --parallel, default 2 per stage), one JSON line per
 --results row per prompt.
 
 FILE has one prompt per line, or JSON lines: {"prompt": "...", "n_predict": 64, "seed": 1, "temp": 0.7,
-"chat": false, "replay": [token ids]} (every key but "prompt" optional; the command line's values are the
+"chat": false, "replay": [token ids], "cache_prompt": false} (every key but "prompt" optional; the command line's values are the
 defaults; "replay": tokens the answer already has, e.g. from an interrupted run: they are decoded after the
 prompt as they were first generated, and the answer goes on exactly as the uninterrupted one would, for
-n_predict more tokens). Blank lines are
-skipped. Answers print as they finish: {"index", "prompt", "text", "tokens", "n_generated", "finish", "ttft_s",
-"tokens_per_s", "queue_s"}, index counting the file's prompts from 0.
+n_predict more tokens; "cache_prompt": false: the prompt neither starts from nor stays in the prompt cache, where
+prompts with a common head otherwise compute it once). Blank lines are skipped. Answers print as they finish:
+{"index", "prompt", "text", "tokens", "n_generated", "finish", "ttft_s", "tokens_per_s", "queue_s", "n_cached"},
+index counting the file's prompts from 0, n_cached the prompt tokens taken from the cache.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class BatchPrompt:
     n_predict: int
     sampling: SamplingParams
     replay: tuple[int, ...] = ()
+    cache_prompt: bool = True
 
 
 def read_batch(path: str, *, chat: bool, n_predict: int, sampling: SamplingParams) -> list[BatchPrompt]:
@@ -57,7 +59,10 @@ def read_batch(path: str, *, chat: bool, n_predict: int, sampling: SamplingParam
             replay = tuple(int(t) for t in obj.get("replay", ()))
             if n < 1 or sp.temp < 0 or not 0 < sp.top_p <= 1 or any(t < 0 for t in replay):
                 raise ValueError("n_predict >= 1, temp >= 0, 0 < top_p <= 1 and token ids >= 0")
-            out.append(BatchPrompt(len(out), text, bool(obj.get("chat", chat)), n, sp, replay))
+            cache = obj.get("cache_prompt", True)
+            if not isinstance(cache, bool):
+                raise ValueError("'cache_prompt' must be true or false")
+            out.append(BatchPrompt(len(out), text, bool(obj.get("chat", chat)), n, sp, replay, cache))
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"--prompts {path}, line {no}: not a prompt ({type(e).__name__}: {e})") from None
     if not out:
@@ -69,7 +74,7 @@ def answer_line(p: BatchPrompt, text: str, tokens: list[int], finish: str, stats
     """The JSON line of one answer (module docstring)."""
     return json.dumps({"index": p.index, "prompt": p.text, "text": text, "tokens": tokens, "n_generated": len(tokens),
                        "finish": finish, "ttft_s": round(stats.ttft_s, 4),
-                       "tokens_per_s": round(stats.gen_tokens_per_s, 3), "queue_s": round(stats.t_queue_s, 3), **more})
+                       "tokens_per_s": round(stats.gen_tokens_per_s, 3), "queue_s": round(stats.t_queue_s, 3), "n_cached": stats.n_cached, **more})
 
 
 def run_batch(args, stop, results_row, write_row) -> None:
@@ -108,7 +113,7 @@ def run_batch(args, stop, results_row, write_row) -> None:
                     write_row(args.results, results_row(config, session.ranges, f"{name}:{p.index}", stats))
             sched.submit(session.request(ids, n_predict=p.n_predict, sampling=p.sampling, prompt_text=p.text,
                                          chat=p.chat, should_stop=lambda: stop.requested, on_done=done,
-                                         replay=list(p.replay)))
+                                         replay=list(p.replay), cache_prompt=p.cache_prompt))
         sched.run()
     finally:
         session.close()
@@ -117,4 +122,5 @@ def run_batch(args, stop, results_row, write_row) -> None:
         st = sched.stats
         print(f"[pipeinfer] {len(prompts)} prompts, {session.parallel} at once: {n_tokens} tokens in {wall_s:.1f} s, "
               f"{n_tokens / wall_s:.2f} tokens/s; at most {st.max_active} generating, {st.waits_for_cells} rounds "
-              f"waiting for KV cells, {st.n_compactions} compactions", file=sys.stderr)
+              f"waiting for KV cells, {st.n_compactions} compactions"
+              + (f", {sched.cache.n_tokens_reused} prompt tokens from the cache" if sched.cache else ""), file=sys.stderr)
