@@ -1,6 +1,8 @@
 """Fakes shared by the HTTP API tests: a byte tokenizer with a Hermes-style Jinja chat template, and a head
 session whose scheduler answers what the prompt's last "say:" asks for (then ends, as at an end-of-generation
-token), a few tokens per step; plus the app served by uvicorn on a free port in a thread (for the real SDKs)."""
+token), a few tokens per step (with `prompt_cache`, a prompt cache's arithmetic: a request with cache_prompt takes
+the longest head it shares with an earlier such request's prompt, all of it but its last token); plus the app
+served by uvicorn on a free port in a thread (for the real SDKs)."""
 from __future__ import annotations
 
 import socket
@@ -56,11 +58,31 @@ def scripted_answer(prompt_text: str) -> str:
     return rest if end < 0 else rest[:end]
 
 
+def _shared(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 class ScriptedScheduler:
-    def __init__(self):
+    N_CELLS = 2048
+
+    def __init__(self, prompt_cache: bool = False):
         self.running: list[tuple[Request, list[int]]] = []
         self.waiting: list = []
         self.made: dict[int, int] = {}   # id(request) -> tokens made so far
+        self.cache: list[list[int]] | None = [] if prompt_cache else None  # the prompts finished requests left
+        self.cached: dict[int, int] = {}  # id(request) -> its prompt tokens taken from the cache
+        self.hits = self.reused = 0
+
+    def cache_load(self) -> dict:
+        """Scheduler.cache_load's keys."""
+        entries = self.cache or []
+        held = sum(map(len, entries)) + sum(len(req.prompt) + self.made.get(id(req), 0) for req, _ in self.running)
+        return {"enabled": self.cache is not None, "entries": len(entries), "tokens": sum(map(len, entries)),
+                "hits": self.hits, "tokens_reused": self.reused, "cells_used": min(held, self.N_CELLS),
+                "cells": self.N_CELLS}
 
     @property
     def busy(self) -> bool:
@@ -68,6 +90,11 @@ class ScriptedScheduler:
 
     def submit(self, req: Request) -> None:
         script = list(scripted_answer(ByteTokenizer().decode(req.prompt)).encode())
+        if self.cache is not None and req.cache_prompt:
+            n = min(max((_shared(p, req.prompt) for p in self.cache), default=0), len(req.prompt) - 1)
+            if n > 0:
+                self.cached[id(req)] = n
+                self.hits, self.reused = self.hits + 1, self.reused + n
         self.running.append((req, script))
 
     def step(self) -> None:
@@ -76,7 +103,10 @@ class ScriptedScheduler:
             if req.should_stop() or done >= min(req.n_predict, len(script)):
                 self.running.remove((req, script))
                 self.made.pop(id(req), None)
-                req.on_done(script[:done], Stats(n_prompt=len(req.prompt), n_generated=done))
+                if self.cache is not None and req.cache_prompt:
+                    self.cache.append(list(req.prompt))
+                req.on_done(script[:done], Stats(n_prompt=len(req.prompt), n_generated=done,
+                                                 n_cached=self.cached.pop(id(req), 0)))
                 continue
             tokens = script[done:min(req.n_predict, len(script), done + 1 + done % 3)]
             self.made[id(req)] = done + len(tokens)
@@ -87,33 +117,38 @@ class ScriptedScheduler:
 class ScriptedSession:
     parallel = 4
 
-    def __init__(self):
-        self.tok, self.sched, self.requests = ByteTokenizer(), ScriptedScheduler(), []
+    def __init__(self, prompt_cache: bool = False):
+        self.tok, self.sched, self.requests = ByteTokenizer(), ScriptedScheduler(prompt_cache), []
 
     def scheduler(self) -> ScriptedScheduler:
         return self.sched
 
     def load(self) -> dict:
-        return {"generating": len(self.sched.running), "waiting": 0}
+        cache_load = getattr(self.sched, "cache_load", None)
+        return {"generating": len(self.sched.running), "waiting": 0,
+                **({"prompt_cache": cache_load()} if cache_load else {})}
 
     def request(self, prompt, *, n_predict, sampling, prompt_text, chat, on_tokens, should_stop, on_done,
-                decoding=None, on_logprobs=None) -> Request:
+                decoding=None, on_logprobs=None, cache_prompt=True) -> Request:
         self.requests.append(Request(list(prompt), n_predict, sampling, prompt_text, chat, on_tokens, should_stop,
-                                     on_done, decoding=decoding or Decoding(), on_logprobs=on_logprobs))
+                                     on_done, decoding=decoding or Decoding(), on_logprobs=on_logprobs,
+                                     cache_prompt=cache_prompt))
         return self.requests[-1]
 
 
 @contextmanager
-def serving(app, sndbuf: int | None = None, **config):
+def serving(app, sndbuf: int | None = None, servers: list | None = None, **config):
     """The app on a free port of 127.0.0.1 (uvicorn in a thread); yields its base URL (https with ssl_certfile).
     `config`: more of uvicorn.Config's; `sndbuf`: the send buffer of every connection (a small one: a client that
-    stops reading blocks the server's writes soon)."""
+    stops reading blocks the server's writes soon); `servers`: the uvicorn.Server is appended to it."""
     import uvicorn
     sock = socket.socket()
     if sndbuf:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)  # accepted sockets inherit it
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **config))
+    if servers is not None:
+        servers.append(server)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -180,7 +215,7 @@ class CountingSession(ScriptedSession):
 
 
 @contextmanager
-def scripted_server(n_ctx: int, default_max: int):
+def scripted_server(n_ctx: int, default_max: int, prompt_cache: bool = False):
     """The real app and generation thread over a ScriptedSession on a port, with the real `openai` and `anthropic`
     clients pointed at it: (session, url, http, oai, claude)."""
     from types import SimpleNamespace
@@ -190,7 +225,7 @@ def scripted_server(n_ctx: int, default_max: int):
     import openai
 
     from pipeinfer.server.app import Generator, ServeConfig, create_app
-    session = ScriptedSession()
+    session = ScriptedSession(prompt_cache)
     gen = Generator(session, max_queue=16, log=lambda _msg: None)
     gen.start()
     app = create_app(ServeConfig("fake", n_ctx, 4, default_max), gen, session.tok, simple_template)

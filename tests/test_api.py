@@ -172,7 +172,8 @@ def test_a_completion_and_its_job(api):
     assert r["object"] == "text_completion" and r["id"].startswith("cmpl-") and r["model"] == "fake"
     assert r["choices"] == [{"index": 0, "text": answer_text(ids("ba ki"), GREEDY, 9), "finish_reason": "length",
                              "logprobs": None}]
-    assert r["usage"] == {"prompt_tokens": 6, "completion_tokens": 9, "total_tokens": 15}
+    assert r["usage"] == {"prompt_tokens": 6, "completion_tokens": 9, "total_tokens": 15,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
     (req,) = api.session.requests
     assert (req.prompt, req.n_predict, req.sampling, req.prompt_text, req.chat) == (ids("ba ki"), 9, GREEDY,
                                                                                       "ba ki", False)
@@ -212,7 +213,8 @@ def test_a_list_of_prompts_is_one_choice_each_never_joined(api):
     assert [c["index"] for c in r["choices"]] == [0, 1, 2]
     assert [c["text"] for c in r["choices"]] == [answer_text(ids(p), GREEDY, 6) for p in ("ba", "ki lo", "x")]
     assert sorted(q.prompt for q in api.session.requests) == sorted(ids(p) for p in ("ba", "ki lo", "x"))
-    assert r["usage"] == {"prompt_tokens": 3 + 6 + 2, "completion_tokens": 18, "total_tokens": 29}
+    assert r["usage"] == {"prompt_tokens": 3 + 6 + 2, "completion_tokens": 18, "total_tokens": 29,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_token_id_prompts(api):
@@ -241,7 +243,8 @@ def test_n_choices_each_with_its_seed(api):
     for j, c in enumerate(r["choices"]):
         assert c["text"] == answer_text(ids("ba"), SamplingParams(1.0, 0, 1.0, 5 + j), 8)
     assert len({c["text"] for c in r["choices"]}) == 3
-    assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 24, "total_tokens": 27}  # the prompt once
+    assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 24, "total_tokens": 27,  # the prompt once
+                          "prompt_tokens_details": {"cached_tokens": 0}}
     assert sorted(q.sampling.seed for q in api.session.requests) == [5, 6, 7]
     single = complete(api, prompt="ba", max_tokens=8, temperature=1.0, seed=6)
     assert single["choices"][0]["text"] == r["choices"][1]["text"]

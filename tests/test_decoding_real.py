@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from helpers import MPIEXEC, ROOT, real_model
+from pipeinfer.core.config import PROMPT_CHUNK
 
 pytestmark = [pytest.mark.real, pytest.mark.mpi, pytest.mark.slow]  # 4-8 min: the 1.5B model on 2 cores, 5 jobs
 
@@ -199,7 +200,8 @@ def test_logprobs_equal_llama_cpp_pythons_own(answers):
     from pipeinfer.engine.kernels import UNUSED_EXTRA_BUFFERS, drop_extra_buffer_types
     model, requests, by_mode = answers
     drop_extra_buffer_types(UNUSED_EXTRA_BUFFERS)
-    llm = Llama(model, n_ctx=1024, n_threads=1, n_batch=512, flash_attn=True, verbose=False)
+    llm = Llama(model, n_ctx=1024, n_threads=1, n_batch=PROMPT_CHUNK, n_ubatch=PROMPT_CHUNK, flash_attn=True,
+                verbose=False)  # the prompt in pipeinfer's chunks
     for req, ans in list(zip(requests, by_mode["one process"]))[:2]:
         prompt, tokens = req["prompt"], ans["tokens"][:12]
         llm.reset()

@@ -44,11 +44,16 @@ def _with_hand_read_bodies(raw: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def served_app():
+    from pipeinfer.engine import grammar
     session = ScriptedSession()
     gen = Generator(session, max_queue=64, log=lambda _msg: None)
     gen.start()
     app = create_app(ServeConfig("fake", 512, 4, 16), gen, session.tok, simple_template)
-    yield app
+    with pytest.MonkeyPatch.context() as mp:
+        # the fake tokenizer has no llama.cpp vocabulary: a constraint compiles without llguidance's tokenizer (as
+        # test_api.py's no_lltokenizer), not a 500 of the fake's own
+        mp.setattr(grammar, "lltokenizer", lambda tok: None)
+        yield app
     gen.stop()
 
 

@@ -4,6 +4,7 @@ with a self-signed certificate, the body and concurrency limits in each API's er
 reading, and the options of `serve`."""
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import ssl
@@ -281,41 +282,88 @@ def test_requests_beyond_max_connections_get_503_with_retry_after():
         gen.stop()
 
 
+def _stuck_client(url: str, max_tokens: int) -> socket.socket:
+    """A raw socket (a small receive buffer) that asks for a long stream and reads nothing."""
+    stuck = socket.socket()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stuck.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+    body = json.dumps(chat("never read", max_tokens, stream=True)).encode()
+    stuck.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return stuck
+
+
+def _until(condition, what: str, timeout_s: float = 60.0) -> None:
+    """Wait for `condition()` (a generous bound: only a hang fails, never a slow machine)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def _writes_wait(server) -> bool:
+    """Whether uvicorn holds back a response's writes: a client took nothing until every buffer filled (the socket's
+    and the transport's, past its high-water mark)."""
+    return any(getattr(getattr(c, "flow", None), "write_paused", False) for c in server.server_state.connections)
+
+
 def test_a_client_that_stops_reading_stalls_no_one_and_is_dropped():
-    """A raw socket asks for a long stream and reads nothing (small buffers on both ends): another request is
-    answered meanwhile, and once its writes have waited for the stalled-client timeout the server drops it and
-    cancels its generation."""
+    """A raw socket asks for a long stream and reads nothing (small buffers on both ends). Once the server's writes
+    to it wait, another request is answered while the stalled one is still held and generating; the stalled one
+    is cancelled when its client goes. With a stalled-client timeout, the server drops such a client once its
+    writes have waited that long (not before), and cancels its generation. No step is timed against the machine's
+    speed: each waits for its condition (the stalled stream makes at most ~1000 tokens a second, far from its
+    100_000, whatever the bound). The garbage collector is off: a generation stops because the server stops it,
+    not because the abandoned stream happened to be collected."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        _no_one_waits_for_a_stalled_client()
+        _a_stalled_client_is_dropped()
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _no_one_waits_for_a_stalled_client() -> None:
+    """Its timeout far away: the stalled client is still held when the other is answered."""
+    import httpx2 as httpx
+    session = CountingSession(step_s=0.002)
+    app, gen = make_app(session, Access(stalled_client_timeout_s=600.0), n_ctx=200_000)
+    servers: list = []
+    try:
+        with serving(app, sndbuf=4096, servers=servers) as url, httpx.Client(base_url=url, timeout=60) as c:
+            stuck = _stuck_client(url, 100_000)
+            _until(lambda: session.requests, "the stalled request never reached the scheduler")
+            stalled = session.requests[0]
+            _until(lambda: _writes_wait(servers[0]), "the server's writes to the stalled client never waited")
+            r = c.post("/v1/chat/completions", json=chat("meanwhile", 8))
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "abcdefgh", r.text
+            assert not stalled.should_stop() and any(e[0] is stalled for e in session.sched.running)
+            assert _writes_wait(servers[0])  # the stalled client is still held
+            stuck.close()  # it goes: its generation stops
+            _until(stalled.should_stop, "the generation of a client that went away was not cancelled")
+            _until(lambda: not session.sched.running, "the cancelled generation did not end")
+    finally:
+        gen.stop()
+
+
+def _a_stalled_client_is_dropped() -> None:
+    """Stalled for the timeout: dropped, and its generation cancelled (and counted so)."""
+    import httpx2 as httpx
+    cancelled = ("pipeinfer:request_success_total", frozenset({("finished_reason", "cancelled")}))
     session = CountingSession(step_s=0.002)
     app, gen = make_app(session, Access(stalled_client_timeout_s=1.5), n_ctx=200_000)
-    import httpx2 as httpx
     try:
-        with serving(app, sndbuf=4096) as url, httpx.Client(base_url=url, timeout=30) as c:
-            port = int(url.rsplit(":", 1)[1])
-            stuck = socket.socket()
-            stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            stuck.connect(("127.0.0.1", port))
-            body = json.dumps(chat("never read", 100_000, stream=True)).encode()
-            stuck.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-            deadline = time.monotonic() + 10
-            while not session.requests:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            stalled = session.requests[0]
+        with serving(app, sndbuf=4096) as url, httpx.Client(base_url=url, timeout=60) as c:
             t0 = time.monotonic()
-            r = c.post("/v1/chat/completions", json=chat("meanwhile", 8))
-            assert r.status_code == 200 and time.monotonic() - t0 < 5
-            deadline = time.monotonic() + 30
-            while not stalled.should_stop():  # the stream abandoned: its job cancelled
-                assert time.monotonic() < deadline, "the stalled stream was never dropped"
-                time.sleep(0.05)
-            deadline = time.monotonic() + 10
-            while session.sched.running:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            m = metrics_of(c.get("/metrics").text)
-            assert m[("pipeinfer:request_success_total", frozenset({("finished_reason", "cancelled")}))] == 1
-            assert m[("pipeinfer:generation_tokens_total", frozenset())] < 100_000 + 8
+            stuck = _stuck_client(url, 100_000)
+            _until(lambda: session.requests, "the stalled request never reached the scheduler")
+            stalled = session.requests[0]
+            _until(stalled.should_stop, "the stalled stream was never dropped")
+            assert time.monotonic() - t0 >= 1.5  # not before its writes waited for the timeout
+            _until(lambda: metrics_of(c.get("/metrics").text).get(cancelled) == 1, "the cancel was not counted")
+            assert metrics_of(c.get("/metrics").text)[("pipeinfer:generation_tokens_total", frozenset())] < 100_000
             stuck.close()
             assert c.post("/v1/chat/completions", json=chat("after", 4)).status_code == 200
     finally:

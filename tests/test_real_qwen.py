@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from helpers import mpirun, real_model
+from pipeinfer.core.config import PROMPT_CHUNK
 
 pytestmark = [pytest.mark.real, pytest.mark.mpi]
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,8 +54,9 @@ def prompt_tokens(qwen, name):
 def greedy_reference(qwen, prompt, n=256):
     import llama_cpp
     # pipeinfer's default numerics (kernels.py): llama.cpp's repacked weights, with flash attention
-    llm = llama_cpp.Llama(model_path=qwen, n_ctx=1024, n_batch=512, n_threads=1, n_threads_batch=1,
-                          flash_attn=True, verbose=False)  # 1 thread, like each stage in these tests
+    # the prompt in pipeinfer's chunks; 1 thread, like each stage in these tests
+    llm = llama_cpp.Llama(model_path=qwen, n_ctx=1024, n_batch=PROMPT_CHUNK, n_ubatch=PROMPT_CHUNK, n_threads=1,
+                          n_threads_batch=1, flash_attn=True, verbose=False)
     assert llm.model_params.use_extra_bufts, "the reference uses llama.cpp's repacked weights, as pipeinfer does"
     llm.eval(prompt)
     out, gaps = [], []

@@ -166,6 +166,34 @@ def test_a_rank_lost_during_the_prompt(models, tmp_path):
     assert code == 0 and "Traceback" not in srv.text(), srv.text()[-3000:]
 
 
+def test_a_rank_lost_with_prompts_in_the_cache(models, tmp_path):
+    """Turn 1 leaves its prompt in the cache; turn 2 starts from it and a rank is killed mid-answer: the re-formed
+    job starts with an empty cache, the resumed answer is turn 2's cold answer, and asking again (now from the
+    re-formed job's cache) gives it again."""
+    turn1 = "ba ki lo ki " * 12
+    first = reference(models["q8"], 30, "--prompt-chunk", "8", prompt=turn1)
+    turn2 = turn1 + first + " lo lo ki ba"
+    cold = reference(models["q8"], 400, "--prompt-chunk", "8", "--cache-prompt", "off", prompt=turn2)
+    srv = supervised(["--np", "3", "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048", "--prompt-chunk", "8",
+                      "--stall-timeout", "3"], tmp_path / "sup.log")
+    try:
+        assert universal_newlines(srv.stream({"model": "t-q8", "prompt": turn1, "max_tokens": 30})) == first
+        killed = threading.Event()
+
+        def on_piece(k: int) -> None:
+            if k == 20 and not killed.is_set():
+                killed.set()
+                os.kill(srv.job_ranks()[1], signal.SIGKILL)
+        body = {"model": "t-q8", "prompt": turn2, "max_tokens": 400}
+        assert universal_newlines(srv.stream(body, on_piece)) == cold
+        assert killed.is_set()
+        srv.wait_for_log(r"request\(s\) resumed")
+        assert universal_newlines(srv.stream(body)) == cold
+    finally:
+        code = srv.stop()
+    assert code == 0 and "Traceback" not in srv.text(), srv.text()[-3000:]
+
+
 @pytest.mark.parametrize("lost", ["slot", "draft host"])
 def test_rejoin_takes_a_lost_host_back_while_idle(models, refs, tmp_path, lost):
     """--rejoin: rank 2 killed mid-answer (a target slot of 3, or the draft host's rank, role=draft): the job

@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 
+from pipeinfer.core.config import PROMPT_CHUNK
 from pipeinfer.drafters.drafter import Cutoffs
 from pipeinfer.ranks.head import GenConfig
 from pipeinfer.core.protocol import HEADER_LEN, Batch, kv_ops
@@ -19,7 +20,12 @@ def test_iterative_is_stages_times_cost_plus_links(n_stages):
     # one token per pass: N stage decodes and N link hops (the last one back to the head)
     res = simulate(equal_stages(n_stages, ms=10.0, latency_s=1e-3), gen("iterative"))
     assert res.stats.itl_s == pytest.approx(n_stages * (0.010 + 1e-3), rel=1e-9)
-    assert res.stats.n_runs == 64  # the prompt's run gives the first token, then one run per token
+    # the 64-token prompt is 2 chunks (63 + 1, GenConfig.prompt_chunk), the last one gives the first token, then
+    # one run per token
+    assert PROMPT_CHUNK == 63 and res.stats.n_runs == 2 + 63
+    # the chunks flow through the stages one behind the other: (2 + N - 1) stage costs and N link hops
+    prompt_s = res.stats.t_prompt_done_s - res.stats.t_start_s
+    assert prompt_s == pytest.approx((2 + n_stages - 1) * 0.010 + n_stages * 1e-3, rel=1e-9)
 
 
 def test_bandwidth_adds_each_message_transfer_time():

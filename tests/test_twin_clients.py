@@ -1,9 +1,13 @@
 """The twin serving many clients with the real scheduler (twin/sim.py simulate_clients, ranks/scheduler.py):
 each request answered from its own reference, throughput near the stages' limit once every stage has a
 generation, one client as fast as simulate()'s PipeInfer, Poisson arrivals, and `pipeinfer plan --clients`."""
+from dataclasses import replace
+
 import pytest
 
 from twin_cases import equal_stages, gen, hand_profile
+
+from pipeinfer.core.kvplan import garbage_seq, lane_count, lane_seq_max
 
 from pipeinfer.twin import sim
 from pipeinfer.twin.cluster import Link
@@ -17,14 +21,47 @@ def uniform(n_stages: int = 4):
     return equal_stages(n_stages, ms=10.0, latency_s=1e-4, bandwidth_Bps=125e6, draft_ms=1.0)
 
 
+@pytest.mark.parametrize("cache_prompt", [False, True])
 @pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])
-def test_answers_equal_their_references_under_concurrency(mode):
-    # low agreement: cancellations, several generations at once and compactions, each answer checked inside
-    res = simulate_clients(uniform(3), gen(mode, 40, 2, None), n_clients=5, n_requests=9, n_prompt=12,
-                           n_parallel=3, agreement=0.5, seed=4)
-    assert [r.n_tokens for r in res.requests] == [40] * 9
+def test_answers_equal_their_references_under_concurrency(mode, cache_prompt):
+    # low agreement: cancellations, several generations at once and compactions, each answer checked inside. A
+    # finished generation's slot is clean again only after a COMPACT (these 12-token prompts leave no cache entry):
+    # one request more than the scheduler's slots (2 x 3, and 16 more with the prompt cache) needs one
+    n_requests = lane_count(3, cache_prompt) + 1
+    res = simulate_clients(uniform(3), replace(gen(mode, 40, 2, None), cache_prompt=cache_prompt), n_clients=5,
+                           n_requests=n_requests, n_prompt=12, n_parallel=3, agreement=0.5, seed=4)
+    assert [r.n_tokens for r in res.requests] == [40] * n_requests
     assert res.sched.max_active == 3 and res.sched.n_compactions > 0
     assert res.sched.n_lends > 0 if mode == "pipeinfer" else res.sched.n_lends == 0
+    if mode == "iterative":   # as many requests as slots: none waits for a compaction
+        fits = simulate_clients(uniform(3), replace(gen(mode, 40, 2, None), cache_prompt=cache_prompt), n_clients=5,
+                                n_requests=n_requests - 1, n_prompt=12, n_parallel=3, agreement=0.5, seed=4)
+        assert fits.sched.n_compactions == 0
+
+
+@pytest.mark.parametrize("cache_prompt", [False, True])
+@pytest.mark.parametrize("n_parallel", [1, 3])
+@pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])
+def test_the_twin_plans_the_sequences_of_the_schedulers_slots(monkeypatch, mode, n_parallel, cache_prompt):
+    """The partition pool is planned for the scheduler's slots (lane_count(n_parallel, cache_prompt), as startup.py
+    plans a real context): the garbage sequence is the context's last id, after every slot's canonical one."""
+    made = []
+
+    class Recording(sim.Scheduler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+    monkeypatch.setattr(sim, "Scheduler", Recording)
+    g = replace(gen(mode, 8, 2, None), cache_prompt=cache_prompt)
+    simulate_clients(uniform(2), g, n_clients=1, n_requests=1, n_prompt=8, n_parallel=n_parallel)
+    if n_parallel == 1:
+        simulate(uniform(2), g, n_prompt=8)
+    for sched in made:
+        assert sched.n_lanes == lane_count(n_parallel, cache_prompt)
+        if mode == "pipeinfer":
+            n_part = sched.pool.n_partitions
+            assert sched.pool.garbage_seq == garbage_seq(lane_seq_max(n_part, sched.cfg.cut.max_branches, sched.n_lanes))
+            assert sched.pool.garbage_seq > max(sched._canon)
 
 
 def test_a_run_answered_from_another_generation_is_caught(monkeypatch):

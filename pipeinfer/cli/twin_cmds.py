@@ -6,7 +6,9 @@ simulate: one generation of the real Head scheduler on a cluster described by a 
 plan:     searches layer split, draft placement, micro-batch cap and -pr on a profile's cluster for the
           fastest simulated configuration, and prints the `pipeinfer launch` line that runs it beside the
           predicted tokens/s of iterative, speculative and pipeinfer; with --clients N, the throughput and
-          latency of a server under N closed-loop clients instead, for three schedules.
+          latency of a server under N closed-loop clients instead, for three schedules; with --conversations N,
+          N multi-turn chats (--turns, --user-tokens, --think-s) with the prompt cache off and on, and the time
+          to first token of turns 2+.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from ..drafters.drafter import Cutoffs
 from ..twin.plan import (
     Shape,
     build_cluster,
+    chat_load,
+    chat_table,
     launch_line,
     load_profile,
     load_table,
@@ -174,13 +178,32 @@ def simulate_cmd(**kw) -> None:
                    "fraction of the stages' limit) with --parallel 1 PipeInfer, interleaving and the default")
 @click.option("--parallel", default=None, type=click.IntRange(1),
               help="with --clients: generations at once [default: 2 per stage, as serve]")
-@click.option("--n-prompt", default=64, show_default=True, type=click.IntRange(1), help="with --clients: prompt tokens")
+@click.option("--n-prompt", default=64, show_default=True, type=click.IntRange(1),
+              help="with --clients: prompt tokens; with --conversations: the first turn's")
+@click.option("--conversations", default=None, type=click.IntRange(1),
+              help="instead of the search: this many multi-turn chats at once (a client each, waiting for every answer "
+                   "before its next turn), served with the prompt cache off and on; -n is each answer's tokens")
+@click.option("--turns", default=4, show_default=True, type=click.IntRange(1),
+              help="with --conversations: turns of each; a turn's prompt is the one before, its answer and a new message")
+@click.option("--user-tokens", default=32, show_default=True, type=click.IntRange(0),
+              help="with --conversations: tokens of each new user message")
+@click.option("--think-s", default=0.0, show_default=True, type=click.FloatRange(0),
+              help="with --conversations: seconds a client waits after an answer before its next turn")
+@click.option("--n-ctx", default=None, type=click.IntRange(1),
+              help="with --conversations: the context's cells [default: room for every slot's longest turn]")
 def plan_cmd(profile_path: str, agreement: float | None, propose: float, n_predict: int, draft_host: bool,
-             hostfile: str, clients: int | None, parallel: int | None, n_prompt: int) -> None:
+             hostfile: str, clients: int | None, parallel: int | None, n_prompt: int, conversations: int | None,
+             turns: int, user_tokens: int, think_s: float, n_ctx: int | None) -> None:
     """Search the fastest configuration for a profiled cluster and print the command that runs it."""
     prof = load_profile(profile_path)
     limit = int(prof.get("exact_batch", 3))
     confidence = (prof.get("draft") or {}).get("confidence") if agreement is None else None
+    if clients is not None and conversations is not None:
+        raise click.UsageError("--clients or --conversations, not both (each conversation is a client)")
+    if conversations is not None:
+        _plan_chat(prof, conversations, turns, user_tokens, n_prompt, parallel or default_parallel(len(prof["ranks"])),
+                   n_predict, 0.7 if agreement is None else agreement, propose, confidence, draft_host, think_s, n_ctx)
+        return
     if clients is not None:
         _plan_clients(prof, clients, parallel or default_parallel(len(prof["ranks"])), n_predict, n_prompt,
                       0.7 if agreement is None else agreement, propose, confidence, draft_host)
@@ -224,6 +247,26 @@ def _plan_clients(prof: dict, clients: int, parallel: int, n_predict: int, n_pro
                f"of {n_prompt} + {n_predict} tokens ({time.perf_counter() - t0:.1f} s of simulation)")
     click.echo(f"the stages' limit: {res.limit_tokens_per_s:.2f} tokens/s (every stage busy with single-token decodes)")
     click.echo(load_table(rows))
+
+
+def _plan_chat(prof: dict, conversations: int, turns: int, user_tokens: int, n_first: int, parallel: int,
+               n_predict: int, agreement: float, propose: float, confidence: list | None, draft_host: bool,
+               think_s: float, n_ctx: int | None) -> None:
+    """plan --conversations: interleaving and the default schedule, each with the prompt cache off and on."""
+    t0 = time.perf_counter()
+    try:
+        rows = chat_load(prof, n_conversations=conversations, n_turns=turns, n_user=user_tokens, n_first=n_first,
+                         n_parallel=parallel, n_predict=n_predict, agreement=agreement, propose=propose,
+                         confidence=confidence, think_s=think_s, draft_on="own" if draft_host else "head", n_ctx=n_ctx)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    draft = (f"the profiled draft's measured confidence ({len(confidence)} positions)" if confidence else
+             f"agreement {agreement:g}, proposing at {propose:g} of calls")
+    last = n_first + (turns - 1) * (n_predict + user_tokens)
+    click.echo(f"plan: {len(prof['ranks'])} ranks, {draft}; {conversations} conversations of {turns} turns ({n_first} "
+               f"prompt tokens first, then each answer of {n_predict} and {user_tokens} new tokens: {last} in the last "
+               f"turn's prompt; {think_s:g} s to think) ({time.perf_counter() - t0:.1f} s of simulation)")
+    click.echo(chat_table(rows))
 
 
 @click.command("profile")

@@ -69,7 +69,7 @@ def plan_partitions(max_branches: int, max_in_flight: int, n_seq_max: int = 256,
     return n_part, lane_seq_max(n_part, max_branches, n_lanes)
 
 
-CACHE_ENTRIES = 8  # finished prompts kept at most (prefixcache.py); each holds a generation slot
+CACHE_ENTRIES = 32  # finished prompts kept at most (prefixcache.py; the cells bound them too); each holds a slot
 
 
 def lane_count(n_parallel: int, cache_prompt: bool = False) -> int:

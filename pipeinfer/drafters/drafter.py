@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..core.config import DRAFT_HEAD_AUTO  # noqa: F401 (declared with the options)
+from ..core.config import DRAFT_HEAD_AUTO, PROMPT_CHUNK  # noqa: F401 (DRAFT_HEAD_AUTO: declared with the options)
 from ..core.protocol import Batch, cp, kv_ops, rm
 from ..engine.kernels import DEFAULT_KERNELS, exact_batch_limit
 
@@ -147,11 +147,16 @@ class ModelDrafter:
             return self._out[n]
         c = min(c, n - 1)  # the last context token is re-decoded to get its logits
         self._truncate(c)
-        todo = context[c:]
-        for start in range(0, len(todo), self.engine.n_batch):
-            chunk = todo[start:start + self.engine.n_batch]
-            self._record(chunk, self._decode(Batch.chain(chunk, c + start, last_only=True)))
+        # chunks at the positions the target's prompt chunks take (0, C, 2C, ...): a draft that is the target
+        # itself then holds the target's own bits and agrees with it at every near tie
+        size = min(self.engine.n_batch, PROMPT_CHUNK)
+        start = c
+        while start < n:
+            end = min(n, (start // size + 1) * size)
+            chunk = context[start:end]
+            self._record(chunk, self._decode(Batch.chain(chunk, start, last_only=True)))
             self.n_decodes += 1
+            start = end
         return self._out[n]
 
     def step(self, n: int, token: int) -> np.ndarray:

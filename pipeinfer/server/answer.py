@@ -144,4 +144,5 @@ class Answer:
         if (meter := getattr(job, "meter", None)) is not None:
             meter.on_done(job, stats, finish)
         job.push(("done", {"finish_reason": finish, "prompt_tokens": len(job.prompt_tokens),
-                           "completion_tokens": stats.n_generated, "stats": stats}))
+                           "completion_tokens": stats.n_generated,
+                           "cached_tokens": min(stats.n_cached, len(job.prompt_tokens)), "stats": stats}))

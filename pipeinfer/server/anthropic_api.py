@@ -26,6 +26,9 @@ here (not by FastAPI) so that a malformed one is not answered in OpenAI's shape.
     tools, tool_choice      client tools {name, description, input_schema}; auto / any / tool / none
                             (any and tool constrain the answer to a call; disable_parallel_tool_use: one call
                             at most); server tools refused
+    cache_prompt            llama-server's, as on the chat route (false: the prompt neither starts from the
+                            prompt cache nor stays in it); usage.cache_read_input_tokens: the prompt tokens taken
+                            from it, input_tokens the rest (Anthropic's split)
     metadata, thinking, service_tier, container, mcp_servers ...  ignored
 """
 from __future__ import annotations
@@ -36,10 +39,10 @@ import uuid
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .jobs import RequestError, ServeConfig, check_model
+from .jobs import JobStream, RequestError, ServeConfig, check_model
 from .tools import (CallArgs, CallEnd, CallFailed, CallStart, Text, ToolError, from_anthropic_messages,
                     from_anthropic_tools, new_call_id)
 from .turn import Block, Conversation, Outcome, Turn, arguments_object, fold, render
@@ -99,6 +102,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     stream: bool = False
+    cache_prompt: bool | None = Field(default=None, strict=True)  # llama-server's (None: true)
 
 
 BLOCKS = ("text", "tool_use", "tool_result")
@@ -166,6 +170,12 @@ def _stop_reason(o: Outcome) -> str:
     return STOP_REASONS.get(o.finish, "end_turn")
 
 
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
+    """Anthropic's usage: input_tokens are the prompt's tokens not read from the cache (cache_read_input_tokens)."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached_tokens}
+
+
 def _block(b: Block) -> dict:
     if b.kind == "text":
         return {"type": "text", "text": b.text}
@@ -176,10 +186,11 @@ class MessageReply:
     def __init__(self, model_id: str, turn: Turn):
         self.id, self.model_id, self.turn = "msg_" + uuid.uuid4().hex[:24], model_id, turn
 
-    def message(self, content: list, stop_reason, stop_sequence, input_tokens: int, output_tokens: int) -> dict:
+    def message(self, content: list, stop_reason, stop_sequence, input_tokens: int, output_tokens: int,
+                cached_tokens: int = 0) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model_id, "content": content,
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
+                "usage": usage(input_tokens, output_tokens, cached_tokens)}
 
     async def whole(self):
         folded = await fold(self.turn.events())
@@ -187,7 +198,7 @@ class MessageReply:
         if o is None:
             return JSONResponse({}, status_code=499)
         return self.message([_block(b) for b in folded.blocks], _stop_reason(o), o.stop_sequence,
-                            o.prompt_tokens, o.completion_tokens)
+                            o.prompt_tokens, o.completion_tokens, o.cached_tokens)
 
     async def stream(self):
         n_prompt = len(self.turn.prompt.tokens)
@@ -231,8 +242,8 @@ class MessageReply:
                     out.append(sse("message_delta", {"type": "message_delta",
                                                      "delta": {"stop_reason": _stop_reason(e),
                                                                "stop_sequence": e.stop_sequence},
-                                                     "usage": {"input_tokens": e.prompt_tokens,
-                                                               "output_tokens": e.completion_tokens}}))
+                                                     "usage": usage(e.prompt_tokens, e.completion_tokens,
+                                                                    e.cached_tokens)}))
                     out.append(sse("message_stop", {"type": "message_stop"}))
                 for chunk in out:
                     yield chunk
@@ -260,11 +271,12 @@ def register_anthropic(app: FastAPI, cfg: ServeConfig, generator, tokenizer, app
             check_model(cfg, req.model)
             turn = Turn(cfg, tokenizer, apply_chat_template, conversation(req), max_tokens=req.max_tokens,
                         max_tokens_param="max_tokens", temperature=req.temperature, top_p=req.top_p,
-                        top_k=req.top_k, stops=req.stop_sequences or [], call_id=lambda: new_call_id("toolu_"))
+                        top_k=req.top_k, stops=req.stop_sequences or [], call_id=lambda: new_call_id("toolu_"),
+                        cache_prompt=req.cache_prompt is not False)
             await turn.start(generator, request)
             reply = MessageReply(cfg.model_id, turn)
             if req.stream:
-                return StreamingResponse(reply.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+                return JobStream(reply.stream(), [turn.job], headers=SSE_HEADERS)
             return await reply.whole()
         return await guarded(work)
 

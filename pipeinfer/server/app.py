@@ -14,8 +14,10 @@ generation thread (generator.py) owns the pipeline and runs queued jobs first co
 request's handler through an asyncio queue (answer.py). A client that disconnects (or a stop string that matches)
 sets the job's stop flag: the head stops launching, cancels its runs in flight through the pipeline's
 cancellation, and collects them, so no run or KV cell is left behind; each generation starts from an empty KV
-cache on every stage (ranks/startup.HeadSession), so no request sees another's state. The other ranks serve the
-pipeline as they do for `generate`.
+cache on every stage (ranks/startup.HeadSession), or, with the prompt cache (--cache-prompt, and the request's
+`cache_prompt`, llama-server's field), from the cells of an earlier prompt's head it shares: the same tokens,
+never another request's answer. /health shows the cache (`prompt_cache`). The other ranks serve the pipeline as
+they do for `generate`.
 
 Modules, downward: jobs.py (requests as jobs, their events) <- answer.py (a job's text and log-probabilities on
 the way out) <- generator.py (the generation thread) <- turn.py (a conversation with tools: its prompt, the tool

@@ -4,6 +4,8 @@ scheduler fed by the supervisor over a local Unix socket instead of by HTTP.
 The messages each way are link.py's (one JSON line each; the HTTP front end, the text, the stop strings and every
 request's state stay in the supervisor, which outlives this MPI job): rank 0 says Ready when it attaches, takes
 Job, Cancel and Stop, and answers each job with Tokens as they come and Done (or JobError where it refuses it).
+Ready and every Done carry the prompt cache's numbers (session.load()["prompt_cache"]) for the supervisor's
+/health and /metrics.
 """
 from __future__ import annotations
 
@@ -42,18 +44,25 @@ def run_attached(session, path: str, stop) -> None:
         ranks_at, mem = session.live.hosts, session.live.mem_available
     else:
         ranks_at, mem = [(host_name(), os.getpid())], [available_memory()]
-    link.send(Ready(len(session.ranges), session.parallel, list(ranks_at), list(mem),
-                    [(r.start, r.end) for r in session.ranges], getattr(session, "threads", None)))
     sched = session.scheduler()
+    link.send(Ready(len(session.ranges), session.parallel, list(ranks_at), list(mem),
+                    [(r.start, r.end) for r in session.ranges], getattr(session, "threads", None),
+                    _prompt_cache(session)))
     pump(sched, inbox, lambda msg: _submit(session, sched, link, msg, cancelled, stop),
          ends=lambda msg: msg is None or isinstance(msg, Stop), stop_requested=lambda: stop.requested)
+
+
+def _prompt_cache(session) -> dict | None:
+    """The prompt cache's numbers now (None where the session does not say them)."""
+    load = getattr(session, "load", None)
+    return load().get("prompt_cache") if callable(load) else None
 
 
 def _submit(session, sched, link: Link, msg: Job, cancelled: set, stop) -> None:
     jid = msg.id
 
     def done(tokens: list[int], stats) -> None:
-        link.send(Done(jid, stats.to_dict()))
+        link.send(Done(jid, stats.to_dict(), _prompt_cache(session)))
     pending: list = []  # the log-probabilities of the tokens about to be sent (on_logprobs comes just before)
 
     def on_tokens(tokens: list[int]) -> None:
@@ -62,7 +71,8 @@ def _submit(session, sched, link: Link, msg: Job, cancelled: set, stop) -> None:
     req = session.request(msg.prompt, n_predict=msg.n_predict, sampling=SamplingParams(*msg.sampling),
                           prompt_text=msg.prompt_text, chat=msg.chat, on_tokens=on_tokens,
                           should_stop=lambda: jid in cancelled or stop.requested, on_done=done,
-                          replay=msg.replay, decoding=Decoding.from_dict(msg.decoding), on_logprobs=pending.extend)
+                          replay=msg.replay, decoding=Decoding.from_dict(msg.decoding), on_logprobs=pending.extend,
+                          **({} if msg.cache_prompt else {"cache_prompt": False}))
     try:
         sched.submit(req)
     except ValueError as e:

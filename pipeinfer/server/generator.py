@@ -80,7 +80,7 @@ class Generator:
         req = self.session.request(job.prompt_tokens, n_predict=job.n_predict, sampling=job.sampling,
                                    prompt_text=job.prompt_text, chat=job.chat, on_tokens=ans.on_tokens,
                                    should_stop=ans.should_stop, on_done=done, decoding=job.decoding,
-                                   on_logprobs=ans.on_logprobs)
+                                   on_logprobs=ans.on_logprobs, cache_prompt=job.cache_prompt)
         req.t_queued_s = job.t_queued_s
         try:
             sched.submit(req)

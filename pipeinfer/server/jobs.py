@@ -9,11 +9,13 @@ them into one Choice each for a whole answer. The events, the same for every API
     ("text", str, list[dict] | None)  a piece of the answer, with the log-probabilities of the tokens whose text
                                       it completes (answer.py: OpenAI's chat entries {token, logprob, bytes,
                                       top_logprobs}); None: not asked for
-    ("done", {"finish_reason", "prompt_tokens", "completion_tokens", "stats"})
+    ("done", {"finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "stats"})
+                                      cached_tokens: the prompt's tokens taken from the prompt cache
     ("error", message)                the generation failed (every other choice of the request is cancelled)
 
 A Job carries plain data only (token ids, SamplingParams, stop strings, Decoding) besides its event queue and
-cancel flag: a supervised server sends it to rank 0 over a socket (link.py).
+cancel flag: a supervised server sends it to rank 0 over a socket (link.py). A streamed answer goes out as a
+`JobStream`, which cancels its jobs however the response ends.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+
+from fastapi.responses import StreamingResponse
 
 from ..core.decoding import Constraint, Decoding
 from ..core.verify import SamplingParams
@@ -75,6 +79,7 @@ class Settings:
     stops: tuple[str, ...] = ()
     decoding: Decoding = Decoding()
     n: int = 1                      # choices per prompt
+    cache_prompt: bool = True       # llama-server's: start from the prompt cache, and leave the prompt in it
 
 
 def new_request_id() -> str:
@@ -93,6 +98,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     decoding: Decoding = Decoding()
     index: int = 0                  # the choice it answers
+    cache_prompt: bool = True       # false: neither starts from the prompt cache nor leaves its prompt in it
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # (index, event), shared by a request's jobs
     cancelled: threading.Event = field(default_factory=threading.Event)
     request_id: str = field(default_factory=new_request_id)
@@ -149,7 +155,7 @@ def make_jobs(cfg: ServeConfig, prompts: list[Prompt], s: Settings, request_id: 
             k = i * s.n + j
             sampling = SamplingParams(temp=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed + j)
             jobs.append(Job(list(p.tokens), n_predict, sampling, list(s.stops), p.text, p.chat, loop,
-                            decoding=s.decoding, index=k,
+                            decoding=s.decoding, index=k, cache_prompt=s.cache_prompt,
                             request_id=request_id if len(prompts) * s.n == 1 else f"{request_id}-{k}"))
     for job in jobs[1:]:
         job.events = jobs[0].events
@@ -209,6 +215,23 @@ def submit_all(generator, jobs: list[Job], request):
     return events()
 
 
+class JobStream(StreamingResponse):
+    """A request's server-sent events whose jobs are cancelled once the response ends, however it ends. A client
+    that stops reading is given up inside `send` (access.Gate): the events' generators, idle at a yield then, are
+    not closed by it, and would stop their generations only when the garbage collector finds them."""
+
+    def __init__(self, content, jobs: list[Job], headers: dict | None = None):
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.jobs = list(jobs)
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for job in self.jobs:
+                job.cancelled.set()  # harmless once done
+
+
 def submit(generator, job: Job, request):
     """One job's events (submit_all's, without the index)."""
     merged = submit_all(generator, [job], request)
@@ -226,6 +249,7 @@ class Choice:
     logprobs: list[dict] = field(default_factory=list)  # answer.py's entries (none when not asked for)
     finish_reason: str | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0          # of the prompt's tokens, taken from the prompt cache
 
 
 async def collect(events, n_choices: int) -> list[Choice] | None:
@@ -242,5 +266,6 @@ async def collect(events, n_choices: int) -> list[Choice] | None:
             raise RequestError(500, ev[1], code="pipeline_failed")
         else:
             c.finish_reason, c.completion_tokens = ev[1]["finish_reason"], ev[1]["completion_tokens"]
+            c.cached_tokens = ev[1].get("cached_tokens", 0)
             n_done += 1
     return choices if n_done == n_choices else None

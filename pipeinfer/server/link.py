@@ -47,6 +47,7 @@ class Job:
     prompt_text: str | None = None           # for the drafters that read text
     chat: bool = False
     decoding: dict | None = None             # core.decoding.Decoding.to_dict(): constraint, biases, log-probabilities
+    cache_prompt: bool = True                # false: the prompt neither starts from the prompt cache nor stays in it
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Ready:
     mem_available: list[int]
     layers: list[tuple[int, int]] | None = None  # each target rank's layer range [start, end) (the web page)
     threads: list[int] | None = None             # each target rank's --threads (the web page)
+    prompt_cache: dict | None = None             # the scheduler's prompt cache and cells (Scheduler.cache_load)
 
 
 @dataclass(frozen=True)
@@ -98,10 +100,12 @@ class Tokens:
 
 @dataclass(frozen=True)
 class Done:
-    """A request finished: its statistics (core.metrics.Stats.to_dict)."""
+    """A request finished: its statistics (core.metrics.Stats.to_dict), and the prompt cache as it left it (/health
+    of the supervisor: Scheduler.cache_load)."""
     op: ClassVar[str] = "done"
     id: int
     stats: dict
+    prompt_cache: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,10 @@ Where the numbers come from, at no cost per token:
   tokens and acceptance, runs and cancelled runs, time to first token, inter-token latency, end to end;
 - each HTTP answer's route and status, counted by access.Gate (requests, errors, refusals);
 - at scrape time, what /health reads (generator.load(): generating, queued, runs in flight, KV partitions; the
-  supervisor's re-forms and lost hosts) and the stages (rank, host, layers) where rank 0 knows them. No MPI message
-  is added: the stages' own counters reach rank 0 only when the pipeline shuts down.
+  prompt cache's entries, tokens, hits and tokens reused and the KV cells in use, `prompt_cache`: a supervised
+  server's as rank 0 last reported them; the supervisor's re-forms and lost hosts) and the stages (rank, host,
+  layers) where rank 0 knows them. No MPI message is added: the stages' own counters reach rank 0 only when the
+  pipeline shuts down.
 
 Latencies follow vLLM: time_to_first_token_seconds from the request's arrival (its wait for admission + the
 prompt) to its first token; inter_token_latency_seconds one observation per request, its mean gap between tokens
@@ -37,6 +39,8 @@ class ServerMetrics:
         self.generator = generator
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished generations", registry=r)
+        self.cached_tokens = Counter(P + "prompt_tokens_cached", "Prompt tokens of finished generations taken "
+                                     "from the prompt cache (not computed again)", registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated", registry=r)
         self.requests = Counter(P + "requests", "HTTP requests answered, by route and status", ["route", "status"],
                                 registry=r)
@@ -77,6 +81,7 @@ class ServerMetrics:
     def job_done(self, job, stats, finish: str) -> None:
         """One finished generation (the generation thread; counters only)."""
         self.prompt_tokens.inc(len(job.prompt_tokens))
+        self.cached_tokens.inc(min(getattr(stats, "n_cached", 0), len(job.prompt_tokens)))
         self.generation_tokens.inc(stats.n_generated)
         self.finished.labels(finish).inc()
         if stats.n_drafted:
@@ -129,6 +134,7 @@ class _Now:
         used = (load["partitions"] - load["partitions_free"]) if load.get("partitions") else None
         yield _gauge("kv_partitions_used", "KV-cache partitions held by generations", used)
         yield _gauge("kv_partitions", "KV-cache partitions in all", load.get("partitions") or None)
+        yield from _prompt_cache(load.get("prompt_cache"))
         if "reforms" in load:  # the supervisor
             reforms = CounterMetricFamily(P + "reforms", "Times the supervised pipeline was re-formed")
             reforms.add_metric([], load["reforms"])
@@ -146,6 +152,24 @@ def _gauge(name: str, doc: str, value):
     if value is not None:
         family.add_metric([], value)
     return family
+
+
+def _prompt_cache(cache: dict | None):
+    """The prompt cache and the KV cells (Scheduler.cache_load), as /health has them (no samples without)."""
+    c = cache if isinstance(cache, dict) else {}
+    yield _gauge("prompt_cache_entries", "Prompts the prompt cache holds", c.get("entries"))
+    yield _gauge("prompt_cache_tokens", "Tokens the prompt cache holds", c.get("tokens"))
+    yield _gauge("kv_cells_used", "KV cells held: generations, the prompt cache, and cells not yet reclaimed",
+                 c.get("cells_used"))
+    yield _gauge("kv_cells", "KV cells in all (the context size)", c.get("cells"))
+    for name, key, doc in (("prompt_cache_hits", "hits", "Requests that started from the prompt cache"),
+                           ("prompt_cache_tokens_reused", "tokens_reused",
+                            "Prompt tokens taken from the prompt cache (counted at admission; a supervised "
+                            "pipeline's since its rank 0 last started)")):
+        family = CounterMetricFamily(P + name, doc)
+        if c.get(key) is not None:
+            family.add_metric([], c[key])
+        yield family
 
 
 def _stages(g) -> list[tuple[int, str, int]]:

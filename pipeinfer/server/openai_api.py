@@ -43,8 +43,11 @@ Every field, and what the server does with it (C: chat, T: completions; llama-se
                                        calls (llguidance grammar, tools.tool_constraint)
     parallel_tool_calls (C)            false: one call at most (required: the grammar; auto: the generation
                                        stops after the first call)
+    cache_prompt (L)                   true (the default; null too): the prompt starts from what the prompt
+                                       cache holds of it and stays there for later requests; false: neither
+                                       (usage.prompt_tokens_details.cached_tokens: the tokens taken from it)
     functions, function_call           (deprecated) ignored
-    anything else                      ignored (user, metadata, store, service_tier, min_p, cache_prompt, ...)
+    anything else                      ignored (user, metadata, store, service_tier, min_p, ...)
 
 A malformed field is a 400 naming it, before anything reaches the ranks; at most one constraint per request.
 No body field is a union (beyond None): pydantic would name the union's member in the error's location, so such
@@ -107,6 +110,7 @@ class Common(Body):
     response_format: ResponseFormat | None = None
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
+    cache_prompt: bool | None = Field(default=None, strict=True)  # None: true (a string or a number is a 400)
 
 
 class CompletionRequest(Common):
@@ -209,7 +213,7 @@ def settings_of(req: Common, constraint: Constraint | None, top_logprobs: int | 
     decoding = Decoding(constraint, logit_bias(req.logit_bias, tokenizer), req.frequency_penalty or 0.0,
                         req.presence_penalty or 0.0, top_logprobs)
     return Settings(max_tokens, max_tokens_param, req.temperature or 0.0, req.top_p or 1.0, req.top_k or 0,
-                    req.seed or 0, stops(req.stop), decoding, req.n)
+                    req.seed or 0, stops(req.stop), decoding, req.n, req.cache_prompt is not False)
 
 
 # ------------------------------------------------------------------------------------ prompts

@@ -8,7 +8,8 @@ function: {arguments: fragment}}], turn.py parsing the text; a call that breaks 
 content), a chunk with each choice's finish reason, the usage when stream_options.include_usage asks (after every
 choice finished), then `data: [DONE]`. A failed generation ends the stream with an error object instead. Usage
 counts each prompt's tokens once and every choice's completion tokens (as OpenAI does with n and with a list of
-prompts).
+prompts); prompt_tokens_details.cached_tokens: the prompt tokens taken from the prompt cache (a prompt's fewest
+among its choices).
 
 Log-probabilities (answer.py's entries, OpenAI's chat shape) go out with the piece of text that completes their
 tokens: chat as `logprobs: {"content": [...], "refusal": null}`, completions in the legacy shape {tokens,
@@ -23,9 +24,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from .jobs import Job, Prompt, RequestError, collect, submit_all
+from .jobs import Job, JobStream, Prompt, RequestError, collect, submit_all
 from .tools import CallArgs, CallFailed, CallStart
 from .turn import CallParser, ParsedChoice, collect_parsed, parsed_events
 
@@ -115,9 +116,10 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,13 @@ class Reply:
     prompt_tokens: int = 0           # every prompt's tokens, each counted once
     logprobs: bool = False           # asked for: every choice carries "logprobs"
     tools: bool = False              # chat: the events are turn.parsed_events' (tool calls parsed)
+    per_prompt: int = 1              # choices per prompt (choice i answers prompt i // per_prompt)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def cached(self, per_choice: list[int]) -> int:
+        """The prompt tokens taken from the prompt cache: each prompt's fewest among its choices."""
+        n = max(1, self.per_prompt)
+        return sum(min(per_choice[i:i + n]) for i in range(0, len(per_choice), n))
 
     def body(self, object_name: str, choices: list, **more) -> dict:
         return {"id": self.kind.id_prefix + self.request_id, "object": object_name, "created": self.created,
@@ -144,7 +152,7 @@ class Reply:
         if self.kind.opening is not None:
             for i in range(self.n_choices):
                 yield self.chunk(self.kind.opening(i))
-        offsets, completion = [0] * self.n_choices, 0
+        offsets, completion, cached = [0] * self.n_choices, 0, [0] * self.n_choices
         async for i, ev in events:
             if ev[0] == "text":
                 shaped = None
@@ -161,9 +169,11 @@ class Reply:
                 return
             else:
                 completion += ev[1]["completion_tokens"]
+                cached[i] = ev[1].get("cached_tokens", 0)
                 yield self.chunk(self.kind.piece(i, None, ev[1]["finish_reason"], None))
         if want_usage:
-            yield _sse(self.body(self.kind.chunk_object, [], usage=_usage(self.prompt_tokens, completion)))
+            yield _sse(self.body(self.kind.chunk_object, [],
+                                 usage=_usage(self.prompt_tokens, completion, self.cached(cached))))
         yield "data: [DONE]\n\n"
 
     async def whole(self, events):
@@ -178,7 +188,8 @@ class Reply:
             shaped = [self.kind.whole(i, c.text, c.finish_reason, self.kind.logprobs(c.logprobs, 0)
                                       if self.logprobs else None) for i, c in enumerate(choices)]
         return self.body(self.kind.object_name, shaped,
-                         usage=_usage(self.prompt_tokens, sum(c.completion_tokens for c in choices)))
+                         usage=_usage(self.prompt_tokens, sum(c.completion_tokens for c in choices),
+                                      self.cached([c.cached_tokens for c in choices])))
 
 
 async def respond(generator, kind: ReplyKind, model_id: str, stream: bool, want_usage: bool, prompts: list[Prompt],
@@ -189,11 +200,11 @@ async def respond(generator, kind: ReplyKind, model_id: str, stream: bool, want_
     parsers = [parser() for _ in jobs] if parser is not None else []
     tools = bool(parsers) and parsers[0] is not None
     reply = Reply(kind, request_id, model_id, len(jobs), sum(len(p.tokens) for p in prompts),
-                  jobs[0].decoding.top_logprobs is not None, tools)
+                  jobs[0].decoding.top_logprobs is not None, tools, len(jobs) // max(1, len(prompts)))
     events = submit_all(generator, jobs, request)
     if tools:
         events = parsed_events(events, parsers, jobs)
     if stream:
-        return StreamingResponse(reply.stream(events, want_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return JobStream(reply.stream(events, want_usage), jobs,
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await reply.whole(events)

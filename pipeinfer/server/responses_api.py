@@ -17,6 +17,9 @@ job, stop and tool-call parsing) is turn.Turn's; errors are OpenAI's shape (jobs
                             tool_choice auto / none / required / {type: function, name}; other tool types refused
     text.format             text | json_object | json_schema {name, schema, strict}: the chat route's constraint
     previous_response_id, conversation, background   refused (400): nothing is stored
+    cache_prompt            llama-server's, as on the chat route (false: the prompt neither starts from the
+                            prompt cache nor stays in it); usage.input_tokens_details.cached_tokens: the prompt
+                            tokens taken from it
     store, metadata, include, reasoning, user, truncation, service_tier ...  ignored
 """
 from __future__ import annotations
@@ -27,11 +30,11 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .anthropic_api import SSE_HEADERS, read_body, sse, validation_error
-from .jobs import RequestError, ServeConfig, bad, check_model
+from .jobs import JobStream, RequestError, ServeConfig, bad, check_model
 from .openai_api import Common, ResponseFormat, constraint_of
 from .tools import CallArgs, CallEnd, CallFailed, CallStart, Text, ToolError, check_tools
 from .turn import Block, Conversation, Outcome, Turn, fold
@@ -53,6 +56,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     conversation: Any = None
     background: bool | None = None
+    cache_prompt: bool | None = Field(default=None, strict=True)  # llama-server's (None: true)
 
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -182,7 +186,8 @@ class ResponseReply:
         if outcome is not None:
             usage = {"input_tokens": outcome.prompt_tokens, "output_tokens": outcome.completion_tokens,
                      "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
-                     "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+                     "input_tokens_details": {"cached_tokens": outcome.cached_tokens},
+                     "output_tokens_details": {"reasoning_tokens": 0}}
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         fmt = (self.req.text or {}).get("format") if isinstance(self.req.text, dict) else None
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
@@ -304,7 +309,7 @@ def register_responses(app: FastAPI, cfg: ServeConfig, generator, tokenizer, app
             check_model(cfg, req.model)
             turn = Turn(cfg, tokenizer, apply_chat_template, _conversation(req), max_tokens=req.max_output_tokens,
                         max_tokens_param="max_output_tokens", temperature=req.temperature, top_p=req.top_p,
-                        top_k=None, stops=[])
+                        top_k=None, stops=[], cache_prompt=req.cache_prompt is not False)
             await turn.start(generator, request)
         except RequestError as e:
             headers = {"Retry-After": "1"} if e.status == 503 else None
@@ -315,7 +320,7 @@ def register_responses(app: FastAPI, cfg: ServeConfig, generator, tokenizer, app
             return JSONResponse(err.body(), status_code=500)
         reply = ResponseReply(cfg.model_id, req, turn)
         if req.stream:
-            return StreamingResponse(reply.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+            return JobStream(reply.stream(), [turn.job], headers=SSE_HEADERS)
         try:
             return await reply.whole()
         except RequestError as e:

@@ -19,8 +19,9 @@ class StdoutJob:
     """server.Job's shape for the supervisor: the text goes to stdout as it comes (or, with --json, at the end)."""
 
     def __init__(self, prompt_tokens: list[int], n_predict: int, sampling, prompt_text: str, chat: bool,
-                 as_json: bool):
+                 as_json: bool, cache_prompt: bool = True):
         self.prompt_tokens, self.n_predict, self.sampling = prompt_tokens, n_predict, sampling
+        self.cache_prompt = cache_prompt  # false: neither starts from the prompt cache nor stays in it
         self.prompt_text, self.chat, self.stops, self.as_json = prompt_text, chat, [], as_json
         self.request_id = uuid.uuid4().hex[:24]
         self.t_queued_s = time.perf_counter()
@@ -117,7 +118,7 @@ def batch_supervised(args, where, stop, results_row, write_row) -> None:
                         "replays what it streamed itself)")
     tok = Tokenizer(args.config.model)
     jobs = [StdoutJob(tok.encode(apply_chat(tok, p.text) if p.chat else p.text), p.n_predict, p.sampling, p.text,
-                      p.chat, as_json=True) for p in prompts]
+                      p.chat, as_json=True, cache_prompt=p.cache_prompt) for p in prompts]
     prompt_of = {id(job): p for p, job in zip(prompts, jobs)}
     name = Path(args.prompts).stem
 

@@ -231,7 +231,7 @@ class ClusterState:
             "cluster": cluster, "n_ranks": n_ranks, "lost": lost, "reforms": getattr(gen, "n_reforms", 0),
             "load": {"queued": load.get("queued"), "generating": load.get("generating"),
                      "runs_in_flight": load.get("runs_in_flight"), "partitions_free": load.get("partitions_free"),
-                     "partitions": load.get("partitions")},
+                     "partitions": load.get("partitions"), "prompt_cache": load.get("prompt_cache")},
             "activity": self.meter.snapshot(),
             "events": list(self.events)[::-1],
             "busy": None, "busy_note": BUSY_NOTE,

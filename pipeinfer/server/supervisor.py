@@ -234,6 +234,7 @@ class Supervisor:
         self._pids: list[int] = []  # the current job's ranks' pids (rank 0 reports them when it attaches)
         self._host_mem: dict[str, int] = {}  # host -> available bytes its ranks reported when a job last started
         self.ready: link.Ready | None = None  # the current (or last) job's rank 0 said so when it attached
+        self.prompt_cache: dict | None = None  # rank 0's prompt cache, as its Ready or its last Done said it
         self.config, self.tok = config, tok   # core/config.Config of the first job (the user's, the hosts' settings)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.on_done = on_done
@@ -352,6 +353,7 @@ class Supervisor:
             raise UserError(f"the pipeline's rank 0 did not attach: {why or _last_error(self._job_log())}")
         conn.settimeout(None)
         self.parallel, self.ready = ready.parallel, ready
+        self.prompt_cache = ready.prompt_cache  # a new job: its own (empty) cache
         self._pids = [pid for _host, pid in ready.ranks_at]  # each rank's pid, rank 0 first
         self._host_mem.update(zip(self._job_hosts(), ready.mem_available))
         with self._lock:
@@ -537,6 +539,8 @@ class Supervisor:
                 rec.answer.on_logprobs(logprobs)
             rec.answer.on_tokens(msg.tokens)
         elif isinstance(msg, link.Done):
+            if msg.prompt_cache is not None:
+                self.prompt_cache = msg.prompt_cache
             stats = Stats.from_dict(msg.stats)
             stats.n_generated = len(rec.tokens)  # this job's and the earlier jobs' tokens
             with self._lock:
@@ -615,7 +619,8 @@ class Supervisor:
         decoding = getattr(job, "decoding", None)
         self._send(link.Job(rec.jid, job.prompt_tokens, rec.tokens, max(1, left),
                             (sp.temp, sp.top_k, sp.top_p, sp.seed), job.prompt_text, job.chat,
-                            decoding.to_dict() if decoding is not None else None))
+                            decoding.to_dict() if decoding is not None else None,
+                            getattr(job, "cache_prompt", True)))
 
     def _send(self, msg) -> bool:
         """Whether `msg` went to the attached rank 0. Not while none is (between jobs: _attach sends every record
@@ -649,6 +654,8 @@ class Supervisor:
         if self.draft_host is not None:  # serving the draft, or lost (the draft beside rank 0)
             serving = self._draft_host_serving
             out["draft_host"] = serving.name if serving else None
+        if self.prompt_cache is not None:  # rank 0's, as of its last Done (or its Ready)
+            out["prompt_cache"] = dict(self.prompt_cache)
         return out
 
     def stop(self) -> None:

@@ -143,6 +143,7 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int
     stop_sequence: str | None = None
+    cached_tokens: int = 0          # of the prompt's tokens, taken from the prompt cache
 
 
 class Turn:
@@ -152,7 +153,8 @@ class Turn:
 
     def __init__(self, cfg: ServeConfig, tokenizer, apply_chat_template, conv: Conversation, *,
                  max_tokens: int | None, max_tokens_param: str, temperature: float | None, top_p: float | None,
-                 top_k: int | None, stops: list[str], call_id: Callable[[], str] = new_call_id):
+                 top_k: int | None, stops: list[str], call_id: Callable[[], str] = new_call_id,
+                 cache_prompt: bool = True):
         self.cfg, self.tokenizer, self.conv = cfg, tokenizer, conv
         self.prompt = render(conv, tokenizer, apply_chat_template)
         self.stops = [s for s in stops if s]
@@ -161,7 +163,7 @@ class Turn:
         self.parser = fmt.parser(call_id)
         # stop sequences are matched here (not by the job), so the reply can name the one that matched
         self.settings = Settings(max_tokens, max_tokens_param, temperature or 0.0, 1.0 if top_p is None else top_p,
-                                 top_k or 0, 0, (), Decoding(self.constraint), 1)
+                                 top_k or 0, 0, (), Decoding(self.constraint), 1, cache_prompt)
         self.request_id = new_request_id()
         self.job: Job | None = None
         self._events = None
@@ -202,7 +204,8 @@ class Turn:
                     finish = "stop_sequence"
                 elif self.parser is not None and self.parser.n_calls:
                     finish = "tool_calls"
-                yield Outcome(finish, info["prompt_tokens"], info["completion_tokens"], hit)
+                yield Outcome(finish, info["prompt_tokens"], info["completion_tokens"], hit,
+                              info.get("cached_tokens", 0))
                 return
 
 
@@ -299,6 +302,7 @@ class ParsedChoice:
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0           # of the prompt's tokens, taken from the prompt cache
 
 
 async def collect_parsed(events, n_choices: int) -> list[ParsedChoice] | None:
@@ -326,6 +330,7 @@ async def collect_parsed(events, n_choices: int) -> list[ParsedChoice] | None:
             raise RequestError(500, ev[1], code="pipeline_failed")
         else:
             c.finish_reason, c.completion_tokens = ev[1]["finish_reason"], ev[1]["completion_tokens"]
+            c.cached_tokens = ev[1].get("cached_tokens", 0)
             n_done += 1
     if n_done < n_choices:
         return None

@@ -11,18 +11,39 @@ from dataclasses import dataclass, field
 from ..core.topology import layer_ranges
 
 
+PROMPT_PROBE_ROWS = 64   # rows of the prompt-sized batch a profile times (profile.py N_PROMPT_PROBE)
+
+
 @dataclass
 class StageCost:
-    """One stage's decode time by batch size (ms). ms_by_batch[b - 1] for b = 1..len; larger batches
-    (prompt chunks) add prompt_ms_per_token per token beyond the table."""
+    """One stage's decode time (ms) by batch size, as a profile measures it (profile.py measure_stage):
+    ms_by_batch[b - 1] for b = 1..len, and prompt_ms_per_token, a PROMPT_PROBE_ROWS-row batch's time over its
+    rows. Between the table's last size and the probe the time is interpolated linearly (a prompt chunk of
+    config.PROMPT_CHUNK = 63 rows costs about what the probe measured); beyond the probe, prompt_ms_per_token
+    per row (the profile measures nothing larger; on a CPU a row of a large batch costs about the same).
+
+    The probe's rows are all outputs; a prompt chunk has at most one (its last row, in the prompt's last chunk),
+    and a last stage computes the output projection only for output rows (engine/stage.py). out_ms_per_row is
+    that projection's cost per row at prompt sizes (the layer model's share of prompt_ms_per_token; 0 on a stage
+    without the vocabulary): a row that is not an output does not pay it."""
     ms_by_batch: list[float]
     prompt_ms_per_token: float
+    out_ms_per_row: float = 0.0
 
-    def ms(self, n_tokens: int) -> float:
+    def ms(self, n_tokens: int, n_outputs: int | None = None) -> float:
+        """A batch of n_tokens rows, n_outputs of them outputs (None: all)."""
         b = len(self.ms_by_batch)
         if n_tokens <= b:
-            return self.ms_by_batch[max(0, n_tokens - 1)]
-        return self.ms_by_batch[-1] + (n_tokens - b) * self.prompt_ms_per_token
+            ms = self.ms_by_batch[max(0, n_tokens - 1)]
+        elif n_tokens >= PROMPT_PROBE_ROWS:
+            ms = n_tokens * self.prompt_ms_per_token
+        else:
+            top = self.ms_by_batch[-1]
+            ms = top + (n_tokens - b) / (PROMPT_PROBE_ROWS - b) * (PROMPT_PROBE_ROWS * self.prompt_ms_per_token - top)
+        ms = max(ms, self.ms_by_batch[-1] if n_tokens > b else 0.0)  # never cheaper than a smaller batch
+        if n_outputs is not None and n_tokens > b:
+            ms -= (n_tokens - min(n_outputs, n_tokens)) * self.out_ms_per_row
+        return max(0.0, ms)
 
 
 @dataclass
@@ -119,11 +140,18 @@ def speed_factor(lm: dict, rank: dict) -> float:
     return rank["ms_by_batch"][0] / modelled if modelled > 0 else 1.0
 
 
+def out_share(lm: dict, n_layers: int) -> float:
+    """The output projection's share of a last stage's prompt cost per row, by the layer model."""
+    out = lm["prompt_out_ms_per_token"]
+    total = lm["prompt_fixed_ms_per_token"] + n_layers * lm["prompt_layer_ms_per_token"] + out
+    return out / total if total > 0 else 0.0
+
+
 def stage_cost_from_model(lm: dict, n_layers: int, last: bool, factor: float = 1.0) -> StageCost:
     b = len(lm["layer_ms"])
     ms = [factor * layer_model_ms(lm, n_layers, last, n) for n in range(1, b + 1)]
     per_token = factor * (layer_model_ms(lm, n_layers, last, b + 1) - layer_model_ms(lm, n_layers, last, b))
-    return StageCost(ms, per_token)
+    return StageCost(ms, per_token, per_token * out_share(lm, n_layers) if last else 0.0)
 
 
 def profile_links(profile: dict, n_ranks: int, poll_s: float = 0.0005) -> list[Link]:
@@ -153,7 +181,9 @@ def cluster_from_profile(profile: dict, *, fractions: list[float] | None = None,
     ranks, lm = profile["ranks"], profile["layer_model"]
     n = len(ranks)
     if fractions is None:
-        stages = [StageCost(list(r["ms_by_batch"]), r["prompt_ms_per_token"]) for r in ranks]
+        stages = [StageCost(list(r["ms_by_batch"]), r["prompt_ms_per_token"],
+                            r["prompt_ms_per_token"] * out_share(lm, r["layers"][1] - r["layers"][0]) if r["last"] else 0.0)
+                  for r in ranks]
     else:
         ranges = layer_ranges(profile["model"]["n_layer"], fractions)
         stages = [stage_cost_from_model(lm, rr.n_layers, rr is ranges[-1], speed_factor(lm, r))

@@ -5,7 +5,9 @@ simulate: one generation of the real Head scheduler on a cluster described by a 
 plan:     searches layer split, draft placement, micro-batch cap and -pr on a profile's cluster
           for the fastest simulated configuration, and prints the `pipeinfer launch` line that runs it
           beside the predicted tokens/s of iterative, speculative and pipeinfer; with --clients, a server
-          under that load instead (serve_load: throughput and latency of three schedules).
+          under that load instead (serve_load: throughput and latency of three schedules); with
+          --conversations, multi-turn chat with the prompt cache off and on (chat_load).
+prompt_speedup: uncached prompt tokens/s of S stages against one process holding the whole model.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from .cluster import (
     speed_factor,
     stage_cost_from_model,
 )
-from .sim import ClientsResult, SimResult, simulate, simulate_clients
+from .sim import ClientsResult, PromptSpeed, SimResult, compare_prompt_cache, prompt_speed, simulate, simulate_clients
 
 PLAN_P_RECOVERY = (None, 0.1, 0.25, 0.5)   # None: auto (0.5 / (ranks - 1))
 PLAN_P_ACCEPT = (0.1, 0.3, 0.5, 0.7)
@@ -203,3 +205,63 @@ def load_table(rows: list[LoadRow]) -> str:
                      f"({100 * r.fraction_of_limit:5.1f}% of the limit)   latency p50 {r.p50_latency_s:7.2f} s, "
                      f"p95 {r.p95_latency_s:7.2f} s")
     return "\n".join(lines)
+
+
+# ==================================================================== plan --conversations: multi-turn chat
+@dataclass
+class ChatRow:
+    """One schedule of `pipeinfer serve` under a conversation workload, with the prompt cache off and on."""
+    label: str
+    mode: str
+    parallel: int
+    uncached: ClientsResult
+    cached: ClientsResult
+
+
+def chat_load(prof: dict, *, n_conversations: int, n_turns: int, n_user: int, n_first: int, n_parallel: int,
+              n_predict: int, agreement: float, propose: float = 1.0, confidence: list | None = None,
+              think_s: float = 0.0, base: GenConfig = GenConfig(stop_at_eos=False), draft_on: str = "head",
+              n_ctx: int | None = None) -> list[ChatRow]:
+    """`n_conversations` clients chatting for `n_turns` turns each (sim.simulate_conversations) on the profiled
+    cluster, served by interleaving (iterative) and the default (pipeinfer), each with the prompt cache off and on
+    in the same context (sim.compare_prompt_cache)."""
+    cluster = build_cluster(prof, Shape(draft_on=draft_on))
+    cap = int(prof.get("exact_batch", 3))
+    rows = []
+    for label, mode in (("interleaving", "iterative"), ("default", "pipeinfer")):
+        gen = replace(base, mode=mode, n_predict=n_predict, p_recovery=None if mode == "pipeinfer" else 0.0,
+                      cut=replace(base.cut, n_max=cap if mode == "pipeinfer" else 1))
+        cmp = compare_prompt_cache(cluster, gen, n_parallel=n_parallel, max_in_flight=max(8, cluster.n_ranks + 2),
+                                   n_ctx=n_ctx, n_conversations=n_conversations, n_turns=n_turns, n_user=n_user,
+                                   n_first=n_first, think_s=think_s, agreement=agreement, propose=propose,
+                                   confidence=confidence)
+        rows.append(ChatRow(label, mode, n_parallel, cmp.uncached, cmp.cached))
+    return rows
+
+
+def chat_table(rows: list[ChatRow]) -> str:
+    lines = []
+    for row in rows:
+        for cache, r in (("off", row.uncached), ("on", row.cached)):
+            lines.append(f"  {row.label:<13} --mode {row.mode:<9} --parallel {row.parallel:<3} --cache-prompt {cache:<3} "
+                         f"{r.tokens_per_s:8.2f} tokens/s   TTFT of turns 2+ p50 {r.later_ttft_pct_s(50):7.2f} s, "
+                         f"p95 {r.later_ttft_pct_s(95):7.2f} s, mean {r.later_ttft_mean_s:7.2f} s   "
+                         f"{100 * r.cached_share:4.1f}% of prompt tokens cached")
+    return "\n".join(lines)
+
+
+# ==================================================================== prompt processing: S stages against one
+def prompt_speedup(prof: dict, n_stages: int, n_prompt: int = 2000, shape: Shape | None = None,
+                   chunk: int | None = None) -> PromptSpeed:
+    """Uncached prompt tokens/s of `n_stages` hosts like the profile's rank 0 (the layer model split evenly, scaled
+    by `shape`: n_layer, layer_scale, out_scale, n_embd, link) against one such host holding the whole model, both
+    decoding the prompt in chunks of `chunk` tokens (None: GenConfig.prompt_chunk). S stages: the twin (chunks
+    flow through the stages one behind the other, the links carry each chunk's hidden states); one host: its
+    chunks one after another (sim.one_stage_prompt_s). On balanced stages the ratio is about
+    S x chunks / (chunks + S - 1), less what the links and the last stage's output projection add."""
+    if n_stages < 2:
+        raise ValueError("the twin simulates 2 or more stages")
+    shape = shape or Shape()
+    staged = build_cluster(prof, replace(shape, hosts=n_stages, fractions=None))
+    one = build_cluster(prof, replace(shape, hosts=1, fractions=None))
+    return prompt_speed(one, staged, n_prompt, chunk)

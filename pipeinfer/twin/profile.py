@@ -25,10 +25,11 @@ import numpy as np
 
 from ..core.kvplan import plan_partitions
 from ..core.config import DRAFT_HEAD_AUTO, Config
+from .cluster import PROMPT_PROBE_ROWS
 
 PROFILE_FORMAT = 1
 N_CTX_FILL = 128       # KV positions already filled when a decode is timed (a short prompt's worth)
-N_PROMPT_PROBE = 64    # tokens in the prompt-sized probe batch
+N_PROMPT_PROBE = PROMPT_PROBE_ROWS   # tokens in the prompt-sized probe batch (the twin interpolates to it)
 N_REPEAT = 5           # timings per batch size; the median is kept
 RUN_N_CTX, RUN_N_BATCH = 4096, 512   # engines are loaded as `pipeinfer generate` loads them by default
 

@@ -16,6 +16,12 @@ the cluster (cluster.py describes it) as a discrete-event simulation:
                     `draft_ms_per_token` on the head's clock, or on a draft host of its own that drafts
                     ahead along the chain and re-roots when the head's context leaves it
     the head        pays `head_overhead_ms` per launch and per result (its Python scheduling)
+    prompts         the real Head launches a prompt in runs of GenConfig.prompt_chunk tokens; each costs a stage
+                    StageCost.ms(rows, outputs) (cluster.py: what the profile measured for that many rows), and
+                    as each rank passes a chunk on and takes the next, chunks flow through the stages one behind
+                    the other: P tokens on S equal stages take about (ceil(P / C) + S - 1) chunk-times. A KV
+                    transaction costs KV_OP_MS, a run's prefix ops (the prompt cache's seq_cp) nothing; cells
+                    themselves are not modelled
 
 The target's token after every output row comes from a reference sequence, so verification, the
 cutoffs, multibuffering, cancellation and compaction all run the real code. The Head reads the
@@ -38,7 +44,7 @@ from ..ranks.head import GenConfig, auto_p_recovery
 from ..ranks.pipeline import Result
 from ..ranks.scheduler import Request, Scheduler, SchedulerStats
 from ..drafters.drafter import Cutoffs, DraftNode, ReplayDrafter
-from .cluster import Cluster
+from .cluster import Cluster, StageCost
 
 KV_OP_MS = 0.05      # a stage applying one KV transaction (seq_rm/cp: bookkeeping, no compute)
 
@@ -166,7 +172,7 @@ class SimPipeline:
                     self._forward(t_s, st, txn)
                     continue
                 st.current, st.t_start_s = txn, t_s
-                self._compute_starts(st.rank, self.c.stages[st.rank].ms(txn.n_tokens) / 1e3, t_s)
+                self._compute_starts(st.rank, self.c.stages[st.rank].ms(txn.n_tokens, txn.n_outputs) / 1e3, t_s)
             else:
                 st.current, st.t_start_s = txn, t_s
                 st.version += 1
@@ -283,7 +289,7 @@ class SimPipeline:
 
     def launch(self, run_id: int, batch: Batch, speculative: bool, parent_id: int = NO_RUN, rules=None) -> None:
         self._head_work(self.c.head_overhead_ms)
-        self._head_work(self.c.stages[0].ms(batch.n_tokens), compute=True)
+        self._head_work(self.c.stages[0].ms(batch.n_tokens, batch.n_outputs), compute=True)
         self.stages[0].trace.n_decoded += 1
         self.stages[0].trace.n_tokens += batch.n_tokens
         txn = Txn(Kind.DECODE, run_id, parent_id, speculative, batch.n_tokens, batch.n_outputs, batch.output_pos,
@@ -492,8 +498,9 @@ def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prom
     pipe = SimPipeline(cluster, ref, clock)
     pool = drafter = None
     if gen.mode != "iterative":
-        n_part, n_seq_max = plan_partitions(gen.cut.max_branches, max_in_flight)
-        pool = PartitionPool(n_part, gen.cut.max_branches, n_seq_max)
+        n_lanes = lane_count(1, gen.cache_prompt)   # the Scheduler's slots (sequence ids as startup.py plans them)
+        n_part, n_seq_max = plan_partitions(gen.cut.max_branches, max_in_flight, n_lanes=n_lanes)
+        pool = PartitionPool(n_part, gen.cut.max_branches, n_seq_max, n_lanes=n_lanes)
         drafter = _replay_drafter(ref, seed, SimDraftCost(cluster, clock, pipe), agreement, propose, confidence)
     sched = Scheduler(pipe, gen, n_stages=cluster.n_ranks, pool=pool, drafter_for=lambda *_: drafter, clock=clock)
     tokens, stats = sched.generate(Request(ref[:n_prompt], gen.n_predict, gen.sampling))
@@ -542,6 +549,8 @@ class RequestResult:
     t_done_s: float      # its last token
     t_queue_s: float     # waited for admission (a slot, or cells)
     n_tokens: int
+    n_prompt: int = 0    # its prompt's tokens ...
+    n_cached: int = 0    # ... of them taken from the prompt cache
 
     @property
     def latency_s(self) -> float:
@@ -559,6 +568,28 @@ class ClientsResult:
     limit_tokens_per_s: float                # throughput_limit(cluster)
     stages: list[dict] = field(default_factory=list)
     sched: SchedulerStats | None = None
+    n_turns: int = 1                         # conversations (simulate_conversations): turns of each, in order
+
+    @property
+    def later_turns(self) -> list[RequestResult]:
+        """The requests after each conversation's first turn (all but the first of every n_turns)."""
+        return [r for i, r in enumerate(self.requests) if i % self.n_turns]
+
+    def later_ttft_pct_s(self, q: float) -> float:
+        """A percentile of the time to first token of turns 2+ (nan with one turn each)."""
+        later = self.later_turns
+        return float(np.percentile([r.ttft_s for r in later], q)) if later else float("nan")
+
+    @property
+    def later_ttft_mean_s(self) -> float:
+        later = self.later_turns
+        return float(np.mean([r.ttft_s for r in later])) if later else float("nan")
+
+    @property
+    def cached_share(self) -> float:
+        """Prompt tokens taken from the prompt cache over all prompt tokens."""
+        total = sum(r.n_prompt for r in self.requests)
+        return sum(r.n_cached for r in self.requests) / total if total else 0.0
 
     @property
     def makespan_s(self) -> float:
@@ -589,33 +620,41 @@ class ClientsResult:
 
 
 class _Clients:
-    """simulate_clients' side of the server: the requests (each its own reference sequence), when each is sent,
-    the answers checked against their references. The scheduler hands a request's prompt to drafter_for and
-    the SimPipeline asks for a run's reference by run id; both find the request by its prompt (the very list
-    object it was sent with), so no reference is confused with another however the runs interleave."""
+    """The clients' side of the server: the requests (each its own reference sequence), when each is sent, the
+    answers checked against their references. The scheduler hands a request's prompt to drafter_for and the
+    SimPipeline asks for a run's reference by run id; both find the request by its prompt (the very list object
+    it was sent with), so no reference is confused with another however the runs interleave. Request i's prompt
+    is refs[i][:n_prompts[i]] and its answer the n_predict tokens after it. Several requests may share a
+    reference (the turns of one conversation: each turn's prompt extends the one before)."""
 
-    def __init__(self, n_requests: int, n_prompt: int, n_predict: int, seed: int, clock: VirtualClock):
-        self.refs = [reference_tokens(n_prompt, n_predict, seed + i) for i in range(n_requests)]
-        self.prompts = [ref[:n_prompt] for ref in self.refs]
+    def __init__(self, refs: list[list[int]], n_prompts: list[int], n_predict: int, clock: VirtualClock):
+        self.refs, self.n_prompts = refs, n_prompts
+        self.prompts = [ref[:n] for ref, n in zip(refs, n_prompts)]
         self.num_of = {id(p): i for i, p in enumerate(self.prompts)}
-        self.n_prompt, self.n_predict, self.seed, self.clock = n_prompt, n_predict, seed, clock
-        self.pending: deque[tuple[float, int]] = deque()   # (when sent, request number), in time order
+        self.n_predict, self.clock = n_predict, clock
+        self.pending: list[tuple[float, int]] = []   # (when sent, request number), a heap
         self.n_sent = 0
-        self.closed_loop = False
+        # closed loop: the request a client sends once request i's answer is complete (None: it stops), after
+        # think_s; None: open loop (every request is sent up front)
+        self.after: Callable[[int], int | None] | None = None
+        self.think_s = 0.0
         self.results: dict[int, RequestResult] = {}
 
-    def send(self, t_s: float) -> None:
-        if self.n_sent < len(self.refs):
-            self.pending.append((t_s, self.n_sent))
-            self.n_sent += 1
+    def send(self, t_s: float, i: int) -> None:
+        heapq.heappush(self.pending, (t_s, i))
+        self.n_sent += 1
 
     def request(self, i: int, t_s: float) -> Request:
+        n0 = self.n_prompts[i]
+
         def done(tokens: list[int], stats: Stats) -> None:
-            if tokens != self.refs[i][self.n_prompt:self.n_prompt + self.n_predict]:
+            if tokens != self.refs[i][n0:n0 + self.n_predict]:
                 raise RuntimeError(f"internal: the twin's answer to request {i} differs from its reference")
-            self.results[i] = RequestResult(t_s, stats.t_prompt_done_s, stats.t_last_s, stats.t_queue_s, len(tokens))
-            if self.closed_loop:   # the client sends its next request once this answer is complete
-                self.send(self.clock())
+            self.results[i] = RequestResult(t_s, stats.t_prompt_done_s, stats.t_last_s, stats.t_queue_s, len(tokens),
+                                            n0, stats.n_cached)
+            nxt = self.after(i) if self.after is not None else None
+            if nxt is not None:
+                self.send(self.clock() + self.think_s, nxt)
         return Request(self.prompts[i], self.n_predict, on_done=done, t_queued_s=t_s)
 
     def reference_of_prompt(self, prompt: list[int]) -> list[int]:
@@ -625,7 +664,7 @@ class _Clients:
         """Send what is due, run a round; idle with the next request in the future: jump the clock to it."""
         while self.pending or sched.busy:
             while self.pending and self.pending[0][0] <= self.clock():
-                t_s, i = self.pending.popleft()
+                t_s, i = heapq.heappop(self.pending)
                 sched.submit(self.request(i, t_s))
             if sched.busy:
                 sched.step()
@@ -633,24 +672,21 @@ class _Clients:
                 self.clock.advance_to(self.pending[0][0])
 
 
-def simulate_clients(cluster: Cluster, gen: GenConfig, *, n_clients: int | None = None,
-                     rate_per_s: float | None = None, n_requests: int, n_prompt: int = 64, n_parallel: int = 1,
-                     agreement: float = 0.9, seed: int = 0, max_in_flight: int = 8, propose: float = 1.0,
-                     confidence: list | None = None, n_ctx: int | None = None) -> ClientsResult:
-    """The real Scheduler (ranks/scheduler.py) serving `n_requests` requests of n_prompt + gen.n_predict tokens on
-    the twin, in virtual time: `n_clients` closed-loop clients (each sends its next request when its last answer
-    is complete), or requests arriving as a Poisson process of `rate_per_s`. gen.mode is the schedule: pipeinfer
-    (the drafter lent where stages would idle) or iterative (interleaving only); n_parallel generations at once.
-    Request i's tokens are reference_tokens(n_prompt, n_predict, seed + i), its draft the replay draft simulate()
-    uses on that reference. n_ctx (None): room for every slot's request at once, so that the context never makes a
-    request wait (pass one to study a tight context)."""
-    if (n_clients is None) == (rate_per_s is None):
-        raise ValueError("give n_clients (closed loop) or rate_per_s (Poisson arrivals), not both")
-    clock = VirtualClock()
+def _roomy_ctx(gen: GenConfig, n_parallel: int, longest_prompt: int, n_part: int, n_lanes: int) -> int:
+    """A context with room for every slot's longest request at once and a round of speculation per slot."""
+    longest = longest_prompt + gen.n_predict
+    need = 2 * n_parallel * longest if n_parallel > 1 else longest
+    return max(gen.n_ctx, need + cells_reserve(n_part, gen.cut.n_max) * (1 + n_lanes))
+
+
+def _serve(cluster: Cluster, gen: GenConfig, clients: _Clients, clock: VirtualClock, *, n_parallel: int,
+           agreement: float, seed: int, max_in_flight: int, propose: float, confidence: list | None,
+           n_ctx: int | None, n_turns: int = 1) -> ClientsResult:
+    """The real Scheduler on the twin serving `clients` (their first requests already sent) to the last answer.
+    n_ctx (None): room for every slot's longest request at once (so the context never makes a request wait)."""
     gen = replace(_resolved(cluster, gen), stop_at_eos=False)
     pipe = SimPipeline(cluster, [], clock)
-    clients = _Clients(n_requests, n_prompt, gen.n_predict, seed, clock)
-    n_lanes, size = lane_count(n_parallel), gen.cut.max_branches
+    n_lanes, size = lane_count(n_parallel, gen.cache_prompt), gen.cut.max_branches   # as the Scheduler counts them
     pool, n_part, drafter_for = None, 0, None
     if gen.mode == "pipeinfer":
         n_part, n_seq_max = plan_partitions(size, max_in_flight, n_lanes=n_lanes)
@@ -661,22 +697,136 @@ def simulate_clients(cluster: Cluster, gen: GenConfig, *, n_clients: int | None 
             i = clients.num_of[id(prompt)]
             return _replay_drafter(clients.refs[i], seed + i, cost, agreement, propose, confidence)
     if n_ctx is None:
-        need = 2 * n_parallel * (n_prompt + gen.n_predict) if n_parallel > 1 else n_prompt + gen.n_predict
-        n_ctx = max(gen.n_ctx, need + cells_reserve(n_part, gen.cut.n_max) * (1 + n_lanes))
+        n_ctx = _roomy_ctx(gen, n_parallel, max(clients.n_prompts), n_part, n_lanes)
     sched = Scheduler(pipe, replace(gen, n_ctx=n_ctx), n_stages=cluster.n_ranks, n_parallel=n_parallel, pool=pool,
                       drafter_for=drafter_for, clock=clock)
     pipe.reference_of = lambda run_id: clients.reference_of_prompt(sched.owner[run_id].req.prompt)
-    if n_clients is not None:
-        clients.closed_loop = True
-        for _ in range(n_clients):
-            clients.send(0.0)
-    else:
-        t_s = 0.0
-        for dt_s in np.random.default_rng([seed, 17]).exponential(1.0 / rate_per_s, n_requests):
-            t_s += float(dt_s)
-            clients.send(t_s)
     clients.drive(sched)
+    n_requests = len(clients.refs)
     if len(clients.results) != n_requests:
         raise RuntimeError(f"internal: {len(clients.results)} of {n_requests} requests answered")
     return ClientsResult([clients.results[i] for i in range(n_requests)], throughput_limit(cluster),
-                         pipe.stage_stats(), sched.stats)
+                         pipe.stage_stats(), sched.stats, n_turns)
+
+
+def simulate_clients(cluster: Cluster, gen: GenConfig, *, n_clients: int | None = None,
+                     rate_per_s: float | None = None, n_requests: int, n_prompt: int = 64, n_parallel: int = 1,
+                     agreement: float = 0.9, seed: int = 0, max_in_flight: int = 8, propose: float = 1.0,
+                     confidence: list | None = None, n_ctx: int | None = None) -> ClientsResult:
+    """The real Scheduler (ranks/scheduler.py) serving `n_requests` requests of n_prompt + gen.n_predict tokens on
+    the twin, in virtual time: `n_clients` closed-loop clients (each sends its next request when its last answer
+    is complete), or requests arriving as a Poisson process of `rate_per_s`. gen.mode is the schedule: pipeinfer
+    (the drafter lent where stages would idle) or iterative (interleaving only); n_parallel generations at once;
+    gen.cache_prompt the prompt cache (these prompts share nothing, so it only holds slots and cells here).
+    Request i's tokens are reference_tokens(n_prompt, n_predict, seed + i), its draft the replay draft simulate()
+    uses on that reference. n_ctx (None): room for every slot's request at once, so that the context never makes a
+    request wait (pass one to study a tight context)."""
+    if (n_clients is None) == (rate_per_s is None):
+        raise ValueError("give n_clients (closed loop) or rate_per_s (Poisson arrivals), not both")
+    clock = VirtualClock()
+    refs = [reference_tokens(n_prompt, gen.n_predict, seed + i) for i in range(n_requests)]
+    clients = _Clients(refs, [n_prompt] * n_requests, gen.n_predict, clock)
+    if n_clients is not None:   # each client sends its next request once its last answer is complete
+        clients.after = lambda i: clients.n_sent if clients.n_sent < n_requests else None
+        for i in range(min(n_clients, n_requests)):
+            clients.send(0.0, i)
+    else:
+        t_s = 0.0
+        for i, dt_s in enumerate(np.random.default_rng([seed, 17]).exponential(1.0 / rate_per_s, n_requests)):
+            t_s += float(dt_s)
+            clients.send(t_s, i)
+    return _serve(cluster, gen, clients, clock, n_parallel=n_parallel, agreement=agreement, seed=seed,
+                  max_in_flight=max_in_flight, propose=propose, confidence=confidence, n_ctx=n_ctx)
+
+
+# ==================================================================== conversations (the prompt cache's workload)
+def conversation_prompts(n_first: int, n_turns: int, n_predict: int, n_user: int) -> list[int]:
+    """Prompt lengths of a conversation's turns: the first n_first tokens, then each turn's prompt is the one
+    before, its answer (n_predict tokens) and a new user message of n_user tokens."""
+    return [n_first + t * (n_predict + n_user) for t in range(n_turns)]
+
+
+def simulate_conversations(cluster: Cluster, gen: GenConfig, *, n_conversations: int, n_turns: int, n_user: int,
+                           n_first: int = 64, think_s: float = 0.0, n_parallel: int = 1, agreement: float = 0.9,
+                           seed: int = 0, max_in_flight: int = 8, propose: float = 1.0,
+                           confidence: list | None = None, n_ctx: int | None = None) -> ClientsResult:
+    """Multi-turn chat on the twin: `n_conversations` clients, each sending `n_turns` turns one after another
+    (the next once the answer is complete and `think_s` has passed); turn t's prompt is turn t-1's prompt, its
+    answer of gen.n_predict tokens and a new user message of n_user tokens (conversation_prompts). Conversation c
+    is one token stream, reference_tokens(...) of seed + c, so every turn's answer is checked against it. With
+    gen.cache_prompt the scheduler starts a turn from the whole chunks of the previous turn's prompt (an entry of
+    core/prefixcache.py, while it is among the last CACHE_ENTRIES) and decodes the rest; without, from position 0.
+    requests[c * n_turns + t] is turn t of conversation c (ClientsResult.later_turns: turns 2+)."""
+    if n_conversations < 1 or n_turns < 1:
+        raise ValueError("conversations and turns: at least 1 each")
+    clock = VirtualClock()
+    lengths = conversation_prompts(n_first, n_turns, gen.n_predict, n_user)
+    streams = [reference_tokens(lengths[-1], gen.n_predict, seed + c) for c in range(n_conversations)]
+    clients = _Clients([streams[c] for c in range(n_conversations) for _ in range(n_turns)],
+                       lengths * n_conversations, gen.n_predict, clock)
+    clients.after = lambda i: i + 1 if (i + 1) % n_turns else None
+    clients.think_s = think_s
+    for c in range(n_conversations):
+        clients.send(0.0, c * n_turns)
+    return _serve(cluster, gen, clients, clock, n_parallel=n_parallel, agreement=agreement, seed=seed,
+                  max_in_flight=max_in_flight, propose=propose, confidence=confidence, n_ctx=n_ctx, n_turns=n_turns)
+
+
+@dataclass
+class CacheComparison:
+    """One conversation workload served without and with the prompt cache (the same n_ctx for both)."""
+    uncached: ClientsResult
+    cached: ClientsResult
+
+
+def compare_prompt_cache(cluster: Cluster, gen: GenConfig, *, n_parallel: int = 1, max_in_flight: int = 8,
+                         n_ctx: int | None = None, **workload) -> CacheComparison:
+    """simulate_conversations with gen.cache_prompt off and on, in one context size (n_ctx None: what the run with
+    the cache would take by default, which has more slots)."""
+    if n_ctx is None:
+        n_lanes = lane_count(n_parallel, True)
+        n_part = plan_partitions(gen.cut.max_branches, max_in_flight, n_lanes=n_lanes)[0] if gen.mode == "pipeinfer" else 0
+        longest = conversation_prompts(workload.get("n_first", 64), workload["n_turns"], gen.n_predict,
+                                       workload["n_user"])[-1]
+        n_ctx = _roomy_ctx(gen, n_parallel, longest, n_part, n_lanes)
+    runs = [simulate_conversations(cluster, replace(gen, cache_prompt=on), n_parallel=n_parallel,
+                                   max_in_flight=max_in_flight, n_ctx=n_ctx, **workload) for on in (False, True)]
+    return CacheComparison(*runs)
+
+
+# ==================================================================== prompt processing across stages
+@dataclass
+class PromptSpeed:
+    """An uncached prompt's processing on S stages and on one process holding the whole model."""
+    n_prompt: int
+    n_stages: int
+    tokens_per_s: float          # S stages (the twin)
+    one_stage_tokens_per_s: float
+    chunk: int
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens_per_s / self.one_stage_tokens_per_s
+
+
+def one_stage_prompt_s(stage: StageCost, n_prompt: int, chunk: int, head_overhead_ms: float = 0.0) -> float:
+    """Seconds one process holding the whole model takes for an uncached prompt: its chunks one after another
+    (each at the stage's cost for its rows; the last row of the last chunk is the only output), with the head's
+    overhead per launch and per result."""
+    sizes = [min(chunk, n_prompt - k) for k in range(0, n_prompt, chunk)]
+    ms = sum(stage.ms(n, 1 if k == len(sizes) - 1 else 0) for k, n in enumerate(sizes))
+    return (ms + head_overhead_ms * (len(sizes) + 1)) / 1e3
+
+
+def prompt_speed(one: Cluster, staged: Cluster, n_prompt: int = 2000, chunk: int | None = None) -> PromptSpeed:
+    """Uncached prompt tokens/s of `staged` (2 or more ranks: the twin's iterative generation of one token, the
+    real Head launching the prompt's chunks) and of `one`'s single stage (one_stage_prompt_s)."""
+    if one.n_ranks != 1:
+        raise ValueError("`one` is one process holding the whole model: a cluster of one stage")
+    gen = GenConfig(mode="iterative", n_predict=1, p_recovery=0.0, stop_at_eos=False, cache_prompt=False,
+                    n_ctx=n_prompt + 64)
+    if chunk is not None:
+        gen = replace(gen, prompt_chunk=chunk, n_batch=max(gen.n_batch, chunk))
+    stats = simulate(staged, gen, n_prompt=n_prompt).stats
+    t_one = one_stage_prompt_s(one.stages[0], n_prompt, gen.prompt_chunk, one.head_overhead_ms)
+    return PromptSpeed(n_prompt, staged.n_ranks, stats.pp_tokens_per_s, n_prompt / t_one, gen.prompt_chunk)

@@ -44,6 +44,9 @@ function drawNumbers(s) {
   $("generating").textContent = fmt(load.generating);
   $("par-sub").textContent = s.parallel ? `up to ${s.parallel} at once` : "";
   $("queued").textContent = fmt(load.queued);
+  const pc = load.prompt_cache;
+  $("cache-sub").textContent = !pc ? "" : (pc.enabled ? `prompt cache: ${pc.tokens} tokens in ${pc.entries} entries` : "prompt cache off") +
+    ` · cells used ${pc.cells_used} of ${pc.cells}`;
   $("done").textContent = fmt(a.requests_done);
   $("tok-sub").textContent = `${a.tokens_total} tokens streamed`;
   $("reforms").textContent = fmt(s.reforms);
