@@ -88,6 +88,12 @@ class ScriptedScheduler:
     def busy(self) -> bool:
         return bool(self.running)
 
+    def has_idle_work(self) -> bool:
+        return False
+
+    def idle_work(self) -> bool:
+        return False
+
     def submit(self, req: Request) -> None:
         script = list(scripted_answer(ByteTokenizer().decode(req.prompt)).encode())
         if self.cache is not None and req.cache_prompt:
@@ -178,6 +184,12 @@ class CountingScheduler:
     @property
     def busy(self) -> bool:
         return bool(self.running)
+
+    def has_idle_work(self) -> bool:
+        return False
+
+    def idle_work(self) -> bool:
+        return False
 
     def submit(self, req: Request) -> None:
         self.running.append([req, 0, Stats(n_prompt=len(req.prompt), t_start_s=time.perf_counter())])

@@ -74,6 +74,12 @@ class FakeScheduler:
     def busy(self) -> bool:
         return bool(self.running)
 
+    def has_idle_work(self) -> bool:
+        return False
+
+    def idle_work(self) -> bool:
+        return False
+
     def submit(self, req: Request) -> None:
         if len(req.prompt) > 400:
             raise ValueError("does not fit")

@@ -127,6 +127,12 @@ class FakeScheduler:
     def busy(self) -> bool:
         return bool(self.running)
 
+    def has_idle_work(self) -> bool:
+        return False
+
+    def idle_work(self) -> bool:
+        return False
+
     def submit(self, req: FakeRequest) -> None:
         if len(req.prompt) > 8:
             raise ValueError(f"prompt ({len(req.prompt)} tokens) does not fit")

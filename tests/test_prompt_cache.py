@@ -169,3 +169,23 @@ def test_a_burst_with_disconnects_leaves_every_cell_cached_or_dead_and_counted()
         assert held <= entries | pipe.canon | {pipe.garbage}
         assert len(stage.cells) <= sched.cache_load()["cells_used"]
     assert pool.n_free == pool.n_partitions and not sched.gens
+
+
+@pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])
+def test_idle_work_decodes_the_last_answer_in_whole_chunks_for_the_next_turn(mode):
+    """Between turns the pipeline is idle: the entry's answer is decoded again as a cold run's chunks would decode
+    it, so the next turn starts after the answer (every copied cell checked: computed in a whole, aligned chunk)."""
+    sched, pipe, pool = make(mode, n_parallel=1, prompt_chunk=C)
+    check_cold_bits(pipe)
+    first, _ = run_one(sched, PROMPT, 9)
+    held = PROMPT + first[:-1]                                      # the last token is emitted, never decoded
+    assert sched.has_idle_work() and sched.idle_work()
+    sched.run()
+    assert not sched.has_idle_work() and not sched.idle_work()
+    assert [e.tokens for e in sched.cache.entries] == [held[:whole_chunks(len(held), C)]]
+    turn2 = PROMPT + first + [4, 9, 1]
+    second, st = run_one(sched, turn2, 6)
+    assert second == target_alone(turn2, 6)[len(turn2):]
+    assert st.n_cached == whole_chunks(len(held), C) > whole_chunks(len(PROMPT), C)
+    if pool is not None:
+        assert pool.n_free == pool.n_partitions

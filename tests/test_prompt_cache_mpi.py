@@ -81,3 +81,35 @@ def test_a_context_that_cannot_keep_every_entry_evicts_and_stays_exact(models, c
     answers = batch(models, tmp_path, f_jobs, ["--mode", "pipeinfer", "--draft", str(models["draft60"]),
                                                "--draft-at", "head", "--parallel", "2", "-c", "320"])
     assert [answers[i]["tokens"] for i in range(5)] == cold
+
+
+def test_a_served_conversation_starts_its_next_turn_after_the_last_answer(models, tmp_path):
+    """An idle server decodes the last answer again in whole chunks (Scheduler.idle_work): the next turn (token
+    ids, so that nothing is tokenized across the turns' boundary) reuses the whole history but its last partial
+    chunk, the usage says so, and the answer is the cold one."""
+    from helpers import Server, mpirun, wait_until
+    from pipeinfer.engine.tokenizer import Tokenizer
+    tok = Tokenizer(str(models["q8"]))
+    ids1 = tok.encode(turns()[0][0])
+
+    def cold(ids, n):
+        return mpirun(2, {"model": str(models["q8"]), "prompt": ids, "n": n, "prompt_chunk": 8,
+                          "cache_prompt": False})["tokens"]
+    answer1 = cold(ids1, 40)
+    ids2 = ids1 + answer1 + tok.encode(" ba ki", add_special=False)
+    answer2 = cold(ids2, 12)
+    held = len(ids1) + len(answer1) - 1  # the last token is emitted, never decoded
+    srv = Server(["-m", str(models["q8"]), "--mode", "iterative", "--prompt-chunk", "8", "-c", "1024",
+                  "--ignore-eos"], 2, tmp_path / "srv.log")
+    try:
+        status, _, raw = srv.request("POST", "/v1/completions", {"model": "t-q8", "prompt": ids1, "max_tokens": 40})
+        assert status == 200 and json.loads(raw)["choices"][0]["text"] == tok.decode(answer1), raw
+        wait_until(lambda: srv.health()["prompt_cache"]["tokens"] == held // 8 * 8, 60, lambda: str(srv.health()))
+        status, _, raw = srv.request("POST", "/v1/completions", {"model": "t-q8", "prompt": ids2, "max_tokens": 12})
+        assert status == 200, raw
+        second = json.loads(raw)
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == held // 8 * 8 > len(ids1) // 8 * 8
+        assert second["choices"][0]["text"] == tok.decode(answer2)
+    finally:
+        tok.close()
+        assert srv.stop() == 0, srv.text()[-3000:]

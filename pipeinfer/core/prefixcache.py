@@ -19,7 +19,7 @@ running and waiting may need.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -50,6 +50,8 @@ class Entry:
     tokens: list[int]    # the positions it can give: a prompt's whole chunks
     cells: int           # cells counted against the context for it (kept entries after a compaction: len(tokens))
     used: int = 0        # when it was last made or reused (a counter: larger is more recent)
+    held: list[int] = field(default_factory=list)  # the tokens its cells hold: `tokens`, then the rest of its
+                                                   # prompt and its answer, decoded in other batches than a cold run
 
 
 @dataclass(frozen=True)
@@ -98,18 +100,27 @@ class PrefixCache:
                 best = Start(seq, n)
         return best
 
-    def add(self, lane: int, seq: int, prompt: list[int], cells: int) -> tuple[Entry | None, list[Entry]]:
+    def add(self, lane: int, seq: int, prompt: list[int], cells: int,
+            held: list[int] | None = None) -> tuple[Entry | None, list[Entry]]:
         """A finished generation's sequence as an entry (None when its prompt has no whole chunk), and the entries
-        that go for it: those it extends, then the least recently used beyond max_entries."""
+        that go for it: those it extends, then the least recently used beyond max_entries. held: the tokens its
+        cells hold (the prompt, then the answer's decoded tokens)."""
         n = whole_chunks(len(prompt), self.chunk)
         if n == 0:
             return None, []
-        new = Entry(lane, seq, list(prompt[:n]), cells, self._tick())
+        new = Entry(lane, seq, list(prompt[:n]), cells, self._tick(), list(held if held is not None else prompt))
         gone = [e for e in self.entries if len(e.tokens) <= n and common_prefix(e.tokens, new.tokens) == len(e.tokens)]
         self.entries = [e for e in self.entries if e not in gone] + [new]
         while len(self.entries) > self.max_entries:
             gone.append(self.pop_lru())
         return new, gone
+
+    def to_extend(self) -> Entry | None:
+        """The most recently used entry whose cells hold at least one whole chunk more than it can give (an
+        answer, the last part of a prompt): decoding those chunks again, as a cold run would, lets a next turn start
+        after them (scheduler.idle_work)."""
+        more = [e for e in self.entries if whole_chunks(len(e.held), self.chunk) > len(e.tokens)]
+        return max(more, key=lambda e: e.used) if more else None
 
     def pop_lru(self) -> Entry | None:
         """The least recently used entry, taken out; None when there is none."""

@@ -40,7 +40,7 @@ from typing import Callable
 from ..core.decoding import Decoding, TokenLogprob
 from ..core.kvplan import CACHE_ENTRIES, PartitionPool, cells_reserve, lane_canonical, lane_count
 from ..core.metrics import Stats
-from ..core.prefixcache import Entry, PrefixCache
+from ..core.prefixcache import Entry, PrefixCache, whole_chunks
 from ..core.protocol import compact, kv_ops, rm
 from ..core.verify import SamplingParams
 from .head import GenConfig, Head, check_gen_config
@@ -91,6 +91,7 @@ class Request:
     decoding: Decoding = Decoding()                  # constraint, biases, penalties, log-probabilities (core/decoding)
     on_logprobs: Callable[[list[TokenLogprob]], None] | None = None  # called just before on_tokens, one per token
     cache_prompt: bool = True                        # start from the prompt cache, and leave this prompt in it
+    background: bool = False                         # the scheduler's own (idle_work): never lent the drafter
 
     @property
     def need(self) -> int:
@@ -332,6 +333,19 @@ class Scheduler:
         self._dirty.append(e.lane)
         self.n_cells_dead += e.cells
 
+    def idle_work(self) -> bool:
+        """With nothing to generate: have the most recent cache entry's answer (and the rest of its prompt) decoded
+        again in whole chunks, as a later turn's cold run decodes them, so that the next turn of a conversation
+        starts after its last answer instead of before it. It runs as a request of one token that nobody receives
+        (its entry then extends the old one). Whether there was such work (then submitted: step until not busy)."""
+        if self.busy or self.cache is None or (e := self.cache.to_extend()) is None:
+            return False
+        self.submit(Request(e.held[:whole_chunks(len(e.held), self.cache.chunk)], 1, background=True))
+        return True
+
+    def has_idle_work(self) -> bool:
+        return self.cache is not None and self.cache.to_extend() is not None
+
     @property
     def n_cells_cached(self) -> int:
         return self.cache.n_cells if self.cache is not None else 0
@@ -351,7 +365,7 @@ class Scheduler:
         depth (pipeline_depth: the stages, or fewer where one stage is slower than the rest)."""
         if self.cfg.mode == "iterative":
             return None
-        decoding = [g for g in self.gens if not g.head.done]
+        decoding = [g for g in self.gens if not g.head.done and not g.req.background]
         want = None
         if decoding and (len(decoding) < self.depth or len(self.gens) == 1):  # alone: always (exactly PipeInfer)
             want = decoding[0]
@@ -407,7 +421,8 @@ class Scheduler:
         del self._on_lane[g.lane]
         entry = None
         if self.cache is not None and g.req.cache_prompt:
-            entry, gone = self.cache.add(g.lane, self._canon[g.lane], g.req.prompt, g.head.n_cells_bound)
+            entry, gone = self.cache.add(g.lane, self._canon[g.lane], g.req.prompt, g.head.n_cells_bound,
+                                         g.head.accepted[:g.head.n_kv0])
             for e in gone:
                 self._drop(e)
         if entry is None:

@@ -12,12 +12,13 @@ def pump(sched, inbox: queue.Queue, admit: Callable[[object], None], *,
          stop_requested: Callable[[], bool] = lambda: False) -> None:
     """Step `sched` with what arrives in `inbox` until an item that `ends` it (then what was admitted is finished)
     or a stop is requested. An item is taken only while the scheduler has no request of its own waiting, so the
-    rest wait in the inbox, whose bound is the server's queue limit; with nothing to generate it blocks there."""
+    rest wait in the inbox, whose bound is the server's queue limit; with nothing to generate it gives the scheduler
+    its idle work (Scheduler.idle_work: the prompt cache's last answers in whole chunks), then blocks there."""
     stopping = False
     while True:
         while not stopping and not sched.waiting:
             try:
-                item = inbox.get(block=not sched.busy)
+                item = inbox.get(block=not sched.busy and not sched.has_idle_work())
             except queue.Empty:
                 break
             if ends(item):
@@ -29,5 +30,6 @@ def pump(sched, inbox: queue.Queue, admit: Callable[[object], None], *,
         if not sched.busy:
             if stopping:
                 return
-            continue
+            if not sched.idle_work():
+                continue
         sched.step()
