@@ -63,11 +63,13 @@ def _check_cover(ranges: list[LayerRange], n_layer: int, fractions: list[float])
 
 @pytest.mark.parametrize("n_layer, fractions, expected", [
     (28, [1, 1], [(0, 14), (14, 28)]),
-    (28, [1, 1, 1], [(0, 9), (9, 18), (18, 28)]),          # 27 by rounding, the leftover goes to the last rank
+    (28, [1, 1, 1], [(0, 9), (9, 18), (18, 28)]),          # 27 whole, the leftover to the last rank
     (10, [1, 1, 1], [(0, 3), (3, 6), (6, 10)]),
-    (5, [1, 1], [(0, 2), (2, 5)]),                         # round(2.5) == 2 twice, leftover to the last
+    (5, [1, 1], [(0, 2), (2, 5)]),                         # 2.5 twice: the leftover to the last
     (10, [0.2, 0.4, 0.4], [(0, 2), (2, 6), (6, 10)]),
-    (4, [0.1, 0.45, 0.45], [(0, 1), (1, 3), (3, 4)]),      # a 1-layer rank; overshoot trimmed from the largest
+    (4, [0.1, 0.45, 0.45], [(0, 1), (1, 2), (2, 4)]),      # a 1-layer rank; equal remainders: the last first
+    (10, [1, 1, 1, 1], [(0, 2), (2, 4), (4, 7), (7, 10)]),  # 2.5 each: the last two take the leftovers
+    (6, [0.05, 0.05, 0.9], [(0, 1), (1, 2), (2, 6)]),      # two tiny shares' layers trimmed from the largest
     (10, [1, 0.01, 0.01], [(0, 8), (8, 9), (9, 10)]),     # tiny shares still get one layer each
     (4, [1, 0, 1], [(0, 2), (2, 2), (2, 4)]),              # fraction 0: empty range
     (6, [1, 1, 0], [(0, 3), (3, 6), (6, 6)]),              # last rank empty: leftovers to the last *active* rank

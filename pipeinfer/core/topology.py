@@ -47,7 +47,9 @@ def parse_split(text: str | None, n_ranks: int) -> list[float]:
 
 
 def layer_ranges(n_layer: int, fractions: list[float]) -> list[LayerRange]:
-    """Give rank i round(n_layer * f_i / sum f) layers, at least 1 unless f_i == 0; leftovers to the last rank.
+    """Give rank i its share n_layer * f_i / sum f of the layers, rounded by largest remainder (the last ranks
+    first among equal remainders: 80 layers on 32 equal ranks are 16 x 2 + 16 x 3, not 31 x 2 + 18), at least 1
+    unless f_i == 0.
 
     Ranks with fraction 0 get an empty range (they hold no layers and only relay nothing; the CLI refuses
     them as pipeline stages). Raises SplitError when some rank with a positive fraction would get no layer.
@@ -56,13 +58,16 @@ def layer_ranges(n_layer: int, fractions: list[float]) -> list[LayerRange]:
     if n_ranks_active > n_layer:
         raise SplitError(f"{n_ranks_active} ranks need layers but the model has only {n_layer} layers")
     total = sum(fractions)
-    counts = [max(1, round(n_layer * f / total)) if f > 0 else 0 for f in fractions]
-    # trim from the largest shares while we overshoot (rounding up of tiny shares), then give leftovers to the last
+    shares = [n_layer * f / total for f in fractions]
+    counts = [max(1, math.floor(x)) if f > 0 else 0 for x, f in zip(shares, fractions)]
+    # trim from the largest shares while we overshoot (tiny shares given their one layer)
     while sum(counts) > n_layer:
         i = max(range(len(counts)), key=lambda k: (counts[k], k))
         counts[i] -= 1
-    last = max(i for i, f in enumerate(fractions) if f > 0)
-    counts[last] += n_layer - sum(counts)
+    active = [i for i, f in enumerate(fractions) if f > 0]
+    by_remainder = sorted(active, key=lambda i: (shares[i] - counts[i], i), reverse=True)
+    for k in range(n_layer - sum(counts)):
+        counts[by_remainder[k % len(by_remainder)]] += 1
     ranges, start = [], 0
     for c in counts:
         ranges.append(LayerRange(start, start + c))

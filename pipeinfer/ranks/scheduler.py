@@ -28,6 +28,12 @@ next COMPACT, which keeps every live canonical sequence and drops the rest. Ther
 --parallel, so a request rarely waits for a compaction. Admission reserves the worst case of every admitted
 generation (prompt + max tokens) plus one round of speculative runs: the cells never run out; a request that
 does not fit waits in the queue.
+
+Prompt cache (core/prefixcache.py): a finished generation's slot becomes a cache entry (its prompt's whole chunks)
+instead of dirty; a newcomer copies the longest prefix it shares with an entry or a running prompt into its own
+canonical sequence and decodes only the rest, in the chunks a cold run would. Entries are evictable: admission
+does not count them, and a compaction keeps only those that fit beside what the running and the next waiting
+request may need. With nothing to generate, idle_work re-decodes the last answer in whole chunks.
 """
 from __future__ import annotations
 
