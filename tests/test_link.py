@@ -162,7 +162,7 @@ class FakeSession:
         return self.sched
 
     def request(self, prompt, *, n_predict, sampling, prompt_text, chat, on_tokens, should_stop, on_done,
-                replay=(), decoding=None, on_logprobs=None) -> FakeRequest:
+                replay=(), decoding=None, on_logprobs=None, cache_prompt=True) -> FakeRequest:
         self.requests.append(FakeRequest(list(prompt), n_predict, sampling, prompt_text, chat, on_tokens,
                                          should_stop, on_done, list(replay)))
         return self.requests[-1]

@@ -72,7 +72,7 @@ def _submit(session, sched, link: Link, msg: Job, cancelled: set, stop) -> None:
                           prompt_text=msg.prompt_text, chat=msg.chat, on_tokens=on_tokens,
                           should_stop=lambda: jid in cancelled or stop.requested, on_done=done,
                           replay=msg.replay, decoding=Decoding.from_dict(msg.decoding), on_logprobs=pending.extend,
-                          **({} if msg.cache_prompt else {"cache_prompt": False}))
+                          cache_prompt=msg.cache_prompt)
     try:
         sched.submit(req)
     except ValueError as e:
