@@ -214,14 +214,16 @@ def _wait(what, check, timeout: float = 60, srv=None):
 
 
 def _text(browser, css: str) -> str:
-    from selenium.webdriver.common.by import By
-    found = browser.find_elements(By.CSS_SELECTOR, css)
-    return found[0].text if found else ""
+    """The first match's text, read in one script: the page redraws every second, so an element found by one
+    WebDriver call may be gone by the next (StaleElementReferenceException)."""
+    return browser.execute_script("const e = document.querySelector(arguments[0]); return e ? e.innerText : ''", css)
 
 
 def _ranks_shown(browser) -> dict[str, str]:
-    from selenium.webdriver.common.by import By
-    return {e.get_attribute("data-rank"): e.text for e in browser.find_elements(By.CSS_SELECTOR, ".rank[data-rank]")}
+    """Each shown rank's text by its data-rank, read in one script (see _text)."""
+    pairs = browser.execute_script("return Array.from(document.querySelectorAll('.rank[data-rank]'))"
+                                   ".map(e => [e.dataset.rank, e.innerText])")
+    return dict(pairs)
 
 
 def _chat(browser, text: str, max_tokens: int) -> str:
