@@ -6,9 +6,6 @@ through a supervisor (rank 0's Ready and Done carry it)."""
 from __future__ import annotations
 
 import shutil
-import socket
-import threading
-from types import SimpleNamespace
 
 import pytest
 
@@ -162,10 +159,9 @@ def test_health_and_metrics_show_the_prompt_cache(api):
 def test_a_supervisor_relays_cache_prompt_and_rank0s_prompt_cache(tmp_path):
     """run_attached over a Unix socket (a fake session that reports a prompt cache): Ready carries the cache,
     each Done the cache as the request left it; a job's cache_prompt false reaches rank 0's request."""
-    from test_link import WAIT_S, FakeSession, LetterTokenizer, outcome
+    from test_link import WAIT_S, FakeSession, LetterTokenizer, attach_rank0, outcome
 
     from pipeinfer.core.verify import SamplingParams
-    from pipeinfer.server.attach import run_attached
     from pipeinfer.server.metrics import _Now
     from pipeinfer.server.resume import StdoutJob
     from pipeinfer.server.supervisor import Supervisor
@@ -185,15 +181,8 @@ def test_a_supervisor_relays_cache_prompt_and_rank0s_prompt_cache(tmp_path):
             self.cache_prompts.append(cache_prompt)
             return super().request(prompt, **kw)
 
-    path = str(tmp_path / "rank0.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
-    listener.settimeout(WAIT_S)
-    session, stop = CachingSession(), SimpleNamespace(requested=False)
-    rank0 = threading.Thread(target=run_attached, args=(session, path, stop), daemon=True)
-    rank0.start()
-    conn, _ = listener.accept()
+    session = CachingSession()
+    listener, conn, rank0 = attach_rank0(tmp_path, session)
     sup = Supervisor(["localhost"], [], LetterTokenizer(), log=lambda _msg: None, on_fatal=lambda _why: None)
     try:
         sup._attach(conn)

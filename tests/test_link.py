@@ -161,6 +161,9 @@ class FakeSession:
     def scheduler(self) -> FakeScheduler:
         return self.sched
 
+    def load(self) -> dict:
+        return {"prompt_cache": None}
+
     def request(self, prompt, *, n_predict, sampling, prompt_text, chat, on_tokens, should_stop, on_done,
                 replay=(), decoding=None, on_logprobs=None, cache_prompt=True) -> FakeRequest:
         self.requests.append(FakeRequest(list(prompt), n_predict, sampling, prompt_text, chat, on_tokens,
@@ -173,22 +176,30 @@ def outcome(job) -> tuple:
     return job.outcome
 
 
-def test_the_supervisor_and_rank0_understand_each_other(tmp_path):
-    """A Supervisor attached to run_attached (a fake session) over a Unix socket: Ready, a job with every field,
-    a resumed job (its replay), a refused one, a cancelled one, and Stop."""
-    from pipeinfer.server.app import _Answer
+def attach_rank0(tmp_path, session):
+    """run_attached(session) in a thread, connected over a Unix socket in tmp_path: (listener, the accepted
+    connection for a Supervisor, the rank-0 thread)."""
     from pipeinfer.server.attach import run_attached
-    from pipeinfer.server.resume import StdoutJob
-    from pipeinfer.server.supervisor import Supervisor, _Record
     path = str(tmp_path / "rank0.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(1)
     listener.settimeout(WAIT_S)
-    session, stop = FakeSession(), SimpleNamespace(requested=False)
+    stop = SimpleNamespace(requested=False)
     rank0 = threading.Thread(target=run_attached, args=(session, path, stop), daemon=True)
     rank0.start()
     conn, _ = listener.accept()
+    return listener, conn, rank0
+
+
+def test_the_supervisor_and_rank0_understand_each_other(tmp_path):
+    """A Supervisor attached to run_attached (a fake session) over a Unix socket: Ready, a job with every field,
+    a resumed job (its replay), a refused one, a cancelled one, and Stop."""
+    from pipeinfer.server.app import _Answer
+    from pipeinfer.server.resume import StdoutJob
+    from pipeinfer.server.supervisor import Supervisor, _Record
+    session = FakeSession()
+    listener, conn, rank0 = attach_rank0(tmp_path, session)
     fatal: list[str] = []
     sup = Supervisor(["localhost", "localhost"], [], LetterTokenizer(), log=lambda _msg: None,
                      on_fatal=fatal.append)

@@ -298,8 +298,11 @@ class Scheduler:
     def _cells_short(self, newcomer: int = 0) -> bool:
         """Whether one more round's runs might not fit: a token per generation and the speculation, and the cells a
         newcomer may need."""
-        bound = sum(g.head.n_cells_bound for g in self.gens) + self.n_cells_dead + self.n_cells_cached
-        return bound + len(self.gens) + self.reserve + newcomer > self.cfg.n_ctx
+        return self._cells_bound() + len(self.gens) + self.reserve + newcomer > self.cfg.n_ctx
+
+    def _cells_bound(self) -> int:
+        """Cells any stage may hold now: the running generations', the finished ones' until a COMPACT, the cache's."""
+        return sum(g.head.n_cells_bound for g in list(self.gens)) + self.n_cells_dead + self.n_cells_cached
 
     def _compact(self) -> None:
         """Collect every run in flight, then have every stage keep only the canonical sequences of the generations
@@ -359,11 +362,10 @@ class Scheduler:
     def cache_load(self) -> dict:
         """The prompt cache and the cells, for /health (a snapshot read from another thread)."""
         cache = self.cache
-        bound = sum(g.head.n_cells_bound for g in list(self.gens)) + self.n_cells_dead + self.n_cells_cached
         return {"enabled": cache is not None, "entries": len(cache.entries) if cache else 0,
                 "tokens": cache.n_tokens if cache else 0, "hits": cache.n_hits if cache else 0,
                 "tokens_reused": cache.n_tokens_reused if cache else 0,
-                "cells_used": min(bound, self.cfg.n_ctx), "cells": self.cfg.n_ctx}
+                "cells_used": min(self._cells_bound(), self.cfg.n_ctx), "cells": self.cfg.n_ctx}
 
     # ================================================================ the drafter's lease
     def _lease(self) -> _Gen | None:

@@ -145,4 +145,4 @@ class Answer:
             meter.on_done(job, stats, finish)
         job.push(("done", {"finish_reason": finish, "prompt_tokens": len(job.prompt_tokens),
                            "completion_tokens": stats.n_generated,
-                           "cached_tokens": min(stats.n_cached, len(job.prompt_tokens)), "stats": stats}))
+                           "cached_tokens": stats.n_cached, "stats": stats}))

@@ -53,9 +53,8 @@ def run_attached(session, path: str, stop) -> None:
 
 
 def _prompt_cache(session) -> dict | None:
-    """The prompt cache's numbers now (None where the session does not say them)."""
-    load = getattr(session, "load", None)
-    return load().get("prompt_cache") if callable(load) else None
+    """The prompt cache's numbers now (None before the scheduler exists)."""
+    return session.load()["prompt_cache"]
 
 
 def _submit(session, sched, link: Link, msg: Job, cancelled: set, stop) -> None:

@@ -266,6 +266,6 @@ async def collect(events, n_choices: int) -> list[Choice] | None:
             raise RequestError(500, ev[1], code="pipeline_failed")
         else:
             c.finish_reason, c.completion_tokens = ev[1]["finish_reason"], ev[1]["completion_tokens"]
-            c.cached_tokens = ev[1].get("cached_tokens", 0)
+            c.cached_tokens = ev[1]["cached_tokens"]
             n_done += 1
     return choices if n_done == n_choices else None

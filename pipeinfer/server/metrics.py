@@ -81,7 +81,7 @@ class ServerMetrics:
     def job_done(self, job, stats, finish: str) -> None:
         """One finished generation (the generation thread; counters only)."""
         self.prompt_tokens.inc(len(job.prompt_tokens))
-        self.cached_tokens.inc(min(getattr(stats, "n_cached", 0), len(job.prompt_tokens)))
+        self.cached_tokens.inc(stats.n_cached)
         self.generation_tokens.inc(stats.n_generated)
         self.finished.labels(finish).inc()
         if stats.n_drafted:

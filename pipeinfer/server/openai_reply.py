@@ -169,7 +169,7 @@ class Reply:
                 return
             else:
                 completion += ev[1]["completion_tokens"]
-                cached[i] = ev[1].get("cached_tokens", 0)
+                cached[i] = ev[1]["cached_tokens"]
                 yield self.chunk(self.kind.piece(i, None, ev[1]["finish_reason"], None))
         if want_usage:
             yield _sse(self.body(self.kind.chunk_object, [],

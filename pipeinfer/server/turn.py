@@ -205,7 +205,7 @@ class Turn:
                 elif self.parser is not None and self.parser.n_calls:
                     finish = "tool_calls"
                 yield Outcome(finish, info["prompt_tokens"], info["completion_tokens"], hit,
-                              info.get("cached_tokens", 0))
+                              info["cached_tokens"])
                 return
 
 
@@ -330,7 +330,7 @@ async def collect_parsed(events, n_choices: int) -> list[ParsedChoice] | None:
             raise RequestError(500, ev[1], code="pipeline_failed")
         else:
             c.finish_reason, c.completion_tokens = ev[1]["finish_reason"], ev[1]["completion_tokens"]
-            c.cached_tokens = ev[1].get("cached_tokens", 0)
+            c.cached_tokens = ev[1]["cached_tokens"]
             n_done += 1
     if n_done < n_choices:
         return None
