@@ -178,7 +178,10 @@ def test_idle_work_decodes_the_last_answer_in_whole_chunks_for_the_next_turn(mod
     sched, pipe, pool = make(mode, n_parallel=1, prompt_chunk=C)
     check_cold_bits(pipe)
     first, _ = run_one(sched, PROMPT, 9)
-    held = PROMPT + first[:-1]                                      # the last token is emitted, never decoded
+    (entry,) = sched.cache.entries
+    held = entry.held   # the prompt, the answer but its last token (emitted, never decoded), and in pipeinfer mode
+    assert held[:len(PROMPT) + len(first) - 1] == PROMPT + first[:-1]    # any tokens verified beyond it
+    assert held == target_alone(PROMPT, len(held) - len(PROMPT))
     assert sched.has_idle_work() and sched.idle_work()
     sched.run()
     assert not sched.has_idle_work() and not sched.idle_work()
@@ -186,6 +189,22 @@ def test_idle_work_decodes_the_last_answer_in_whole_chunks_for_the_next_turn(mod
     turn2 = PROMPT + first + [4, 9, 1]
     second, st = run_one(sched, turn2, 6)
     assert second == target_alone(turn2, 6)[len(turn2):]
-    assert st.n_cached == whole_chunks(len(held), C) > whole_chunks(len(PROMPT), C)
+    assert st.n_cached == whole_chunks(common_prefix(held, turn2), C) > whole_chunks(len(PROMPT), C)
     if pool is not None:
         assert pool.n_free == pool.n_partitions
+
+
+@pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])
+@pytest.mark.parametrize("n_ctx", [64, 80, 110])
+def test_entries_make_room_for_newcomers_whose_chunks_are_not_fed_yet(mode, n_ctx):
+    """Admitted prompts are fed a chunk at a time: the cells their unfed chunks will take count when the next
+    newcomer's room is checked, so the cache's entries go before any stage runs out of cells."""
+    sched, pipe, _ = make(mode, n_parallel=2, n_ctx=n_ctx, prompt_chunk=C)
+    prompts = [[(k * 7 + i * 3) % 31 for i in range(22)] for k in range(8)]
+    answers = {}
+    for k, p in enumerate(prompts):
+        sched.submit(Request(p, 4, on_done=lambda t, s, k=k: answers.update({k: t})))
+        if k % 2:
+            sched.run()   # pairs: the entries of the earlier pairs fill the cells
+    sched.run()
+    assert answers == {k: target_alone(p, 4)[22:] for k, p in enumerate(prompts)}

@@ -96,6 +96,8 @@ def make(mode: str, *, n_parallel: int, n_ctx: int = 4096, max_in_flight: int = 
         n_part, n_seq = 0, lane_seq_max(0, 1, n_lanes)
     canon = {lane_canonical(k, n_part, 1) for k in range(n_lanes)}
     pipe = LanePipeline(canon, logits_fn=logits_fn, poll_every=poll_every, garbage=n_seq - 1)
+    for stage in pipe.stages:
+        stage.n_cells = n_ctx
     pool = PartitionPool(n_part, 1, n_seq, n_lanes=n_lanes) if mode == "pipeinfer" else None
     lent = iter(range(1 << 30))
     cfg = GenConfig(mode=mode, n_ctx=n_ctx, cut=Cutoffs(0.5, 0.1, n_max, 1), p_recovery=p_recovery,
@@ -261,3 +263,40 @@ def test_a_resumed_request_continues_the_uninterrupted_answer(mode):
         tokens, streamed = got[cut]
         assert tokens == streamed == full[cut:], cut
     assert_all_free(sched, pipe, pool)
+
+
+@pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])
+def test_a_long_prompt_goes_out_between_the_running_generations_tokens_shortest_newcomer_first(mode):
+    """A newcomer's prompt chunks are fed a few at a time (never more in flight than the stages), so a running
+    generation's tokens are launched between them instead of after all of them; of two newcomers the one with
+    fewer chunks left goes first; every answer is the target's alone."""
+    sched, pipe, _ = make(mode, n_parallel=3, prompt_chunk=4, n_stages=2, cache_prompt=False)
+    a_prompt, b_prompt, c_prompt = [3, 1, 4], [(7 * i) % 29 for i in range(40)], [2, 7, 1, 8, 2, 8]
+    name = {tuple(a_prompt): "a", tuple(b_prompt): "b", tuple(c_prompt): "c"}
+    log, chunk_runs, most = [], set(), [0]   # log: (request, chunk or not) per launch, in launch order
+    launch = pipe.launch
+
+    def logged(run_id, batch, speculative, parent_id=-1, rules=None):
+        launch(run_id, batch, speculative, parent_id, rules)
+        chunk = not speculative and len(batch.tokens) > 1
+        log.append((name[tuple(sched.owner[run_id].req.prompt)], chunk))
+        if chunk:
+            chunk_runs.add(run_id)
+        most[0] = max(most[0], sum(r in chunk_runs for r in pipe.in_flight))
+    pipe.launch = logged
+    got, streamed_a = {}, []
+    sched.submit(Request(a_prompt, 40, on_tokens=streamed_a.extend, on_done=lambda t, s: got.update(a=t)))
+    while len(streamed_a) < 3:
+        sched.step()
+    sched.submit(Request(b_prompt, 3, on_done=lambda t, s: got.update(b=t)))
+    sched.submit(Request(c_prompt, 3, on_done=lambda t, s: got.update(c=t)))
+    sched.run()
+    assert got == {"a": target_alone(a_prompt, 40)[3:], "b": target_alone(b_prompt, 3)[40:],
+                   "c": target_alone(c_prompt, 3)[6:]}
+    assert most[0] <= 2                                          # never more chunks in flight than stages
+    b_chunks = [i for i, e in enumerate(log) if e == ("b", True)]
+    assert len(b_chunks) == 10
+    a_between = [i for i, (r, _) in enumerate(log) if r == "a" and b_chunks[0] < i < b_chunks[-1]]
+    assert len(a_between) >= 4, log                              # A kept generating during B's prompt
+    c_chunks = [i for i, e in enumerate(log) if e == ("c", True)]
+    assert len(c_chunks) == 2 and c_chunks[-1] < b_chunks[1], log  # C's 2 chunks went before B's second

@@ -81,6 +81,7 @@ class ToyStage:
         self.name, self.logits_fn, self.reference, self.garbage = name, logits_fn, reference, garbage
         self.cells: list[Cell] = []
         self.n_compactions = 0
+        self.n_cells: int | None = None  # the context's cells, when checked (a decode beyond them fails)
 
     def seq_cells(self, s: int) -> dict[int, Cell]:
         out: dict[int, Cell] = {}
@@ -139,6 +140,9 @@ class ToyStage:
             if sorted(ps) != list(range(last + 1, last + 1 + len(ps))):
                 raise KvError(f"{self.name}: inconsistent sequence positions: seq {s} ends at {last}, "
                               f"batch has {sorted(ps)}")
+        if self.n_cells is not None and len(self.cells) + len(batch.pos) > self.n_cells:
+            raise KvError(f"{self.name}: no KV slot for {len(batch.pos)} tokens: {len(self.cells)} of {self.n_cells} "
+                          f"cells held (llama_decode would return 1)")
         shape = (int(batch.pos.min()), len(batch.pos))
         new = [Cell(p, t, set(ids), shape) for p, t, ids in zip(batch.pos.tolist(), batch.tokens.tolist(), batch.seq_ids)]
         self.cells += new

@@ -230,6 +230,10 @@ class Head:
         self._new_run_id = new_run_id       # every generation on one pipeline draws run ids from one counter
         self.accepted: list[int] = []
         self.n_kv0 = 0                      # positions in sequence 0 once every issued transaction is applied
+        # the prompt's runs not launched yet, (nodes, prefix ops), oldest first: the scheduler feeds them (feed); a
+        # run id is drawn at launch, as every stage takes run ids in launch order
+        self.pending: deque[tuple[list[Node], np.ndarray]] = deque()
+        self.prompt_in_flight: set[int] = set()  # run ids of the prompt's runs launched and not yet taken
         self.flights: dict[int, Flight] = {}  # in launch order
         self.chain: list[ChainEntry] = []   # speculation beyond sequence 0 that new micro-batches build on
         self.adjust = 0.0                   # reactive cutoff adjustment
@@ -271,8 +275,9 @@ class Head:
     # ================================================================ the algorithm
 
     def start(self, prompt: list[int], replay: list[int] = (), cached: tuple[int, int] | None = None) -> None:
-        """Launch the prompt, in chunks of prompt_chunk tokens at positions 0, C, 2C, ... (non-speculative runs),
-        then `replay`: tokens this answer already has (streamed before the pipeline was lost), one per run, as they
+        """Plan the prompt's runs, in chunks of prompt_chunk tokens at positions 0, C, 2C, ... (non-speculative
+        runs; the scheduler launches them one by one with feed, between the other generations' tokens), then
+        `replay`: tokens this answer already has (streamed before the pipeline was lost), one per run, as they
         were first decoded, so the cells and every token after them are bit for bit the uninterrupted answer's;
         cfg.n_predict then counts only the tokens after them. cached = (seq, n): positions [0, n) are the cold
         bits of sequence `seq` (core/prefixcache.py), copied instead of decoded."""
@@ -282,9 +287,22 @@ class Head:
         self.stats.n_prompt = len(prompt)
         self._n_prompt = len(prompt) + len(replay)  # where this start's new tokens begin in `accepted`
         self.pipe.set_sampling(self.cfg.sampling, self.top_logprobs)
-        self._launch_prompt(prompt, list(replay), cached)
+        self._plan_prompt(prompt, list(replay), cached)
         if self.drafter is not None:
             self.drafter.prefill(self.accepted)  # while the target's stages process the prompt
+
+    def feed(self) -> None:
+        """Launch the prompt's next run."""
+        nodes, pre_ops = self.pending.popleft()
+        run = TreeRun(self._new_run_id(), nodes)
+        self._launch(Flight(run, speculative=False), pre_ops)
+        self.prompt_in_flight.add(run.run_id)
+        self.n_kv0 = run.nodes[-1].pos + 1
+
+    @property
+    def n_planned(self) -> int:
+        """Positions in sequence 0 once the prompt's pending runs are fed too."""
+        return self.n_kv0 + sum(len(nodes) for nodes, _ in self.pending)
 
     def take(self, res) -> None:
         """One result of this generation's runs: verify and commit it, cancel what it made useless, and keep
@@ -304,7 +322,8 @@ class Head:
     def speculate(self, room: Callable[[], bool] = lambda: True) -> None:
         """Keep the pipeline full while no result is waiting (continuous, asynchronous speculation)."""
         cut = self.cfg.cut
-        while self.pool.n_free > 0 and (not self.pipe.result_ready() or self._single_rank_turn()) and room():
+        while (self.pool.n_free > 0 and not self.pending and (not self.pipe.result_ready() or self._single_rank_turn())
+               and room()):
             if not self.cfg.continuous and any(f.speculative and not f.cancelled for f in self.flights.values()):
                 return
             p_accept = max(0.0, cut.p_accept + self.adjust)
@@ -375,6 +394,7 @@ class Head:
     def handle(self, res) -> None:
         """Verify the oldest run, commit what it proved, cancel what it made useless."""
         fl = self.flights.pop(res.run_id)
+        self.prompt_in_flight.discard(res.run_id)
         verdict, m_before = None, len(self.accepted)
         if not (fl.cancelled or res.cancelled):
             verdict = verify(fl.run, res.tokens, self.accepted)
@@ -404,7 +424,10 @@ class Head:
         self._cancel_useless()
 
     def cover(self) -> None:
-        """Make sure some run in flight predicts the token after the last accepted one."""
+        """Make sure some run in flight predicts the token after the last accepted one (the prompt's last run does,
+        once fed)."""
+        if self.pending:
+            return
         m = len(self.accepted)
         for fl in self.flights.values():
             if not fl.cancelled and any(n.pos == m - 1 and n.row >= 0 and consistent(fl.run, i, self.accepted)
@@ -419,10 +442,10 @@ class Head:
         self._launch_nonspec()
 
     # ================================================================ launching runs
-    def _launch_prompt(self, prompt: list[int], replay: list[int], cached: tuple[int, int] | None) -> None:
+    def _plan_prompt(self, prompt: list[int], replay: list[int], cached: tuple[int, int] | None) -> None:
         """The prompt's chunks after its cached positions (the last row of the last one predicts the next token),
-        then each replayed token alone: a generated token was decoded alone or in a micro-batch within the exact
-        batch limit, which gives the same cells."""
+        then each replayed token alone (a generated token was decoded alone or in a micro-batch within the exact
+        batch limit, which gives the same cells), as runs pending to be fed."""
         self.accepted = list(prompt) + replay
         size, first, pre = self.cfg.prompt_chunk, 0, kv_ops()
         if cached is not None:
@@ -437,8 +460,7 @@ class Head:
             last = i == len(runs) - 1
             nodes = [Node(t, start + k, k - 1, [self.canon], 0 if (last and k == len(chunk) - 1) else -1)
                      for k, t in enumerate(chunk)]
-            self._launch(Flight(TreeRun(self._new_run_id(), nodes), speculative=False), pre if i == 0 else kv_ops())
-        self.n_kv0 = len(self.accepted)
+            self.pending.append((nodes, pre if i == 0 else kv_ops()))
 
     def _launch_nonspec(self) -> None:
         m = len(self.accepted)
@@ -564,7 +586,9 @@ class Head:
             self._prune_chain()
 
     def cancel_all(self) -> None:
-        """Cancel every speculative run in flight (the generation is over)."""
+        """Cancel every speculative run in flight and forget the prompt's runs not launched (the generation is
+        over)."""
+        self.pending.clear()
         left = [rid for rid, fl in self.flights.items() if fl.speculative and not fl.cancelled]
         for rid in left:
             self.flights[rid].cancelled = True

@@ -9,9 +9,11 @@ every stage is busy on work that is certain to be used, and no speculation beats
         if the runs of one more round might not fit the context: collect every run, repack the canonical
             sequences (COMPACT), and go on
         certain work first: every generation keeps its next token covered (Head.take launches it when a result
-            leaves it uncovered); a newcomer's prompt is launched while no result waits, so the others' tokens
-            queued at the stages keep them busy while the prompt holds the head (its chunks are the ones it
-            would take alone: smaller chunks change the numerics, and the answer would differ)
+            leaves it uncovered); the newcomers' prompt chunks go out between those tokens, as many in flight as
+            the pipeline has stages (enough to keep every stage busy on them, few enough that the others' next
+            tokens wait behind at most that many chunks), the newcomer with the fewest chunks left first (a
+            short or mostly cached prompt is not queued behind a long one); its chunks are the ones it would take
+            alone: other chunks change the numerics, and the answer would differ
         speculation only where a stage would otherwise idle: while fewer generations decode than the pipeline
             is deep (pipeline_depth), the oldest one holds the drafter (PipeInfer, with its reactive cutoffs;
             alone, exactly PipeInfer; beside others, only while fewer runs are in flight than that depth); in
@@ -234,9 +236,8 @@ class Scheduler:
         return answer[0]
 
     def step(self) -> None:
-        """One round: admit, compact if needed, speculate where there is room, take a result. A newcomer's prompt
-        starts only while no result waits: every other generation's next token is then queued at the stages and
-        keeps them busy while the prompt holds the head's stage."""
+        """One round: admit (while no result waits), compact if needed, feed prompt chunks, speculate where there
+        is room, take a result."""
         ready = bool(self.gens) and self.pipe.result_ready()
         if not ready:
             self._admit()
@@ -245,6 +246,7 @@ class Scheduler:
         if self._cells_short() and not all(g.head.done for g in self.gens):  # done ones only drain: no new cells
             self._compact()
             return
+        self._feed()
         holder = self._lease()
         if holder is not None and not holder.head.done and self.cfg.mode == "pipeinfer":
             holder.head.speculate(self._room())
@@ -289,11 +291,23 @@ class Scheduler:
         self.stats.admitted_order.append(num)
         start = None
         if self.cache is not None and req.cache_prompt:
-            start = self.cache.find(req.prompt, [(self._canon[h.lane], h.req.prompt) for h in self.gens
-                                                 if h is not g and h.req.cache_prompt])
+            running = {self._canon[h.lane]: h for h in self.gens if h is not g and h.req.cache_prompt}
+            start = self.cache.find(req.prompt, [(seq, h.req.prompt[:h.head.n_planned]) for seq, h in running.items()])
+            if start is not None and start.seq in running:  # the copy must follow the chunks it copies at every stage
+                while running[start.seq].head.n_kv0 < start.n:
+                    running[start.seq].head.feed()
         # in the chunks it takes alone (prompt_chunk, from position 0): other chunks change the numerics
         head.start(req.prompt, req.replay, cached=(start.seq, start.n) if start else None)
         head.stats.t_queue_s = max(0.0, head.stats.t_start_s - req.t_queued_s)
+
+    def _feed(self) -> None:
+        """Launch newcomers' prompt chunks while fewer than the stages are in flight, fewest chunks left first
+        (then the first admitted)."""
+        while True:
+            pending = [g for g in self.gens if g.head.pending]
+            if not pending or sum(len(g.head.prompt_in_flight) for g in self.gens) >= self.n_stages:
+                return
+            min(pending, key=lambda g: len(g.head.pending)).head.feed()
 
     def _cells_short(self, newcomer: int = 0) -> bool:
         """Whether one more round's runs might not fit: a token per generation and the speculation, and the cells a
@@ -302,7 +316,8 @@ class Scheduler:
 
     def _cells_bound(self) -> int:
         """Cells any stage may hold now: the running generations', the finished ones' until a COMPACT, the cache's."""
-        return sum(g.head.n_cells_bound for g in list(self.gens)) + self.n_cells_dead + self.n_cells_cached
+        return (sum(g.head.n_cells_bound + g.head.n_planned - g.head.n_kv0 for g in list(self.gens))  # + unfed chunks
+                + self.n_cells_dead + self.n_cells_cached)
 
     def _compact(self) -> None:
         """Collect every run in flight, then have every stage keep only the canonical sequences of the generations
@@ -373,7 +388,8 @@ class Scheduler:
         depth (pipeline_depth: the stages, or fewer where one stage is slower than the rest)."""
         if self.cfg.mode == "iterative":
             return None
-        decoding = [g for g in self.gens if not g.head.done and not g.req.background]
+        # a newcomer is lent it once its prompt is fed (a drafter's prefill would hold the head from feeding it)
+        decoding = [g for g in self.gens if not g.head.done and not g.req.background and not g.head.pending]
         want = None
         if decoding and (len(decoding) < self.depth or len(self.gens) == 1):  # alone: always (exactly PipeInfer)
             want = decoding[0]
@@ -429,7 +445,8 @@ class Scheduler:
         del self._on_lane[g.lane]
         entry = None
         if self.cache is not None and g.req.cache_prompt:
-            entry, gone = self.cache.add(g.lane, self._canon[g.lane], g.req.prompt, g.head.n_cells_bound,
+            # a generation that ended before its prompt's last chunk went out holds only the chunks launched
+            entry, gone = self.cache.add(g.lane, self._canon[g.lane], g.req.prompt[:g.head.n_kv0], g.head.n_cells_bound,
                                          g.head.accepted[:g.head.n_kv0])
             for e in gone:
                 self._drop(e)
