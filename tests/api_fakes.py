@@ -134,6 +134,12 @@ class ScriptedSession:
         return {"generating": len(self.sched.running), "waiting": 0,
                 **({"prompt_cache": cache_load()} if cache_load else {})}
 
+    def poll_stages(self, waited_s: float = 0.0) -> None:
+        """No pipeline: no stage reports."""
+
+    def stages(self) -> list[dict]:
+        return []
+
     def request(self, prompt, *, n_predict, sampling, prompt_text, chat, on_tokens, should_stop, on_done,
                 decoding=None, on_logprobs=None, cache_prompt=True) -> Request:
         self.requests.append(Request(list(prompt), n_predict, sampling, prompt_text, chat, on_tokens, should_stop,

@@ -29,6 +29,7 @@ SAMPLES = [
     link.Tokens(3, [9, 10]),
     link.Done(3, Stats(n_prompt=3, n_generated=2).to_dict()),
     link.JobError(4, "prompt (5000 tokens) + max tokens (40) does not fit the context"),
+    link.Stages([{"rank": 0, "host": "node-a", "n_decoded": 7, "t_busy_s": 0.25, "t_idle_s": 1.5}]),
 ]
 
 
@@ -53,7 +54,7 @@ def test_a_message_is_one_line_and_decodes_to_itself_on_the_end_that_takes_it(ms
     ("nope", "not a JSON line: Expecting value"),
     ("[1, 2]", 'not a message (an object with an "op")'),
     ('{"id": 3}', 'not a message (an object with an "op")'),
-    ('{"op": "launch", "id": 3}', "unknown op 'launch' (this end takes: ready, tokens, done, error)"),
+    ('{"op": "launch", "id": 3}', "unknown op 'launch' (this end takes: ready, tokens, done, error, stages)"),
     ('{"op": "tokens", "id": 3}', "tokens: field 'tokens' missing"),
     ('{"op": "done", "stats": {}}', "done: field 'id' missing"),
     ('{"op": "tokens", "id": 3, "tokens": [1], "rank": 2}', "tokens: unknown field(s) rank"),
@@ -122,6 +123,7 @@ class FakeScheduler:
     def __init__(self):
         self.waiting: list = []
         self.running: list[FakeRequest] = []
+        self.n_steps = 0
 
     @property
     def busy(self) -> bool:
@@ -139,6 +141,7 @@ class FakeScheduler:
         self.running.append(req)
 
     def step(self) -> None:
+        self.n_steps += 1
         for req in list(self.running):
             if req.should_stop() or len(req.out) == req.n_predict:
                 self.running.remove(req)
@@ -157,12 +160,23 @@ class FakeSession:
 
     def __init__(self):
         self.sched, self.requests = FakeScheduler(), []
+        self.waited_s = 0.0
 
     def scheduler(self) -> FakeScheduler:
         return self.sched
 
     def load(self) -> dict:
         return {"prompt_cache": None}
+
+    def poll_stages(self, waited_s: float = 0.0) -> None:
+        self.waited_s += waited_s
+
+    def stages(self) -> list[dict]:
+        """Two stages whose counters grow with the steps taken (HeadSession.stages' shape)."""
+        n = self.sched.n_steps
+        return [{"rank": r, "host": "box", "n_reports": n, "n_decoded": n, "n_tokens": 2 * n, "n_cancelled_before": 0,
+                 "n_cancelled_mid": 0, "n_kv_txns": 0, "t_busy_s": 0.01 * n, "t_idle_s": self.waited_s,
+                 "bytes_sent": 100 * n} for r in (0, 1)]
 
     def request(self, prompt, *, n_predict, sampling, prompt_text, chat, on_tokens, should_stop, on_done,
                 replay=(), decoding=None, on_logprobs=None, cache_prompt=True) -> FakeRequest:
@@ -211,6 +225,13 @@ def test_the_supervisor_and_rank0_understand_each_other(tmp_path):
         assert outcome(full)[0] == "done" and full.tokens == [letter(i) for i in range(12)]
         assert (session.requests[0].prompt, session.requests[0].sampling, session.requests[0].prompt_text,
                 session.requests[0].chat) == ([1, 2], SamplingParams(0.5, 40, 0.9, 7), "lo ki", True)
+        # the stages' counters come over as they change (Stages, at most every second), the pump's waits as idle
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and not [s for s in sup.load()["stages"] if s["n_decoded"] >= 12]:
+            time.sleep(0.05)
+        stages = sup.load()["stages"]
+        assert [(s["rank"], s["host"]) for s in stages] == [(0, "box"), (1, "box")], stages
+        assert stages[1]["n_decoded"] >= 12 and stages[1]["bytes_sent"] >= 1200 and "n_reports" not in stages[1]
 
         resumed = StdoutJob([1], 10, SamplingParams(), "lo", False, as_json=True)
         rec = _Record(100, resumed, _Answer(resumed, sup.tok), tokens=[letter(0), letter(1), letter(2)])

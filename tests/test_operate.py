@@ -116,6 +116,36 @@ def test_metrics_of_a_supervisor_and_the_stages():
     assert m[("pipeinfer:stage_layers", frozenset({("rank", "1"), ("host", "node-b")}))] == -1
 
 
+def test_metrics_of_the_stages_counters():
+    """Each stage's counters (load()["stages"], HeadSession.stages' shape) as counters by rank and host."""
+    from pipeinfer.server.metrics import ServerMetrics
+    stages = [{"rank": 0, "host": "node-a", "n_reports": 0, "n_decoded": 40, "n_tokens": 90, "n_cancelled_before": 0,
+               "n_cancelled_mid": 0, "n_kv_txns": 0, "t_busy_s": 1.25, "t_idle_s": 3.5, "bytes_sent": 123_456},
+              {"rank": 1, "host": "node-b", "n_reports": 7, "n_decoded": 38, "n_tokens": 85, "n_cancelled_before": 2,
+               "n_cancelled_mid": 1, "n_kv_txns": 4, "t_busy_s": 2.5, "t_idle_s": 2.0, "bytes_sent": 800}]
+
+    class Gen:
+        parallel, fatal, on_done = 2, None, None
+
+        def load(self):
+            return {"queued": 0, "generating": 1, "stages": stages}
+    m = metrics_of(ServerMetrics(Gen()).exposition().decode())
+
+    def at(name, rank, host, **more):
+        return m[(f"pipeinfer:{name}", frozenset({("rank", str(rank)), ("host", host), *more.items()}))]
+    assert at("stage_busy_seconds_total", 1, "node-b") == 2.5 and at("stage_busy_seconds_total", 0, "node-a") == 1.25
+    assert at("stage_idle_seconds_total", 1, "node-b") == 2.0
+    assert at("stage_decodes_total", 1, "node-b") == 38 and at("stage_batch_tokens_total", 0, "node-a") == 90
+    assert at("stage_cancelled_total", 1, "node-b", when="before") == 2
+    assert at("stage_cancelled_total", 1, "node-b", when="mid") == 1
+    assert at("link_sent_bytes_total", 0, "node-a") == 123_456
+    from prometheus_client.parser import text_string_to_metric_families
+    types = {f.name: f.type for f in text_string_to_metric_families(ServerMetrics(Gen()).exposition().decode())}
+    assert all(types[f"pipeinfer:{n}"] == "counter" for n in ("stage_busy_seconds", "stage_idle_seconds",
+                                                              "stage_decodes", "stage_batch_tokens",
+                                                              "stage_cancelled", "link_sent_bytes"))
+
+
 # ------------------------------------------------------------------------------------ keys
 @pytest.fixture(scope="module")
 def keyed():

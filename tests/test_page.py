@@ -89,7 +89,7 @@ def test_state_shape_and_its_numbers_move(client):
     s = client.get("/state").json()
     assert {"model", "status", "phase", "cluster", "load", "activity", "events", "busy", "busy_note", "lost",
             "reforms", "n_ranks", "parallel"} <= set(s)
-    assert s["model"] == "fake" and s["status"] == "ok" and s["busy"] is None and "n/a" in s["busy_note"]
+    assert s["model"] == "fake" and s["status"] == "ok" and s["busy"] is None and "llama_decode" in s["busy_note"]
     assert {"queued", "generating", "runs_in_flight"} <= set(s["load"])
     a = s["activity"]
     assert len(a["history"]) == 60 and {"tokens_per_s", "tokens_total", "requests_done", "acceptance"} <= set(a)
@@ -130,6 +130,49 @@ def test_the_cluster_of_a_head_session():
                                                                                          "its own rank (2)")
 
 
+def _stage(rank: int, host: str, busy: float, idle: float, n: int = 1) -> dict:
+    """One stage's counters as HeadSession.stages() gives them."""
+    return {"rank": rank, "host": host, "n_reports": n, "n_decoded": n, "n_tokens": 3 * n, "n_cancelled_before": 1,
+            "n_cancelled_mid": 0, "n_kv_txns": 0, "t_busy_s": busy, "t_idle_s": idle, "bytes_sent": 1000 * n}
+
+
+def test_busy_share_from_two_readings():
+    from pipeinfer.server.state import busy_share
+    old, new = _stage(1, "h", 2.0, 6.0), _stage(1, "h", 5.0, 7.0)
+    assert busy_share(old, new) == 0.75          # 3 s busy, 1 s idle in between
+    assert busy_share(None, new) == round(5 / 12, 3)  # no earlier reading: since the stage started
+    assert busy_share(new, new) is None          # nothing moved
+    assert busy_share(_stage(1, "h", 0.0, 1.0), _stage(1, "h", 0.0, 4.0)) == 0.0
+    assert busy_share(new, _stage(1, "h", 1.0, 1.0)) == 0.5  # counters below the old ones (a new job): since it began
+
+
+def test_busy_window_takes_the_reading_about_a_window_old():
+    from pipeinfer.server.state import BusyWindow
+    w = BusyWindow(window_s=5.0)
+    assert w.shares([_stage(1, "h", 1.0, 1.0)], now=100.0) == {(1, "h"): 0.5}   # the first: since the start
+    assert w.shares([_stage(1, "h", 2.0, 2.0)], now=102.0)[(1, "h")] == 0.5      # 2 s so far: against the first
+    w.shares([_stage(1, "h", 5.0, 2.0)], now=106.0)
+    w.shares([_stage(1, "h", 5.0, 3.0)], now=108.0)
+    # at 112 the newest reading at least 5 s old is 106's: 0 busy, 3 idle since then
+    assert w.shares([_stage(1, "h", 5.0, 5.0)], now=112.0)[(1, "h")] == 0.0
+    assert w.shares([_stage(1, "h", 9.0, 5.0)], now=114.0)[(1, "h")] == pytest.approx(4 / 6, abs=1e-3)  # since 108
+
+
+def test_each_rank_shows_its_stage_and_busy_share():
+    session = _head_session()
+    stages = [_stage(0, "alpha", 1.0, 3.0), _stage(1, "beta", 3.0, 1.0, n=4)]
+    gen = _generator(session=session)
+    gen.load = lambda: {"queued": 0, "generating": 1, "runs_in_flight": 2, "stages": stages}
+    state = ClusterState(ServeConfig("m", 512, 4, 64), gen)
+    s = state.snapshot()
+    assert s["busy"] == [{"rank": 0, "host": "alpha", "busy_share": 0.25}, {"rank": 1, "host": "beta", "busy_share": 0.75}]
+    r1 = s["cluster"]["hosts"][1]["ranks"][0]
+    assert r1["stage"]["n_decoded"] == 4 and r1["stage"]["bytes_sent"] == 4000 and r1["stage"]["busy_share"] == 0.75
+    stages[1] = _stage(1, "beta", 3.0, 5.0, n=5)  # a second reading: idle since the first
+    s = state.snapshot()
+    assert s["busy"][1]["busy_share"] == 0.0 and s["busy"][0]["busy_share"] is None  # rank 0: nothing moved
+
+
 def _supervisor(tmp_path, phase="serving"):
     from pipeinfer.server.supervisor import Supervisor
     sup = Supervisor(["localhost", "localhost"], Config("t.gguf", mode="iterative"), tok=None,
@@ -160,6 +203,25 @@ def test_the_cluster_of_a_supervisor_and_its_lost_rank(tmp_path):
     lost = [r for h in s["cluster"]["hosts"] for r in h["ranks"] if r["lost"]]
     assert len(lost) == 1 and lost[0]["reason"] == "rank 1 (host box)" and s["cluster"]["stale"]
     assert s["n_ranks"] == 1
+
+
+def test_a_supervisors_stage_counters_never_go_back_across_a_re_form(tmp_path):
+    """Rank 0's Stages of each job add up by (rank, host): a re-formed job's stages count from zero; a late Stages
+    of the job before is ignored; a stage the new job lacks keeps its last total."""
+    sup = _supervisor(tmp_path)
+    first, second = object(), object()
+    sup.stage_totals.new_job(first)
+    sup.stage_totals.take(first, [_stage(0, "box", 1.0, 2.0, n=10), _stage(1, "box", 4.0, 1.0, n=10)])
+    assert [(s["rank"], s["n_decoded"], s["t_busy_s"]) for s in sup.load()["stages"]] == [(0, 10, 1.0), (1, 10, 4.0)]
+    sup.stage_totals.new_job(second)  # rank 1 (host box) lost: the job re-forms on rank 0 alone
+    sup.stage_totals.take(first, [_stage(0, "box", 9.0, 9.0, n=99)])  # the old job's reader, late: ignored
+    sup.stage_totals.take(second, [_stage(0, "box", 0.5, 0.5, n=2)])
+    totals = {s["rank"]: s for s in sup.load()["stages"]}
+    assert (totals[0]["n_decoded"], totals[0]["t_busy_s"]) == (12, 1.5) and totals[1]["n_decoded"] == 10
+    assert "n_reports" not in totals[0]
+    sup.ready = link.Ready(1, 1, [("box", 13)], [2**31], [(0, 4)], [2])
+    s = ClusterState(ServeConfig("m", 512, 4, 64), sup).snapshot()
+    assert s["busy"] == [{"rank": 0, "host": "box", "busy_share": 0.375}]  # the current job's one stage: 1.5 busy, 2.5 idle
 
 
 def test_ready_carries_the_layers_and_threads_and_older_lines_still_decode():

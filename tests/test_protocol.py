@@ -18,7 +18,7 @@ def test_frozen_tags():
     assert {m.name: int(m) for m in Tag} == {"BEGIN": 1, "META": 2, "ACTIV": 3, "KV": 5, "CANCEL": 6,
                                              "SAMPLING": 7, "TOKENS": 8, "DRAFT_CTRL": 9,
                                              "PROPOSAL": 10, "RULES": 11,
-                                             "LOGPROBS": 12}  # 4 (LOGITS, protocol 2) is retired
+                                             "LOGPROBS": 12, "STAGE_STATS": 13}  # 4 (LOGITS, protocol 2) is retired
 
 
 def test_frozen_draft_layouts():
@@ -43,11 +43,43 @@ def test_frozen_kv_ops():
 
 
 def test_frozen_header_layout():
-    assert protocol.PROTOCOL_VERSION == 5
+    assert protocol.PROTOCOL_VERSION == 6
     assert HEADER_LEN == 9 and NO_RUN == -1
     assert (protocol.H_KIND, protocol.H_RUN, protocol.H_N_TOKENS, protocol.H_N_META, protocol.H_FLAGS,
             protocol.H_PARENT, protocol.H_N_OUTPUTS, protocol.H_N_EMBD, protocol.H_N_RULES) == tuple(range(9))
     assert (protocol.SAMPLING_LEN, protocol.RULES_HEAD, protocol.MAX_TOP_LOGPROBS) == (5, 3, 20)
+
+
+def test_frozen_stage_stats_layout():
+    assert protocol.STATS_FIELDS == ("rank", "n_reports", "n_decoded", "n_tokens", "n_cancelled_before",
+                                     "n_cancelled_mid", "n_kv_txns", "t_busy_s", "t_idle_s", "bytes_sent")
+    assert protocol.STATS_LEN == 10 and protocol.STAGE_COUNTERS == protocol.STATS_FIELDS[2:]
+
+
+# ---------------------------------------------------------------- STAGE_STATS
+def test_stage_report_round_trip():
+    rep = protocol.StageReport(3, n_reports=7, n_decoded=120, n_tokens=2**40 + 1, n_cancelled_before=4,
+                               n_cancelled_mid=2, n_kv_txns=9, t_busy_s=12.5, t_idle_s=0.125, bytes_sent=6_291_456)
+    buf = rep.pack()
+    assert buf.dtype == np.float64 and buf.shape == (protocol.STATS_LEN,)
+    assert buf.tolist()[:3] == [3.0, 7.0, 120.0]
+    back = protocol.StageReport.unpack(buf, 3)
+    assert back == rep and type(back.n_tokens) is int and type(back.t_busy_s) is float
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda b: b[:-1], "malformed"),
+    (lambda b: b.astype(np.float32), "malformed"),
+    (lambda b: np.where(np.arange(len(b)) == 7, -1.0, b), "negative or non-finite"),
+    (lambda b: np.where(np.arange(len(b)) == 8, np.nan, b), "negative or non-finite"),
+    (lambda b: np.where(np.arange(len(b)) == 2, 1.5, b), "not whole"),
+    (lambda b: np.where(np.arange(len(b)) == 0, 2.0, b), "of rank 2"),
+    (lambda b: np.where(np.arange(len(b)) == 1, 0.0, b), "report 0"),
+])
+def test_a_malformed_stage_report_is_refused(change, why):
+    buf = protocol.StageReport(1, n_reports=1, n_decoded=5, t_busy_s=1.0).pack()
+    with pytest.raises(protocol.ProtocolError, match=why):
+        protocol.StageReport.unpack(change(buf), 1)
 
 
 # ---------------------------------------------------------------- HEADER

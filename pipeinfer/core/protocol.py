@@ -12,6 +12,7 @@ the header announces, each on its kind's own tag (the paper's design):
     SAMPLING(rank r -> r+1):  | HEADER | SAMPLING i64[5] on TAG_SAMPLING |
     SHUTDOWN(rank r -> r+1):  | HEADER |
     CANCEL  (out of band, comm_cancel, last -> ... -> 1): i32[k] run ids on TAG_CANCEL
+    STAGE_STATS (out of band, comm_cancel, stage r -> 0): f64[STATS_LEN] on TAG_STAGE_STATS, a StageReport
 
 Why the order holds: MPI does not let two messages with the same (sender, receiver, communicator, tag)
 overtake each other. Headers all travel on TAG_BEGIN, so a stage reads transaction headers in exactly
@@ -19,6 +20,10 @@ the order its predecessor issued them. A stage handles one transaction at a time
 reads that transaction's payloads before the next header; the payloads of one kind travel on one tag
 in the same order as their headers, so the next message on TAG_META is always this transaction's.
 Each stage forwards transactions in the order it handled them, so every stage sees the head's order.
+A STAGE_STATS report travels on its own tag, which no other receive takes (every receive names its tag and source),
+so it never stands in the way of a transaction or a cancellation: a stage sends one at most every REPORT_EVERY_S
+while it serves, rank 0 takes them whenever it polls and, at shutdown, every one up to the count the stage's final
+statistics give.
 Cancelled runs still pass a DECODE header (flag CANCELLED, no payload) so positions in the stream and
 the head's FIFO of results stay aligned.
 
@@ -43,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class ProtocolError(ValueError):
@@ -62,6 +67,7 @@ class Tag(enum.IntEnum):
     PROPOSAL = 10  # drafter -> head: PROPOSAL layout
     RULES = 11     # head -> last stage: RULES layout, i32[n_rules]
     LOGPROBS = 12  # RESULT: LOGPROBS layout, i32[n_outputs, n_embd]
+    STAGE_STATS = 13  # stage -> head (on comm_cancel): StageReport, f64[STATS_LEN]
 
 
 class Kind(enum.IntEnum):
@@ -419,6 +425,48 @@ def cp(src: int, dst: int, p0: int = -1, p1: int = -1) -> tuple[int, int, int, i
 
 def compact(seq: int) -> tuple[int, int, int, int, int]:
     return (KvOp.COMPACT, seq, -1, -1, -1)
+
+
+# STAGE_STATS: f64[STATS_LEN], StageReport's fields in declaration order (counts are whole numbers, exact in f64)
+REPORT_EVERY_S = 1.0  # a stage reports at most this often (and only what changed)
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """A stage's running counters (worker.StageStats' names) as rank 0 takes them while the pipeline serves."""
+    rank: int
+    n_reports: int = 0            # reports this stage has sent, this one included (rank 0 takes all at shutdown)
+    n_decoded: int = 0            # runs decoded to the end
+    n_tokens: int = 0             # tokens in those runs' batches
+    n_cancelled_before: int = 0   # runs skipped: cancelled before this stage started them
+    n_cancelled_mid: int = 0      # runs aborted in the middle of their decode
+    n_kv_txns: int = 0            # KV transactions applied
+    t_busy_s: float = 0.0         # time inside llama_decode
+    t_idle_s: float = 0.0         # time waiting for a transaction (rank 0: for a result or a request)
+    bytes_sent: int = 0           # pipeline bytes this rank sent (reports not counted)
+
+    def pack(self) -> np.ndarray:
+        return np.array([getattr(self, f) for f in STATS_FIELDS], dtype=np.float64)
+
+    @classmethod
+    def unpack(cls, buf: np.ndarray, source: int) -> "StageReport":
+        """The report `source` sent; ProtocolError for anything malformed or not its own."""
+        if not isinstance(buf, np.ndarray) or buf.shape != (STATS_LEN,) or buf.dtype != np.float64:
+            raise ProtocolError(f"malformed STAGE_STATS: {getattr(buf, 'shape', None)} {getattr(buf, 'dtype', None)}")
+        if not (np.isfinite(buf).all() and (buf >= 0).all()):
+            raise ProtocolError(f"STAGE_STATS with a negative or non-finite value: {buf.tolist()}")
+        values = dict(zip(STATS_FIELDS, buf.tolist()))
+        whole = [f for f in STATS_FIELDS if f not in _STATS_SECONDS]
+        if any(values[f] != int(values[f]) for f in whole) or values["rank"] != source or values["n_reports"] < 1:
+            raise ProtocolError(f"STAGE_STATS of rank {values['rank']:g}, report {values['n_reports']:g} from rank "
+                                f"{source}, or a count that is not whole")
+        return cls(**{f: v if f in _STATS_SECONDS else int(v) for f, v in values.items()})
+
+
+STATS_FIELDS = tuple(StageReport.__dataclass_fields__)
+STATS_LEN = len(STATS_FIELDS)
+STAGE_COUNTERS = STATS_FIELDS[2:]  # what only grows while a stage serves (not rank, n_reports)
+_STATS_SECONDS = frozenset({"t_busy_s", "t_idle_s"})
 
 
 # ---------------------------------------------------------------- the draft beside the pipeline (draftahead.py)

@@ -3,9 +3,17 @@
 With one rank the head holds the whole model and a run's result is ready as soon as it is launched.
 With N ranks the head decodes the first stage at launch (synchronously, as in the paper) and sends the
 hidden states on; results come back from the last rank in launch order (a FIFO of run ids).
+
+The stages' live counters: each stage rank reports them out of band (STAGE_STATS, protocol.StageReport);
+`poll_reports`, called by the generation thread between steps and while it waits for a result, takes the
+reports waiting (at most every POLL_REPORTS_S) and refreshes `reports`, rank 0's own stage first (its decodes
+timed here; its idle time is its wait for results plus what the front end reports it waited for a request).
+Other threads read `reports`: a dict replaced whole, never changed in place. `drain_reports` takes every report
+left at shutdown.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -15,6 +23,7 @@ import numpy as np
 from ..core.protocol import (
     HEAD_KINDS,
     NO_RUN,
+    STATS_LEN,
     Batch,
     Flag,
     Header,
@@ -22,6 +31,7 @@ from ..core.protocol import (
     Limits,
     ProtocolError,
     RowRules,
+    StageReport,
     Tag,
     check_header,
     check_tokens,
@@ -34,6 +44,9 @@ from ..core.verify import SamplingParams
 if TYPE_CHECKING:  # llama.cpp and MPI stay unimported where only the interface is used (the twin, twin.py)
     from ..engine.stage import StageEngine, TokenEmbedder
     from ..wire.transport import Transport
+
+POLL_REPORTS_S = 0.25   # rank 0 looks for its stages' reports at most this often (they come at most once a second)
+DRAIN_TIMEOUT_S = 60.0  # at shutdown, every report a stage sent is due at once (its sends completed before)
 
 
 @dataclass
@@ -58,6 +71,12 @@ class Pipeline:
         self.top_logprobs: int | None = None
         self._local: deque[Result] = deque()   # single-rank results
         self.last = topo.n_ranks - 1
+        self.n_decoded = 0                     # rank 0's own stage: runs decoded, their tokens, time in llama_decode
+        self.n_tokens = 0
+        self.t_busy_s = 0.0
+        self.t_wait_requests_s = 0.0           # time the front end waited for a request with nothing to do
+        self.reports: dict[int, StageReport] = {}  # the latest counters of each rank (rank 0's own included)
+        self._t_polled = -POLL_REPORTS_S
 
     @property
     def distributed(self) -> bool:
@@ -69,13 +88,20 @@ class Pipeline:
         last stage, which applies them before it draws the rows' tokens."""
         flags = Flag.SPECULATIVE if speculative else Flag.NONE
         self.engine.apply_kv_ops(batch.prefix_ops)
+        self.n_decoded += 1
+        self.n_tokens += batch.n_tokens
         if not self.distributed:
+            t0 = time.perf_counter()
             tokens, logprobs = self.engine.decode_tokens(batch, None, self.sampling, rules, self.top_logprobs)
+            self.t_busy_s += time.perf_counter() - t0
             self._local.append(Result(run_id, False, tokens, None if logprobs is None else unpack_logprobs(logprobs)))
         else:
             meta = batch.pack_meta()
             packed = rules.pack(batch.n_outputs) if rules is not None else None
-            hidden = self.engine.decode(batch, self.embedder(batch.tokens))
+            embd = self.embedder(batch.tokens)
+            t0 = time.perf_counter()
+            hidden = self.engine.decode(batch, embd)
+            self.t_busy_s += time.perf_counter() - t0
             hdr = Header(Kind.DECODE, run_id, batch.n_tokens, len(meta), flags, parent_id, batch.n_outputs,
                          hidden.shape[1], 0 if packed is None else len(packed))
             self.tx.send(1, hdr, (Tag.META, meta), (Tag.ACTIV, hidden))
@@ -114,7 +140,7 @@ class Pipeline:
         if not self.distributed:
             res = self._local.popleft()
         else:
-            hdr = self.tx.wait_header(self.last)
+            hdr = self.tx.wait_header(self.last, while_idle=self.poll_reports)
             try:
                 if self.limits is not None:
                     check_header(hdr, self.limits, HEAD_KINDS, self._last_result)
@@ -144,3 +170,46 @@ class Pipeline:
         if self.distributed:
             self.tx.send(1, Header(Kind.SHUTDOWN))
             self.tx.flush()
+
+    # ---------------------------------------------------------------- the stages' counters
+    def own_report(self) -> StageReport:
+        """Rank 0's own stage now (call it on the generation thread: the transport's wait is read live)."""
+        waited = self.tx.waited_s() if self.tx is not None else 0.0
+        return StageReport(0, n_decoded=self.n_decoded, n_tokens=self.n_tokens, t_busy_s=self.t_busy_s,
+                           t_idle_s=waited + self.t_wait_requests_s,
+                           bytes_sent=self.tx.bytes_sent if self.tx is not None else 0)
+
+    def poll_reports(self, waited_s: float = 0.0) -> None:
+        """The generation thread's look at the stages: add waited_s (time the front end just waited for a request)
+        to rank 0's idle time; at most every POLL_REPORTS_S, take every report waiting from each stage (the
+        newest counts) and refresh `reports`. Never blocks."""
+        self.t_wait_requests_s += waited_s
+        now = time.perf_counter()
+        if now - self._t_polled < POLL_REPORTS_S:
+            return
+        self._t_polled = now
+        self._take_reports()
+
+    def _take_reports(self) -> None:
+        reports = {**self.reports, 0: self.own_report()}
+        for rank in range(1, self.topo.n_ranks):
+            while (buf := self.tx.take_report(rank, STATS_LEN)) is not None:
+                try:
+                    reports[rank] = StageReport.unpack(buf, rank)
+                except ProtocolError as e:
+                    from ..wire.transport import bad_message  # mpi4py: not imported where the twin runs
+                    raise bad_message(rank, e) from None
+        self.reports = reports
+
+    def drain_reports(self, sent: dict[int, int], poll_s: float) -> None:
+        """At shutdown: take the reports left until each rank's count in `sent` (its StageStats.n_reports), so that
+        no message stays unreceived; each was sent before the stage ended, so they are all due at once."""
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while True:
+            self._take_reports()
+            short = {r: n for r, n in sent.items() if n and (r not in self.reports or self.reports[r].n_reports < n)}
+            if not short:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"stage reports missing at shutdown (rank: reports sent): {short}")
+            time.sleep(poll_s)

@@ -1,5 +1,6 @@
 """Rank 0's end of a loaded pipeline, the API every front end uses: requests go into the one generation loop
-(scheduler.py), one at a time (`generate`) or several at once (`scheduler()` + `request`), and `close` shuts the
+(scheduler.py), one at a time (`generate`) or several at once (`scheduler()` + `request`), `poll_stages` and
+`stages` give every stage's live counters (pipeline.py: the stages' STAGE_STATS reports), and `close` shuts the
 pipeline down and gathers every rank's statistics. startup.open_session makes it."""
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ..core.decoding import Decoding
 from ..core.kvplan import PartitionPool, garbage_seq
 from ..core.metrics import Stats
 from ..core.topology import LayerRange
+from ..wire.hosts import host_name
 from ..wire.transport import polite_barrier
 from .head import GenConfig
 from .rules import RunRules
@@ -87,7 +89,19 @@ class HeadSession:
                 "runs_in_flight": len(self.pipe.in_flight),
                 "partitions_free": self.pool.n_free if self.pool else 0,
                 "partitions": self.pool.n_partitions if self.pool else 0,
-                "prompt_cache": sched.cache_load() if sched else None}
+                "prompt_cache": sched.cache_load() if sched else None, "stages": self.stages()}
+
+    def poll_stages(self, waited_s: float = 0.0) -> None:
+        """On the generation thread, between steps (server/pump.py): take the stages' reports that came, and count
+        waited_s (the front end's wait for a request) as rank 0's idle time."""
+        self.pipe.poll_reports(waited_s)
+
+    def stages(self) -> list[dict]:
+        """Every stage's counters as last taken (read from any thread), rank order: protocol.StageReport's fields
+        and the rank's host; a stage not heard from yet is left out."""
+        hosts = [h for h, _pid in self.live.hosts] if self.live is not None else [host_name()]
+        return [{**vars(rep), "host": hosts[r] if r < len(hosts) else ""}
+                for r, rep in sorted(self.pipe.reports.items())]
 
     def request(self, prompt: list[int], *, n_predict: int | None = None, sampling=None, prompt_text: str | None = None,
                 chat: bool = False, on_tokens=None, on_progress=None, should_stop=None, on_done=None,
@@ -115,12 +129,16 @@ class HeadSession:
         from .worker import StageStats
         head_stage = StageStats(rank=0, n_decoded=self._n_runs, t_idle_s=self.transport.t_wait_s if self.transport else 0.0,
                                 kv=self.engine.kv_summary(exclude=garbage_seq(self.n_seq_max)),
-                                bytes_sent=self.transport.bytes_sent if self.transport else 0)
+                                bytes_sent=self.transport.bytes_sent if self.transport else 0,
+                                n_tokens=self.pipe.n_tokens, t_busy_s=self.pipe.t_busy_s)
         self.pipe.shutdown()
         if self.beside is not None:
             self.beside.close()
         polite_barrier(self.comm, self.config.poll_s)
         stage_stats = self.comm.gather(None, root=0)[1:]
+        # every report a stage sent while serving is received before any stage goes on to end (and finalize MPI)
+        self.pipe.drain_reports({s["rank"]: s["n_reports"] for s in stage_stats}, self.config.poll_s)
+        polite_barrier(self.comm, self.config.poll_s)
         rss = self.comm.gather(peak_rss_mb(), root=0)
         if self.live is not None:
             self.live.close()

@@ -235,6 +235,7 @@ def _serve_stage(config: Config, ranks: _Ranks, stage: _Stage) -> None:
     stats = StageWorker(stage.topo, stage.engine, stage.transport, stage.limits).serve()
     polite_barrier(comm, config.poll_s)
     comm.gather(vars(stats), root=0)
+    polite_barrier(comm, config.poll_s)  # rank 0 has taken every report this stage sent (HeadSession.close)
     comm.gather(peak_rss_mb(), root=0)
     ranks.live.close()
     stage.engine.close()

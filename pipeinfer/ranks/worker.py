@@ -4,7 +4,10 @@ Handles transactions from the previous rank strictly in arrival order (which is 
 see protocol.py) and forwards each one to the next rank; the last stage sends DECODE results back to
 the head: one token id per output row. Cancellation arrives out of band from the next rank (the signal
 travels backwards: head -> last stage -> ... -> rank 1), is recorded in a bounded set, relayed, and
-checked before a run starts and by llama.cpp's abort callback while it decodes.
+checked before a run starts and by llama.cpp's abort callback while it decodes. While it serves, the stage
+reports its counters to rank 0 out of band (STAGE_STATS: at most every REPORT_EVERY_S, between transactions or
+while it waits, never mid-decode, only when they changed; a waiting stage's idle time grows, so an idle stage
+reports too, and the page shows it idle rather than as busy as it last was).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from ..core.kvplan import garbage_seq
 from ..core.metrics import rss_mb
 from ..core.protocol import (
     NO_RUN,
+    REPORT_EVERY_S,
     WORKER_KINDS,
     Batch,
     Flag,
@@ -26,6 +30,7 @@ from ..core.protocol import (
     ProtocolError,
     RowRules,
     SAMPLING_LEN,
+    StageReport,
     Tag,
     check_header,
     check_kv_ops,
@@ -51,6 +56,7 @@ class StageStats:
     t_busy_s: float = 0.0          # time inside llama_decode
     t_idle_s: float = 0.0          # time waiting for a transaction
     bytes_sent: int = 0            # bytes this rank sent on (to the next rank; the last one: to the head)
+    n_reports: int = 0             # STAGE_STATS reports sent to rank 0 while serving (it takes them all at shutdown)
     kv: list = None                # [seq, min pos, max pos] of non-empty sequences at shutdown
     rss_trace_mb: dict = field(default_factory=dict)  # RSS (MiB) when decoding first reached position 250 k, by k x 250
 
@@ -67,6 +73,8 @@ class StageWorker:
         self._newest_run = -1
         self.sampling = SamplingParams()  # the last stage's rule for each output row's token (SAMPLING)
         self.top_logprobs: int | None = None  # ... and the log-probabilities it reports of each (SAMPLING)
+        self._reported: tuple | None = None   # the counters of the last report sent (nothing new: nothing sent)
+        self._t_report = time.perf_counter()  # when it was sent (or serving began)
 
     def _take_cancels(self) -> None:
         ids = self.tx.poll_cancel(self.topo.next_rank)  # for the last stage, next_rank is the head
@@ -75,10 +83,31 @@ class StageWorker:
             if self.topo.rank > 1:
                 self.tx.send_cancel(self.topo.prev_rank, ids)  # relay backwards, never to the head
 
+    def _idle(self) -> None:
+        """Between probes while waiting for a transaction."""
+        self._take_cancels()
+        self._report()
+
+    def _report(self) -> None:
+        """Send rank 0 the counters (STAGE_STATS) if REPORT_EVERY_S has passed since the last report, something
+        changed, and the last report's send has completed; else nothing (never waits)."""
+        now = time.perf_counter()
+        if now - self._t_report < REPORT_EVERY_S:
+            return
+        st = self.stats
+        counters = (st.n_decoded, st.n_tokens, st.n_cancelled_before, st.n_cancelled_mid, st.n_kv_txns, st.t_busy_s,
+                    self.tx.waited_s(), self.tx.bytes_sent)
+        if counters == self._reported:
+            return
+        report = StageReport(self.topo.rank, st.n_reports + 1, *counters)  # StageReport's order after n_reports
+        if self.tx.post_report(0, report.pack()):
+            st.n_reports, self._reported, self._t_report = report.n_reports, counters, now
+
     def serve(self) -> StageStats:
         prev, nxt = self.topo.prev_rank, self.topo.next_rank
         while True:
-            hdr = self.tx.wait_header(prev, while_idle=self._take_cancels)
+            self._report()
+            hdr = self.tx.wait_header(prev, while_idle=self._idle)
             self._check(hdr)
             self._take_cancels()
             if hdr.kind == Kind.SHUTDOWN:

@@ -5,19 +5,21 @@ The messages each way are link.py's (one JSON line each; the HTTP front end, the
 request's state stay in the supervisor, which outlives this MPI job): rank 0 says Ready when it attaches, takes
 Job, Cancel and Stop, and answers each job with Tokens as they come and Done (or JobError where it refuses it).
 Ready and every Done carry the prompt cache's numbers (session.load()["prompt_cache"]) for the supervisor's
-/health and /metrics.
+/health and /metrics; Stages carries the stages' counters (session.stages()) when they changed, at most every
+link.STAGES_EVERY_S, from the pump's tick (the generation thread takes the stages' reports there).
 """
 from __future__ import annotations
 
 import os
 import queue
 import threading
+import time
 
 from ..core.decoding import Decoding
 from ..core.verify import SamplingParams
 from ..wire.hosts import host_name
 from ..wire.liveness import available_memory
-from .link import Cancel, Done, Job, JobError, Link, Ready, Stop, Tokens
+from .link import STAGES_EVERY_S, Cancel, Done, Job, JobError, Link, Ready, Stages, Stop, Tokens
 from .pump import pump
 
 
@@ -49,7 +51,31 @@ def run_attached(session, path: str, stop) -> None:
                     [(r.start, r.end) for r in session.ranges], getattr(session, "threads", None),
                     _prompt_cache(session)))
     pump(sched, inbox, lambda msg: _submit(session, sched, link, msg, cancelled, stop),
-         ends=lambda msg: msg is None or isinstance(msg, Stop), stop_requested=lambda: stop.requested)
+         ends=lambda msg: msg is None or isinstance(msg, Stop), stop_requested=lambda: stop.requested,
+         tick=_StageRelay(session, link))
+
+
+class _StageRelay:
+    """The pump's tick: the session takes its stages' reports; their counters go to the supervisor (Stages) when
+    they changed, at most every STAGES_EVERY_S."""
+
+    def __init__(self, session, link: Link):
+        self.session, self.link = session, link
+        self.t_sent, self.sent = -STAGES_EVERY_S, None
+
+    def __call__(self, waited_s: float) -> None:
+        self.session.poll_stages(waited_s)
+        now = time.monotonic()
+        if now - self.t_sent < STAGES_EVERY_S:
+            return
+        self.t_sent = now
+        stages = self.session.stages()
+        if stages and stages != self.sent:
+            try:
+                self.link.send(Stages(stages))
+            except OSError:
+                return  # the supervisor is gone: the reader ends the pump
+            self.sent = stages
 
 
 def _prompt_cache(session) -> dict | None:

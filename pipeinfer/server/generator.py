@@ -49,7 +49,8 @@ class Generator:
         self.thread.join()
 
     def load(self) -> dict:
-        """For /health: what waits and what the pipeline holds now (a snapshot read from another thread)."""
+        """For /health, /metrics and /state: what waits and what the pipeline holds now, every stage's counters
+        (HeadSession.stages) included (a snapshot read from another thread)."""
         load = self.session.load()
         return {"queued": self.jobs.qsize() + load.pop("waiting"), **load}
 
@@ -64,7 +65,7 @@ class Generator:
         sched = self.session.scheduler()
         running: dict[int, Job] = {}
         try:
-            pump(sched, self.jobs, lambda job: self._admit(sched, job, running))
+            pump(sched, self.jobs, lambda job: self._admit(sched, job, running), tick=self.session.poll_stages)
         except Exception as e:
             self._fail(e, list(running.values()))
 

@@ -7,7 +7,7 @@ token, and a line of it reads as it is in a log.
 
     supervisor -> rank 0:  Job (op "job"), Cancel ("cancel"), Stop ("stop")
     rank 0 -> supervisor:  Ready ("ready", once, when it attaches), Tokens ("tokens"), Done ("done"),
-                           JobError ("error": a job rank 0 refused)
+                           JobError ("error": a job rank 0 refused), Stages ("stages": the stages' counters)
 
 A line that is not one of these (not JSON, an unknown op, a field missing, unknown or of the wrong type) raises
 LinkError with one line saying which.
@@ -116,9 +116,20 @@ class JobError:
     message: str
 
 
+@dataclass(frozen=True)
+class Stages:
+    """Every stage's counters as rank 0 has them (HeadSession.stages: rank, host and protocol.StageReport's fields,
+    counted since this job started), for the supervisor's /metrics and /state; sent when they changed, at most
+    every STAGES_EVERY_S."""
+    op: ClassVar[str] = "stages"
+    stages: list[dict]
+
+
+STAGES_EVERY_S = 1.0
+
 TO_RANK0 = (Job, Cancel, Stop)
-TO_SUPERVISOR = (Ready, Tokens, Done, JobError)
-Message = Union[Job, Cancel, Stop, Ready, Tokens, Done, JobError]
+TO_SUPERVISOR = (Ready, Tokens, Done, JobError, Stages)
+Message = Union[Job, Cancel, Stop, Ready, Tokens, Done, JobError, Stages]
 BY_OP: dict[str, type] = {cls.op: cls for cls in (*TO_RANK0, *TO_SUPERVISOR)}
 _HINTS = {cls: typing.get_type_hints(cls) for cls in BY_OP.values()}  # each field's type, read once
 

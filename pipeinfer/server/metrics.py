@@ -9,8 +9,12 @@ Where the numbers come from, at no cost per token:
 - at scrape time, what /health reads (generator.load(): generating, queued, runs in flight, KV partitions; the
   prompt cache's entries, tokens, hits and tokens reused and the KV cells in use, `prompt_cache`: a supervised
   server's as rank 0 last reported them; the supervisor's re-forms and lost hosts) and the stages (rank, host,
-  layers) where rank 0 knows them. No MPI message is added: the stages' own counters reach rank 0 only when the
-  pipeline shuts down.
+  layers) where rank 0 knows them;
+- each stage's counters by rank and host (load()["stages"]: what the stage last reported to rank 0, at most a
+  second old (protocol.StageReport; rank 0's own stage counted by rank 0): time in llama_decode, time waiting for
+  work, runs decoded and their batch tokens, runs cancelled before they started and mid-decode, bytes it sent on.
+  A supervised server's add the jobs before a re-form to the current job's (supervisor.StageTotals), so they never
+  go backwards; a stage of a job that is gone keeps its last total.
 
 Latencies follow vLLM: time_to_first_token_seconds from the request's arrival (its wait for admission + the
 prompt) to its first token; inter_token_latency_seconds one observation per request, its mean gap between tokens
@@ -145,6 +149,34 @@ class _Now:
         for rank, host, layers in _stages(g):
             stages.add_metric([str(rank), host], layers)
         yield stages
+        yield from stage_counters(load.get("stages") or [])
+
+
+STAGE_FAMILIES = (  # (name, StageReport counter, help)
+    ("stage_busy_seconds", "t_busy_s", "Time each stage spent inside llama_decode"),
+    ("stage_idle_seconds", "t_idle_s", "Time each stage waited for work (a transaction; rank 0: a result or a "
+                                       "request)"),
+    ("stage_decodes", "n_decoded", "Runs each stage decoded to the end"),
+    ("stage_batch_tokens", "n_tokens", "Tokens in the batches of the runs each stage decoded"),
+    ("link_sent_bytes", "bytes_sent", "Bytes each rank sent on the pipeline (stage r to r+1, the last one to rank "
+                                      "0; rank 0's cancellations to the last one), reports not counted"),
+)
+
+
+def stage_counters(stages: list[dict]):
+    """The stages' counter families, one sample per (rank, host) of `stages` (HeadSession.stages' shape)."""
+    for name, key, doc in STAGE_FAMILIES:
+        family = CounterMetricFamily(P + name, doc, labels=["rank", "host"])
+        for st in stages:
+            family.add_metric([str(st["rank"]), st["host"]], st[key])
+        yield family
+    cancelled = CounterMetricFamily(P + "stage_cancelled", "Speculative runs each stage did not finish: cancelled "
+                                    "before it started them (before) or aborted mid-decode (mid)",
+                                    labels=["rank", "host", "when"])
+    for st in stages:
+        cancelled.add_metric([str(st["rank"]), st["host"], "before"], st["n_cancelled_before"])
+        cancelled.add_metric([str(st["rank"]), st["host"], "mid"], st["n_cancelled_mid"])
+    yield cancelled
 
 
 def _gauge(name: str, doc: str, value):

@@ -10,8 +10,11 @@ already knows, with no MPI traffic of its own.
     activity  tokens/s (the tokens streamed to clients over the last few seconds, counted as they go out: Meter),
               a per-second history, acceptance of the last finished requests, the recent requests
     events    the supervisor's log lines about lost ranks, re-forms and re-plans (and a fatal error), timestamped
-    busy      per-stage busy share: n/a (the stages' statistics reach rank 0 only when the pipeline shuts down, and
-              asking for them per token would add MPI traffic)
+    busy      each stage's busy share over the last BUSY_WINDOW_S (BusyWindow: busy / (busy + idle) between this
+              reading of generator.load()["stages"] and one about that old), also on each rank of the cluster with
+              its counters (`stage`: runs, batch tokens, cancellations, busy and idle seconds, bytes sent). The
+              counters are what each stage last reported to rank 0 (at most a second old: protocol.StageReport);
+              rank 0 counts its own, its idle time being its wait for a result or a request.
 
 Meter's counters come from answer.Answer (every job the app submits carries the meter: ClusterState.install), on
 the generation thread (direct) or the supervisor's reader: a lock guards them.
@@ -23,9 +26,41 @@ import threading
 import time
 from collections import deque
 
-BUSY_NOTE = ("n/a: a stage's busy time reaches rank 0 only when the pipeline shuts down "
-             "(asking per token would add MPI traffic)")
+BUSY_WINDOW_S = 5.0
+BUSY_NOTE = (f"busy share: time in llama_decode / (that + time waiting for work), over the last "
+             f"{BUSY_WINDOW_S:.0f} s of each stage's own counts (reported once a second); rank 0 waits for a result "
+             f"or a request")
 _EVENT_WORDS = ("re-form", "re-plan", "was lost", "answer(s) again", "fatal")
+STAGE_SHOWN = ("n_decoded", "n_tokens", "n_cancelled_before", "n_cancelled_mid", "t_busy_s", "t_idle_s", "bytes_sent")
+
+
+def busy_share(old: dict | None, new: dict) -> float | None:
+    """busy / (busy + idle) of one stage between two readings of its counters (old None: since it started; a new
+    job's counters below the old ones: since that job started); None where neither grew."""
+    busy, idle = new["t_busy_s"], new["t_idle_s"]
+    if old is not None and busy >= old["t_busy_s"] and idle >= old["t_idle_s"]:
+        busy, idle = busy - old["t_busy_s"], idle - old["t_idle_s"]
+    return round(busy / (busy + idle), 3) if busy + idle > 0 else None
+
+
+class BusyWindow:
+    """Readings of the stages' counters as /state takes them; each stage's busy share between the reading now and
+    the newest one at least window_s old (or the oldest there is: a shorter window, at first; none: since the start).
+    Thread-safe."""
+
+    def __init__(self, window_s: float = BUSY_WINDOW_S, max_readings: int = 256):
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._readings: deque[tuple[float, dict]] = deque(maxlen=max_readings)  # (time, {(rank, host): counters})
+
+    def shares(self, stages: list[dict], now: float) -> dict[tuple[int, str], float | None]:
+        new = {(st["rank"], st["host"]): st for st in stages}
+        with self._lock:
+            while len(self._readings) >= 2 and self._readings[1][0] <= now - self.window_s:
+                self._readings.popleft()
+            old = self._readings[0][1] if self._readings else {}
+            self._readings.append((now, new))
+        return {key: busy_share(old.get(key), st) for key, st in new.items()}
 
 
 class Meter:
@@ -90,7 +125,8 @@ class Meter:
 # ------------------------------------------------------------------------------------ the cluster
 def _rank(rank: int, host: str, pid: int | None, layers=None, threads=None, role: str = "target") -> dict:
     return {"rank": rank, "host": host, "pid": pid, "layers": list(layers) if layers is not None else None,
-            "threads": threads, "role": role, "head": rank == 0, "draft": None, "lost": False, "reason": None}
+            "threads": threads, "role": role, "head": rank == 0, "draft": None, "lost": False, "reason": None,
+            "stage": None}
 
 
 def _draft(config, ranks: list[dict], n_target: int) -> dict | None:
@@ -180,6 +216,7 @@ class ClusterState:
     def __init__(self, cfg, generator):
         self.cfg, self.generator, self.meter = cfg, generator, Meter()
         self.events: deque[dict] = deque(maxlen=40)
+        self.busy = BusyWindow()
         self.t_start = time.time()
 
     def install(self) -> None:
@@ -223,6 +260,7 @@ class ClusterState:
         lost = list(getattr(gen, "lost", []) or [])
         status = "error" if fatal else "degraded" if lost or load.get("degraded") else "ok"
         cluster = self.cluster()
+        busy = self._stages(cluster, load.get("stages") or [])
         n_ranks = len([r for r in cluster["ranks"] if not r["lost"]])
         return {
             "time": time.time(), "uptime_s": round(time.time() - self.t_start, 1),
@@ -234,5 +272,19 @@ class ClusterState:
                      "partitions": load.get("partitions"), "prompt_cache": load.get("prompt_cache")},
             "activity": self.meter.snapshot(),
             "events": list(self.events)[::-1],
-            "busy": None, "busy_note": BUSY_NOTE,
+            "busy": busy, "busy_note": BUSY_NOTE,
         }
+
+    def _stages(self, cluster: dict, stages: list[dict]) -> list[dict] | None:
+        """Each rank of the cluster gets its stage's counters and busy share (`stage`, None where there are none);
+        the busy shares of the cluster's stages, rank order (None: no stage reported yet)."""
+        shares = self.busy.shares(stages, time.monotonic())
+        by_key = {(st["rank"], st["host"]): st for st in stages}
+        busy = []
+        for r in cluster["ranks"]:
+            st = None if r["lost"] else by_key.get((r["rank"], r["host"]))
+            r["stage"] = None if st is None else {**{k: st[k] for k in STAGE_SHOWN},
+                                                  "busy_share": shares[(r["rank"], r["host"])]}
+            if st is not None:
+                busy.append({"rank": r["rank"], "host": r["host"], "busy_share": r["stage"]["busy_share"]})
+        return busy or None

@@ -34,6 +34,7 @@ from pathlib import Path
 from ..core.config import CONFIG_ENV
 from ..core.errors import UserError
 from ..core.metrics import Stats
+from ..core.protocol import STAGE_COUNTERS
 from . import link
 
 DRAFT_PLACE = -1  # the draft host's key among the lost slots (Supervisor._away)
@@ -204,6 +205,44 @@ class _Record:
     n_resumes: int = 0
 
 
+class StageTotals:
+    """Each stage's counters over every job of a supervised server, by (rank, host): a new job's stages count from
+    zero, so the totals of the jobs before it are added; a (rank, host) that the new job lacks keeps its last total.
+    So no counter goes backwards across a re-form (what a job's last Stages missed of its last second is lost).
+    Thread-safe: rank 0's reader writes, the HTTP side reads."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._earlier: dict[tuple[int, str], dict] = {}  # (rank, host) -> counters of the jobs before this one
+        self._current: list[dict] = []                    # this job's stages, as its rank 0 last sent them
+        self._job: object = None                          # this job's link: a late Stages of the last job is ignored
+
+    def new_job(self, job) -> None:
+        with self._lock:
+            self._earlier = self._merged()
+            self._current, self._job = [], job
+
+    def take(self, job, stages: list[dict]) -> None:
+        with self._lock:
+            if job is self._job:
+                self._current = stages
+
+    def totals(self) -> list[dict]:
+        """[{rank, host, counter: value, ...}] in (rank, host) order (HeadSession.stages()'s shape, n_reports left
+        out)."""
+        with self._lock:
+            merged = self._merged()
+        return [{"rank": rank, "host": host, **counters} for (rank, host), counters in sorted(merged.items())]
+
+    def _merged(self) -> dict[tuple[int, str], dict]:
+        merged = {key: dict(counters) for key, counters in self._earlier.items()}
+        for st in self._current:
+            total = merged.setdefault((int(st["rank"]), str(st["host"])), dict.fromkeys(STAGE_COUNTERS, 0))
+            for name in STAGE_COUNTERS:
+                total[name] += st.get(name, 0)
+        return merged
+
+
 def _stop_this_process(_why: str) -> None:
     """on_fatal where the caller gives none: a SIGTERM ends this process's HTTP server as a user's would, and
     `serve` then reports Supervisor.fatal as its one line and exits 1 (cli/main.py)."""
@@ -235,6 +274,7 @@ class Supervisor:
         self._host_mem: dict[str, int] = {}  # host -> available bytes its ranks reported when a job last started
         self.ready: link.Ready | None = None  # the current (or last) job's rank 0 said so when it attached
         self.prompt_cache: dict | None = None  # rank 0's prompt cache, as its Ready or its last Done said it
+        self.stage_totals = StageTotals()     # the stages' counters over every job (rank 0's Stages)
         self.config, self.tok = config, tok   # core/config.Config of the first job (the user's, the hosts' settings)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.on_done = on_done
@@ -354,6 +394,7 @@ class Supervisor:
         conn.settimeout(None)
         self.parallel, self.ready = ready.parallel, ready
         self.prompt_cache = ready.prompt_cache  # a new job: its own (empty) cache
+        self.stage_totals.new_job(rank0)        # ... and stages counting from zero, added to the jobs' before
         self._pids = [pid for _host, pid in ready.ranks_at]  # each rank's pid, rank 0 first
         self._host_mem.update(zip(self._job_hosts(), ready.mem_available))
         with self._lock:
@@ -511,7 +552,7 @@ class Supervisor:
         end cannot take ends the supervisor: nothing would read rank 0 after it."""
         try:
             for msg in rank0.messages():
-                self._on_message(msg)
+                self._on_message(msg, rank0)
         except OSError:
             pass  # the job is gone: as at the end of its messages
         except Exception as e:  # a bad line (LinkError), or a failure handling one
@@ -525,9 +566,12 @@ class Supervisor:
             self._rank0, self.phase = None, "re-forming"  # requests from now on wait for the new job (_attach)
         self._guarded("cannot re-form the pipeline", lambda: self._reform(child))
 
-    def _on_message(self, msg) -> None:
+    def _on_message(self, msg, rank0: link.Link | None = None) -> None:
         if isinstance(msg, link.Ready):
             raise link.LinkError("ready: rank 0 attached a second time")
+        if isinstance(msg, link.Stages):
+            self.stage_totals.take(rank0, msg.stages)
+            return
         with self._lock:
             rec = self._records.get(msg.id)
         if rec is None:  # answered or failed already
@@ -656,6 +700,7 @@ class Supervisor:
             out["draft_host"] = serving.name if serving else None
         if self.prompt_cache is not None:  # rank 0's, as of its last Done (or its Ready)
             out["prompt_cache"] = dict(self.prompt_cache)
+        out["stages"] = self.stage_totals.totals()
         return out
 
     def stop(self) -> None:

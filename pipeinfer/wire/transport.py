@@ -80,8 +80,10 @@ class Transport:
         self.poll_s = poll_s
         self._pending: list[tuple[MPI.Request, tuple]] = []
         self.t_wait_s = 0.0  # time spent waiting for a message (pipeline idle time on this rank)
+        self._wait_t0: float | None = None  # when the wait under way began (waited_s counts it live)
         self.bytes_sent = 0  # payload and header bytes this rank sent (cancellations included)
         self._arrivals: dict[int, ArrivalWindow] = {}  # by source: when its next header is due
+        self._report: tuple[MPI.Request, np.ndarray] | None = None  # the STAGE_STATS send in flight, its buffer
 
     # ---- sending
     def _isend(self, comm: MPI.Comm, buf: np.ndarray, dest: int, tag: int) -> None:
@@ -102,11 +104,42 @@ class Transport:
     def send_cancel(self, dest: int, run_ids: list[int]) -> None:
         self._isend(self.cancel_comm, np.asarray(run_ids, dtype=np.int32), dest, Tag.CANCEL)
 
+    def post_report(self, dest: int, buf: np.ndarray) -> bool:
+        """Send a STAGE_STATS report (f64, protocol.StageReport) out of band, unless the last one is still in flight:
+        whether it went. One at a time, its buffer kept until it completes; not counted in bytes_sent (not pipeline
+        traffic). Its 80 bytes go eagerly in every MPI, so the send completes without rank 0's receive (flush at the
+        end of serving never waits for rank 0, which takes the reports only after it)."""
+        if self._report is not None and not self._report[0].Test():
+            return False
+        buf = np.array(buf, dtype=np.float64)  # a copy of its own: the caller's may change before the send ends
+        self._report = (self.cancel_comm.Isend(buf, dest=dest, tag=Tag.STAGE_STATS), buf)
+        return True
+
+    def take_report(self, source: int, length: int) -> np.ndarray | None:
+        """The next STAGE_STATS report waiting from `source` (f64[length]), or None (never blocks)."""
+        status = MPI.Status()
+        if not arrived(self.cancel_comm, source, Tag.STAGE_STATS, status):
+            return None
+        if status.Get_count(MPI.BYTE) != 8 * length:
+            raise bad_message(source, f"{status.Get_count(MPI.BYTE)} bytes of STAGE_STATS, expected {8 * length}")
+        buf = np.empty(length, dtype=np.float64)
+        self.cancel_comm.Recv(buf, source=source, tag=Tag.STAGE_STATS)
+        return buf
+
     def flush(self) -> None:
-        """Wait (politely) until every send of this rank has completed."""
+        """Wait (politely) until every send of this rank has completed (the last report too)."""
         for req, _ in self._pending:
             self._wait_request(req)
         self._pending.clear()
+        if self._report is not None:
+            self._wait_request(self._report[0])
+            self._report = None
+
+    def waited_s(self) -> float:
+        """t_wait_s with the wait under way counted so far: this rank's idle time, live (on the waiting thread: from
+        another, the end of a wait could be counted twice for a moment)."""
+        t0 = self._wait_t0
+        return self.t_wait_s + (max(0.0, time.perf_counter() - t0) if t0 is not None else 0.0)
 
     def _wait_request(self, req: MPI.Request) -> None:
         while not req.Test():
@@ -116,7 +149,7 @@ class Transport:
     def wait_header(self, source: int, while_idle: Callable[[], None] | None = None) -> Header:
         """Block politely for the next transaction header from `source`, running while_idle between probes
         (probing finely only while the header is due: ArrivalWindow)."""
-        t0 = time.perf_counter()
+        t0 = self._wait_t0 = time.perf_counter()
         if not arrived(self.pipe, source, Tag.BEGIN):
             rhythm = self._arrivals.setdefault(source, ArrivalWindow())
             window = rhythm.window()
@@ -128,6 +161,7 @@ class Transport:
                     break
             rhythm.record(time.perf_counter() - t0)
         self.t_wait_s += time.perf_counter() - t0
+        self._wait_t0 = None
         return self.recv_header(source)
 
     def header_ready(self, source: int) -> bool:

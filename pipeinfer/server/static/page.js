@@ -74,6 +74,24 @@ function layerBar(layers, nLayers) {
   return svg;
 }
 
+function bytes(n) {
+  return n >= 1e9 ? `${(n / 1e9).toFixed(2)} GB` : n >= 1e6 ? `${(n / 1e6).toFixed(1)} MB` : n >= 1e3 ? `${(n / 1e3).toFixed(1)} kB` : `${n} B`;
+}
+
+// a stage's busy share (its last few seconds) with a bar, and its counters since it started
+function stageBlock(st) {
+  const box = el("div", "stage");
+  const pct = st.busy_share === null ? null : Math.round(st.busy_share * 100);
+  box.appendChild(el("div", "busy-share", pct === null ? "busy n/a" : `busy ${pct}%`));
+  const bar = el("div", "busybar"), fill = el("div", "fill");
+  fill.style.width = `${pct || 0}%`;
+  bar.appendChild(fill);
+  box.appendChild(bar);
+  box.appendChild(el("div", "stage-sub", `${st.n_decoded} runs · ${st.n_tokens} tokens · cancelled ${st.n_cancelled_before} + ${st.n_cancelled_mid} mid`));
+  box.appendChild(el("div", "stage-sub", `busy ${fmt(st.t_busy_s, 1)} s · idle ${fmt(st.t_idle_s, 1)} s · sent ${bytes(st.bytes_sent)}`));
+  return box;
+}
+
 function rankCard(r, nLayers) {
   const card = el("div", "rank" + (r.lost ? " lost" : "") + (r.draft ? " has-draft" : "") + (r.role === "draft" ? " draft-rank" : ""));
   if (r.rank !== null) card.dataset.rank = r.rank;
@@ -95,6 +113,7 @@ function rankCard(r, nLayers) {
   }
   card.appendChild(el("div", "threads", r.threads ? `${r.threads} thread${r.threads > 1 ? "s" : ""}` : "threads n/a"));
   if (r.pid) card.appendChild(el("div", "pid", `pid ${r.pid}`));
+  if (r.stage) card.appendChild(stageBlock(r.stage));
   if (r.draft) {
     const d = r.draft;
     card.appendChild(el("div", "draft", `✎ draft: ${d.kind}${d.threads ? ` · ${d.threads} thr` : ""}`));
@@ -124,7 +143,7 @@ function drawCluster(s) {
     hb.appendChild(ranks);
     box.appendChild(hb);
   }
-  $("busy-note").textContent = "Per-stage busy share: " + (s.busy === null ? s.busy_note : "");
+  $("busy-note").textContent = s.busy === null ? "Per-stage busy share: no stage has reported yet." : "Per-stage " + s.busy_note + ".";
 }
 
 function drawLogs(s) {
