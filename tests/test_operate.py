@@ -105,13 +105,14 @@ def test_metrics_of_a_supervisor_and_the_stages():
 
         def load(self):
             return {"queued": 0, "generating": 1, "ranks": 2, "degraded": True, "lost": ["rank 2 (host node-c)"],
-                    "reforms": 3, "phase": "serving"}
+                    "reforms": 3, "phase": "serving", "down_s": 12.5}
     from prometheus_client.parser import text_string_to_metric_families
     text = ServerMetrics(Sup()).exposition().decode()
     m = {(s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(text)
          for s in f.samples}
     assert m[("pipeinfer:reforms_total", frozenset())] == 3
     assert m[("pipeinfer:lost_hosts", frozenset())] == 1
+    assert m[("pipeinfer:down_seconds_total", frozenset())] == 12.5
     assert m[("pipeinfer:requests_generating", frozenset())] == 1
     assert m[("pipeinfer:stage_layers", frozenset({("rank", "1"), ("host", "node-b")}))] == -1
 

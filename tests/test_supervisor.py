@@ -232,6 +232,7 @@ def test_rejoin_takes_a_lost_host_back_while_idle(models, refs, tmp_path, lost):
             return health if not health["lost"] and health["phase"] == "serving" else None
         health = wait_until(rejoined, REJOIN_CHECK_S + 90, lambda: srv.text()[-2000:], every=0.5)
         assert health["status"] == "ok" and health["ranks"] == n_slots and health["reforms"] == 1, health
+        assert health["down_s"] > 0, health  # the re-plan's pause, counted once it ended
         assert health.get("draft_host", "none") == ("none" if lost == "slot" else "127.0.0.1"), health
         assert health["available_gib"]["localhost"] > 0, health  # what the ranks found when the job started
         was = n_slots - (lost == "slot")

@@ -144,6 +144,10 @@ class _Now:
             reforms.add_metric([], load["reforms"])
             yield reforms
             yield _gauge("lost_hosts", "Ranks (hosts) lost and not back", len(load.get("lost") or ()))
+            down = CounterMetricFamily(P + "down_seconds", "Seconds the supervised server had no serving pipeline "
+                                       "after it first served (re-forms and re-plans)")
+            down.add_metric([], load.get("down_s", 0.0))
+            yield down
         stages = GaugeMetricFamily(P + "stage_layers", "Layers each stage rank holds (-1: not known here)",
                                    labels=["rank", "host"])
         for rank, host, layers in _stages(g):

@@ -284,6 +284,8 @@ class Supervisor:
         self.parallel = 0
         self.lost: list[str] = []           # "rank R (host H)" of every failure so far
         self.n_reforms = 0
+        self.t_down_s = 0.0                 # seconds without a serving job since the first one served
+        self._down_since: float | None = None  # monotonic time the current job ended (re-forming, re-planning)
         self._records: dict[int, _Record] = {}
         self._next_id = 0
         self._lock = threading.RLock()
@@ -399,6 +401,9 @@ class Supervisor:
         self._host_mem.update(zip(self._job_hosts(), ready.mem_available))
         with self._lock:
             self._rank0, self.phase = rank0, "serving"
+            if self._down_since is not None:
+                self.t_down_s += time.monotonic() - self._down_since
+                self._down_since = None
             for rec in self._records.values():
                 rec.cancel_sent = False
                 self._send_job(rec)
@@ -535,6 +540,7 @@ class Supervisor:
             self._retired = self._child  # its end is no failure (_read)
             self._send(link.Stop())
             self._rank0, self.phase = None, "re-planning"  # requests from now on wait for the new job (_attach)
+            self._down_since = time.monotonic()
         t0, n_before = time.perf_counter(), len(self.slots)
         hosts = self._restore(back)
         self.log(f"[serve] {', '.join(hosts)} answer(s) again: re-planning the pipeline on {len(self.slots)} slot(s) "
@@ -564,6 +570,7 @@ class Supervisor:
             if self._rank0 is not rank0 or self._stopping or child is self._retired:
                 return
             self._rank0, self.phase = None, "re-forming"  # requests from now on wait for the new job (_attach)
+            self._down_since = time.monotonic()
         self._guarded("cannot re-form the pipeline", lambda: self._reform(child))
 
     def _on_message(self, msg, rank0: link.Link | None = None) -> None:
@@ -694,6 +701,7 @@ class Supervisor:
         # every request goes to rank 0 at once: what it has not answered yet is generating or queued there
         out = {"queued": 0, "generating": n, "ranks": len(self.slots), "degraded": bool(self.lost),
                "lost": list(self.lost), "reforms": self.n_reforms, "phase": self.phase,
+               "down_s": round(self.t_down_s + (time.monotonic() - self._down_since if self._down_since else 0.0), 3),
                "available_gib": {h: round(b / 2**30, 2) for h, b in self._host_mem.items()}}
         if self.draft_host is not None:  # serving the draft, or lost (the draft beside rank 0)
             serving = self._draft_host_serving
