@@ -335,14 +335,21 @@ def test_the_page_of_a_real_2_rank_server(models, tmp_path, browser):
         workers = [threading.Thread(target=ask, args=(k,)) for k in range(4)]
         for w in workers:
             w.start()
+        def rank1_busy() -> bool:  # its stage has reported work (the page shows it at its next poll, a second on)
+            st = json.loads(srv.request("GET", "/state")[2])
+            r1 = next(r for h in st["cluster"]["hosts"] for r in h["ranks"] if r["rank"] == 1)
+            return bool((r1.get("stage") or {}).get("busy_share"))
         deadline, shot_taken = time.monotonic() + 120, False
         while time.monotonic() < deadline and (any(w.is_alive() for w in workers) or not shot_taken):
             seen["tps"] = max(seen["tps"], float(_text(browser, "#tps") or 0))
             seen["generating"] = max(seen["generating"], int(_text(browser, "#generating") or 0))
-            if not shot_taken and seen["tps"] > 0 and seen["generating"] > 0:
+            if not shot_taken and seen["tps"] > 0 and seen["generating"] > 0 and rank1_busy():
+                time.sleep(1.5)
                 shot(browser, "real-2-ranks-busy")
                 shot_taken = True
             time.sleep(0.3)
+        assert shot_taken, "rank 1 never showed a busy share while the requests ran"
+
         for w in workers:
             w.join()
         _wait("the finished requests counted", lambda: int(_text(browser, "#done")) >= done0 + 4)
