@@ -70,6 +70,7 @@ def test_speculation_refused_where_no_batch_is_exact(models):
 @pytest.mark.parametrize("args, match", [(["-pr", "banana"], "'banana' is neither 'auto' nor a number >= 0"),
                                          (["-pr", "-0.5"], "is neither 'auto' nor a number >= 0"),
                                          (["--temp", "-1"], "Invalid value for '--temp'"),
+                                         (["--max-in-flight", "0"], "'0' is neither 'auto' nor an integer in 1..255"),
                                          (["--draft-head", "100"], "'100' is not auto, full or a number of tokens >= 256")])
 def test_usage_errors_are_one_line_from_rank_0(models, args, match):
     p = cli(["generate", "-m", str(models["f32"]), "-p", "hi"] + args, n=2, timeout=60)

@@ -63,9 +63,12 @@ def test_ctrl_and_proposal_round_trip():
     assert (back.kind, back.epoch, back.n_keep, back.tokens, back.horizon, back.n_chunk, back.text) == \
            (Ctrl.STEER, 7, 12, [5, 6, 999], 40, 3, "héllo")
     assert back.p_min == pytest.approx(0.625)
-    p = Proposal(3, 100, [1, 2], [0.5, 0.25], stopped=True)
+    p = Proposal(3, 100, [1, 2], [0.5, 0.25], stopped=True, alts=[7, -1], alt_probs=[0.375, 0.0])
     q = Proposal.unpack(p.pack(), N_CTX, N_VOCAB)
-    assert (q.epoch, q.pos, q.tokens, q.probs, q.stopped) == (3, 100, [1, 2], [0.5, 0.25], True)
+    assert (q.epoch, q.pos, q.tokens, q.probs, q.stopped, q.alts, q.alt_probs) == \
+           (3, 100, [1, 2], [0.5, 0.25], True, [7, -1], [0.375, 0.0])
+    q = Proposal.unpack(Proposal(1, 4, [5], [0.5]).pack(), N_CTX, N_VOCAB)
+    assert (q.alts, q.alt_probs) == ([-1], [0.0])   # no runner-up known
 
 
 @pytest.mark.parametrize("mutate", [
@@ -83,8 +86,12 @@ def test_malformed_draft_messages_are_refused(mutate):
 def test_out_of_range_draft_messages_are_refused():
     bad_token = DraftCtrl(Ctrl.STEER, 1, 0, [N_VOCAB], 9, 1, 0.5).pack()
     bad_prob = Proposal(1, 4, [1], [0.5]).pack()
-    bad_prob[-1] = np.float32(1.5).view(np.int32)
-    for buf, unpack in ((bad_token, DraftCtrl.unpack), (bad_prob, Proposal.unpack)):
+    bad_prob[-3] = np.float32(1.5).view(np.int32)
+    bad_alt_prob = Proposal(1, 4, [1], [0.5], alts=[2], alt_probs=[0.5]).pack()
+    bad_alt_prob[-1] = np.float32(np.nan).view(np.int32)
+    bad_alt = Proposal(1, 4, [1], [0.5], alts=[N_VOCAB], alt_probs=[0.5]).pack()
+    for buf, unpack in ((bad_token, DraftCtrl.unpack), (bad_prob, Proposal.unpack), (bad_alt_prob, Proposal.unpack),
+                        (bad_alt, Proposal.unpack)):
         with pytest.raises(ProtocolError):
             unpack(buf, N_CTX, N_VOCAB)
 
@@ -236,12 +243,12 @@ def drafter_idle(td: ThreadDrafter):
                     and not td.service.has_work())
 
 
-def thread_head(mode: str, error_rate: float, seed: int, monkeypatch, **kw):
+def thread_head(mode: str, error_rate: float, seed: int, monkeypatch, runner_ups: bool = False, **kw):
     """The real Head with a ToyDrafter in a thread beside the fake pipeline, whose last stage takes its next step
     only once the drafter is idle: a pipeline slower than its drafter (what drafting ahead is for), whatever the
     machine's load does to the drafter's thread, which runs at the normal priority here."""
     monkeypatch.setattr(draftahead, "DRAFT_NICE", 0)
-    td = ThreadDrafter(lambda p, t, c: ToyDrafter(error_rate, seed), N_CTX, 10**6)
+    td = ThreadDrafter(lambda p, t, c: ToyDrafter(error_rate, seed, runner_ups=runner_ups), N_CTX, 10**6)
     idle = drafter_idle(td)
     since = {"t": time.monotonic()}
 
@@ -267,6 +274,17 @@ def test_pipeinfer_with_the_draft_beside_equals_target(monkeypatch, error_rate, 
         assert r.stats.n_cancelled == 0 and r.stats.n_draft_accepted > 20
     if 0 < error_rate < 1:
         assert r.stats.n_cancelled > 0 and td.service.stats.n_reroots > 0
+
+
+@pytest.mark.parametrize("error_rate, seed", [(0.3, 1), (0.6, 2)])
+def test_trees_with_the_draft_beside_equal_target(monkeypatch, error_rate, seed):
+    """--max-branches 2 with the drafter in a thread: its runner-ups travel in the proposals and go beside the
+    chain as siblings (no stage costs here: every runner-up over -ps joins, within the batch cap); a sibling
+    taken at a miss keeps the output the target's."""
+    r, _ = thread_head("pipeinfer", error_rate, seed, monkeypatch, runner_ups=True, n_max=3, max_branches=2)
+    assert r.out == r.expected and r.streamed == r.out
+    assert_clean_end(r)
+    assert r.stats.n_siblings > 0 and r.stats.n_siblings_right > 0
 
 
 def test_speculative_with_the_draft_beside_equals_target(monkeypatch):

@@ -372,3 +372,30 @@ def test_twin_sizes_micro_batches_by_its_costs():
     fixed = simulate(costly, GenConfig(mode="pipeinfer", n_predict=96, cut=Cutoffs(0.5, 0.1, 3, 1), p_recovery=None,
                                        stop_at_eos=False, adaptive_draft=False), agreement=0.6)
     assert not fixed.stats.draft_len_hist and fixed.stats.n_drafted > res.stats.n_drafted
+
+
+# ---- the draft's runner-ups as siblings of its chain (ranks/shape.py)
+@pytest.mark.parametrize("error_rate, seed, poll_every", [(0.2, 1, 3), (0.5, 2, 2), (0.9, 3, 4)])
+def test_runner_up_siblings_keep_the_output_the_targets(error_rate, seed, poll_every):
+    """A chain drafter with runner-ups, --max-branches 3: siblings join the micro-batches (no stage costs:
+    every runner-up over -ps, within the cap), some are taken at a miss, and the output is the target's."""
+    drafter = ToyDrafter(error_rate, seed, runner_ups=True)
+    r = run_head("pipeinfer", drafter=drafter, error_rate=error_rate, seed=seed, max_branches=3, n_max=4,
+                 poll_every=poll_every, n_predict=60)
+    assert r.out == r.expected and r.streamed == r.out
+    assert_clean_end(r)
+    assert r.stats.n_siblings > 0 and r.stats.n_siblings_right > 0
+    assert r.stats.n_siblings_right <= r.stats.n_siblings
+
+
+def test_a_taken_sibling_saves_the_trip_a_miss_costs():
+    """Every draft wrong, every runner-up right: without siblings every speculative run is cancelled and each token
+    waits for a non-speculative run; with them a run whose sibling is right gives the token after the sibling, and
+    half the tokens need no non-speculative run."""
+    chain = run_head("pipeinfer", drafter=ToyDrafter(1.0, 4), error_rate=1.0, seed=4, n_max=2, n_predict=30)
+    tree = run_head("pipeinfer", drafter=ToyDrafter(1.0, 4, runner_ups=True), error_rate=1.0, seed=4, n_max=2,
+                    max_branches=2, n_predict=30)
+    assert chain.out == chain.expected and tree.out == tree.expected
+    assert chain.stats.n_cancelled == chain.stats.n_spec_runs and chain.stats.n_siblings == 0
+    assert tree.stats.n_siblings_right >= 10
+    assert tree.stats.n_runs - tree.stats.n_spec_runs <= (chain.stats.n_runs - chain.stats.n_spec_runs) * 0.6

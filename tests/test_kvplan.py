@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeinfer.core.kvplan import (CANONICAL, PartitionPool, cells_reserve, commit_ops, garbage_seq, plan_partitions,
+from pipeinfer.core.kvplan import (CANONICAL, PartitionPool, cells_reserve, commit_ops, in_flight_limit, garbage_seq, plan_partitions,
                               prefix_ops, retire_starts)
 from pipeinfer.core.protocol import KvOp
 
@@ -202,3 +202,9 @@ def test_prefix_then_commit_against_toy_cache():
     kv.apply(commit_ops(None, 6, 6, child, {3: 7}, G))
     assert kv.held(3) == kv.held(4) == [] and kv.held(0) == list(range(6))
     assert kv.held(G) == [4, 5, 6, 7]
+
+
+def test_the_in_flight_limit_follows_the_stage_count():
+    """Enough runs in flight to keep every stage of a deep pipeline busy (a fixed 8 capped 16 and 32 stages)."""
+    assert [in_flight_limit(None, n) for n in (1, 2, 6, 8, 16, 32)] == [8, 8, 8, 10, 18, 34]
+    assert in_flight_limit(5, 32) == 5                      # --max-in-flight N is taken as given

@@ -206,6 +206,23 @@ def test_the_default_split_balances_the_output_projection(tmp_path):
     assert balanced["tokens"] == even["tokens"]
 
 
+@pytest.mark.parametrize("draft_at, n_world", [("thread", 2), ("thread", 3), ("rank", 3)])
+def test_trees_beside_the_pipeline_match(models, ref_beside, monkeypatch, draft_at, n_world):
+    """--max-branches 3 with the draft beside the pipeline: its runner-ups travel with its proposals (through the
+    thread's queues or over the draft rank's link) and go beside the chain as siblings, every one over -ps 0 within
+    the cap (--micro-batch fixed: the measured costs would decline them on these hosts); the output is iterative's."""
+    monkeypatch.setenv("PIPEINFER_DRAFT_NICE", "0")
+    out = mpirun(n_world, {"model": str(models["q8"]), "prompt": PROMPT, "n": N_BESIDE, "mode": "pipeinfer",
+                           "draft": str(models["draft90"]), "draft_at": draft_at, "max_branches": 3, "p_split": 0.0,
+                           "draft_max": 3, "micro_batch": "fixed"})
+    assert out["tokens"] == ref_beside
+    s = out["stats"]
+    # how many are taken depends on which runs the drafter was ahead for (0-6 of 28-77 in 12 runs here): the toy
+    # pipeline's tests (test_head_logic.py) take them deterministically
+    assert s["draft_at"] == draft_at and 0 < s["n_spec_runs"] and 0 < s["n_siblings"] <= 2 * s["n_spec_runs"], s
+    assert s["n_siblings_right"] < s["n_siblings"], s
+
+
 def test_the_last_stage_sends_token_ids_not_logits(models, ref):
     """Per generated token, the link back to the head carries a header and one i32 per output row."""
     out = mpirun(2, {"model": str(models["q8"]), "prompt": PROMPT, "n": N})

@@ -43,7 +43,7 @@ def test_frozen_kv_ops():
 
 
 def test_frozen_header_layout():
-    assert protocol.PROTOCOL_VERSION == 6
+    assert protocol.PROTOCOL_VERSION == 7
     assert HEADER_LEN == 9 and NO_RUN == -1
     assert (protocol.H_KIND, protocol.H_RUN, protocol.H_N_TOKENS, protocol.H_N_META, protocol.H_FLAGS,
             protocol.H_PARENT, protocol.H_N_OUTPUTS, protocol.H_N_EMBD, protocol.H_N_RULES) == tuple(range(9))

@@ -311,10 +311,12 @@ class FakePipeline:
 # ---------------------------------------------------------------- fake drafter
 class ToyDrafter:
     """Proposes the toy target's greedy continuation with seeded errors; with max_branches > 1 the first
-    error also opens a second branch holding the right token (placed before the main one)."""
+    error also opens a second branch holding the right token (placed before the main one). With runner_ups it
+    drafts chains only, each token with a runner-up (DraftNode.alt: the right token where the token is wrong, a
+    wrong one elsewhere), as a drafter beside the pipeline does: the head makes siblings of them (shape.py)."""
 
-    def __init__(self, error_rate: float = 0.0, seed: int = 0, prob: float = 0.9):
-        self.error_rate, self.prob = error_rate, prob
+    def __init__(self, error_rate: float = 0.0, seed: int = 0, prob: float = 0.9, runner_ups: bool = False):
+        self.error_rate, self.prob, self.runner_ups = error_rate, prob, runner_ups
         self.rng = np.random.default_rng(seed)
         self.p_accepts: list[float] = []  # the cutoff of every call
         self.prefilled: list[int] | None = None
@@ -336,6 +338,11 @@ class ToyDrafter:
             tok = right
             if self.rng.random() < self.error_rate:
                 tok = int((right + 1 + self.rng.integers(V - 1)) % V)
+            if self.runner_ups:
+                tree.append(DraftNode(tok, last, depth, {0}, self.prob, right if tok != right else (right + 1) % V, 0.3))
+                last = len(tree) - 1
+                ctx.append(tok)
+                continue
             if tok != right and n_branches < cut.max_branches and len(tree) + 2 <= cut.n_max:
                 nb, n_branches = n_branches, n_branches + 1
                 i = last

@@ -194,7 +194,7 @@ class HeadOutput:
         check_splittable(read_info(config.model), n_target_ranks(config))
         self.tok = Tokenizer(config.model)
         self.prompt_tokens = self.tok.encode(apply_chat(self.tok, prompt.text) if prompt.chat else prompt.text)
-        check_fits(config, len(self.prompt_tokens), config.n_predict)
+        check_fits(config, len(self.prompt_tokens), config.n_predict, n_target_ranks(config))
         self.as_json = args.as_json
         self.dec = StreamDecoder(self.tok)
         self.tokens: list[int] = []
@@ -420,7 +420,7 @@ def _serve_http(args: ServeArgs, generator, tok, ranks: str, stop: StopSignals) 
     from ..server.app import ServeConfig, create_app
     model_id = _model_id(args)
     config = args.config
-    app = create_app(ServeConfig(model_id, config.n_ctx, cells_reserve(config), config.n_predict, webui=args.webui),
+    app = create_app(ServeConfig(model_id, config.n_ctx, cells_reserve(config, n_target_ranks(config)), config.n_predict, webui=args.webui),
                      generator, tok, lambda messages: apply_chat(tok, messages), access=args.access)
     if stop.requested:
         return

@@ -27,6 +27,15 @@ def _draft_head(value: str) -> int | None:
     return int(value)
 
 
+def _auto_or_int(value: str, param) -> int | None:
+    """'auto' (None: start-up picks by the number of ranks) or an integer in 1..255."""
+    if value == "auto":
+        return None
+    if not (value.isdigit() and 1 <= int(value) <= 255):
+        raise click.BadParameter(f"{value!r} is neither 'auto' nor an integer in 1..255", param=param)
+    return int(value)
+
+
 def _auto_or_float(value: str, param) -> float | None:
     """'auto' (None: start-up picks by the number of ranks) or a number >= 0."""
     if value == "auto":
@@ -69,7 +78,7 @@ PIPELINE_OPTIONS = [
     click.option("--draft-at", type=click.Choice(["auto", "head", "thread", "rank"]), default="auto", show_default=True,
                  help="where the draft runs: head (in series with rank 0's stage), thread (beside it, in rank 0), rank "
                       "(an MPI rank of its own: the last; start one more rank than the target's stages); auto: thread "
-                      "for a draft model in pipeinfer mode with --max-branches 1, else head"),
+                      "for a draft model in pipeinfer mode, else head"),
     click.option("--draft-threads", default=None, type=click.IntRange(1),
                  help="threads of the draft model [default: rank 0's --threads; on its own rank: cores / ranks]"),
     click.option("--draft-head", default="auto", show_default=True, callback=lambda c, p, v: _draft_head(v),
@@ -86,8 +95,10 @@ PIPELINE_OPTIONS = [
     click.option("-pr", "--p-recovery", default="auto", show_default=True, callback=lambda c, p, v: _auto_or_float(v, p),
                  help="cutoff rise per micro-batch since the last acceptance; auto: 0.5 / (ranks - 1)"),
     click.option("-pd", "--p-decay", default=0.0, show_default=True, type=click.FloatRange(0), help="cutoff fall per failed draft while idle"),
-    click.option("--max-branches", default=1, show_default=True, type=click.IntRange(1, 16), help="max tree branches per run"),
-    click.option("--max-in-flight", default=8, show_default=True, type=click.IntRange(1, 255), help="max speculative runs in flight"),
+    click.option("--max-branches", default=1, show_default=True, type=click.IntRange(1, 16), help="max tree branches per run: with 2 or more, the draft's runner-ups go beside its chain as "
+                                                                                   "siblings where the measured costs say they pay"),
+    click.option("--max-in-flight", default="auto", show_default=True, callback=lambda c, p, v: _auto_or_int(v, p),
+                 help="max speculative runs in flight; auto: the target's stages + 2, at least 8"),
     click.option("--cancel/--no-cancel", default=True, help="early inference cancellation"),
     click.option("--continuous/--no-continuous", default=True, help="more than one speculative run in flight"),
     click.option("--quiet-first/--no-quiet-first", default=True,
@@ -158,7 +169,7 @@ def config_from_options(kw: dict, *, n_predict: int, sampling: SamplingParams, s
     drafter = kw["drafter"] or ("model" if draft else "ngram")
     draft_at = kw["draft_at"]
     if draft_at == "auto":  # measured: results/bench_draft_layout.csv (README, The draft beside the pipeline)
-        beside = mode == "pipeinfer" and drafter in ("model", "replay") and kw["max_branches"] == 1
+        beside = mode == "pipeinfer" and drafter in ("model", "replay")
         draft_at = "thread" if beside else "head"
     if mode == "speculative" and parallel is None:
         parallel = 1

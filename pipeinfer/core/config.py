@@ -64,7 +64,7 @@ class Config:
     p_recovery: float | None = None         # None: auto_p_recovery(ranks), resolved at start-up
     p_decay: float = 0.0
     max_branches: int = 1
-    max_in_flight: int = 8
+    max_in_flight: int | None = None        # None: kvplan.in_flight_limit(stages)
     cancel: bool = True
     continuous: bool = True
     quiet_first: bool = True
@@ -86,8 +86,6 @@ class Config:
             raise ValueError(f"--draft-at {self.draft_at!r} is not resolved (head, thread or rank)")
         if self.mode == "speculative" and self.parallel not in (None, 1):
             raise UserError("--mode speculative runs one request at a time (--parallel 1)")
-        if self.draft_at != "head" and self.max_branches > 1:
-            raise UserError(f"--draft-at {self.draft_at} drafts chains: --max-branches must be 1")
         if self.draft_at == "rank" and self.drafter == "ngram" and self.mode != "iterative":
             raise UserError("--draft-at rank: the draft rank has no draft model (give --draft MODEL.gguf; the n-gram "
                             "drafter costs nothing and runs on the head)")
@@ -123,18 +121,19 @@ class Config:
             raise ValueError(f"not a pipeinfer configuration: {e}") from None
 
 
-def cells_reserve(config: Config) -> int:
+def cells_reserve(config: Config, n_stages: int) -> int:
     """KV cells the runs in flight may take beyond the prompt and the answer (auto --draft-max: at most the
     default)."""
-    from .kvplan import cells_reserve as reserve, plan_partitions
-    n_part = 0 if config.mode == "iterative" else plan_partitions(config.max_branches, config.max_in_flight)[0]
+    from .kvplan import cells_reserve as reserve, in_flight_limit, plan_partitions
+    n_part = 0 if config.mode == "iterative" else plan_partitions(config.max_branches,
+                                                                  in_flight_limit(config.max_in_flight, n_stages))[0]
     return reserve(n_part, config.draft_max or DEFAULT_DRAFT_MAX)
 
 
-def check_fits(config: Config, n_prompt: int, n_predict: int) -> None:
+def check_fits(config: Config, n_prompt: int, n_predict: int, n_stages: int) -> None:
     """The one context-fit check of the front ends: a prompt and its answer fit the context beside the runs in
     flight (the scheduler checks the same against the context as the stages planned it)."""
-    reserve = cells_reserve(config)
+    reserve = cells_reserve(config, n_stages)
     if n_prompt + n_predict + reserve > config.n_ctx:
         raise UserError(f"prompt of {n_prompt} tokens + {n_predict} to generate + {reserve} for runs in flight does "
                         f"not fit the context of {config.n_ctx} tokens (-c/--ctx-size)")

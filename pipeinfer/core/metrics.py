@@ -27,6 +27,8 @@ class Stats:
     n_drafted: int = 0             # draft tokens sent to the target
     n_draft_accepted: int = 0      # draft tokens the target agreed with
     n_draft_calls: int = 0         # drafter invocations (including ones that proposed nothing)
+    n_siblings: int = 0            # the draft's runner-ups launched beside its chain (ranks/shape.py) ...
+    n_siblings_right: int = 0      # ... that verification reached and found right
     draft_at: str = "head"         # where the draft runs: head (in series) | thread | rank (draftahead.py)
     n_draft_stale: int = 0         # drafted beside the pipeline for a chain that no longer existed: dropped
     draft_link_bytes: list[int] = field(default_factory=list)  # --draft-at rank: [head -> draft, draft -> head]
@@ -117,6 +119,8 @@ class Stats:
             f"tokens per run    = {self.mean_accepted_per_run:.2f}",
             *([f"draft beside     = {self.draft_at}: {self.n_draft_stale} drafted tokens dropped (stale chain)"]
               if self.draft_at != "head" else []),
+            *([f"siblings          = {self.n_siblings} launched, {self.n_siblings_right} right"]
+              if self.n_siblings else []),
             *(["micro-batch sizes = " + ", ".join(f"{k} drafts x {v}" for k, v in sorted(self.draft_len_hist.items()))]
               if self.draft_len_hist else []),
             f"KV compactions    = {self.n_compactions}",

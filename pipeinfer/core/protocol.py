@@ -40,6 +40,8 @@ message per operation, each one i32 array (so a thread drafter uses the same pac
 
     DRAFT_CTRL (head -> drafter, TAG_DRAFT_CTRL):  | CTRL i32[CTRL_LEN] | tokens i32[n_new] | text bytes, padded |
     PROPOSAL   (drafter -> head, TAG_PROPOSAL):    | PROP i32[PROP_LEN] | tokens i32[n] | probs f32[n] (as i32) |
+                                                    alts i32[n] | alt_probs f32[n] (as i32) |
+               (alts: the draft's runner-up at each position, -1 where it has none; the head's tree siblings)
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 class ProtocolError(ValueError):
@@ -537,11 +539,16 @@ class Proposal:
     tokens: list[int]
     probs: list[float]
     stopped: bool = False  # the chain ends here: the next token was below p_min (or nothing to propose)
+    alts: list[int] | None = None         # the runner-up at each position (-1: none); None: none anywhere
+    alt_probs: list[float] | None = None  # ... and its probability
 
     def pack(self) -> np.ndarray:
-        head = np.array([self.epoch, self.pos, len(self.tokens), int(self.stopped)], dtype=np.int32)
+        n = len(self.tokens)
+        head = np.array([self.epoch, self.pos, n, int(self.stopped)], dtype=np.int32)
+        alts = np.full(n, -1, np.int32) if self.alts is None else np.asarray(self.alts, dtype=np.int32)
+        alt_probs = np.zeros(n, np.float32) if self.alt_probs is None else np.asarray(self.alt_probs, dtype=np.float32)
         return np.concatenate([head, np.asarray(self.tokens, dtype=np.int32),
-                               np.asarray(self.probs, dtype=np.float32).view(np.int32)])
+                               np.asarray(self.probs, dtype=np.float32).view(np.int32), alts, alt_probs.view(np.int32)])
 
     @classmethod
     def unpack(cls, buf: np.ndarray, n_ctx: int, n_vocab: int) -> "Proposal":
@@ -549,10 +556,13 @@ class Proposal:
             raise ProtocolError(f"malformed PROPOSAL: {getattr(buf, 'shape', None)} {getattr(buf, 'dtype', None)}")
         epoch, pos, n, stopped = (int(x) for x in buf[:PROP_LEN])
         if not ((epoch >= 0 or (epoch == CLOSED_EPOCH and n == 0)) and 0 <= pos <= n_ctx and 0 <= n <= n_ctx and stopped in (0, 1)
-                and len(buf) == PROP_LEN + 2 * n):
+                and len(buf) == PROP_LEN + 4 * n):
             raise ProtocolError(f"PROPOSAL out of range: epoch {epoch} pos {pos} n {n} in {len(buf)} ints")
-        toks = buf[PROP_LEN:PROP_LEN + n]
-        probs = buf[PROP_LEN + n:].view(np.float32)
-        if not ((toks >= 0) & (toks < n_vocab)).all() or not (np.isfinite(probs) & (probs >= 0) & (probs <= 1)).all():
+        toks, probs, alts, alt_probs = (buf[PROP_LEN + k * n:PROP_LEN + (k + 1) * n] for k in range(4))
+        probs, alt_probs = probs.view(np.float32), alt_probs.view(np.float32)
+        if not (((toks >= 0) & (toks < n_vocab)).all() and ((alts >= -1) & (alts < n_vocab)).all()
+                and (np.isfinite(probs) & (probs >= 0) & (probs <= 1)).all()
+                and (np.isfinite(alt_probs) & (alt_probs >= 0) & (alt_probs <= 1)).all()):
             raise ProtocolError("PROPOSAL token id or probability out of range")
-        return cls(epoch, pos, toks.tolist(), probs.astype(np.float64).tolist(), bool(stopped))
+        return cls(epoch, pos, toks.tolist(), probs.astype(np.float64).tolist(), bool(stopped), alts.tolist(),
+                   alt_probs.astype(np.float64).tolist())

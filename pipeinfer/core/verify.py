@@ -90,6 +90,15 @@ def consistent(run: TreeRun, i: int, accepted: list[int]) -> bool:
     return all(n.pos >= m or accepted[n.pos] == n.token for n in run.path(i))
 
 
+def reached(run: TreeRun, i: int, accepted: list[int]) -> bool:
+    """Node i's context before it (run prefix and ancestors) agrees with every accepted position it covers:
+    verification reached node i's position along its path."""
+    m = len(accepted)
+    if any(pos < m and accepted[pos] != tok for pos, tok in run.prefix.items()):
+        return False
+    return all(n.pos >= m or accepted[n.pos] == n.token for n in run.path(i)[:-1])
+
+
 def is_useful(run: TreeRun, accepted: list[int]) -> bool:
     """Can the run still add a token? Some consistent node must sit at or after the last accepted position.
 

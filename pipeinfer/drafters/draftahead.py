@@ -40,6 +40,7 @@ import numpy as np
 from ..core.protocol import CLOSED_EPOCH, KEEP_ALL, Ctrl, DraftCtrl, Proposal, Tag
 from .drafter import Cutoffs, Drafter, DraftNode, main_chain
 
+NO_ALT = (-1, 0.0)  # a position without a runner-up (tokens the head gave)
 RETRY_CHUNK = 4  # draft tokens asked for when a shorter chunk proposed nothing (DraftService.step)
 
 
@@ -165,7 +166,7 @@ class DraftService:
             chain = self._draft(RETRY_CHUNK)
         self.stopped = not chain
         self.end.send(Proposal(self.epoch, len(self.ctx), [d.token for d in chain], [d.prob for d in chain],
-                               self.stopped).pack())
+                               self.stopped, [d.alt for d in chain], [d.alt_prob for d in chain]).pack())
         self.ctx += [d.token for d in chain]
         self.stats.n_proposed += len(chain)
         self.stats.t_busy_s += time.perf_counter() - t0
@@ -202,6 +203,7 @@ class DraftClient:
         self.epoch = 0
         self.seq: list[int] = []
         self.probs: list[float] = []  # probs[i]: confidence of seq[i] (1.0 for tokens the head gave)
+        self.alts: list[tuple[int, float]] = []  # alts[i]: the drafter's runner-up at position i, (-1, 0.0): none
         self.stopped_at: int | None = None  # the drafter's chain ends at this position (unconfident)
         self._sent = (0, 0, 0.0)            # last (horizon, n_chunk, p_min) sent in this epoch
         self.n_stale = 0                    # proposed tokens dropped: their chain no longer existed
@@ -223,6 +225,7 @@ class DraftClient:
         self.epoch += 1
         self.end.send(DraftCtrl(Ctrl.BEGIN, self.epoch, 0, list(prompt), aux=int(chat), text=text or "").pack())
         self.seq, self.probs, self.stopped_at, self._sent = list(prompt), [1.0] * len(prompt), None, (0, 0, 0.0)
+        self.alts = [NO_ALT] * len(prompt)
 
     def prefill(self, prompt: list[int]) -> None:
         if self.seq != list(prompt):
@@ -242,6 +245,7 @@ class DraftClient:
             self.epoch += 1
             self.end.send(DraftCtrl(Ctrl.STEER, self.epoch, c, target[c:], horizon, n_chunk, p_min).pack())
             self.seq, self.probs = list(target), self.probs[:c] + [1.0] * (len(target) - c)
+            self.alts = self.alts[:c] + [NO_ALT] * (len(target) - c)
             self.stopped_at, self._sent = None, (horizon, n_chunk, p_min)
         elif (horizon, n_chunk, p_min) != self._sent:
             self.end.send(DraftCtrl(Ctrl.STEER, self.epoch, KEEP_ALL, [], horizon, n_chunk, p_min).pack())
@@ -278,6 +282,7 @@ class DraftClient:
                 continue
             self.seq += p.tokens
             self.probs += p.probs
+            self.alts += list(zip(p.alts, p.alt_probs))
             n_new += len(p.tokens)
             if p.stopped:
                 self.stopped_at = len(self.seq)
@@ -294,7 +299,7 @@ class DraftClient:
         for k in range(min(n_max, len(self.seq) - m)):
             if self.probs[m + k] < p_accept:
                 break
-            nodes.append(DraftNode(self.seq[m + k], k - 1, k, {0}, self.probs[m + k]))
+            nodes.append(DraftNode(self.seq[m + k], k - 1, k, {0}, self.probs[m + k], *self.alts[m + k]))
         unconfident = not nodes and ((len(self.seq) > m and self.probs[m] < p_accept) or self.stopped_at == m)
         return nodes, unconfident
 
@@ -307,7 +312,7 @@ class DraftClient:
 
     def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
         """Synchronous use (speculative mode, tests): steer to context, wait for cut.n_max tokens or the end of
-        the confident chain. Chains only (the drafter beside the pipeline does not draft trees)."""
+        the confident chain (with each token's runner-up: the head makes siblings of them, tree.py)."""
         while True:
             self.steer(context, len(context) + cut.n_max, cut.p_accept, cut.n_max)  # again: re-roots a divergence
             nodes, unconfident = self.ready(context, cut.p_accept, cut.n_max)

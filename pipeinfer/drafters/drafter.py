@@ -29,6 +29,8 @@ class DraftNode:
     depth: int                   # 0 for the first drafted position
     branches: set[int] = field(default_factory=set)  # branch indices (0 = main) that contain this node
     prob: float = 1.0            # the drafter's confidence
+    alt: int = -1                # the drafter's runner-up at this node's position (-1: none known) ...
+    alt_prob: float = 0.0        # ... and its probability: where both are unsure, the head adds it as a sibling
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,8 @@ class ModelDrafter:
                     tree.append(DraftNode(int(top[f]), last, depth, {nb}, float(p[f])))
                     active[nb] = (nb, len(tree) - 1, None)
                     step.append((nb, len(tree) - 1))
-                tree.append(DraftNode(int(top[0]), last, depth, {b}, float(p[0])))
+                tree.append(DraftNode(int(top[0]), last, depth, {b}, float(p[0]),
+                                      int(top[1]) if len(top) > 1 else -1, float(p[1]) if len(top) > 1 else 0.0))
                 active[b] = (seq, len(tree) - 1, None)
                 step.append((b, len(tree) - 1))
             if not step:
@@ -270,7 +273,13 @@ class ReplayDrafter:
     position) and otherwise a wrong token, with confidence `accuracy`. So that its cost is realistic it
     spends a real small model's compute per proposed token (`burner`, e.g. Gemma 3 270M, whose output is
     discarded). It lets benchmarks sweep the acceptance rate on the real target.
+
+    With `runner_up` > 0 each proposal carries a runner-up (DraftNode.alt): where the proposal is wrong, the
+    reference token with probability runner_up, else another wrong one; its probability is what that promises,
+    (1 - accuracy) x runner_up (the twin's trees, ranks/shape.py).
     """
+
+    runner_up = 0.0
 
     def __init__(self, reference: list[int], accuracy: float, n_vocab: int, seed: int = 0,
                  burner: ModelDrafter | None = None):
@@ -288,11 +297,20 @@ class ReplayDrafter:
         if self.accuracy < cut.p_accept:
             return []
         pos0 = len(context)
-        tokens = []
+        tokens, alts = [], []
         for pos in range(pos0, min(pos0 + cut.n_max, len(self.ref))):
-            right = np.random.default_rng([self.seed, pos]).random() < self.accuracy
+            rng = np.random.default_rng([self.seed, pos])
+            right = rng.random() < self.accuracy
             tokens.append(self.ref[pos] if right else (self.ref[pos] + 1 + pos % 7) % self.n_vocab)
+            alts.append(self.runner_up_at(pos, right, rng))
         if self.burner is not None and tokens:
             v = self.burner.n_vocab
             self.burner.follow([t % v for t in context], [t % v for t in tokens])
-        return [DraftNode(t, k - 1, k, {0}, self.accuracy) for k, t in enumerate(tokens)]
+        return [DraftNode(t, k - 1, k, {0}, self.accuracy, *alt) for k, (t, alt) in enumerate(zip(tokens, alts))]
+
+    def runner_up_at(self, pos: int, right: bool, rng) -> tuple[int, float]:
+        """(runner-up token, its probability) at pos where the proposal is right or not; (-1, 0.0) without."""
+        if self.runner_up <= 0.0:
+            return -1, 0.0
+        hit = not right and rng.random() < self.runner_up
+        return (self.ref[pos] if hit else (self.ref[pos] + 9 + pos % 5) % self.n_vocab), (1 - self.accuracy) * self.runner_up

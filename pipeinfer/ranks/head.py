@@ -47,11 +47,13 @@ from ..core.verify import (
     chain_checks,
     consistent,
     is_useful,
+    reached,
     verify,
 )
 from ..drafters.drafter import Cutoffs, Drafter, DraftNode, main_chain
 from .pipeline import Pipeline
 from .rules import RunRules
+from .shape import add_siblings, choose_draft_len, choose_siblings, draft_cost_fit, fixed_siblings
 
 
 
@@ -65,50 +67,6 @@ def auto_p_recovery(n_ranks: int) -> float:
     0.25 and 0.1 at every agreement tried.
     """
     return 0.5 / max(1, n_ranks - 1)
-
-
-def choose_draft_len(acceptance: float, stage_ms: list[list[float]], draft_ms: tuple[float, float], cap: int) -> int:
-    """Draft tokens per PipeInfer micro-batch: the b in 1..cap that adds the most accepted tokens per unit of
-    time, counting the refills that wrong drafts cause.
-
-    A micro-batch of b draft tokens adds sum_{i=1..b} a^i accepted tokens in expectation (each token needs
-    every one before it accepted; a = acceptance). The pipeline runs one micro-batch per the slowest stage's
-    cost at batch b (the head's stage, stage_ms[0], also drafts the b tokens at draft_ms = (per call, per
-    token) ms), and with probability 1 - a^b the micro-batch breaks the speculation chain: everything
-    launched after it is cancelled and the pipeline refills, which costs one pass through every stage at
-    batch b. So the rate is gain / (bottleneck + (1 - a^b) x pass). Larger micro-batches pay off where
-    batching is cheap and the pipeline is short; on CPUs where a 2-token decode costs nearly twice a 1-token
-    one (this project's AVX2 host: 42 / 74 / 122 ms for 1 / 2 / 3 tokens on half of Qwen2.5-1.5B), and on
-    deep pipelines, the answer is 1 unless the draft is nearly always right.
-    """
-    best, best_rate = 1, -1.0
-    for b in range(1, cap + 1):
-        if any(len(ms) < b for ms in stage_ms):
-            break
-        gain = sum(acceptance ** i for i in range(1, b + 1))
-        head = stage_ms[0][b - 1] + draft_ms[0] + b * draft_ms[1]
-        bottleneck = max([head] + [ms[b - 1] for ms in stage_ms[1:]])
-        refill = head + sum(ms[b - 1] for ms in stage_ms[1:])
-        time = bottleneck + (1 - acceptance ** b) * refill
-        rate = gain / time if time > 0 else float("inf")
-        if rate > best_rate * (1 + 1e-9):
-            best, best_rate = b, rate
-    return best
-
-
-def draft_cost_fit(calls) -> tuple[float, float]:
-    """(ms per call, ms per token) of recent draft calls [(tokens, ms)] by least squares; with one size seen
-    so far, half each (a drafter that re-syncs its context pays about one decode per call), which also
-    makes the other sizes worth a try."""
-    if not calls:
-        return 0.0, 0.0
-    n = np.array([c[0] for c in calls], dtype=np.float64)
-    ms = np.array([c[1] for c in calls], dtype=np.float64)
-    if np.ptp(n) == 0:
-        per = float(ms.mean() / (n[0] + 1))
-        return per, per
-    slope, icept = np.polyfit(n, ms, 1)
-    return max(0.0, float(icept)), max(0.0, float(slope))
 
 
 @dataclass(frozen=True)
@@ -185,6 +143,7 @@ class Flight:
     seqs: list[int] = field(default_factory=list)  # sequence ids the run's cells carry (partition seqs used)
     parent_id: int = NO_RUN
     cancelled: bool = False
+    siblings: dict[int, float] = field(default_factory=dict)  # node index -> probability: the draft's runner-ups
 
 
 @dataclass
@@ -244,6 +203,8 @@ class Head:
         self._n_checked = 0                 # draft tokens verification reached (their predecessors accepted)
         self._n_agreed = 0                  # ... and found right
         self._draft_obs: deque[tuple[int, float]] = deque(maxlen=32)  # recent (tokens proposed, ms) draft calls
+        self._n_sib_right = 0                # siblings (shape.py) whose chain reached them and that were right ...
+        self._sib_promised = 0.0             # ... and the sum of their runner-up probabilities
         # a drafter beside the pipeline (draftahead.DraftClient) drafts ahead by itself: the head only reads it
         self.asynchronous = False
         self._n_draft = cfg.cut.n_max                # the last micro-batch size asked for
@@ -346,6 +307,8 @@ class Head:
                 if tree:
                     self._draft_obs.append((len(tree), (self.clock() - t0) * 1e3))
             if tree:
+                if cut.max_branches > 1 and all(n.branches == {0} for n in tree):
+                    tree = self._with_siblings(tree, max(0.0, cut.p_split + self.adjust))
                 self._launch_spec(tree, context)
                 self.adjust += self.cfg.p_recovery
             elif unconfident and self.cfg.p_decay > 0 and p_accept > 0:
@@ -366,6 +329,35 @@ class Head:
                              cut.n_max)
         self.stats.draft_len_hist[n] = self.stats.draft_len_hist.get(n, 0) + 1
         return n
+
+    def _with_siblings(self, chain: list[DraftNode], p_split: float) -> list[DraftNode]:
+        """The chain with the runner-ups that pay as one-token siblings (shape.py): by the measured stage costs
+        when there are any, else every runner-up >= p_split, within --max-branches and the batch cap."""
+        cut = self.cfg.cut
+        room = cut.max_branches - 1
+        if self.cfg.stage_ms is None:
+            keep, depths = fixed_siblings(chain, cut.n_max, room, p_split)
+            chain = chain[:keep]
+        else:
+            acceptance = (self._n_agreed + 0.6 * 8) / (self._n_checked + 8)
+            sibling_rate = (self._n_sib_right + 1.0) / (self._sib_promised + 1.0)
+            depths = choose_siblings(chain, acceptance, sibling_rate, [list(ms) for ms in self.cfg.stage_ms],
+                                     draft_cost_fit(self._draft_obs), cut.n_max, room, p_split)
+        if depths:
+            self.stats.n_siblings += len(depths)
+        return add_siblings(chain, depths) if depths else chain
+
+    def _count_siblings(self, fl: Flight) -> None:
+        """A verified run's siblings whose chain reached them: how many were right, against what their
+        probabilities promised (the correction choose_siblings applies, as drafts are not calibrated)."""
+        m = len(self.accepted)
+        for i, prob in fl.siblings.items():
+            n = fl.run.nodes[i]
+            if n.pos < m and reached(fl.run, i, self.accepted):
+                right = self.accepted[n.pos] == n.token
+                self._sib_promised += prob
+                self._n_sib_right += right
+                self.stats.n_siblings_right += right
 
     def _steer_drafter(self, context: list[int] | None = None):
         """Point the drafter beside the pipeline at the chain the next micro-batches build on: the speculation
@@ -398,6 +390,8 @@ class Head:
         verdict, m_before = None, len(self.accepted)
         if not (fl.cancelled or res.cancelled):
             verdict = verify(fl.run, res.tokens, self.accepted)
+            if fl.siblings:
+                self._count_siblings(fl)
         if fl.speculative:
             branch_seq, end = None, self.n_kv0
             if verdict is not None and verdict.deepest >= 0:
@@ -493,7 +487,9 @@ class Head:
             nodes.append(Node(d.token, first_pos + d.depth, parent, [seqs[b] for b in sorted(d.branches)],
                               off + i, drafted=True))
         run = TreeRun(self._new_run_id(), nodes, prefix)
-        self._launch(Flight(run, True, k, seqs, parent_id),
+        siblings = {off + i: d.prob for i, d in enumerate(tree)
+                    if 0 not in d.branches and (d.parent < 0 or 0 in tree[d.parent].branches)}
+        self._launch(Flight(run, True, k, seqs, parent_id, siblings=siblings),
                      prefix_ops(seqs, n_kv0, parent_seq, first_pos - lead, self.canon))
         self.stats.n_spec_runs += 1
         self.stats.n_drafted += len(tree)

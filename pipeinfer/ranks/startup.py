@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from ..core.config import Config
 from ..core.errors import UserError
-from ..core.kvplan import PartitionPool, lane_count, lane_seq_max, plan_partitions
+from ..core.kvplan import PartitionPool, in_flight_limit, lane_count, lane_seq_max, plan_partitions
 from ..core.protocol import PROTOCOL_VERSION, Limits, kv_ops, rm
 from ..core.topology import (
     LayerRange,
@@ -185,7 +185,8 @@ def _load_stage(config: Config, comm, plan: _LayerPlan) -> _Stage:
     if config.mode == "iterative":
         n_part, n_seq_max = 0, lane_seq_max(0, 1, n_lanes)
     else:
-        n_part, n_seq_max = plan_partitions(config.max_branches, config.max_in_flight, n_lanes=n_lanes)
+        n_part, n_seq_max = plan_partitions(config.max_branches, in_flight_limit(config.max_in_flight, size),
+                                           n_lanes=n_lanes)
     n_batch = min(config.n_batch, config.n_ctx)
     engine, exact = _load_engine(config, topo, plan.threads[rank], plan.threads_b[rank], n_batch, n_seq_max)
     exact_per_rank = comm.allgather(exact)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.config import check_fits
+from ..wire.launcher import mpi_size
 from ..core.errors import UserError
 from ..core.verify import SamplingParams
 
@@ -92,7 +93,7 @@ def run_batch(args, stop, results_row, write_row) -> None:
             raise UserError(f"--prompts {args.prompts}: prompt {p.index} replays a token id outside the vocabulary "
                             f"({tok.n_vocab} tokens)")
         try:
-            check_fits(config, len(ids) + len(p.replay), p.n_predict)
+            check_fits(config, len(ids) + len(p.replay), p.n_predict, mpi_size() - (config.draft_at == "rank"))
         except UserError as e:
             raise UserError(f"--prompts {args.prompts}: prompt {p.index}: {e}") from None
         encoded.append(ids)

@@ -425,9 +425,10 @@ class _ConfidenceReplay(ReplayDrafter):
 
     def __init__(self, reference: list[int], pairs: list, seed: int, burner):
         super().__init__(reference, 1.0, n_vocab=30000, seed=seed, burner=burner)
-        self.pairs = [(float(p), bool(r)) for p, r in pairs]
+        # (confidence, right) or, measured with the runner-up, (confidence, right, runner-up's, runner-up right)
+        self.pairs = [tuple(float(x) if k % 2 == 0 else bool(x) for k, x in enumerate(p)) for p in pairs]
 
-    def pair(self, pos: int) -> tuple[float, bool]:
+    def pair(self, pos: int) -> tuple:
         offset = int(np.random.default_rng([self.seed, pos // self.BLOCK, 2]).integers(len(self.pairs)))
         return self.pairs[(offset + pos % self.BLOCK) % len(self.pairs)]
 
@@ -435,11 +436,14 @@ class _ConfidenceReplay(ReplayDrafter):
         pos0 = len(context)
         nodes: list[DraftNode] = []
         for pos in range(pos0, min(pos0 + cut.n_max, len(self.ref))):
-            p, right = self.pair(pos)
+            p, right, *runner_up = self.pair(pos)
             if p < cut.p_accept or p <= 0.0:
                 break
             token = self.ref[pos] if right else (self.ref[pos] + 1 + pos % 7) % self.n_vocab
-            nodes.append(DraftNode(token, len(nodes) - 1, len(nodes), {0}, p))
+            alt = (-1, 0.0)
+            if runner_up and runner_up[0] > 0.0:
+                alt = (self.ref[pos] if runner_up[1] else (self.ref[pos] + 9 + pos % 5) % self.n_vocab, runner_up[0])
+            nodes.append(DraftNode(token, len(nodes) - 1, len(nodes), {0}, p, *alt))
         if self.burner is not None:
             if nodes:
                 self.burner.follow(context, [n.token for n in nodes])
@@ -475,19 +479,19 @@ def _resolved(cluster: Cluster, gen: GenConfig) -> GenConfig:
 
 
 def _replay_drafter(ref: list[int], seed: int, cost: SimDraftCost, agreement: float, propose: float,
-                    confidence: list | None) -> ReplayDrafter:
+                    confidence: list | None, runner_up: float = 0.0) -> ReplayDrafter:
     """The twin's draft for one reference: right with probability `agreement` and proposing at `propose` of its
     calls, or, given measured (confidence, right) pairs, as they and the cutoff decide."""
     if confidence:
         return _ConfidenceReplay(ref, confidence, seed, cost)
     drafter = _ChainAwareReplay(ref, agreement, n_vocab=30000, seed=seed, burner=cost)
-    drafter.propose = propose
+    drafter.propose, drafter.runner_up = propose, runner_up
     return drafter
 
 
 def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prompt: int = 64,
              reference: list[int] | None = None, max_in_flight: int = 8, seed: int = 0,
-             propose: float = 1.0, confidence: list | None = None) -> SimResult:
+             propose: float = 1.0, confidence: list | None = None, runner_up: float = 0.0) -> SimResult:
     """Run the real loop on the twin: one generation of gen.n_predict tokens in virtual time. The draft
     agrees with probability `agreement` and proposes at `propose` of its calls, or, given `confidence`
     (measured (confidence, right) pairs), as those pairs and the cutoff decide."""
@@ -501,7 +505,8 @@ def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prom
         n_lanes = lane_count(1, gen.cache_prompt)   # the Scheduler's slots (sequence ids as startup.py plans them)
         n_part, n_seq_max = plan_partitions(gen.cut.max_branches, max_in_flight, n_lanes=n_lanes)
         pool = PartitionPool(n_part, gen.cut.max_branches, n_seq_max, n_lanes=n_lanes)
-        drafter = _replay_drafter(ref, seed, SimDraftCost(cluster, clock, pipe), agreement, propose, confidence)
+        drafter = _replay_drafter(ref, seed, SimDraftCost(cluster, clock, pipe), agreement, propose, confidence,
+                                  runner_up)
     sched = Scheduler(pipe, gen, n_stages=cluster.n_ranks, pool=pool, drafter_for=lambda *_: drafter, clock=clock)
     tokens, stats = sched.generate(Request(ref[:n_prompt], gen.n_predict, gen.sampling))
     expect = ref[n_prompt:n_prompt + len(tokens)]
