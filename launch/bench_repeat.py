@@ -59,6 +59,7 @@ def main() -> None:
         rows.append({"prompt": prompt, "round": rnd, "config": label, "tokens_per_s": round(s["gen_tokens_per_s"], 3),
                      "ttft_s": round(s["ttft_s"], 4), "acceptance": round(s["acceptance_rate"], 3),
                      "runs": s["n_runs"], "micro_batch_sizes": json.dumps(s.get("draft_len_hist", {})),
+                     "siblings": s.get("n_siblings", 0), "siblings_right": s.get("n_siblings_right", 0),
                      "foreign_cpu_pct": round(foreign, 1), "exact": exact})
         print(f"{prompt:<13} round {rnd}  {label:<26} {s['gen_tokens_per_s']:6.2f} tokens/s  "
               f"ttft {s['ttft_s'] * 1e3:6.1f} ms  acceptance {s['acceptance_rate']:.2f}"

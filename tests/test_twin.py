@@ -257,10 +257,12 @@ def test_profile_writes_what_simulate_needs(models, tmp_path, n_ranks):
         assert [(lk["from"], lk["to"]) for lk in prof["links"]] == [(0, 1), (1, 0)]
         assert all(lk["bandwidth_bps"] > 0 for lk in prof["links"])
         assert all(r["in_pipeline_factor"] > 0 for r in prof["ranks"])
-        # the draft's confidence along the target's own output: [p, right] per position, mostly right
+        # the draft's confidence along the target's own output: [p, right, runner-up's p, runner-up right] per
+        # position (a draft of the target's vocabulary names its runner-up), mostly right
         conf = prof["draft"]["confidence"]
-        assert len(conf) == 64 and all(0.0 <= p <= 1.0 and r in (0, 1) for p, r in conf)
-        assert sum(r for _, r in conf) >= 0.6 * len(conf)
+        assert len(conf) == 64 and all(len(c) == 4 and 0.0 <= c[0] <= 1.0 and c[1] in (0, 1) and 0.0 <= c[2] <= c[0]
+                                       and c[3] in (0, 1) and not (c[1] and c[3]) for c in conf if c[0] > 0)
+        assert sum(c[1] for c in conf) >= 0.6 * len(conf)
         measured = run_cli(["simulate", "--profile", str(out), "-n", "16", "--measured-draft", "--json"])
         assert measured.returncode == 0, measured.stderr
         assert json.loads(measured.stdout)["stats"]["n_drafted"] > 0

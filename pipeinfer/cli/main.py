@@ -48,6 +48,8 @@ def main() -> None:
 @click.option("--replay-ref", default=None, help="replay drafter: JSON output of an earlier --json run of the same prompt")
 @click.option("--replay-accuracy", default=0.8, show_default=True, type=click.FloatRange(0, 1),
               help="replay drafter: probability that each proposal is the reference token")
+@click.option("--replay-runner-up", default=0.0, show_default=True, type=click.FloatRange(0, 1),
+              help="replay drafter: probability that a wrong proposal's runner-up is the reference token (0: none)")
 @click.option("--ignore-eos", is_flag=True, help="keep generating past end-of-generation tokens")
 @click.option("--results", default=None, help="append one CSV row of results to this file")
 @click.option("-q", "--quiet", is_flag=True, help="no statistics on stderr")
@@ -87,7 +89,7 @@ class GenerateArgs:
         config = config_from_options(
             kw, n_predict=kw["n_predict"], sampling=SamplingParams(kw["temp"], kw["top_k"], kw["top_p"], kw["seed"]),
             stop_at_eos=not kw["ignore_eos"], parallel=kw["parallel"] if kw["prompts"] else 1,
-            replay_ref=kw["replay_ref"], replay_accuracy=kw["replay_accuracy"])
+            replay_ref=kw["replay_ref"], replay_accuracy=kw["replay_accuracy"], replay_runner_up=kw["replay_runner_up"])
         if config.drafter == "replay" and (kw["prompts"] or supervised):
             raise UserError("--drafter replay follows one reference answer: not with --prompts or --np/--hostfile")
         return cls(config, **own_fields(cls, kw, skip=("config",)))

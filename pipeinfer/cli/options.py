@@ -156,7 +156,7 @@ def _known_draft(model: str) -> str | None:
 
 def config_from_options(kw: dict, *, n_predict: int, sampling: SamplingParams, stop_at_eos: bool,
                         parallel: int | None = 1, replay_ref: str | None = None,
-                        replay_accuracy: float = 0.8) -> Config:
+                        replay_accuracy: float = 0.8, replay_runner_up: float = 0.0) -> Config:
     """The run's configuration from click's keyword arguments of PIPELINE_OPTIONS and what the command adds:
     registry names resolved to files, the drafter and its place decided, the options checked against each other.
     parallel: generations at once (None: 2 per stage, resolved at start-up)."""
@@ -181,6 +181,7 @@ def config_from_options(kw: dict, *, n_predict: int, sampling: SamplingParams, s
         drafter_asked=kw["drafter"] is not None, draft_vocab=kw["draft_vocab"], draft_at=draft_at,
         draft_threads=kw["draft_threads"], draft_head=kw["draft_head"], draft_max=kw["draft_max"],
         adaptive_draft=kw["micro_batch"] == "auto", replay_ref=replay_ref, replay_accuracy=replay_accuracy,
+        replay_runner_up=replay_runner_up,
         p_accept=kw["p_accept"], p_split=kw["p_split"], p_recovery=kw["p_recovery"], p_decay=kw["p_decay"],
         max_branches=kw["max_branches"], max_in_flight=kw["max_in_flight"], cancel=kw["cancel"],
         continuous=kw["continuous"], quiet_first=kw["quiet_first"], n_predict=n_predict, sampling=sampling,

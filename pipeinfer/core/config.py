@@ -58,6 +58,7 @@ class Config:
     adaptive_draft: bool = True             # --micro-batch auto: size micro-batches by measured stage costs
     replay_ref: str | None = None           # replay drafter: JSON of an earlier --json run
     replay_accuracy: float = 0.8            # replay drafter: probability each proposal is right
+    replay_runner_up: float = 0.0           # replay drafter: probability a wrong proposal's runner-up is right
     # ---- speculation
     p_accept: float = 0.5
     p_split: float = 0.1

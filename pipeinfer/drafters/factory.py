@@ -21,6 +21,7 @@ def make_drafter(cfg: Config, *, n_vocab: int, n_threads: int, n_threads_batch: 
     if cfg.drafter == "replay":
         replay = ReplayDrafter(_replay_reference(cfg.replay_ref), cfg.replay_accuracy, n_vocab,
                                seed=cfg.sampling.seed, burner=_chain_model(cfg, n_threads, n_threads_batch) if cfg.draft else None)
+        replay.runner_up = cfg.replay_runner_up
         return lambda prompt, text, chat: replay
     if cfg.drafter != "model":
         raise UserError(f"unknown drafter {cfg.drafter!r} (choose model, ngram or replay)")

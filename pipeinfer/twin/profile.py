@@ -277,8 +277,10 @@ def target_output(comm, opts: ProfileOptions, text: str) -> tuple[list[int], lis
 def measure_confidence(draft: str, target: str, prompt: list[int], text: str, tokens: list[int], threads: int,
                        kernels: str, head_tokens: int | None = DRAFT_HEAD_AUTO) -> list[list[float]]:
     """Along the target's own output, at each position: the draft's confidence in its first proposal there
-    and whether that proposal is the target's token ([p, 1 or 0]; [0, 0] where it proposes nothing). The twin
-    draws from these pairs, so a cutoff (-pa) decides what is proposed and how much of it is right."""
+    and whether that proposal is the target's token ([p, 1 or 0]; [0, 0] where it proposes nothing), and where the
+    draft names a runner-up (a draft of the target's vocabulary; the translating drafter names none), its
+    probability and whether it is the target's token ([p, right, p2, right2]). The twin draws from these, so a
+    cutoff (-pa) decides what is proposed and how much of it is right, and -ps which runner-ups could be siblings."""
     from ..drafters.drafter import Cutoffs
     from ..drafters.factory import make_drafter
     config = Config(target, draft=draft, drafter="model", n_ctx=RUN_N_CTX, max_branches=1, kernels=kernels,
@@ -290,7 +292,12 @@ def measure_confidence(draft: str, target: str, prompt: list[int], text: str, to
     seq, pairs = list(prompt) + list(tokens), []
     for i in range(len(prompt), len(seq)):
         tree = drafter.draft(seq[:i], Cutoffs(0.0, 1.0, n_max, 1))
-        pairs.append([round(tree[0].prob, 4), int(tree[0].token == seq[i])] if tree else [0.0, 0])
+        if not tree:
+            pairs.append([0.0, 0])
+            continue
+        pairs.append([round(tree[0].prob, 4), int(tree[0].token == seq[i])])
+        if tree[0].alt >= 0:
+            pairs[-1] += [round(tree[0].alt_prob, 4), int(tree[0].alt == seq[i])]
     inner.engine.close()
     return pairs
 

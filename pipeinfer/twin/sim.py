@@ -686,7 +686,7 @@ def _roomy_ctx(gen: GenConfig, n_parallel: int, longest_prompt: int, n_part: int
 
 def _serve(cluster: Cluster, gen: GenConfig, clients: _Clients, clock: VirtualClock, *, n_parallel: int,
            agreement: float, seed: int, max_in_flight: int, propose: float, confidence: list | None,
-           n_ctx: int | None, n_turns: int = 1) -> ClientsResult:
+           n_ctx: int | None, n_turns: int = 1, runner_up: float = 0.0) -> ClientsResult:
     """The real Scheduler on the twin serving `clients` (their first requests already sent) to the last answer.
     n_ctx (None): room for every slot's longest request at once (so the context never makes a request wait)."""
     gen = replace(_resolved(cluster, gen), stop_at_eos=False)
@@ -700,7 +700,7 @@ def _serve(cluster: Cluster, gen: GenConfig, clients: _Clients, clock: VirtualCl
 
         def drafter_for(prompt, text, chat):
             i = clients.num_of[id(prompt)]
-            return _replay_drafter(clients.refs[i], seed + i, cost, agreement, propose, confidence)
+            return _replay_drafter(clients.refs[i], seed + i, cost, agreement, propose, confidence, runner_up)
     if n_ctx is None:
         n_ctx = _roomy_ctx(gen, n_parallel, max(clients.n_prompts), n_part, n_lanes)
     sched = Scheduler(pipe, replace(gen, n_ctx=n_ctx), n_stages=cluster.n_ranks, n_parallel=n_parallel, pool=pool,
@@ -717,7 +717,7 @@ def _serve(cluster: Cluster, gen: GenConfig, clients: _Clients, clock: VirtualCl
 def simulate_clients(cluster: Cluster, gen: GenConfig, *, n_clients: int | None = None,
                      rate_per_s: float | None = None, n_requests: int, n_prompt: int = 64, n_parallel: int = 1,
                      agreement: float = 0.9, seed: int = 0, max_in_flight: int = 8, propose: float = 1.0,
-                     confidence: list | None = None, n_ctx: int | None = None) -> ClientsResult:
+                     confidence: list | None = None, n_ctx: int | None = None, runner_up: float = 0.0) -> ClientsResult:
     """The real Scheduler (ranks/scheduler.py) serving `n_requests` requests of n_prompt + gen.n_predict tokens on
     the twin, in virtual time: `n_clients` closed-loop clients (each sends its next request when its last answer
     is complete), or requests arriving as a Poisson process of `rate_per_s`. gen.mode is the schedule: pipeinfer
@@ -741,7 +741,7 @@ def simulate_clients(cluster: Cluster, gen: GenConfig, *, n_clients: int | None 
             t_s += float(dt_s)
             clients.send(t_s, i)
     return _serve(cluster, gen, clients, clock, n_parallel=n_parallel, agreement=agreement, seed=seed,
-                  max_in_flight=max_in_flight, propose=propose, confidence=confidence, n_ctx=n_ctx)
+                  max_in_flight=max_in_flight, propose=propose, confidence=confidence, n_ctx=n_ctx, runner_up=runner_up)
 
 
 # ==================================================================== conversations (the prompt cache's workload)
