@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Benchmark in simulation: deep pipelines with the chain and with trees (the draft's runner-ups as siblings), on
-the 70B-class model of twin_scaling.py, one client and eight.
+the 70B-class model of twin_scaling.py, one client and several.
 
     python launch/twin_trees.py --profile results/twin_profile_2ranks.json [-n 256] [--out results/twin_trees.csv]
 
@@ -57,7 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", required=True)
     ap.add_argument("-n", type=int, default=256)
-    ap.add_argument("--clients", type=int, default=8, help="the many-users rows: closed-loop clients")
+    ap.add_argument("--clients", default="4,8", help="the many-users rows: closed-loop clients (comma-separated)")
     ap.add_argument("--out", default=str(ROOT / "results" / "twin_trees.csv"))
     args = ap.parse_args()
     prof = load_profile(args.profile)
@@ -68,11 +68,12 @@ def main() -> None:
     layer_scale = m.active_params_per_layer * BPW_Q4_K_M / 8 / profiled[0]
     out_scale = m.output_bytes / profiled[1]
     limit = int(prof.get("exact_batch", 3))
+    many = [int(c) for c in args.clients.split(",")]
     rows, t0 = [], time.perf_counter()
     for hosts in HOSTS:
         cluster = build_cluster(prof, Shape(hosts=hosts, n_layer=m.n_layer, n_embd=m.n_embd, layer_scale=layer_scale,
                                             out_scale=out_scale, link=Link(100e-6, 1e9 / 8), draft_on="own"))
-        for clients in (1, args.clients):
+        for clients in (1, *many):
             base = GenConfig(mode="iterative", n_predict=args.n, cut=Cutoffs(0.5, 0.1, 1, 1), p_recovery=None,
                              stop_at_eos=False)
             it = rate(cluster, base, None, hosts, clients, 0.9, args.n)
@@ -95,7 +96,7 @@ def main() -> None:
         w = csv.DictWriter(f, list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    plot(rows, out.with_suffix(".png"), args.clients)
+    plot(rows, out.with_suffix(".png"), many)
     print(f"wrote {out} and {out.with_suffix('.png')} ({time.perf_counter() - t0:.0f} s of simulation)")
 
 
@@ -113,13 +114,13 @@ def rate(cluster, gen: GenConfig, max_in_flight: int | None, hosts: int, clients
     return (tps, st) if stats else tps
 
 
-def plot(rows: list[dict], path: Path, n_clients: int) -> None:
+def plot(rows: list[dict], path: Path, many: list[int]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 1 + len(many), figsize=(6 * (1 + len(many)), 4.5))
     styles = {"chain, in-flight 8": ":", "chain": "-", "trees allowed": "--", "trees forced": "-."}
-    for ax, clients in zip(axes, (1, n_clients)):
+    for ax, clients in zip(axes, (1, *many)):
         for agreement, color in zip(AGREEMENTS, ("tab:orange", "tab:green")):
             for variant in VARIANTS:
                 pts = [r for r in rows if r["clients"] == clients and r["agreement"] == agreement and r["variant"] == variant]
