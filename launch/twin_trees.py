@@ -12,6 +12,8 @@ probability 0.7 or 0.9 whose runner-up, where it is wrong, is the target's token
 - trees allowed: --max-branches 4, the default micro-batch rule deciding chain length and siblings (ranks/shape.py)
 - trees forced: every runner-up a sibling (--micro-batch fixed, --draft-max 2, -ps 0): what siblings cost where
   the rule declines them
+- chain, 16-row prompt chunks: the chain with --prompt-chunk 16 (iterative keeps 63): a newcomer's prompt stalls
+  the tokens behind it for less (README, Many users on a deep pipeline)
 - limit: the chain's limit S r / (r + S), r = 1 / (1 - agreement) the mean run of right drafts (each miss throws
   away about S launches)
 
@@ -40,7 +42,7 @@ from twin_scaling import BPW_Q4_K_M, LLAMA_70B  # noqa: E402
 HOSTS = (2, 4, 8, 16, 32)
 AGREEMENTS = (0.7, 0.9)
 RUNNER_UP = 0.6
-VARIANTS = ("chain, in-flight 8", "chain", "trees allowed", "trees forced")
+VARIANTS = ("chain, in-flight 8", "chain", "trees allowed", "trees forced", "chain, 16-row prompt chunks")
 
 
 def gen_for(variant: str, limit: int, n: int) -> tuple[GenConfig, int | None]:
@@ -50,7 +52,8 @@ def gen_for(variant: str, limit: int, n: int) -> tuple[GenConfig, int | None]:
                          stop_at_eos=False, adaptive_draft=False), None
     branches = 4 if variant == "trees allowed" else 1
     return GenConfig(mode="pipeinfer", n_predict=n, cut=Cutoffs(0.5, 0.1, limit, branches), p_recovery=None,
-                     stop_at_eos=False), 8 if variant == "chain, in-flight 8" else None
+                     stop_at_eos=False, prompt_chunk=16 if "16-row" in variant else 63), \
+        8 if variant == "chain, in-flight 8" else None
 
 
 def main() -> None:
@@ -119,7 +122,8 @@ def plot(rows: list[dict], path: Path, many: list[int]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 1 + len(many), figsize=(6 * (1 + len(many)), 4.5))
-    styles = {"chain, in-flight 8": ":", "chain": "-", "trees allowed": "--", "trees forced": "-."}
+    styles = {"chain, in-flight 8": ":", "chain": "-", "trees allowed": "--", "trees forced": "-.",
+              "chain, 16-row prompt chunks": (0, (1, 4))}
     for ax, clients in zip(axes, (1, *many)):
         for agreement, color in zip(AGREEMENTS, ("tab:orange", "tab:green")):
             for variant in VARIANTS:
