@@ -37,6 +37,11 @@
 # alone (to show the problem); PYTHON picks the interpreter for the probe (default: the one
 # beside mpiexec, else python3).
 #
+# Disks: with NETNS_DISKS=DIR every host also gets a disk view of its own (launch/netns-exec): a mount namespace
+# in which DIR/hI/stages and DIR/hI/weights are bind-mounted over the pipeinfer cache's stages/ and weights/, and,
+# on every host but h0, an empty read-only tmpfs over each folder of NETNS_HIDE (default: the cache's models/), so
+# that only h0 has the model (README, "Weights travel"). NETNS_HIDE= (empty) hides nothing.
+#
 # Latency: netem is missing from some kernels (this project's machines among them), and without it
 # tc cannot add delay; the script then says so and shapes the rate only. A real Ethernet hop adds
 # 50-200 us; carry that in the digital twin (or NETNS_DELAY where netem exists).

@@ -120,7 +120,7 @@ def test_generate_json_on_two_ranks(models):
     assert out["stats"]["draft_at"] == "thread"  # --draft-at auto: a draft model in pipeinfer mode drafts beside
 
 
-@pytest.mark.parametrize("extra, where", [(["--mode", "speculative"], "head"), (["--max-branches", "2"], "head"),
+@pytest.mark.parametrize("extra, where", [(["--mode", "speculative"], "head"), (["--max-branches", "2"], "thread"),
                                           (["--drafter", "ngram"], "head"), (["--draft-at", "rank"], "rank")])
 def test_draft_at_auto_and_explicit(models, extra, where, tmp_path):
     draft = [] if "ngram" in extra else ["--draft", str(models["draft90"])]

@@ -54,6 +54,31 @@ def test_three_hosts_over_shaped_links(models, tmp_path):
     _cleaned_up()
 
 
+def test_each_host_its_own_disk_only_h0_has_the_model(tmp_path):
+    """NETNS_DISKS: each emulated host its own stages/ and weights/ folders, the model's folder hidden on every host
+    but h0; h1 and h2 receive their stage files from h0 (ranks/weights.py) and the text is the one of the model
+    everywhere; the next start moves nothing."""
+    from synth import make_llama_gguf
+    (tmp_path / "models").mkdir()
+    model = make_llama_gguf(tmp_path / "models" / "m.gguf", n_layer=6, qtype="q8_0")
+    args = ["3", "--", sys.executable, "-m", "mpi4py", "-m", "pipeinfer", "generate", "-p", "hi", "-n", "8",
+            "--mode", "iterative", "-t", "1", "-m", str(model)]
+    disks = {"NETNS_DISKS": str(tmp_path / "disks"), "NETNS_HIDE": str(tmp_path / "models")}
+    everywhere = _netns_run(args, NETNS_DISKS=str(tmp_path / "disks-all"), NETNS_HIDE="")
+    assert everywhere.returncode == 0, everywhere.stderr[-3000:]
+    assert "weights: sent" not in everywhere.stderr
+    first = _netns_run(args, **disks)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout == everywhere.stdout
+    assert "weights: sent rank 1 (h1)" in first.stderr and "weights: sent rank 2 (h2)" in first.stderr
+    for h in ("h1", "h2"):
+        assert len(list((tmp_path / "disks" / h / "weights").glob("*.gguf"))) == 1
+    assert not list((tmp_path / "disks" / "h0" / "weights").glob("*.gguf"))
+    again = _netns_run(args, **disks)
+    assert again.returncode == 0 and again.stdout == everywhere.stdout and "weights: sent" not in again.stderr
+    _cleaned_up()
+
+
 def test_run_refuses_when_mpi_bypasses_the_links():
     """Without forcing TCP, MPICH's UCX uses shared memory between namespaces: `run` must say so and stop."""
     p = _netns_run(["2", "--", "true"], timeout=120, NETNS_RATE="100mbit", NETNS_MPI_TCP="0")

@@ -159,3 +159,21 @@ def test_serve_under_mpirun_stops_on_sigterm_without_a_false_failure(big, tmp_pa
     os.kill(job.proc.pid, signal.SIGTERM)  # idle: the ranks stop between mpirun's SIGTERM and SIGKILL (as above)
     job.finish()  # mpirun exits 1 whenever it was signalled
     assert_served_and_stopped(job)
+
+
+def test_weights_travel_on_open_mpi(models, mpirun, tmp_path):
+    """Rank 1's "host" lacks the model (PIPEINFER_HOST_ROOT, its own PIPEINFER_CACHE: tests/test_weights_mpi.py):
+    it receives its stage file from rank 0 under Open MPI too (an MPMD line, `-x` per app), and the text is the one
+    of the model everywhere."""
+    (tmp_path / "root1").mkdir()
+    gen = [sys.executable, "-m", "mpi4py", "-m", "pipeinfer", "generate", "-m", str(models["q8"]), "-p", "hi", "-n",
+           "8", "--mode", "iterative", "-t", "1"]
+    base = [mpirun, "--oversubscribe", "--bind-to", "none", "-x", "MPI4PY_MPIABI"]
+    p = subprocess.run(base + ["-np", "1", "-x", f"PIPEINFER_CACHE={tmp_path}/c0"] + gen + [":", "-np", "1", "-x",
+                       f"PIPEINFER_CACHE={tmp_path}/c1", "-x", f"PIPEINFER_HOST_ROOT={tmp_path}/root1"] + gen,
+                       capture_output=True, text=True, timeout=180, env=ompi_env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "weights: sent rank 1" in p.stderr
+    assert len(list((tmp_path / "c1" / "weights").glob("*.gguf"))) == 1
+    ref = subprocess.run(base + ["-np", "2"] + gen, capture_output=True, text=True, timeout=180, env=ompi_env())
+    assert ref.returncode == 0 and ref.stdout == p.stdout

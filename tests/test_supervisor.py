@@ -61,8 +61,8 @@ def test_a_configuration_that_contradicts_itself_is_refused_however_made():
 
     from pipeinfer.core.config import Config
     from pipeinfer.core.errors import UserError
-    with pytest.raises(UserError, match="--max-branches must be 1"):
-        replace(Config("x.gguf", max_branches=2), draft_at="rank")  # a hostfile's draft host on a tree run
+    with pytest.raises(UserError, match="the draft rank has no draft model"):
+        replace(Config("x.gguf", mode="pipeinfer", drafter="ngram"), draft_at="rank")  # a hostfile's draft host, n-grams
 
 
 @pytest.fixture(scope="module")

@@ -112,6 +112,9 @@ def _generate(kw: dict) -> None:
     from ..ranks.startup import run
     args = GenerateArgs.of(kw)
     config = args.config
+    if args.quiet:
+        from ..ranks.weights import set_quiet
+        set_quiet(True)  # no weights transfer progress either
     if args.prompts:
         return _generate_batch(args)
     prompt = read_prompt(args)

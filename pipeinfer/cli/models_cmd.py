@@ -1,4 +1,5 @@
-"""`pipeinfer models fetch | list | path`: the model registry and fetcher (engine/models.py) on the command line."""
+"""`pipeinfer models fetch | list | path | cached | prune`: the model registry and fetcher (engine/models.py), and the
+weights cache of this host (core/stagecache.py: stage files that travelled from rank 0's host), on the command line."""
 from __future__ import annotations
 
 import click
@@ -53,3 +54,50 @@ def list_cmd() -> None:
 def path_cmd(name: str) -> None:
     """Print the path of an installed model (or of an existing GGUF file)."""
     click.echo(resolve_model(name))
+
+
+@models_group.command("cached")
+def cached_cmd() -> None:
+    """List the stage files this host received (the weights cache): size, source model, layers, last use."""
+    import time
+
+    from ..core import stagecache
+    d = stagecache.weights_dir()
+    rows = stagecache.listing(d)
+    if not rows:
+        click.echo(f"no cached stage files in {d}")
+        return
+    header = ("SIZE", "SOURCE MODEL", "HOLDS", "LAST USE", "FILE")
+    table = [(stagecache.fmt_bytes(e["size"]), f"{e.get('model_name', '?')} ({e.get('model', '')[:12]})",
+              _holds(e), time.strftime("%Y-%m-%d %H:%M", time.localtime(e.get("last_use", 0))),
+              e["name"] + ("" if e["present"] else " (missing)")) for e in rows]
+    widths = [max(len(r[i]) for r in table + [header]) for i in range(len(header) - 1)]
+    for r in [header] + table:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    total = sum(e["size"] for e in rows)
+    click.echo(f"{len(rows)} file(s), {stagecache.fmt_bytes(total)} in {d}")
+
+
+def _holds(e: dict) -> str:
+    from ..core.stagecache import Item
+    start, end = e.get("range", [0, 0])
+    return Item(e.get("model", ""), start, end, e.get("with_vocab", True), e.get("format", 0)).label()
+
+
+@models_group.command("prune")
+@click.option("--max-size", default=None, help="keep at most this much (20G, 500M, bytes), least recently used "
+                                                "files deleted first")
+@click.option("--model", "model", default=None, help="delete every cached file of this model (its file name as "
+                                                     "`cached` shows it, or the start of its sha256)")
+def prune_cmd(max_size: str | None, model: str | None) -> None:
+    """Delete cached stage files of this host: least recently used down to --max-size, or all of one --model."""
+    from ..core import stagecache
+    if (max_size is None) == (model is None):
+        raise click.UsageError("give --max-size SIZE or --model NAME")
+    try:
+        bound = stagecache.parse_size(max_size) if max_size is not None else None
+    except ValueError:
+        raise click.UsageError(f"--max-size {max_size!r} is not a size (20G, 500M, bytes)") from None
+    gone = stagecache.prune(bound, model)
+    click.echo(f"deleted {len(gone)} file(s), {stagecache.fmt_bytes(sum(s for _, s in gone))}, from "
+               f"{stagecache.weights_dir()}")

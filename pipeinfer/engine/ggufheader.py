@@ -45,6 +45,7 @@ class TensorInfo:
 class Header:
     fields: dict            # key -> scalar / str / list (arrays kept when asked, else their length)
     tensors: dict[str, TensorInfo]
+    spans: dict = None      # key -> (value type, first byte of its type tag, end of its value): the raw bytes
 
 
 def read_header(path, keep_arrays: tuple[str, ...] = ()) -> Header:
@@ -112,11 +113,14 @@ def _read_header(path: str, size: int, mtime_ns: int, keep_arrays: tuple[str, ..
         version, n_tensors, n_kv = unpack("<I"), unpack("<Q"), unpack("<Q")
         if version < 2 or n_kv > 1 << 20 or n_tensors > 1 << 24:
             raise NotGGUF(f"unsupported GGUF version {version} or corrupt counts")
-        fields = {}
+        fields, spans = {}, {}
         for i in range(n_kv):
             phase[0] = f"metadata (key {i + 1} of {n_kv})"
             key = string().decode()
-            fields[key] = value(unpack("<I"), key in keep_arrays)
+            at = base[0] + pos
+            vtype = unpack("<I")
+            fields[key] = value(vtype, key in keep_arrays)
+            spans[key] = (vtype, at, base[0] + pos)
         infos = []
         for i in range(n_tensors):
             phase[0] = f"tensor infos ({i + 1} of {n_tensors})"
@@ -128,7 +132,7 @@ def _read_header(path: str, size: int, mtime_ns: int, keep_arrays: tuple[str, ..
         align = int(fields.get("general.alignment", 32))
         start = (end + align - 1) // align * align
         tensors = {n: TensorInfo(n, s, t, start + o) for n, s, t, o in infos}
-        return Header(fields, tensors)
+        return Header(fields, tensors, spans)
 
 
 def tensor_rows(path, info: TensorInfo) -> np.ndarray:

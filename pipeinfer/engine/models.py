@@ -200,6 +200,8 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     given = Path(raw).expanduser()
     if given.is_file():
         return given
+    if _a_later_rank():  # only rank 0's host needs the file: start-up takes rank 0's path and sends what is missing
+        return model_path(raw) if raw in MODELS else given
     if raw in MODELS:
         spec = MODELS[raw]
         p = model_path(raw)
@@ -213,6 +215,16 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
             )
         return p
     raise ModelError(f"model file not found: {raw}")
+
+
+def _a_later_rank() -> bool:
+    """A rank other than 0 of an MPI job, by its launcher's environment (MPICH, Open MPI, PMIx): its host may lack
+    the model (wire/weights.py); rank 0 resolves the model and checks it."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        v = os.environ.get(var)
+        if v is not None and v.isdigit():
+            return int(v) > 0
+    return False
 
 
 def identify(path: str | os.PathLike) -> str | None:

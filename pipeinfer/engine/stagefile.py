@@ -209,8 +209,186 @@ def ensure_stage_file(src: str | os.PathLike, start: int, end: int, with_vocab: 
 
 def write_stage_file(src, dst, start: int, end: int, with_vocab: bool) -> None:
     """Layers [start, end) of the decoding trunk (multi-token-prediction blocks after it are never in a stage)."""
+    writer, tensors, _ = _stage_writer(src, dst, start, end, with_vocab)
+    _write_tensors(writer, tensors)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes [offset, offset + nbytes) of a stage file: from the source at src_offset, or `data` (src_offset -1)."""
+    offset: int
+    nbytes: int
+    src_offset: int = -1
+    data: bytes = b""
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Where every byte of a stage file comes from, without writing it: the header (key-values, tensor infos), then
+    each tensor's data copied from the source as it is (or a small stand-in), zeros between them (alignment).
+    ranks/weights.py streams a stage file to a host that lacks the model from this; the bytes are those
+    write_stage_file writes (tests/test_weights.py)."""
+    size: int
+    pieces: tuple[Piece, ...]
+
+    def read(self, src_fd: int, offset: int, buf: np.ndarray) -> int:
+        """Fill buf (a uint8 array) with the file's bytes from offset; returns how many (the rest of the
+        file when shorter)."""
+        n = min(len(buf), self.size - offset)
+        buf[:n] = 0  # the padding between pieces
+        view = memoryview(buf)[:n]
+        end = offset + n
+        for p in self.pieces:
+            a, b = max(p.offset, offset), min(p.offset + p.nbytes, end)
+            if a >= b:
+                continue
+            if p.src_offset < 0:
+                view[a - offset:b - offset] = p.data[a - p.offset:b - p.offset]
+            else:
+                got = os.preadv(src_fd, [view[a - offset:b - offset]], p.src_offset + a - p.offset)
+                if got != b - a:
+                    raise StageFileError(f"short read of the source at {p.src_offset + a - p.offset:,}")
+        return n
+
+
+def stage_layout(src, start: int, end: int, with_vocab: bool, reader=None) -> StageLayout:
+    """The layout of the stage file for layers [start, end) of src (see StageLayout); reader: src's GGUFReader, when
+    several layouts are made (parsing a large vocabulary takes seconds)."""
+    import tempfile
+
     import gguf
-    reader = gguf.GGUFReader(str(src), "r")
+    with tempfile.TemporaryDirectory(prefix="pipeinfer-layout-") as d:
+        head = Path(d) / "header.gguf"
+        writer, tensors, reader = _stage_writer(src, head, start, end, with_vocab, reader)
+        for name, data, ttype in tensors:
+            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, ttype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        align = writer.data_alignment
+        writer.close()
+        header = head.read_bytes()
+    pieces = [Piece(0, len(header), -1, header)]
+    pos = len(header)
+    base = reader.data.ctypes.data
+    for _, data, _ in tensors:  # as GGUFWriter.write_tensor_data pads: to the alignment before, by size after
+        pos = gguf.GGUFWriter.ggml_pad(pos, align)
+        if base <= data.ctypes.data < base + reader.data.nbytes:  # raw data of the source, as it is
+            pieces.append(Piece(pos, data.nbytes, data.ctypes.data - base))
+        else:
+            pieces.append(Piece(pos, data.nbytes, -1, np.ascontiguousarray(data).tobytes()))
+        pos += gguf.GGUFWriter.ggml_pad(data.nbytes, align)
+    return StageLayout(pos, tuple(pieces))
+
+
+def vocab_layout(src, reader=None) -> StageLayout:
+    """A GGUF with src's key-values and no tensors: what a host that runs only the draft needs of the target
+    (read_info, its tokenizer with vocab_only: llama.cpp skips the tensors)."""
+    import tempfile
+
+    import gguf
+    reader = reader or gguf.GGUFReader(str(src), "r")
+    arch = _field(reader, "general.architecture")
+    with tempfile.TemporaryDirectory(prefix="pipeinfer-layout-") as d:
+        head = Path(d) / "vocab.gguf"
+        writer = (_raw_writer() if isinstance(reader, HeaderReader) else gguf.GGUFWriter)(str(head), arch)
+        for field in reader.fields.values():
+            if field.name.startswith("GGUF.") or field.name == "general.architecture":
+                continue
+            vtype = field.types[0]
+            writer.add_key_value(field.name, field.contents(), vtype,
+                                 sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        writer.close()
+        data = head.read_bytes()
+    return StageLayout(len(data), (Piece(0, len(data), -1, data),))
+
+
+def whole_layout(src) -> StageLayout:
+    """A file as it is (a draft model that travels whole)."""
+    size = os.path.getsize(src)
+    return StageLayout(size, (Piece(0, size, 0),))
+
+
+class _RawValue:
+    """A key-value's bytes as the source has them (its type tag and value): copied, not decoded and encoded again."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+
+class _Field:
+    def __init__(self, name: str, types: list, value):
+        self.name, self.types, self._value = name, types, value
+
+    def contents(self):
+        return self._value
+
+
+class _Tensor:
+    def __init__(self, name: str, tensor_type, shape: tuple, data):
+        self.name, self.tensor_type, self.shape, self.data = name, tensor_type, shape, data
+
+
+class HeaderReader:
+    """What _stage_writer reads of a GGUF, from the fast header reader (ggufheader.py) in milliseconds, where
+    gguf.GGUFReader builds a numpy view of every vocabulary string (7.8 s for Qwen2.5-1.5B's 151,936 beside the
+    other ranks): the architecture's own keys decoded (per-layer arrays included), every other key kept as the
+    source's raw bytes, tensors as read-only memmap views shaped as GGUFReader shapes them."""
+
+    def __init__(self, src):
+        import gguf
+
+        from .ggufheader import read_header
+        arch = read_header(src).fields["general.architecture"]
+        first = read_header(src)
+        keep = tuple(k for k, (vt, _, _) in first.spans.items() if vt == gguf.GGUFValueType.ARRAY
+                     and k.startswith(f"{arch}."))
+        header = read_header(src, keep_arrays=keep)
+        self.data = np.memmap(src, dtype=np.uint8, mode="r")
+        self.fields = {}
+        for key, value in header.fields.items():
+            vtype, a, b = header.spans[key]
+            types = [gguf.GGUFValueType(vtype)]
+            if vtype == gguf.GGUFValueType.ARRAY:
+                types.append(gguf.GGUFValueType(int(self.data[a + 4:a + 8].view("<u4")[0])))
+            if key != "general.architecture" and not key.startswith(f"{arch}."):
+                value = _RawValue(bytes(self.data[a:b]))
+            self.fields[key] = _Field(key, types, value)
+        self.tensors = []
+        simple = {gguf.GGMLQuantizationType.F16: np.float16, gguf.GGMLQuantizationType.F32: np.float32,
+                  gguf.GGMLQuantizationType.F64: np.float64, gguf.GGMLQuantizationType.I8: np.int8,
+                  gguf.GGMLQuantizationType.I16: np.int16, gguf.GGMLQuantizationType.I32: np.int32,
+                  gguf.GGMLQuantizationType.I64: np.int64}
+        for t in header.tensors.values():  # as GGUFReader._build_tensors does
+            qtype = gguf.GGMLQuantizationType(t.ggml_type)
+            np_dims = tuple(reversed(t.shape))
+            if qtype in simple:
+                data = self.data[t.offset:t.offset + t.nbytes].view(simple[qtype]).reshape(np_dims)
+            else:
+                data = self.data[t.offset:t.offset + t.nbytes].reshape(gguf.quant_shape_to_byte_shape(np_dims, qtype))
+            self.tensors.append(_Tensor(t.name, qtype, t.shape, data))
+
+
+def _raw_writer():
+    """A GGUFWriter that copies _RawValue key-values as they are."""
+    import gguf
+
+    class RawWriter(gguf.GGUFWriter):
+        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+            if isinstance(val, _RawValue):
+                return val.data if add_vtype else val.data[4:]
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+    return RawWriter
+
+
+def _stage_writer(src, dst, start: int, end: int, with_vocab: bool, reader=None):
+    """(a GGUFWriter to dst with the stage's key-values added, its [(name, data, type)] tensors, the source's
+    reader)."""
+    import gguf
+    reader = reader or gguf.GGUFReader(str(src), "r")
     arch = _field(reader, "general.architecture")
     n_all = int(_field(reader, f"{arch}.block_count"))
     n_layer = n_all - int(_field(reader, f"{arch}.nextn_predict_layers") or 0)
@@ -219,7 +397,7 @@ def write_stage_file(src, dst, start: int, end: int, with_vocab: bool) -> None:
         raise StageFileError(f"layer range [{start}, {end}) outside the model's {n_layer} layers")
     check_splittable(ModelInfo(arch, n_layer, n_embd, 0), 2 if (start, end) != (0, n_layer) else 1)
 
-    writer = gguf.GGUFWriter(str(dst), arch)
+    writer = (_raw_writer() if isinstance(reader, HeaderReader) else gguf.GGUFWriter)(str(dst), arch)
     for name, value, vtype, sub_type in _stage_metadata(reader, arch, n_all, n_layer, start, end, with_vocab):
         writer.add_key_value(name, value, vtype, sub_type=sub_type)
     if not with_vocab:
@@ -238,7 +416,7 @@ def write_stage_file(src, dst, start: int, end: int, with_vocab: bool) -> None:
             tensors.append((name, np.zeros((4, n_embd), dtype=np.float32), gguf.GGMLQuantizationType.F32))
             continue
         tensors.append((name, t.data, t.tensor_type))
-    _write_tensors(writer, tensors)
+    return writer, tensors, reader
 
 
 def _stage_metadata(reader, arch: str, n_all: int, n_layer: int, start: int, end: int, with_vocab: bool):

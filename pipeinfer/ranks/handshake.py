@@ -1,7 +1,8 @@
 """Start-up agreement: every rank runs the same build, the same model file and the same layer plan.
 
-Checked once, before any model loads (build, model) and before the first decode (layer plan); a rank that
-differs from rank 0 is refused with one line naming it and its host.
+Checked once, before any model loads (build) and before the first decode (layer plan); a rank that differs from
+rank 0 is refused with one line naming it and its host. A rank whose model file differs (or is missing) is not
+refused: it receives its stage file from rank 0 (ranks/weights.py, which uses `model_fingerprint` to tell).
 
 The model's identity is cheap but identifying (`model_fingerprint`): the file size, then sha256 over the
 GGUF header (every metadata key and value, the tensor names, shapes, types and offsets), the first MiB of

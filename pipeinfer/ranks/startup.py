@@ -26,10 +26,10 @@ from ..core.topology import (
 )
 from ..engine.kernels import DEFAULT_DRAFT_MAX, resolve_draft_max
 from ..wire.launcher import mpi_library, world_size_mismatch
-from ..engine.stagefile import check_splittable, ensure_stage_file, layer_costs, read_info, vocab_bound
+from ..engine.stagefile import StageFileError, check_splittable, ensure_stage_file, layer_costs, read_info, vocab_bound
 from ..drafters.factory import make_drafter
 from ..wire.transport import polite_barrier
-from .handshake import build_id, model_fingerprint
+from .handshake import build_id
 from .head import GenConfig, auto_p_recovery, gen_config
 from .draft_rank import draft_thread_count, serve_draft_rank
 from .scheduler import default_parallel
@@ -54,6 +54,7 @@ def open_session(config: Config, comm=None) -> HeadSession | None:
     """Load every rank's stage. Rank 0 gets a HeadSession; the other ranks serve the pipeline until the head
     shuts it down, and get None."""
     ranks = _join(config, comm)                 # one protocol and build; liveness; the draft rank split off
+    config = _rank0_files(config, ranks)        # rank 0's model and draft; a draft rank's travel to it (weights.py)
     if ranks.is_draft:
         serve_draft_rank(config, ranks.draft_comm, ranks.world.Get_size())
         ranks.live.close()
@@ -144,14 +145,60 @@ def check_world_size(world_size: int, library_version: str) -> None:
 
 
 def _agree_model(config: Config, ranks: _Ranks):
-    """The target's GGUF summary, the same file on every stage; a draft model checked before any model loads."""
-    info = read_info(config.model)
-    if ranks.live is not None:
-        _agree(ranks.comm, ranks.live, model_fingerprint(config.model), f"has another model file at {config.model} "
-                                                                      f"(size:sha256 of header, first and last MiB)")
-    if config.draft and config.mode != "iterative":
-        read_info(config.draft)  # a missing, foreign or truncated draft fails here, before any model loads
+    """The target's GGUF summary, read on rank 0 (the only host that must have the file: a rank whose host lacks it,
+    or has another file at that path, gets its stage file from rank 0, ranks/weights.py); a draft model checked
+    before any model loads."""
+    def read():
+        info = read_info(config.model)
+        if config.draft and config.mode != "iterative":
+            read_info(config.draft)  # a missing, foreign or truncated draft fails here, before any model loads
+        return info
+    if ranks.comm.Get_size() == 1:
+        return read()
+    try:
+        got = (read(), None) if ranks.comm.Get_rank() == 0 else None
+    except StageFileError as e:
+        got = (None, str(e))
+    info, err = ranks.comm.bcast(got, root=0)
+    if err:
+        raise StageFileError(err)
     return info
+
+
+def _rank0_files(config: Config, ranks: _Ranks) -> Config:
+    """Every rank takes rank 0's model and draft (a host without the model resolves the options without it), and with
+    --draft-at rank the draft rank gets the draft model, and the target's vocabulary, from rank 0 when its host lacks
+    them (ranks/weights.py)."""
+    world = ranks.world
+    if world.Get_size() == 1:
+        return config
+    model, draft, drafter, draft_at = world.bcast((config.model, config.draft, config.drafter, config.draft_at), root=0)
+    config = replace(config, model=model, draft=draft, drafter=drafter, draft_at=draft_at)
+    if config.draft_at != "rank":
+        return config
+    from . import weights
+    from ..engine.stagefile import STAGE_FORMAT
+    mine = {}
+    travels = [("model", ("vocab",), STAGE_FORMAT, "vocabulary")]
+    if config.draft and config.mode != "iterative":
+        travels.append(("draft", ("whole",), 0, "draft model"))
+    for field, want, fmt, what in travels:
+        src = getattr(config, field)
+        got = weights.obtain(world, src, want if ranks.is_draft else None, config.poll_s, fmt=fmt, what=what)
+        mine[field] = str(got or weights.local_view(src))
+    return replace(config, **mine) if ranks.is_draft else config
+
+
+def _stage_file(config: Config, comm, start: int, end: int, with_vocab: bool):
+    """This rank's stage file for layers [start, end): written from its host's copy of the model, or, when its host
+    lacks it, received from rank 0 into the host's weights cache (collective over comm)."""
+    from ..engine.stagefile import STAGE_FORMAT
+    from . import weights
+    if comm.Get_size() > 1:
+        got = weights.obtain(comm, config.model, ("stage", start, end, with_vocab), config.poll_s, fmt=STAGE_FORMAT)
+        if got is not None:
+            return got
+    return ensure_stage_file(weights.local_view(config.model), start, end, with_vocab=with_vocab)
 
 
 def _split_layers(config: Config, ranks: _Ranks, info) -> _LayerPlan:
@@ -164,8 +211,9 @@ def _split_layers(config: Config, ranks: _Ranks, info) -> _LayerPlan:
         threads_b = parse_per_rank_ints(config.threads_batch, size, "--threads-batch", default=threads[rank])
         probe_ms = None
         if config.layer_split is not None and config.layer_split.strip() == "auto" and size > 1:
-            probe_ms = auto_split(comm, config.model, info, threads[rank], threads_b[rank])
-        layer_cost, tail_cost = layer_costs(config.model)
+            probe_ms = auto_split(comm, config.model, info, threads[rank], threads_b[rank],
+                                  stage_file=lambda a, b, v: _stage_file(config, comm, a, b, v))
+        layer_cost, tail_cost = comm.bcast(layer_costs(config.model) if rank == 0 else None, root=0)
         ranges = plan_layers(config.layer_split, info.n_layer, size, layer_cost, tail_cost,
                              speeds=split_from_speeds(probe_ms) if probe_ms else None)
     except ValueError as e:
@@ -188,7 +236,11 @@ def _load_stage(config: Config, comm, plan: _LayerPlan) -> _Stage:
         n_part, n_seq_max = plan_partitions(config.max_branches, in_flight_limit(config.max_in_flight, size),
                                            n_lanes=n_lanes)
     n_batch = min(config.n_batch, config.n_ctx)
-    engine, exact = _load_engine(config, topo, plan.threads[rank], plan.threads_b[rank], n_batch, n_seq_max)
+    my = topo.my_range
+    path = _stage_file(config, comm, my.start, my.end, topo.is_last) if size > 1 else None
+    engine, exact = _load_engine(config, topo, plan.threads[rank], plan.threads_b[rank], n_batch, n_seq_max,
+                                 stage_path=path)
+    polite_barrier(comm, config.poll_s)  # ranks finish loading at different times: the early ones wait without spinning
     exact_per_rank = comm.allgather(exact)
     cfg = _resolve_gen(config, comm, engine, n_batch, exact_per_rank)
     transport = None
@@ -196,21 +248,24 @@ def _load_stage(config: Config, comm, plan: _LayerPlan) -> _Stage:
         from ..wire.transport import Transport
         transport = Transport(comm.Dup(), comm.Dup(), poll_s=config.poll_s)
     polite_barrier(comm, config.poll_s)  # every stage loaded before the clock starts
-    limits = Limits(n_batch=n_batch, n_embd=plan.info.n_embd, n_vocab=vocab_bound(config.model, plan.info),
+    n_vocab = comm.bcast(vocab_bound(config.model, plan.info) if rank == 0 else None, root=0)
+    limits = Limits(n_batch=n_batch, n_embd=plan.info.n_embd, n_vocab=n_vocab,
                     n_seq_max=n_seq_max, n_ctx=config.n_ctx)
     return _Stage(topo, engine, cfg, exact_per_rank, n_part, n_seq_max, transport, limits)
 
 
 def _load_engine(config: Config, topo: Topology, n_threads: int, n_threads_batch: int, n_batch: int,
-                 n_seq_max: int):
-    """This rank's StageEngine (on several ranks, over its stage file) and its exact batch limit (kernels.py)."""
+                 n_seq_max: int, stage_path=None):
+    """This rank's StageEngine (on several ranks, over its stage file: stage_path, _stage_file's) and its exact batch
+    limit (kernels.py)."""
     from ..engine.kernels import exact_batch_limit
     from ..engine.stage import StageEngine  # imports llama_cpp: after the cheap checks
     my = topo.my_range
     if topo.n_ranks == 1:
         path, embd_input = config.model, False
     else:
-        path, embd_input = ensure_stage_file(config.model, my.start, my.end, with_vocab=topo.is_last), True
+        path = stage_path or ensure_stage_file(config.model, my.start, my.end, with_vocab=topo.is_last)
+        embd_input = True
     engine = StageEngine(path, n_ctx=config.n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
                          n_threads=n_threads, n_threads_batch=n_threads_batch,
                          embd_input=embd_input, capture_hidden=not topo.is_last, kernels=config.kernels)
@@ -331,7 +386,7 @@ def stage_costs(comm, engine, up_to: int, poll_s: float) -> tuple[tuple[float, .
     return tuple(comm.allgather(mine))
 
 
-def auto_split(comm, model: str, info, n_threads: int, n_threads_batch: int) -> list[float]:
+def auto_split(comm, model: str, info, n_threads: int, n_threads_batch: int, stage_file=None) -> list[float]:
     """--layer-split auto: each rank times the same probe layers in turn; returns every rank's ms per layer
     (split_from_speeds turns them into speeds for plan_layers)."""
     import time
@@ -341,7 +396,7 @@ def auto_split(comm, model: str, info, n_threads: int, n_threads_batch: int) -> 
     from ..core.protocol import Batch
     from ..engine.stage import StageEngine
     n_probe = max(1, info.n_layer // comm.Get_size())
-    probe = ensure_stage_file(model, 0, n_probe, with_vocab=False)
+    probe = stage_file(0, n_probe, False) if stage_file else ensure_stage_file(model, 0, n_probe, with_vocab=False)
     eng = StageEngine(probe, n_ctx=256, n_batch=32, n_seq_max=1, n_threads=n_threads, n_threads_batch=n_threads_batch,
                       embd_input=True, capture_hidden=True)
     rng = np.random.default_rng(0)

@@ -1,0 +1,394 @@
+"""The weights cache of a host: stage files (and whole draft files) that travelled from another host, kept by content.
+
+A rank whose host lacks the model file receives its stage file from rank 0 (ranks/weights.py) and keeps it here,
+under ``$PIPEINFER_CACHE/weights`` (``~/.cache/pipeinfer/weights``), named by what it holds, never by where the
+source lies on another host: the source model's identity (sha256 of the whole GGUF), the layer range, whether it
+carries the vocabulary and STAGE_FORMAT. The next start on that host finds it and nothing travels; a re-form that
+gives the host another range moves only that range. The folder holds nothing but those files and ``index.json``:
+
+- ``identity``: what a model file on this host is, sha256 of its bytes, remembered by (path, size, mtime, inode)
+  so that a 40 GB file is read once, not at every start (1.07 s per GiB here, single core, page cache warm);
+- ``files``: each cached file's size, sha256 (checked as it arrived, before llama.cpp ever opened it), a sampled
+  digest (size, first and last MiB: checked at every start, so a truncated or overwritten file is fetched again),
+  its source model, and when it was last used (``pipeinfer models prune`` drops the least recently used first).
+
+A file is written where no other process can see it (O_TMPFILE, linked into place when complete and checked;
+a named ``.partial`` file where the file system has no O_TMPFILE, swept at the next start when its writer is
+gone), so a sender lost mid-transfer leaves nothing half-written here.
+
+Everything in this module is pure or touches only this host's files; the transfer is ranks/weights.py.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from .files import cache_dir
+
+MIB = 1 << 20
+INDEX = "index.json"
+PARTIAL = ".partial"
+HASH_CHUNK = 8 * MIB
+
+
+def weights_dir() -> Path:
+    """This host's weights cache: ``$PIPEINFER_WEIGHTS_CACHE`` or ``cache_dir() / "weights"``."""
+    env = os.environ.get("PIPEINFER_WEIGHTS_CACHE")
+    return Path(env).expanduser() if env else cache_dir() / "weights"
+
+
+def host_view(path: str | os.PathLike) -> Path:
+    """Where this host sees rank 0's path. ``$PIPEINFER_HOST_ROOT`` (tests: one "host" per rank on one machine)
+    puts a rank's file system view under a folder of its own; otherwise the path itself."""
+    root = os.environ.get("PIPEINFER_HOST_ROOT")
+    return Path(root) / Path(os.path.abspath(path)).relative_to("/") if root else Path(path)
+
+
+# ---------------------------------------------------------------- keys
+@dataclass(frozen=True)
+class Item:
+    """A file a rank needs: layers [start, end) of a model (with or without its vocabulary), the whole file
+    (start = end = 0: a draft model) or its key-values alone (start = end = -1: the target's vocabulary on a host
+    that runs only the draft)."""
+    model_id: str           # sha256 hex of the source GGUF
+    start: int = 0
+    end: int = 0
+    with_vocab: bool = True
+    fmt: int = 0            # STAGE_FORMAT (0 for a whole file)
+
+    @property
+    def whole(self) -> bool:
+        return self.start == self.end == 0
+
+    def file_name(self) -> str:
+        if self.whole:
+            return f"{self.model_id[:32]}.whole.gguf"
+        if self.vocab_only:
+            return f"{self.model_id[:32]}.vocab.s{self.fmt}.gguf"
+        vocab = "" if self.with_vocab else ".novocab"
+        return f"{self.model_id[:32]}.L{self.start}-{self.end}{vocab}.s{self.fmt}.gguf"
+
+    @property
+    def vocab_only(self) -> bool:
+        return self.start == self.end == -1
+
+    def label(self) -> str:
+        if self.vocab_only:
+            return "vocabulary"
+        return "whole file" if self.whole else f"layers {self.start}-{self.end - 1}" + ("" if self.with_vocab else
+                                                                                       " (no vocabulary)")
+
+
+# ---------------------------------------------------------------- the index
+@contextmanager
+def locked_index(d: Path | None = None, write: bool = True):
+    """The index of cache folder d, locked against the other ranks of this host (and saved on leaving when
+    write)."""
+    d = d or weights_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / ".lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        index = read_index(d)
+        yield index
+        if write:
+            tmp = d / f"{INDEX}.tmp{os.getpid()}"
+            tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
+            os.replace(tmp, d / INDEX)
+
+
+def read_index(d: Path) -> dict:
+    try:
+        index = json.loads((d / INDEX).read_text())
+    except (OSError, ValueError):
+        index = {}
+    index.setdefault("identity", {})
+    index.setdefault("files", {})
+    return index
+
+
+def identity_key(path: str | os.PathLike) -> str:
+    st = os.stat(path)
+    return f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+
+
+def sha256_file(path: str | os.PathLike, start: int = 0, end: int | None = None) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = (os.path.getsize(path) if end is None else end) - start
+        while left > 0:
+            chunk = f.read(min(left, HASH_CHUNK))
+            if not chunk:
+                break
+            sha.update(chunk)
+            left -= len(chunk)
+    return sha.hexdigest()
+
+
+def known_identity(path: str | os.PathLike, d: Path | None = None) -> str | None:
+    """The model's identity if the index has it (nothing hashed)."""
+    with locked_index(d, write=False) as index:
+        return index["identity"].get(identity_key(path))
+
+
+def model_identity(path: str | os.PathLike, d: Path | None = None) -> tuple[str, float]:
+    """(sha256 of the whole file, seconds spent hashing it now: 0 when the index knew it). Remembered by (path,
+    size, mtime, inode): a file replaced or touched is hashed again."""
+    key = identity_key(path)
+    with locked_index(d, write=False) as index:
+        known = index["identity"].get(key)
+    if known:
+        return known, 0.0
+    t0 = time.perf_counter()
+    digest = sha256_file(path)
+    dt = time.perf_counter() - t0
+    with locked_index(d) as index:
+        ids = index["identity"]
+        for k in [k for k in ids if k.split("|")[0] == key.split("|")[0]]:
+            del ids[k]  # the same path's older identities
+        ids[key] = digest
+    return digest, dt
+
+
+def sampled_digest(path: str | os.PathLike) -> str:
+    """size:sha256 of the first and last MiB: what a start checks of a cached file (cheap, catches truncation,
+    another file put in its place, a copy cut short)."""
+    size = os.path.getsize(path)
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        sha.update(f.read(MIB))
+        f.seek(max(0, size - MIB))
+        sha.update(f.read(MIB))
+    return f"{size}:{sha.hexdigest()[:32]}"
+
+
+def cached(item: Item, size: int | None = None, d: Path | None = None) -> Path | None:
+    """The cached file of item when it is whole (size as expected and as indexed, its sampled digest unchanged),
+    its last use updated; None otherwise. A file that fails the check is deleted (it is fetched again)."""
+    d = d or weights_dir()
+    path = d / item.file_name()
+    with locked_index(d) as index:
+        entry = index["files"].get(item.file_name())
+        ok = entry is not None and path.is_file()
+        if ok:
+            st = path.stat()
+            ok = st.st_size == entry["size"] and (size is None or size == entry["size"]) \
+                and sampled_digest(path) == entry["sample"]
+        if not ok:
+            index["files"].pop(item.file_name(), None)
+            path.unlink(missing_ok=True)
+            return None
+        entry["last_use"] = time.time()
+    return path
+
+
+def record(item: Item, path: Path, sha: str, model_name: str, d: Path | None = None) -> None:
+    """Index a file just linked into place."""
+    d = d or weights_dir()
+    with locked_index(d) as index:
+        index["files"][item.file_name()] = {
+            "size": path.stat().st_size, "sha256": sha, "sample": sampled_digest(path), "model": item.model_id,
+            "model_name": model_name, "range": [item.start, item.end], "with_vocab": item.with_vocab,
+            "format": item.fmt, "last_use": time.time(), "created": time.time()}
+
+
+# ---------------------------------------------------------------- writing a file nobody sees until it is whole
+_AT_FDCWD, _AT_SYMLINK_FOLLOW = -100, 0x400
+
+
+class IncomingFile:
+    """A file being received: invisible (O_TMPFILE) or a named .partial file until `commit`, which links it into
+    place under its final name; `discard` (or a dead process) leaves nothing behind."""
+
+    def __init__(self, d: Path, name: str):
+        self.d, self.name = d, name
+        d.mkdir(parents=True, exist_ok=True)
+        self.partial: Path | None = None
+        tmpfile = getattr(os, "O_TMPFILE", None)
+        try:
+            if tmpfile is None:
+                raise OSError("no O_TMPFILE")
+            self.fd = os.open(d, tmpfile | os.O_WRONLY, 0o644)
+        except OSError:
+            self.partial = d / f"{name}.{os.getpid()}{PARTIAL}"
+            self.fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def write(self, buf) -> None:
+        view = memoryview(buf)
+        while view:
+            n = os.write(self.fd, view)
+            view = view[n:]
+
+    def commit(self) -> Path:
+        final = self.d / self.name
+        os.fsync(self.fd)
+        if self.partial is None:
+            tmp = self.d / f"{self.name}.{os.getpid()}.link"
+            tmp.unlink(missing_ok=True)
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.linkat(_AT_FDCWD, f"/proc/self/fd/{self.fd}".encode(), _AT_FDCWD, str(tmp).encode(),
+                           _AT_SYMLINK_FOLLOW) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"cannot link the received file into {self.d}: {os.strerror(err)}")
+            os.replace(tmp, final)
+        else:
+            os.replace(self.partial, final)
+        os.close(self.fd)
+        self.fd = -1
+        return final
+
+    def discard(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self.partial is not None:
+            self.partial.unlink(missing_ok=True)
+
+
+def sweep_partials(d: Path | None = None) -> list[Path]:
+    """Delete .partial files whose writer is gone (a host without O_TMPFILE, after a lost sender); returns them."""
+    d = d or weights_dir()
+    gone = []
+    for p in d.glob(f"*{PARTIAL}"):
+        try:
+            pid = int(p.name[:-len(PARTIAL)].rsplit(".", 1)[1])
+        except (ValueError, IndexError):
+            pid = -1
+        if pid <= 0 or not _alive(pid):
+            p.unlink(missing_ok=True)
+            gone.append(p)
+    for p in d.glob("*.link"):
+        p.unlink(missing_ok=True)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---------------------------------------------------------------- planning (pure)
+@dataclass(frozen=True)
+class Need:
+    """One rank's answer to rank 0: what it has of the item it needs, and room for it."""
+    rank: int
+    host: str
+    status: str             # "local" (its host has the model: it writes its stage itself), "cached", "need"
+    free: int = 0           # bytes free in its weights cache folder
+    folder: str = ""        # that folder (ranks of one host may share it)
+
+
+def disk_shortfall(needs: list[Need], sizes: dict[int, int], who=lambda r: f"rank {r}") -> str | None:
+    """One line naming the first host whose cache folder lacks room for what its ranks are to receive (ranks of one
+    host with one folder add up), or None. sizes: bytes each receiving rank gets."""
+    by_place: dict[tuple[str, str], list[Need]] = {}
+    for n in needs:
+        if n.status == "need":
+            by_place.setdefault((n.host, n.folder), []).append(n)
+    for (host, folder), group in by_place.items():
+        want = sum(sizes[n.rank] for n in group)
+        if want > group[0].free:
+            ranks = ", ".join(who(n.rank) for n in group)
+            verb = "needs" if len(group) == 1 else "need"
+            return (f"host {host} has no room for the weights it lacks: {ranks} {verb} {fmt_bytes(want)} in {folder}, "
+                    f"which has {fmt_bytes(group[0].free)} free (free some space, or `pipeinfer models prune` there)")
+    return None
+
+
+def send_order(needs: list[Need], sizes: dict[int, int]) -> list[int]:
+    """Receivers in the order rank 0 serves them: one at a time, since rank 0's link carries every byte anyway
+    (all at once would finish every host at the same late moment); smallest first, so the most hosts are done
+    earliest and the last one finishes no later than in any other order."""
+    return sorted((n.rank for n in needs if n.status == "need"), key=lambda r: (sizes[r], r))
+
+
+def prune_plan(files: dict[str, dict], bound: int | None = None, model: str | None = None) -> list[str]:
+    """The cached files to delete: every file of `model` (a model id or its prefix, or a model name), or the least
+    recently used until the rest fit in `bound` bytes."""
+    if model is not None:
+        return sorted(n for n, e in files.items()
+                      if e.get("model", "").startswith(model) or e.get("model_name") == model)
+    if bound is None:
+        return []
+    total = sum(e["size"] for e in files.values())
+    out = []
+    for name, e in sorted(files.items(), key=lambda kv: (kv[1].get("last_use", 0), kv[0])):
+        if total <= bound:
+            break
+        out.append(name)
+        total -= e["size"]
+    return out
+
+
+def prune(bound: int | None = None, model: str | None = None, d: Path | None = None) -> list[tuple[str, int]]:
+    """Delete what prune_plan names; returns (name, size) of each."""
+    d = d or weights_dir()
+    with locked_index(d) as index:
+        gone = []
+        for name in prune_plan(index["files"], bound, model):
+            gone.append((name, index["files"].pop(name)["size"]))
+            (d / name).unlink(missing_ok=True)
+    return gone
+
+
+def listing(d: Path | None = None) -> list[dict]:
+    """The cached files, most recently used first: name, size, source model, range, last use."""
+    d = d or weights_dir()
+    if not (d / INDEX).exists():
+        return []
+    index = read_index(d)
+    out = [dict(e, name=n, present=(d / n).is_file()) for n, e in index["files"].items()]
+    return sorted(out, key=lambda e: -e.get("last_use", 0))
+
+
+def parse_size(text: str) -> int:
+    """'20G', '500M', '1.5GB', '123' (bytes) -> bytes."""
+    t = text.strip().upper().rstrip("B").rstrip("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if t and t[-1] in mult:
+        return int(float(t[:-1]) * mult[t[-1]])
+    return int(float(t))
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def progress_line(host: str, done: int, total: int, seconds: float) -> str:
+    """'h1: 120.3 MB of 412.0 MB, 117.2 MB/s, 2.5 s left'."""
+    rate = done / seconds if seconds > 0 else 0.0
+    left = (total - done) / rate if rate > 0 else float("inf")
+    eta = f"{left:.1f} s left" if left != float("inf") else "starting"
+    return f"{host}: {fmt_bytes(done)} of {fmt_bytes(total)}, {fmt_bytes(rate)}/s, {eta}"
+
+
+def free_bytes(d: Path) -> int:
+    d.mkdir(parents=True, exist_ok=True)
+    return shutil.disk_usage(d).free
+
+
+def free_override() -> int | None:
+    """``$PIPEINFER_WEIGHTS_FREE`` (bytes): the room a host reports, for tests of a full disk."""
+    v = os.environ.get("PIPEINFER_WEIGHTS_FREE")
+    return int(v) if v else None
+
+
+def names(items: Iterable[Item]) -> list[str]:
+    return [i.file_name() for i in items]

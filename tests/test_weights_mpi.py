@@ -1,0 +1,154 @@
+"""Weights travel under mpiexec: a rank whose "host" lacks the model gets its stage file from rank 0 (ranks/weights.py).
+
+One machine plays several hosts: each rank has its own cache (PIPEINFER_CACHE) and its own view of the file system
+for the model (PIPEINFER_HOST_ROOT: rank 0's path looked up under that folder), given per rank with MPICH's
+`-n 1 -env NAME VALUE CMD : ...`. The emulated cluster (launch/netns-cluster.sh) does the same with a mount
+namespace per host."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import MPIEXEC, new_tag, rank_pids, kill_tagged, tagged_env, wait_until
+from synth import make_llama_gguf
+
+pytestmark = pytest.mark.mpi
+
+GEN = ["generate", "-p", "hi", "-n", "8", "--mode", "iterative", "-t", "1"]
+
+
+def _hosts(tmp: Path, n: int) -> list[dict]:
+    """Per-rank environments: rank 0 sees the real file system; every other rank an empty one (no model)."""
+    out = []
+    for r in range(n):
+        env = {"PIPEINFER_CACHE": str(tmp / f"cache{r}")}
+        if r:
+            (tmp / f"root{r}").mkdir(exist_ok=True)
+            env["PIPEINFER_HOST_ROOT"] = str(tmp / f"root{r}")
+        out.append(env)
+    return out
+
+
+def _run(args: list[str], hosts: list[dict], env=None, timeout: float = 120, wait=True):
+    cmd = [MPIEXEC]
+    for i, h in enumerate(hosts):
+        if i:
+            cmd.append(":")
+        cmd += ["-n", "1"]
+        for k, v in h.items():
+            cmd += ["-env", k, v]
+        cmd += [sys.executable, "-m", "mpi4py", "-m", "pipeinfer"] + args
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _cached(tmp: Path, r: int) -> list[str]:
+    d = tmp / f"cache{r}" / "weights"
+    return sorted(p.name for p in d.iterdir() if not p.name.startswith(".") and p.name != "index.json") \
+        if d.exists() else []
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_llama_gguf(tmp_path_factory.mktemp("wmodel") / "m.gguf", n_layer=6, qtype="q8_0")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    p = _run(GEN + ["-m", str(model)], [{}, {}, {}])
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout
+
+
+def test_a_host_without_the_file_gets_it_and_the_next_start_moves_nothing(tmp_path, model, reference):
+    hosts = _hosts(tmp_path, 3)
+    p = _run(GEN + ["-m", str(model)], hosts)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout == reference
+    assert "weights: sent rank 1" in p.stderr and "weights: sent rank 2" in p.stderr
+    assert len(_cached(tmp_path, 1)) == 1 and _cached(tmp_path, 1)[0].endswith(".novocab.s3.gguf")
+    assert len(_cached(tmp_path, 2)) == 1 and ".novocab" not in _cached(tmp_path, 2)[0]
+    assert _cached(tmp_path, 0) == []  # rank 0's host has the model: it keeps nothing in the weights cache
+    again = _run(GEN + ["-m", str(model)], hosts)
+    assert again.returncode == 0 and again.stdout == reference
+    assert "weights: sent" not in again.stderr and "identified" not in again.stderr  # the index knew the model
+    # -q: nothing said of the transfer (a fresh cache on rank 2)
+    hosts[2]["PIPEINFER_CACHE"] = str(tmp_path / "cache2b")
+    quiet = _run(GEN + ["-q", "-m", str(model)], hosts)
+    assert quiet.returncode == 0 and quiet.stdout == reference and "weights:" not in quiet.stderr
+    assert (tmp_path / "cache2b" / "weights" / _cached(tmp_path, 2)[0]).exists()
+
+
+def test_a_partial_cached_file_is_fetched_again(tmp_path, model, reference):
+    hosts = _hosts(tmp_path, 3)
+    assert _run(GEN + ["-m", str(model)], hosts).returncode == 0
+    f = tmp_path / "cache1" / "weights" / _cached(tmp_path, 1)[0]
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # a copy cut short
+    p = _run(GEN + ["-m", str(model)], hosts)
+    assert p.returncode == 0 and p.stdout == reference, p.stderr[-3000:]
+    assert "weights: sent rank 1" in p.stderr and "weights: sent rank 2" not in p.stderr
+
+
+def test_another_file_under_the_same_path_is_never_used(tmp_path, model, reference):
+    hosts = _hosts(tmp_path, 3)
+    theirs = tmp_path / "root1" / str(model).lstrip("/")
+    theirs.parent.mkdir(parents=True)
+    make_llama_gguf(theirs, n_layer=6, qtype="q8_0", seed=7)  # same name and shape, other weights
+    assert theirs.read_bytes() != model.read_bytes()
+    p = _run(GEN + ["-m", str(model)], hosts)
+    assert p.returncode == 0 and p.stdout == reference, p.stderr[-3000:]
+    assert "weights: sent rank 1" in p.stderr  # rank 0's bytes, not the host's own file
+
+
+def test_a_disk_too_small_is_one_line_and_every_rank_exits_non_zero(tmp_path, model):
+    hosts = _hosts(tmp_path, 3)
+    hosts[2]["PIPEINFER_WEIGHTS_FREE"] = "1000"
+    p = _run(GEN + ["-m", str(model)], hosts)
+    assert p.returncode != 0
+    lines = [l for l in p.stderr.splitlines() if "error" in l]
+    assert lines and "has no room" in lines[0] and "rank 2 needs" in lines[0] and "1.0 kB free" in lines[0], p.stderr
+    assert "weights: sent" not in p.stderr  # checked before any byte is sent
+    assert _cached(tmp_path, 1) == [] and _cached(tmp_path, 2) == []
+
+
+def test_a_sender_killed_mid_transfer_ends_the_job_naming_it_and_leaves_nothing(tmp_path, model):
+    hosts = _hosts(tmp_path, 2)
+    tag = new_tag()
+    env = tagged_env(tag, PIPEINFER_WEIGHTS_THROTTLE_S="0.2", PIPEINFER_WEIGHTS_CHUNK="16384")
+    proc = _run(GEN + ["-m", str(model)], hosts, env=env, wait=False)
+    try:
+        def receiving():
+            pids = rank_pids(tag)
+            if 1 not in pids:
+                return False
+            fds = Path(f"/proc/{pids[1]}/fd")
+            return any(str(tmp_path / "cache1" / "weights") in os.readlink(fds / f) for f in os.listdir(fds))
+        wait_until(receiving, 60, "rank 1 receiving its stage file")
+        time.sleep(0.5)
+        os.kill(rank_pids(tag)[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        kill_tagged(tag)
+    assert proc.returncode != 0
+    assert "rank 0" in err and ("lost" in err or "unreachable" in err), err[-3000:]
+    assert _cached(tmp_path, 1) == []  # nothing half-written, nothing indexed
+    d = tmp_path / "cache1" / "weights"
+    assert not list(d.glob("*.partial")) and not list(d.glob("*.gguf"))
+
+
+def test_a_draft_rank_without_the_files_gets_the_draft_and_the_vocabulary(tmp_path, model, reference, models):
+    hosts = _hosts(tmp_path, 3)
+    hosts[1] = {"PIPEINFER_CACHE": str(tmp_path / "cache1")}  # the second stage's host has the model
+    draft = models["draft90"]
+    p = _run(["generate", "-p", "hi", "-n", "8", "--mode", "pipeinfer", "-t", "1", "-m", str(model), "--draft",
+              str(draft), "--draft-at", "rank"], hosts)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "weights: sent rank 2" in p.stderr
+    names = _cached(tmp_path, 2)
+    assert any(n.endswith(".whole.gguf") for n in names) and any(".vocab." in n for n in names), names
+    assert _cached(tmp_path, 1) == []
