@@ -81,15 +81,6 @@ class TreeRun:
         return out[::-1]
 
 
-def consistent(run: TreeRun, i: int, accepted: list[int]) -> bool:
-    """Node i's context (run prefix + ancestors + itself) agrees with every accepted position it covers."""
-    m = len(accepted)
-    for pos, tok in run.prefix.items():
-        if pos < m and accepted[pos] != tok:
-            return False
-    return all(n.pos >= m or accepted[n.pos] == n.token for n in run.path(i))
-
-
 def reached(run: TreeRun, i: int, accepted: list[int]) -> bool:
     """Node i's context before it (run prefix and ancestors) agrees with every accepted position it covers:
     verification reached node i's position along its path."""
@@ -97,6 +88,12 @@ def reached(run: TreeRun, i: int, accepted: list[int]) -> bool:
     if any(pos < m and accepted[pos] != tok for pos, tok in run.prefix.items()):
         return False
     return all(n.pos >= m or accepted[n.pos] == n.token for n in run.path(i)[:-1])
+
+
+def consistent(run: TreeRun, i: int, accepted: list[int]) -> bool:
+    """Node i's context (run prefix + ancestors + itself) agrees with every accepted position it covers."""
+    n = run.nodes[i]
+    return reached(run, i, accepted) and (n.pos >= len(accepted) or accepted[n.pos] == n.token)
 
 
 def is_useful(run: TreeRun, accepted: list[int]) -> bool:

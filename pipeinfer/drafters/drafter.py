@@ -313,4 +313,9 @@ class ReplayDrafter:
         if self.runner_up <= 0.0:
             return -1, 0.0
         hit = not right and rng.random() < self.runner_up
-        return (self.ref[pos] if hit else (self.ref[pos] + 9 + pos % 5) % self.n_vocab), (1 - self.accuracy) * self.runner_up
+        return self.runner_up_token(pos, hit), (1 - self.accuracy) * self.runner_up
+
+    def runner_up_token(self, pos: int, hit: bool) -> int:
+        """The runner-up proposed at pos: the reference token where it is right (hit), else a wrong one (not the
+        wrong proposal's either)."""
+        return self.ref[pos] if hit else (self.ref[pos] + 9 + pos % 5) % self.n_vocab

@@ -203,8 +203,7 @@ class Head:
         self._n_checked = 0                 # draft tokens verification reached (their predecessors accepted)
         self._n_agreed = 0                  # ... and found right
         self._draft_obs: deque[tuple[int, float]] = deque(maxlen=32)  # recent (tokens proposed, ms) draft calls
-        self._n_sib_right = 0                # siblings (shape.py) whose chain reached them and that were right ...
-        self._sib_promised = 0.0             # ... and the sum of their runner-up probabilities
+        self._sib_promised = 0.0             # runner-up probabilities of the siblings verification reached (shape.py)
         # a drafter beside the pipeline (draftahead.DraftClient) drafts ahead by itself: the head only reads it
         self.asynchronous = False
         self._n_draft = cfg.cut.n_max                # the last micro-batch size asked for
@@ -318,17 +317,20 @@ class Head:
 
     def _draft_len(self) -> int:
         """Draft tokens for the next micro-batch: choose_draft_len on the measured costs and the running
-        acceptance (with a prior of 0.6 weighing as 8 checks, so that a lucky start does not decide), or
-        --draft-max without stage costs."""
+        acceptance (_acceptance), or --draft-max without stage costs."""
         cut = self.cfg.cut
         if self.cfg.stage_ms is None or self.cfg.mode != "pipeinfer":
             return cut.n_max
-        acceptance = (self._n_agreed + 0.6 * 8) / (self._n_checked + 8)
         # a drafter beside the pipeline costs the head nothing per draft token (_draft_obs stays empty)
-        n = choose_draft_len(acceptance, [list(ms) for ms in self.cfg.stage_ms], draft_cost_fit(self._draft_obs),
+        n = choose_draft_len(self._acceptance(), [list(ms) for ms in self.cfg.stage_ms], draft_cost_fit(self._draft_obs),
                              cut.n_max)
         self.stats.draft_len_hist[n] = self.stats.draft_len_hist.get(n, 0) + 1
         return n
+
+    def _acceptance(self) -> float:
+        """The running acceptance of the chain's drafts, with a prior of 0.6 weighing as 8 checks (so that a lucky
+        start does not decide)."""
+        return (self._n_agreed + 0.6 * 8) / (self._n_checked + 8)
 
     def _with_siblings(self, chain: list[DraftNode], p_split: float) -> list[DraftNode]:
         """The chain with the runner-ups that pay as one-token siblings (shape.py): by the measured stage costs
@@ -339,9 +341,8 @@ class Head:
             keep, depths = fixed_siblings(chain, cut.n_max, room, p_split)
             chain = chain[:keep]
         else:
-            acceptance = (self._n_agreed + 0.6 * 8) / (self._n_checked + 8)
-            sibling_rate = (self._n_sib_right + 1.0) / (self._sib_promised + 1.0)
-            depths = choose_siblings(chain, acceptance, sibling_rate, [list(ms) for ms in self.cfg.stage_ms],
+            sibling_rate = (self.stats.n_siblings_right + 1.0) / (self._sib_promised + 1.0)
+            depths = choose_siblings(chain, self._acceptance(), sibling_rate, [list(ms) for ms in self.cfg.stage_ms],
                                      draft_cost_fit(self._draft_obs), cut.n_max, room, p_split)
         if depths:
             self.stats.n_siblings += len(depths)
@@ -354,10 +355,8 @@ class Head:
         for i, prob in fl.siblings.items():
             n = fl.run.nodes[i]
             if n.pos < m and reached(fl.run, i, self.accepted):
-                right = self.accepted[n.pos] == n.token
                 self._sib_promised += prob
-                self._n_sib_right += right
-                self.stats.n_siblings_right += right
+                self.stats.n_siblings_right += self.accepted[n.pos] == n.token
 
     def _steer_drafter(self, context: list[int] | None = None):
         """Point the drafter beside the pipeline at the chain the next micro-batches build on: the speculation

@@ -36,10 +36,7 @@ def choose_draft_len(acceptance: float, stage_ms: list[list[float]], draft_ms: t
         if any(len(ms) < b for ms in stage_ms):
             break
         gain = sum(acceptance ** i for i in range(1, b + 1))
-        head = stage_ms[0][b - 1] + draft_ms[0] + b * draft_ms[1]
-        bottleneck = max([head] + [ms[b - 1] for ms in stage_ms[1:]])
-        refill = head + sum(ms[b - 1] for ms in stage_ms[1:])
-        time = bottleneck + (1 - acceptance ** b) * refill
+        time = run_time_ms(b, b, acceptance, stage_ms, draft_ms)
         rate = gain / time if time > 0 else float("inf")
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = b, rate
@@ -71,6 +68,11 @@ def run_time_ms(n_rows: int, b: int, acceptance: float, stage_ms: list[list[floa
     return bottleneck + (1 - acceptance ** b) * refill
 
 
+def has_runner_up(n: DraftNode, p_split: float) -> bool:
+    """Node n names a runner-up other than its own token, with a probability >= p_split."""
+    return n.alt >= 0 and n.alt != n.token and n.alt_prob >= p_split
+
+
 def choose_siblings(chain: list[DraftNode], acceptance: float, sibling_rate: float, stage_ms: list[list[float]],
                     draft_ms: tuple[float, float], cap: int, max_siblings: int, p_split: float) -> list[int]:
     """Depths of the chain whose runner-up joins the micro-batch as a sibling, by the rate choose_draft_len
@@ -83,7 +85,7 @@ def choose_siblings(chain: list[DraftNode], acceptance: float, sibling_rate: flo
     batch limit), each with a runner-up probability >= p_split."""
     b = len(chain)
     cand = sorted(((acceptance ** d * n.alt_prob * sibling_rate, d) for d, n in enumerate(chain)
-                   if n.alt >= 0 and n.alt != n.token and n.alt_prob >= p_split), reverse=True)
+                   if has_runner_up(n, p_split)), reverse=True)
     if not cand or max_siblings < 1 or b >= cap or any(len(ms) < b + 1 for ms in stage_ms):
         return []
     gain = sum(acceptance ** i for i in range(1, b + 1))
@@ -107,7 +109,7 @@ def fixed_siblings(chain: list[DraftNode], cap: int, max_siblings: int, p_split:
     sibling needs the chain token at its depth."""
     keep, picked = len(chain), []
     for d, n in enumerate(chain):
-        if len(picked) >= max_siblings or n.alt < 0 or n.alt == n.token or n.alt_prob < p_split:
+        if len(picked) >= max_siblings or not has_runner_up(n, p_split):
             continue
         room = min(keep, cap - len(picked) - 1)
         if d >= room:

@@ -211,7 +211,7 @@ def _split_layers(config: Config, ranks: _Ranks, info) -> _LayerPlan:
         threads_b = parse_per_rank_ints(config.threads_batch, size, "--threads-batch", default=threads[rank])
         probe_ms = None
         if config.layer_split is not None and config.layer_split.strip() == "auto" and size > 1:
-            probe_ms = auto_split(comm, config.model, info, threads[rank], threads_b[rank],
+            probe_ms = auto_split(comm, info, threads[rank], threads_b[rank],
                                   stage_file=lambda a, b, v: _stage_file(config, comm, a, b, v))
         layer_cost, tail_cost = comm.bcast(layer_costs(config.model) if rank == 0 else None, root=0)
         ranges = plan_layers(config.layer_split, info.n_layer, size, layer_cost, tail_cost,
@@ -255,17 +255,15 @@ def _load_stage(config: Config, comm, plan: _LayerPlan) -> _Stage:
 
 
 def _load_engine(config: Config, topo: Topology, n_threads: int, n_threads_batch: int, n_batch: int,
-                 n_seq_max: int, stage_path=None):
-    """This rank's StageEngine (on several ranks, over its stage file: stage_path, _stage_file's) and its exact batch
-    limit (kernels.py)."""
+                 n_seq_max: int, stage_path):
+    """This rank's StageEngine (on several ranks, over its stage file: stage_path, _stage_file's; None on one rank)
+    and its exact batch limit (kernels.py)."""
     from ..engine.kernels import exact_batch_limit
     from ..engine.stage import StageEngine  # imports llama_cpp: after the cheap checks
-    my = topo.my_range
     if topo.n_ranks == 1:
         path, embd_input = config.model, False
     else:
-        path = stage_path or ensure_stage_file(config.model, my.start, my.end, with_vocab=topo.is_last)
-        embd_input = True
+        path, embd_input = stage_path, True
     engine = StageEngine(path, n_ctx=config.n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
                          n_threads=n_threads, n_threads_batch=n_threads_batch,
                          embd_input=embd_input, capture_hidden=not topo.is_last, kernels=config.kernels)
@@ -386,7 +384,7 @@ def stage_costs(comm, engine, up_to: int, poll_s: float) -> tuple[tuple[float, .
     return tuple(comm.allgather(mine))
 
 
-def auto_split(comm, model: str, info, n_threads: int, n_threads_batch: int, stage_file=None) -> list[float]:
+def auto_split(comm, info, n_threads: int, n_threads_batch: int, stage_file) -> list[float]:
     """--layer-split auto: each rank times the same probe layers in turn; returns every rank's ms per layer
     (split_from_speeds turns them into speeds for plan_layers)."""
     import time
@@ -396,7 +394,7 @@ def auto_split(comm, model: str, info, n_threads: int, n_threads_batch: int, sta
     from ..core.protocol import Batch
     from ..engine.stage import StageEngine
     n_probe = max(1, info.n_layer // comm.Get_size())
-    probe = stage_file(0, n_probe, False) if stage_file else ensure_stage_file(model, 0, n_probe, with_vocab=False)
+    probe = stage_file(0, n_probe, False)
     eng = StageEngine(probe, n_ctx=256, n_batch=32, n_seq_max=1, n_threads=n_threads, n_threads_batch=n_threads_batch,
                       embd_input=True, capture_hidden=True)
     rng = np.random.default_rng(0)

@@ -442,7 +442,7 @@ class _ConfidenceReplay(ReplayDrafter):
             token = self.ref[pos] if right else (self.ref[pos] + 1 + pos % 7) % self.n_vocab
             alt = (-1, 0.0)
             if runner_up and runner_up[0] > 0.0:
-                alt = (self.ref[pos] if runner_up[1] else (self.ref[pos] + 9 + pos % 5) % self.n_vocab, runner_up[0])
+                alt = (self.runner_up_token(pos, runner_up[1]), runner_up[0])
             nodes.append(DraftNode(token, len(nodes) - 1, len(nodes), {0}, p, *alt))
         if self.burner is not None:
             if nodes:
