@@ -121,6 +121,7 @@ def plot(rows: list[dict], path: Path, many: list[int]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     fig, axes = plt.subplots(1, 1 + len(many), figsize=(6 * (1 + len(many)), 4.5))
     styles = {"chain, in-flight 8": ":", "chain": "-", "trees allowed": "--", "trees forced": "-.",
               "chain, 16-row prompt chunks": (0, (1, 4))}
@@ -128,7 +129,7 @@ def plot(rows: list[dict], path: Path, many: list[int]) -> None:
         for agreement, color in zip(AGREEMENTS, ("tab:orange", "tab:green")):
             for variant in VARIANTS:
                 pts = [r for r in rows if r["clients"] == clients and r["agreement"] == agreement and r["variant"] == variant]
-                ax.plot([r["hosts"] for r in pts], [r["speedup_vs_iterative"] for r in pts], styles[variant], marker="o",
+                ax.plot([r["hosts"] for r in pts], [r["speedup_vs_iterative"] for r in pts], linestyle=styles[variant], marker="o",
                         color=color, label=f"{variant}, agreement {agreement}")
             if clients == 1:
                 pts = [r for r in rows if r["clients"] == 1 and r["agreement"] == agreement and r["variant"] == "chain"]
@@ -137,6 +138,7 @@ def plot(rows: list[dict], path: Path, many: list[int]) -> None:
         ax.set(title=f"{'one client' if clients == 1 else f'{clients} clients'}: PipeInfer / iterative",
                xlabel="hosts (pipeline stages)", ylabel="speedup", xscale="log")
         ax.set_xticks(HOSTS, [str(h) for h in HOSTS])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     fig.suptitle("Digital twin, 70B-class model: chain and trees (runner-ups as siblings), hosts like this machine's core",
