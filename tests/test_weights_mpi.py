@@ -116,6 +116,22 @@ def test_a_disk_too_small_is_one_line_and_every_rank_exits_non_zero(tmp_path, mo
     assert _cached(tmp_path, 1) == [] and _cached(tmp_path, 2) == []
 
 
+def open_files(pid: int) -> list[str]:
+    """What the process's descriptors point to now; one closed while they are read is skipped (it is gone)."""
+    fds = Path(f"/proc/{pid}/fd")
+    try:
+        names = os.listdir(fds)
+    except FileNotFoundError:  # the process has ended
+        return []
+    out = []
+    for f in names:
+        try:
+            out.append(os.readlink(fds / f))
+        except FileNotFoundError:
+            continue
+    return out
+
+
 def test_a_sender_killed_mid_transfer_ends_the_job_naming_it_and_leaves_nothing(tmp_path, model):
     hosts = _hosts(tmp_path, 2)
     tag = new_tag()
@@ -126,8 +142,7 @@ def test_a_sender_killed_mid_transfer_ends_the_job_naming_it_and_leaves_nothing(
             pids = rank_pids(tag)
             if 1 not in pids:
                 return False
-            fds = Path(f"/proc/{pids[1]}/fd")
-            return any(str(tmp_path / "cache1" / "weights") in os.readlink(fds / f) for f in os.listdir(fds))
+            return any(str(tmp_path / "cache1" / "weights") in target for target in open_files(pids[1]))
         wait_until(receiving, 60, "rank 1 receiving its stage file")
         time.sleep(0.5)
         os.kill(rank_pids(tag)[0], signal.SIGKILL)
