@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What the user sees for each fault and bad input: the README's "Failure behaviour" table, measured.
+"""What the user sees for each fault and bad input: the table of docs/failures.md, measured.
 
     python launch/failures.py [--out results/failures] [--only NAME ...] [--mpi mpich openmpi]
 
@@ -12,8 +12,8 @@ measured again and the others kept from OUT.csv. tests/test_failures.py runs the
 row's expectation.
 
 --mpi picks the MPIs each case runs under (the table's MPI column): `mpich`, the mpich wheel's mpiexec (the
-default), and `openmpi`, Open MPI's mpirun with mpi4py loading Open MPI's library (MPI4PY_MPIABI=openmpi, as the
-README's cluster section sets it up; needs openmpi-bin). The emulated cluster's row runs under MPICH only.
+default), and `openmpi`, Open MPI's mpirun with mpi4py loading Open MPI's library (MPI4PY_MPIABI=openmpi, as
+docs/cluster.md sets it up; needs openmpi-bin). The emulated cluster's row runs under MPICH only.
 """
 from __future__ import annotations
 

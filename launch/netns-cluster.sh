@@ -40,7 +40,7 @@
 # Disks: with NETNS_DISKS=DIR every host also gets a disk view of its own (launch/netns-exec): a mount namespace
 # in which DIR/hI/stages and DIR/hI/weights are bind-mounted over the pipeinfer cache's stages/ and weights/, and,
 # on every host but h0, an empty read-only tmpfs over each folder of NETNS_HIDE (default: the cache's models/), so
-# that only h0 has the model (README, "Weights travel"). NETNS_HIDE= (empty) hides nothing.
+# that only h0 has the model (docs/cluster.md, weights travel). NETNS_HIDE= (empty) hides nothing.
 #
 # Latency: netem is missing from some kernels (this project's machines among them), and without it
 # tc cannot add delay; the script then says so and shapes the rate only. A real Ethernet hop adds

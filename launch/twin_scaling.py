@@ -6,7 +6,7 @@ mixture-of-experts model, with the digital twin.
 
 The profile (`pipeinfer profile`) is this machine's, measured on Qwen2.5-Coder-1.5B Q4_K_M; the twin
 scales its layer model by weight bytes, which is what a memory-bound CPU decode costs in proportion to
-(README, Digital twin: scaling a profile):
+(docs/twin.md, scaling a profile):
 
     layer_scale = bytes a token reads per layer (model) / bytes per layer (profiled model, from its GGUF)
     out_scale   = bytes of the output projection (model) / (profiled model)

@@ -13,7 +13,7 @@ probability 0.7 or 0.9 whose runner-up, where it is wrong, is the target's token
 - trees forced: every runner-up a sibling (--micro-batch fixed, --draft-max 2, -ps 0): what siblings cost where
   the rule declines them
 - chain, 16-row prompt chunks: the chain with --prompt-chunk 16 (iterative keeps 63): a newcomer's prompt stalls
-  the tokens behind it for less (README, Many users on a deep pipeline)
+  the tokens behind it for less (docs/speculation.md)
 - limit: the chain's limit S r / (r + S), r = 1 / (1 - agreement) the mean run of right drafts (each miss throws
   away about S launches)
 

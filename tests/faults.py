@@ -1,4 +1,4 @@
-"""The README's "Failure behaviour" table as cases: what the user sees for each fault and bad input.
+"""The failure table of docs/failures.md as cases: what the user sees for each fault and bad input.
 
 Each case runs the real CLI under mpiexec on small synthetic GGUFs (synth.py) and records the exit code, the
 seconds from the fault (or from the start, for bad input) to the end of mpiexec, the first `pipeinfer: error`

@@ -172,7 +172,7 @@ def test_json_schema_answers_are_exact_in_every_mode_and_valid(answers):
 def _before_a_near_tie(answer: dict, gap: float = 0.01) -> int:
     """Tokens of an answer before the first position whose two most likely tokens are within `gap` in
     log-probability: three at once, a newcomer's prompt (64+ tokens) lands at another cell offset than alone, and
-    llama.cpp's tiled flash attention then moves the real model's logits (tests/test_stage_engine.py; README, Many
+    llama.cpp's tiled flash attention then moves the real model's logits (tests/test_stage_engine.py; docs/serving.md, Many
     users): equality holds up to a near tie."""
     for i, lp in enumerate(answer["logprobs"]):
         if len(lp["top"]) > 1 and lp["top"][0][1] - lp["top"][1][1] < gap:

@@ -1,6 +1,6 @@
 """The emulated Ethernet cluster (launch/netns-cluster.sh): real ranks in network namespaces joined by
 rate-limited veth links, with MPI traffic forced onto the links and measured; and a host cut off from the
-network in the middle of a generation (the README's "Failure behaviour" row, launch/failures.py)."""
+network in the middle of a generation (a row of docs/failures.md, launch/failures.py)."""
 import json
 import os
 import re
@@ -158,7 +158,7 @@ def test_supervised_server_survives_a_cut_link(models, tmp_path):
             code = srv.stop()  # (and kills what is left of its jobs)
         assert code == 0, srv.text()[-3000:]
         assert "re-forming the pipeline without rank 2 (host h2)" in srv.text()
-        print(srv.wait_for_log(r".*re-formed in.*").group(0))  # the README's number
+        print(srv.wait_for_log(r".*re-formed in.*").group(0))  # the re-form time docs/failures.md quotes
     finally:
         subprocess.run(["bash", script, "down", "3"], capture_output=True, env=env, timeout=120)
     _cleaned_up()

@@ -2,7 +2,7 @@
 `pipeinfer launch`, a launcher of the other MPI refused in one line, kill -9 and SIGTERM, serve started and stopped.
 
 mpi4py loads Open MPI's library beside the mpich wheel through its MPI ABI switch (MPI4PY_MPIABI=openmpi, as the
-README's cluster section sets it up), and Open MPI's mpirun is found as `pipeinfer launch` finds it
+docs/cluster.md sets it up), and Open MPI's mpirun is found as `pipeinfer launch` finds it
 (tests/helpers.py: OPENMPI_ENV, mpi_run, mpi_env; as root, mpirun also needs OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM)=1).
 
 Where Open MPI is not installed (Debian: apt-get install openmpi-bin) every test here skips; PIPEINFER_OPENMPI=1

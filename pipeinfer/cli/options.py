@@ -72,13 +72,14 @@ PIPELINE_OPTIONS = [
     click.option("--draft", default=None, help="draft GGUF (same vocabulary as the target)"),
     click.option("--drafter", type=click.Choice(["model", "ngram", "replay"]), default=None,
                  help="[default: model if --draft (on the default target: gemma3-270m when installed) else ngram]; "
-                      "replay is a benchmark instrument (see README)"),
+                      "replay is a benchmark instrument (docs/speculation.md)"),
     click.option("--draft-vocab", type=click.Choice(["auto", "same", "translate"]), default="auto", show_default=True,
                  help="draft model vocabulary: same as the target (checked), or translate through text; auto picks"),
     click.option("--draft-at", type=click.Choice(["auto", "head", "thread", "rank"]), default="auto", show_default=True,
                  help="where the draft runs: head (in series with rank 0's stage), thread (beside it, in rank 0), rank "
                       "(an MPI rank of its own: the last; start one more rank than the target's stages); auto: thread "
-                      "for a draft model in pipeinfer mode, else head"),
+                      "for a draft model (or the replay instrument, which spends one's compute) in pipeinfer mode, "
+                      "else head"),
     click.option("--draft-threads", default=None, type=click.IntRange(1),
                  help="threads of the draft model [default: rank 0's --threads; on its own rank: cores / ranks]"),
     click.option("--draft-head", default="auto", show_default=True, callback=lambda c, p, v: _draft_head(v),
@@ -103,16 +104,16 @@ PIPELINE_OPTIONS = [
     click.option("--continuous/--no-continuous", default=True, help="more than one speculative run in flight"),
     click.option("--quiet-first/--no-quiet-first", default=True,
                  help="with the draft in a thread of rank 0, leave it idle while the first token after the prompt is "
-                      "computed (README, The draft beside the pipeline)"),
+                      "computed (docs/speculation.md)"),
     click.option("--kernels", type=click.Choice(KERNELS), default=DEFAULT_KERNELS, show_default=True,
                  help="repack: repacked weights + flash attention (exact to the batch limit measured at load); "
                       "no-repack: exact to larger batches, slower; fast: llama.cpp's defaults, batch-dependent logits "
-                      "(README, Exactness)"),
+                      "(docs/design.md, Exactness)"),
     click.option("--fast-kernels", is_flag=True, help="same as --kernels fast"),
     click.option("--poll-us", default=500, show_default=True, type=click.IntRange(0), help="sleep between message probes while waiting"),
     click.option("--stall-timeout", default=60.0, show_default=True, type=click.FloatRange(0),
                  help="seconds without a heartbeat from a rank before the job ends naming it (0: only lost ranks "
-                      "are detected; README, Failure behaviour)"),
+                      "are detected; docs/failures.md)"),
 ]
 
 
@@ -168,7 +169,7 @@ def config_from_options(kw: dict, *, n_predict: int, sampling: SamplingParams, s
         draft = _known_draft(model)  # the default demo: Qwen target, Gemma draft through text translation
     drafter = kw["drafter"] or ("model" if draft else "ngram")
     draft_at = kw["draft_at"]
-    if draft_at == "auto":  # measured: results/bench_draft_layout.csv (README, The draft beside the pipeline)
+    if draft_at == "auto":  # beside the pipeline where a model drafts continuously (docs/speculation.md)
         beside = mode == "pipeinfer" and drafter in ("model", "replay")
         draft_at = "thread" if beside else "head"
     if mode == "speculative" and parallel is None:

@@ -74,7 +74,7 @@ CLUSTER_OPTIONS = [
     click.option("--n-layer", default=None, type=click.IntRange(1), help="layers of a model you do not have"),
     click.option("--n-embd", default=None, type=click.IntRange(1), help="hidden size of that model (activation bytes)"),
     click.option("--layer-scale", default=1.0, show_default=True, type=click.FloatRange(0, min_open=True),
-                 help="its cost per layer relative to the profiled model's (README: Digital twin)"),
+                 help="its cost per layer relative to the profiled model's (docs/twin.md)"),
     click.option("--out-scale", default=1.0, show_default=True, type=click.FloatRange(0, min_open=True),
                  help="its output projection's cost relative to the profiled model's"),
     click.option("--bandwidth-mbit", default=None, type=click.FloatRange(0, min_open=True),

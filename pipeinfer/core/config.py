@@ -26,7 +26,7 @@ PER_RANK_FIELDS = ("layer_split", "threads", "threads_batch")  # "a,b,c": one va
 # prompt tokens per decode: the most rows llama.cpp's CPU flash attention takes one row at a time; from 64 rows on
 # it tiles the cells, and a row's result then depends on where the sequence's cells sit (mod 64), so a prompt
 # decoded after other requests' cells, or from the prompt cache, would not be the cold answer's bits
-# (tests/test_stage_engine.py pins both). Measured cost against 512-token chunks: results/bench_prompt.csv
+# (tests/test_stage_engine.py pins both). Its cost against 512-token chunks: launch/bench_prompt_speed.py
 PROMPT_CHUNK = 63
 CONFIG_ENV = "PIPEINFER_CONFIG"  # a supervised job's configuration, as JSON (Config.to_json)
 

@@ -60,9 +60,8 @@ class PartitionPool:
 
 def in_flight_limit(max_in_flight: int | None, n_stages: int) -> int:
     """Speculative runs in flight at most: --max-in-flight, or by default as many as keep a pipeline of n_stages
-    full (a run's result comes back after every stage has decoded it) and two more, at least 8. A fixed 8 capped
-    the twin's 70B-class model at 5.2x iterative on 16 hosts and 5.5x on 32, where n_stages + 2 gave 6.0x and
-    7.1x (README, Deep pipelines)."""
+    full (a run's result comes back after every stage has decoded it) and two more, at least 8: a fixed limit
+    caps a deep pipeline below what its stages could overlap (docs/speculation.md)."""
     return max_in_flight if max_in_flight is not None else max(8, n_stages + 2)
 
 

@@ -39,7 +39,7 @@ simulated         "twin" for a row predicted by `pipeinfer simulate` (pipeinfer/
                   for a measured run
 status            "ok", or "failed: REASON" for a generation that a lost or
                   silent rank ended (its counts and times are those reached
-                  before the failure; README, Failure behaviour), or "ok:
+                  before the failure; docs/failures.md), or "ok:
                   resumed N" for an answer a supervised server completed
                   after N lost ranks (its times are the last job's)
 draft_bytes_per_token  --draft-at rank: bytes sent per generated token on the

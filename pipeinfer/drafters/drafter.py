@@ -19,7 +19,7 @@ from ..engine.kernels import DEFAULT_KERNELS, exact_batch_limit
 # --draft-head auto: a draft model's output projection keeps its 65,536 most frequent tokens (stagefile.head_tokens).
 # Gemma 3 270M's 262,144-token projection is 72% of its weights: one decode took 19.1 ms at 1 thread, 9.5 ms
 # pruned to 65,536 tokens (8.4 ms at 32,768), with bit-identical logits for the kept tokens. Its acceptance on
-# the three prompts fell from 0.87-0.91 to 0.81-0.87 (0.78-0.86 at 32,768): README, Draft head.
+# the three prompts went from 0.87-0.91 to 0.81-0.87 (0.78-0.86 at 32,768; launch/bench_repeat.py --config).
 
 
 @dataclass

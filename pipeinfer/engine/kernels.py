@@ -5,7 +5,7 @@ Verification decodes micro-batches of drafted tokens while the target alone deco
 time, so greedy output is exact only where both give identical logits. Which batch sizes do depends on
 the weights' layout, the attention kernel, the quantization, the CPU's SIMD kernels and the build
 (measured on Qwen2.5-Coder-1.5B Q4_K_M, llama-cpp-python 0.3.36, 1 thread; one-token decode on a host where
-the repacked gemv pays, and on an AVX2 host where it does not, results/bench_kernels.csv):
+the repacked gemv pays, and on an AVX2 host where it does not, launch/bench_kernels.py):
 
 | `--kernels` | weights | attention | exact batches | one-token decode, 1 thread |
 |---|---|---|---|---|

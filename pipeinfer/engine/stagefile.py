@@ -34,7 +34,7 @@ class SplitRule:
 
     llama.cpp (src/models/<arch>.cpp, 0.3.36) derives some per-layer behaviour from the layer index il of the
     file it loads; a stage renumbers layers from 0, so each such rule is written out explicitly here."""
-    care: str                      # the rule that needed care (README "Architectures" table)
+    care: str                      # the rule that needed care (docs/architectures.md)
     swa_period: int = 0            # windowed layers: il % period < period - 1, unless the file has the per-layer
     #                                `attention.sliding_window_pattern` (llama.cpp reads it first): always written
     dense_lead: bool = False       # `leading_dense_block_count` dense FFN layers, then experts: counted from

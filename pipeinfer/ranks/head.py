@@ -63,7 +63,7 @@ def auto_p_recovery(n_ranks: int) -> float:
     A draft of confidence c keeps launching while c >= p_accept + k * p_recovery, i.e. about
     (c - p_accept) / p_recovery + 1 micro-batches past the last verification; with this factor a confident
     draft (0.9 over -pa 0.5) runs about 0.8 * (n_ranks - 1) + 1 ahead: enough to keep the other stages busy,
-    not so many that cancelled runs queue behind them. Measured on 2 ranks (results/README.md): 0.5 beat
+    not so many that cancelled runs queue behind them. Measured on 2 ranks (launch/bench_repeat.py --config): 0.5 beat
     0.25 and 0.1 at every agreement tried.
     """
     return 0.5 / max(1, n_ranks - 1)

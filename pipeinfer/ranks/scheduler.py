@@ -56,7 +56,7 @@ from .head import GenConfig, Head, check_gen_config
 # generations at once by default, per stage (`serve`/`generate --prompts` --parallel): one per stage would keep
 # every stage busy if every run cost the same, but a newcomer's prompt holds a stage for many token-times, and
 # the other generations' next tokens queued at the other stages are what keeps those busy meanwhile; each one
-# more queues in front of every token, so latency grows with it. Measured (README, Many users; 2 ranks, 8
+# more queues in front of every token, so latency grows with it. Measured (launch/serve_load.py --config; 2 ranks, 8
 # clients, 64 requests, the one-at-a-time server's tokens/s and p50 latency in the same run): with the stages
 # balanced (--layer-split balanced), 4 at once 1.67x / 0.62x, 6 1.71x / 0.72x (medians of 2 rounds), 8 1.63x /
 # 0.84x; with 14 + 14 layers, 2 at once 1.25x / 0.85x, 4 1.47x / 0.71x, 6 1.63x / 0.74x, 8 1.71x / 0.81x

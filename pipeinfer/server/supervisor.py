@@ -117,7 +117,7 @@ def split_fractions(config, n_ranks: int) -> list[float] | None:
 
 def _launch_command(slots: list[str], pipeinfer_args: list[str], hostfile: str, environ=None) -> list[str]:
     """The launcher's command line that runs `pipeinfer ARGS` with one rank per slot (the MPI mpi4py loads, the
-    hostfile as `launch` writes it, PIPEINFER_MPI_ARGS: the launcher's own options, README); the PIPEINFER_*
+    hostfile as `launch` writes it, PIPEINFER_MPI_ARGS: the launcher's own options, docs/cluster.md); the PIPEINFER_*
     variables of `environ` (default: this process's) go to every rank."""
     from ..wire.launcher import Host, build_command, choose_launcher, mpi4py_library
     library = mpi4py_library()

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import click
 
-from ..core.kvplan import in_flight_limit
 from ..ranks.head import GenConfig
 from .cluster import (
     Cluster,
@@ -193,7 +192,7 @@ def serve_load(prof: dict, *, n_clients: int, n_parallel: int, n_predict: int, n
                       cut=replace(base.cut, n_max=cap if mode == "pipeinfer" else 1))
         res = simulate_clients(cluster, gen, n_clients=n_clients, n_requests=max(4, requests_per_client * n_clients),
                                n_prompt=n_prompt, n_parallel=parallel, agreement=agreement, propose=propose,
-                               confidence=confidence, max_in_flight=in_flight_limit(None, cluster.n_ranks))
+                               confidence=confidence)
         rows.append(LoadRow(label, mode, parallel, res))
     return rows
 
@@ -232,7 +231,7 @@ def chat_load(prof: dict, *, n_conversations: int, n_turns: int, n_user: int, n_
     for label, mode in (("interleaving", "iterative"), ("default", "pipeinfer")):
         gen = replace(base, mode=mode, n_predict=n_predict, p_recovery=None if mode == "pipeinfer" else 0.0,
                       cut=replace(base.cut, n_max=cap if mode == "pipeinfer" else 1))
-        cmp = compare_prompt_cache(cluster, gen, n_parallel=n_parallel, max_in_flight=in_flight_limit(None, cluster.n_ranks),
+        cmp = compare_prompt_cache(cluster, gen, n_parallel=n_parallel,
                                    n_ctx=n_ctx, n_conversations=n_conversations, n_turns=n_turns, n_user=n_user,
                                    n_first=n_first, think_s=think_s, agreement=agreement, propose=propose,
                                    confidence=confidence)

@@ -37,7 +37,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..core.kvplan import PartitionPool, cells_reserve, lane_count, plan_partitions
+from ..core.kvplan import PartitionPool, cells_reserve, in_flight_limit, lane_count, plan_partitions
 from ..core.metrics import Stats
 from ..core.protocol import HEADER_LEN, NO_RUN, Batch, Kind, kv_ops
 from ..ranks.head import GenConfig, auto_p_recovery
@@ -490,7 +490,7 @@ def _replay_drafter(ref: list[int], seed: int, cost: SimDraftCost, agreement: fl
 
 
 def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prompt: int = 64,
-             reference: list[int] | None = None, max_in_flight: int = 8, seed: int = 0,
+             reference: list[int] | None = None, max_in_flight: int | None = None, seed: int = 0,
              propose: float = 1.0, confidence: list | None = None, runner_up: float = 0.0) -> SimResult:
     """Run the real loop on the twin: one generation of gen.n_predict tokens in virtual time. The draft
     agrees with probability `agreement` and proposes at `propose` of its calls, or, given `confidence`
@@ -503,7 +503,8 @@ def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prom
     pool = drafter = None
     if gen.mode != "iterative":
         n_lanes = lane_count(1, gen.cache_prompt)   # the Scheduler's slots (sequence ids as startup.py plans them)
-        n_part, n_seq_max = plan_partitions(gen.cut.max_branches, max_in_flight, n_lanes=n_lanes)
+        limit = in_flight_limit(max_in_flight, cluster.n_ranks)
+        n_part, n_seq_max = plan_partitions(gen.cut.max_branches, limit, n_lanes=n_lanes)
         pool = PartitionPool(n_part, gen.cut.max_branches, n_seq_max, n_lanes=n_lanes)
         drafter = _replay_drafter(ref, seed, SimDraftCost(cluster, clock, pipe), agreement, propose, confidence,
                                   runner_up)
@@ -685,7 +686,7 @@ def _roomy_ctx(gen: GenConfig, n_parallel: int, longest_prompt: int, n_part: int
 
 
 def _serve(cluster: Cluster, gen: GenConfig, clients: _Clients, clock: VirtualClock, *, n_parallel: int,
-           agreement: float, seed: int, max_in_flight: int, propose: float, confidence: list | None,
+           agreement: float, seed: int, max_in_flight: int | None, propose: float, confidence: list | None,
            n_ctx: int | None, n_turns: int = 1, runner_up: float = 0.0) -> ClientsResult:
     """The real Scheduler on the twin serving `clients` (their first requests already sent) to the last answer.
     n_ctx (None): room for every slot's longest request at once (so the context never makes a request wait)."""
@@ -694,7 +695,7 @@ def _serve(cluster: Cluster, gen: GenConfig, clients: _Clients, clock: VirtualCl
     n_lanes, size = lane_count(n_parallel, gen.cache_prompt), gen.cut.max_branches   # as the Scheduler counts them
     pool, n_part, drafter_for = None, 0, None
     if gen.mode == "pipeinfer":
-        n_part, n_seq_max = plan_partitions(size, max_in_flight, n_lanes=n_lanes)
+        n_part, n_seq_max = plan_partitions(size, in_flight_limit(max_in_flight, cluster.n_ranks), n_lanes=n_lanes)
         pool = PartitionPool(n_part, size, n_seq_max, n_lanes=n_lanes)
         cost = SimDraftCost(cluster, clock, pipe)   # one draft model, lent from generation to generation
 
@@ -716,8 +717,9 @@ def _serve(cluster: Cluster, gen: GenConfig, clients: _Clients, clock: VirtualCl
 
 def simulate_clients(cluster: Cluster, gen: GenConfig, *, n_clients: int | None = None,
                      rate_per_s: float | None = None, n_requests: int, n_prompt: int = 64, n_parallel: int = 1,
-                     agreement: float = 0.9, seed: int = 0, max_in_flight: int = 8, propose: float = 1.0,
-                     confidence: list | None = None, n_ctx: int | None = None, runner_up: float = 0.0) -> ClientsResult:
+                     agreement: float = 0.9, seed: int = 0, max_in_flight: int | None = None,
+                     propose: float = 1.0, confidence: list | None = None, n_ctx: int | None = None,
+                     runner_up: float = 0.0) -> ClientsResult:
     """The real Scheduler (ranks/scheduler.py) serving `n_requests` requests of n_prompt + gen.n_predict tokens on
     the twin, in virtual time: `n_clients` closed-loop clients (each sends its next request when its last answer
     is complete), or requests arriving as a Poisson process of `rate_per_s`. gen.mode is the schedule: pipeinfer
@@ -753,7 +755,7 @@ def conversation_prompts(n_first: int, n_turns: int, n_predict: int, n_user: int
 
 def simulate_conversations(cluster: Cluster, gen: GenConfig, *, n_conversations: int, n_turns: int, n_user: int,
                            n_first: int = 64, think_s: float = 0.0, n_parallel: int = 1, agreement: float = 0.9,
-                           seed: int = 0, max_in_flight: int = 8, propose: float = 1.0,
+                           seed: int = 0, max_in_flight: int | None = None, propose: float = 1.0,
                            confidence: list | None = None, n_ctx: int | None = None) -> ClientsResult:
     """Multi-turn chat on the twin: `n_conversations` clients, each sending `n_turns` turns one after another
     (the next once the answer is complete and `think_s` has passed); turn t's prompt is turn t-1's prompt, its
@@ -784,13 +786,14 @@ class CacheComparison:
     cached: ClientsResult
 
 
-def compare_prompt_cache(cluster: Cluster, gen: GenConfig, *, n_parallel: int = 1, max_in_flight: int = 8,
-                         n_ctx: int | None = None, **workload) -> CacheComparison:
+def compare_prompt_cache(cluster: Cluster, gen: GenConfig, *, n_parallel: int = 1,
+                         max_in_flight: int | None = None, n_ctx: int | None = None, **workload) -> CacheComparison:
     """simulate_conversations with gen.cache_prompt off and on, in one context size (n_ctx None: what the run with
     the cache would take by default, which has more slots)."""
     if n_ctx is None:
         n_lanes = lane_count(n_parallel, True)
-        n_part = plan_partitions(gen.cut.max_branches, max_in_flight, n_lanes=n_lanes)[0] if gen.mode == "pipeinfer" else 0
+        limit = in_flight_limit(max_in_flight, cluster.n_ranks)
+        n_part = plan_partitions(gen.cut.max_branches, limit, n_lanes=n_lanes)[0] if gen.mode == "pipeinfer" else 0
         longest = conversation_prompts(workload.get("n_first", 64), workload["n_turns"], gen.n_predict,
                                        workload["n_user"])[-1]
         n_ctx = _roomy_ctx(gen, n_parallel, longest, n_part, n_lanes)

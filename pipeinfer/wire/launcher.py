@@ -287,7 +287,7 @@ def choose_launcher(library: MpiLibrary, requested: str | None = None, *, python
     its ranks would each run as a job of one process."""
     if library.kind is None:
         raise RuntimeError(f"mpi4py loads {library.name}, an MPI that `pipeinfer launch` does not know: run its "
-                           f"mpiexec yourself (see README 'On a cluster')")
+                           f"mpiexec yourself (see docs/cluster.md)")
     where = f"{library.name} ({library.path})" if library.path else library.name
     if requested:
         kind = detect_mpi(requested)
@@ -534,7 +534,7 @@ def world_size_mismatch(world_size: int, library: str, environ) -> str | None:
     return (f"the launcher started {launched.size} processes ({launched.size_var}={launched.size}) but MPI sees "
             f"{world_size}: mpiexec/mpirun is not of the MPI that mpi4py loads ({library}); run the job with that "
             f"MPI's launcher (`pipeinfer launch` picks it), or make mpi4py load the launcher's MPI "
-            f"(MPI4PY_MPIABI / MPI4PY_LIBMPI, see README 'On a cluster')")
+            f"(MPI4PY_MPIABI / MPI4PY_LIBMPI, see docs/cluster.md)")
 
 
 def mpi_size() -> int:

@@ -1,0 +1,144 @@
+"""The command lines quoted in README.md and docs/ still parse against the click definitions.
+
+Every `pipeinfer ...` line in a bash/sh/console code block (after an `mpiexec`/`mpirun` prefix, after `&&`, `;` or
+`|`, continuation lines joined) is parsed with the real command group, options and types, without running it:
+a renamed or removed option, a wrong choice or a subcommand that no longer exists fails here. Paths that must exist
+(a hostfile, a CSV to plot) are placeholders in the docs and are not checked.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import warnings
+from pathlib import Path
+
+import click
+import pytest
+
+from pipeinfer.cli.main import main
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_FENCE = re.compile(r"^```(\w*)\s*$")
+_SHELL = {"bash", "sh", "console", "shell", ""}
+_SEPARATORS = {"&&", ";", "|", "||", "&"}
+_LAUNCHERS = {"pipeinfer", "mpiexec", "mpirun", "python", "python3", "env", "nohup", "time", "sudo"}
+
+
+def code_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, logical line) of every shell code block: continuations joined, prompts and comments dropped."""
+    lines, in_block, shell, pending, start = [], False, False, "", 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        fence = _FENCE.match(raw.strip())
+        if fence:
+            in_block, shell = (not in_block), fence.group(1) in _SHELL
+            continue
+        if not (in_block and shell):
+            continue
+        line = raw.strip()
+        if not pending:
+            start = number
+            line = line.removeprefix("$ ")
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        lines.append((start, pending + line))
+        pending = ""
+    return lines
+
+
+def pipeinfer_commands(line: str) -> list[list[str]]:
+    """The argument lists given to `pipeinfer` (or `python -m pipeinfer`) on one shell line."""
+    try:
+        words = shlex.split(line, comments=True)
+    except ValueError:
+        return []
+    commands, current = [], []
+    for word in words + [";"]:
+        if word in _SEPARATORS:
+            commands.append(current)
+            current = []
+        else:
+            current.append(word)
+    found = []
+    for words in commands:
+        if not words or not (words[0] in _LAUNCHERS or "=" in words[0] or words[0].endswith("netns-exec")):
+            continue
+        if "pipeinfer" not in words:
+            continue
+        args = words[words.index("pipeinfer") + 1:]
+        if args[:1] == ["launch"] and "--" in args:
+            found.append(args[:args.index("--")])  # launch's own options, then the command it launches
+            found.append(args[args.index("--") + 1:])
+        else:
+            found.append(args)
+    return [args for args in found if args]
+
+
+def parse(args: list[str]) -> None:
+    """Parse args with the real command tree (options, choices and types), invoking nothing."""
+    ctx = main.make_context("pipeinfer", list(args), resilient_parsing=False)
+    command: click.Command = main
+    rest = _unparsed(ctx)
+    while isinstance(command, click.Group) and rest:
+        name, command, rest = command.resolve_command(ctx, rest)
+        if command is None:
+            raise click.UsageError(f"no such command: {name}")
+        if "--help" in rest or "-h" in rest:
+            return
+        ctx = command.make_context(name, list(rest), parent=ctx)
+        rest = _unparsed(ctx) if isinstance(command, click.Group) else []
+
+
+def _unparsed(ctx: click.Context) -> list[str]:
+    """A group's subcommand and its arguments (click 8.2 deprecates protected_args; click 9 keeps them in args)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return [*getattr(ctx, "protected_args", []), *ctx.args]
+
+
+def quoted_commands() -> list[tuple[str, list[str]]]:
+    found = []
+    for path in DOC_FILES:
+        for number, line in code_lines(path.read_text()):
+            for args in pipeinfer_commands(line):
+                found.append((f"{path.relative_to(ROOT)}:{number}", args))
+    return found
+
+
+QUOTED = quoted_commands()
+
+
+def test_the_docs_quote_commands():
+    assert len(QUOTED) >= 20, "the README and docs quote fewer command lines than expected: is the extraction broken?"
+
+
+@pytest.mark.parametrize("where,args", QUOTED, ids=[f"{w} {' '.join(a)[:40]}" for w, a in QUOTED])
+def test_quoted_command_parses(where, args):
+    try:
+        parse(args)
+    except click.BadParameter as e:
+        if "does not exist" in e.format_message():
+            return  # a placeholder path (HOSTS, results.csv) in the docs
+        pytest.fail(f"{where}: pipeinfer {' '.join(args)}: {e.format_message()}")
+    except click.ClickException as e:
+        pytest.fail(f"{where}: pipeinfer {' '.join(args)}: {e.format_message()}")
+
+
+def test_a_wrong_option_is_caught():
+    with pytest.raises(click.UsageError):
+        parse(["generate", "--no-such-option"])
+    with pytest.raises(click.UsageError):
+        parse(["no-such-command"])
+    with pytest.raises(click.BadParameter):
+        parse(["generate", "--mode", "fastest"])
+    parse(["generate", "-n", "8", "--mode", "iterative"])
+
+
+def test_extraction_of_shell_lines():
+    text = "x\n```bash\nmpiexec -n 2 pipeinfer generate \\\n  -n 8  # a comment\n$ pipeinfer models list && ls\n```\n" \
+           "```python\npipeinfer serve --nope\n```\n"
+    got = [args for _, line in code_lines(text) for args in pipeinfer_commands(line)]
+    assert got == [["generate", "-n", "8"], ["models", "list"]]
+    launch = pipeinfer_commands("pipeinfer launch --hostfile H -- serve --port 8080")
+    assert launch == [["launch", "--hostfile", "H"], ["serve", "--port", "8080"]]
