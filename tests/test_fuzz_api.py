@@ -3,8 +3,7 @@
 `model` always the served one (else every valid case is a 404); no answer may be a
 5xx, and the server answers a normal request afterwards. Bounded: FUZZ_EXAMPLES examples per operation,
 derandomized (the same cases every run). The routes that read their body by hand (Anthropic's /v1/messages*,
-/v1/responses) publish no body schema: their pydantic models are added to the fuzzed copy. results/fuzz.md has the
-command and the counts."""
+/v1/responses) publish no body schema: their pydantic models are added to the fuzzed copy."""
 from __future__ import annotations
 
 import pytest
