@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from twin_scaling import BPW_Q4_K_M, LLAMA_70B  # noqa: E402
 
-from pipeinfer.core.kvplan import in_flight_limit  # noqa: E402
 from pipeinfer.ranks.head import GenConfig  # noqa: E402
 from pipeinfer.ranks.scheduler import default_parallel  # noqa: E402
 from pipeinfer.drafters.drafter import Cutoffs  # noqa: E402
@@ -76,8 +75,7 @@ def run_one(cluster: Cluster, n_stages: int, schedule: str, n_clients: int, args
                     stop_at_eos=False)
     t0 = time.perf_counter()
     res = simulate_clients(cluster, gen, n_clients=n_clients, n_requests=max(4, args.waves * n_clients),
-                           n_prompt=n_prompt, n_parallel=parallel, agreement=args.agreement, seed=args.seed,
-                           max_in_flight=in_flight_limit(None, n_stages))
+                           n_prompt=n_prompt, n_parallel=parallel, agreement=args.agreement, seed=args.seed)
     busy = max(st["t_busy_s"] for st in res.stages[1:]) / res.makespan_s
     wl = workload_limit(cluster, n_prompt, n_predict)
     return {"stages": n_stages, "clients": n_clients, "schedule": schedule, "parallel": parallel,

@@ -36,7 +36,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeinfer.core.kvplan import in_flight_limit  # noqa: E402
 from pipeinfer.drafters.drafter import Cutoffs  # noqa: E402
 from pipeinfer.ranks.head import GenConfig  # noqa: E402
 from pipeinfer.twin.plan import Shape, build_cluster, load_profile, stage_table  # noqa: E402
@@ -113,7 +112,7 @@ def scale_to(prof: dict, model: ModelShape, profiled: tuple[float, float], n_pre
                 gen = GenConfig(mode=mode, n_predict=n_predict, cut=Cutoffs(0.5, 0.1, draft_max, 1), p_recovery=None,
                                 stop_at_eos=False)
                 t1 = time.perf_counter()
-                res = simulate(build_cluster(prof, shape), gen, agreement=agreement, max_in_flight=in_flight_limit(None, hosts))
+                res = simulate(build_cluster(prof, shape), gen, agreement=agreement)
                 s = res.stats
                 speeds[mode] = s.gen_tokens_per_s
                 busy = [st["t_busy_s"] / max(1e-9, st["t_busy_s"] + st["t_idle_s"]) for st in res.stages]

@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "launch"))
 
-from pipeinfer.core.kvplan import in_flight_limit  # noqa: E402
 from pipeinfer.drafters.drafter import Cutoffs  # noqa: E402
 from pipeinfer.ranks.head import GenConfig  # noqa: E402
 from pipeinfer.twin.cluster import Link  # noqa: E402
@@ -79,12 +78,12 @@ def main() -> None:
         for clients in (1, *many):
             base = GenConfig(mode="iterative", n_predict=args.n, cut=Cutoffs(0.5, 0.1, 1, 1), p_recovery=None,
                              stop_at_eos=False)
-            it = rate(cluster, base, None, hosts, clients, 0.9, args.n)
+            it = rate(cluster, base, None, clients, 0.9, args.n)
             for agreement in AGREEMENTS:
                 r = 1 / (1 - agreement)
                 for variant in VARIANTS:
                     gen, mif = gen_for(variant, limit, args.n)
-                    tps, st = rate(cluster, gen, mif, hosts, clients, agreement, args.n, stats=True)
+                    tps, st = rate(cluster, gen, mif, clients, agreement, args.n, stats=True)
                     rows.append({"hosts": hosts, "clients": clients, "agreement": agreement, "variant": variant,
                                  "tokens_per_s": round(tps, 4), "speedup_vs_iterative": round(tps / it, 3),
                                  "chain_limit": round(hosts * r / (r + hosts), 3) if clients == 1 else "",
@@ -103,16 +102,15 @@ def main() -> None:
     print(f"wrote {out} and {out.with_suffix('.png')} ({time.perf_counter() - t0:.0f} s of simulation)")
 
 
-def rate(cluster, gen: GenConfig, max_in_flight: int | None, hosts: int, clients: int, agreement: float, n: int,
+def rate(cluster, gen: GenConfig, max_in_flight: int | None, clients: int, agreement: float, n: int,
          stats: bool = False):
     """Tokens/s of one generation (clients == 1) or of `clients` closed-loop clients, 2 requests each."""
-    mif = in_flight_limit(max_in_flight, hosts)
     if clients == 1:
-        res = simulate(cluster, gen, agreement=agreement, max_in_flight=mif, runner_up=RUNNER_UP)
+        res = simulate(cluster, gen, agreement=agreement, max_in_flight=max_in_flight, runner_up=RUNNER_UP)
         tps, st = res.stats.gen_tokens_per_s, vars(res.stats)
     else:
         res = simulate_clients(cluster, gen, n_clients=clients, n_requests=2 * clients, n_parallel=clients,
-                               agreement=agreement, max_in_flight=mif, runner_up=RUNNER_UP)
+                               agreement=agreement, max_in_flight=max_in_flight, runner_up=RUNNER_UP)
         tps, st = res.tokens_per_s, {}
     return (tps, st) if stats else tps
 

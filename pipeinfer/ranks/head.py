@@ -322,8 +322,8 @@ class Head:
         if self.cfg.stage_ms is None or self.cfg.mode != "pipeinfer":
             return cut.n_max
         # a drafter beside the pipeline costs the head nothing per draft token (_draft_obs stays empty)
-        n = choose_draft_len(self._acceptance(), [list(ms) for ms in self.cfg.stage_ms], draft_cost_fit(self._draft_obs),
-                             cut.n_max)
+        n = choose_draft_len(self._acceptance(), [list(ms) for ms in self.cfg.stage_ms],
+                             draft_cost_fit(self._draft_obs), cut.n_max)
         self.stats.draft_len_hist[n] = self.stats.draft_len_hist.get(n, 0) + 1
         return n
 
