@@ -169,6 +169,19 @@ def supervised(serve_args: list[str]) -> bool:
     return "--np" in serve_args or "--hostfile" in serve_args
 
 
+def headless_chromium(*extra_args: str):
+    """A headless Chromium under selenium (Debian's chromium and chromium-driver)."""
+    import shutil
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = shutil.which("chromium") or shutil.which("chromium-browser") or ""
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", *extra_args):
+        opts.add_argument(a)
+    return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+
+
 @contextlib.contextmanager
 def watching(port: int, how: str | None):
     """While the block runs: `browser`, a headless chromium on the server's page (which polls /state every second)
@@ -199,15 +212,7 @@ def watching(port: int, how: str | None):
         finally:
             stop.set()
         return
-    import shutil
-
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = shutil.which("chromium") or shutil.which("chromium-browser") or ""
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
-        opts.add_argument(a)
-    browser = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+    browser = headless_chromium()
     try:
         browser.get(f"http://127.0.0.1:{port}/")
         scraper.start()
