@@ -52,6 +52,86 @@ def test_a_vocabulary_file_and_a_whole_file(tmp_path):
     assert _stream(whole_layout(src), src, 3000) == src.read_bytes()
 
 
+def _assemble(rc, src, layout, held_files: dict, chunk: int) -> tuple[bytes, int]:
+    """What a receiver writes from rank 0's wire bytes (Recipe.pack on the source) and its held files
+    (Recipe.unpack), chunk by chunk as ranks/weights.py does; and how many bytes travelled."""
+    fd = os.open(src, os.O_RDONLY)
+    fds = {name: os.open(path, os.O_RDONLY) for name, path in held_files.items()}
+    out, wired, buf, wire, back = bytearray(), 0, np.empty(chunk, np.uint8), np.empty(chunk, np.uint8), \
+        np.empty(chunk, np.uint8)
+    try:
+        for lo in range(0, layout.size, chunk):
+            n = layout.read(fd, lo, buf)
+            m = rc.pack(lo, buf[:n], wire)
+            wired += m
+            back[:n] = 0xAA  # whatever the buffer held before: unpack must write every byte
+            rc.unpack(lo, wire[:m], fds, back[:n])
+            out += back[:n].tobytes()
+    finally:
+        for f in (fd, *fds.values()):
+            os.close(f)
+    return bytes(out), wired
+
+
+@pytest.mark.parametrize("start, end, with_vocab, held, kept_layers, kept_vocab", [
+    (3, 6, True, [(2, 4, False)], 1, False),                # a re-form: the last stage grows into the lost one's
+    (2, 6, True, [(0, 3, False), (4, 6, True)], 3, True),   # layers and the vocabulary from two held files
+    (0, 2, False, [(4, 6, True)], 0, False),                # nothing in common but the small tensors of every stage
+])
+def test_a_host_that_holds_other_stages_gets_only_what_it_lacks(tmp_path, start, end, with_vocab, held, kept_layers,
+                                                               kept_vocab):
+    from pipeinfer.engine.stagefile import recipe
+    src = make_llama_gguf(tmp_path / "m.gguf", n_layer=6, qtype="q8_0")
+    files, layouts = {}, {}
+    for a, b, v in held:
+        name = f"L{a}-{b}{v}.gguf"
+        write_stage_file(src, tmp_path / name, a, b, v)
+        files[name], layouts[name] = tmp_path / name, stage_layout(src, a, b, v)
+    write_stage_file(src, tmp_path / "want.gguf", start, end, with_vocab)
+    want = (tmp_path / "want.gguf").read_bytes()
+    layout = stage_layout(src, start, end, with_vocab)
+    rc = recipe(layout, layouts)
+    def source_bytes(a, b, v=False):
+        return sum(p.nbytes for p in stage_layout(src, a, b, v).pieces if p.src_offset >= 0)
+    one_layer = source_bytes(0, 2) - source_bytes(0, 1)
+    vocab = source_bytes(0, 1, True) - source_bytes(0, 1)
+    for chunk in (777, 4096, 1 << 20):
+        got, wired = _assemble(rc, src, layout, files, chunk)
+        assert got == want
+        assert wired == rc.wire_bytes() == layout.size - sum(n for _, n, _, _ in rc.local)
+    kept = rc.size - rc.wire_bytes()
+    least = kept_layers * one_layer + kept_vocab * vocab
+    assert least <= kept < least + one_layer  # those layers and the vocabulary (and the small tensors)
+    assert recipe(layout, {}).wire_bytes() == layout.size  # a host holding nothing gets every byte
+
+
+def test_holdings_are_the_models_other_stages_checked_whole(tmp_path):
+    d = tmp_path / "w"
+    ident = "ab" * 32
+    want = Item(ident, 3, 6, True, 3)
+
+    def put(item, data):
+        path = _put(d, item, data)
+        with stagecache.locked_index(d) as index:
+            index["files"][item.file_name()]["sha256"] = stagecache.sha256_file(path)
+        return path
+
+    put(Item(ident, 2, 4, False, 3), os.urandom(1 << 20))          # overlaps: held
+    put(Item(ident, 0, 2, True, 3), os.urandom(1 << 20))           # only the vocabulary in common: held
+    put(Item(ident, 0, 2, False, 3), os.urandom(1 << 20))          # nothing in common
+    put(Item(ident, 2, 4, False, 2), os.urandom(1 << 20))          # another stage format
+    put(Item("cd" * 32, 2, 4, False, 3), os.urandom(1 << 20))      # another model
+    put(Item(ident), os.urandom(1 << 20))                          # a whole file
+    bad = put(Item(ident, 4, 5, False, 3), os.urandom(3 << 20))    # overlaps, but damaged in the middle below
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 1
+    bad.write_bytes(bytes(data))
+    assert stagecache.holdings(want, d) == ((Item(ident, 0, 2, True, 3).file_name(), 0, 2, True),
+                                            (Item(ident, 2, 4, False, 3).file_name(), 2, 4, False))
+    assert not bad.exists() and bad.name not in stagecache.read_index(d)["files"]  # never used, dropped
+    assert stagecache.holdings(Item(ident), d) == ()
+
+
 def test_items_are_named_by_content_range_vocabulary_and_format():
     a = Item("ab" * 32, 0, 14, False, 3)
     names = {a.file_name(), Item("ab" * 32, 0, 14, True, 3).file_name(), Item("ab" * 32, 0, 15, False, 3).file_name(),

@@ -84,6 +84,36 @@ def test_a_host_without_the_file_gets_it_and_the_next_start_moves_nothing(tmp_pa
     assert (tmp_path / "cache2b" / "weights" / _cached(tmp_path, 2)[0]).exists()
 
 
+def test_a_re_formed_pipeline_moves_only_the_layers_a_host_lacks(tmp_path, model, reference):
+    import re
+    from pipeinfer.core import stagecache
+    hosts = _hosts(tmp_path, 3)
+    p = _run(GEN + ["-m", str(model)], hosts)
+    assert p.returncode == 0 and p.stdout == reference, p.stderr[-3000:]
+    held = _cached(tmp_path, 1)
+    # what the supervisor starts when host 2 is lost: the same hosts 0 and 1, one stage fewer
+    p = _run(GEN + ["-m", str(model)], hosts[:2])
+    assert p.returncode == 0 and p.stdout == reference, p.stderr[-3000:]
+    got = re.search(r"weights: sent rank 1 \(\S+\) .*?\(([\d,]+) bytes\) .*?; .*?\(([\d,]+) bytes\) of the file it "
+                    r"already held", p.stderr)
+    assert got, p.stderr[-3000:]
+    sent, kept = (int(x.replace(",", "")) for x in got.groups())
+    new = sorted(set(_cached(tmp_path, 1)) - set(held))
+    assert len(new) == 1
+    entry = stagecache.read_index(tmp_path / "cache1" / "weights")["files"]
+    old_range, new_range = entry[held[0]]["range"], entry[new[0]]["range"]
+    common = len(set(range(*old_range)) & set(range(*new_range)))
+    assert common >= 1
+    size = (tmp_path / "cache1" / "weights" / new[0]).stat().st_size
+    assert sent + kept == size
+    from pipeinfer.engine.stagefile import stage_layout
+
+    def source_bytes(a, b):
+        return sum(x.nbytes for x in stage_layout(model, a, b, False).pieces if x.src_offset >= 0)
+    one_layer = source_bytes(0, 2) - source_bytes(0, 1)
+    assert common * one_layer <= kept < (common + 1) * one_layer  # the layers in common (and the small norms)
+
+
 def test_a_partial_cached_file_is_fetched_again(tmp_path, model, reference):
     hosts = _hosts(tmp_path, 3)
     assert _run(GEN + ["-m", str(model)], hosts).returncode == 0

@@ -191,6 +191,34 @@ def cached(item: Item, size: int | None = None, d: Path | None = None) -> Path |
     return path
 
 
+def holdings(item: Item, d: Path | None = None) -> tuple[tuple[str, int, int, bool], ...]:
+    """The other stage files of item's model (same stage format) in this host's cache that can give item bytes (a
+    layer in common, or both with the vocabulary): (file name, start, end, with_vocab), each checked whole against
+    the sha256 it was indexed with (about 1 s per GB; a file that fails is dropped, never used). What a re-formed
+    pipeline's host keeps, so that only the layers it lacks travel."""
+    d = d or weights_dir()
+    if item.whole or item.vocab_only:
+        return ()
+    with locked_index(d, write=False) as index:
+        files = dict(index["files"])
+    out = []
+    for name, e in sorted(files.items()):
+        start, end = e.get("range", (0, 0))
+        if name == item.file_name() or e.get("model") != item.model_id or e.get("format") != item.fmt \
+                or start < 0 or start == end == 0:
+            continue
+        if not (start < item.end and item.start < end) and not (item.with_vocab and e.get("with_vocab")):
+            continue
+        path = d / name
+        if not path.is_file() or path.stat().st_size != e["size"] or sha256_file(path) != e["sha256"]:
+            with locked_index(d) as index:
+                index["files"].pop(name, None)
+            path.unlink(missing_ok=True)
+            continue
+        out.append((name, start, end, bool(e.get("with_vocab"))))
+    return tuple(out)
+
+
 def record(item: Item, path: Path, sha: str, model_name: str, d: Path | None = None) -> None:
     """Index a file just linked into place."""
     d = d or weights_dir()
@@ -290,6 +318,7 @@ class Need:
     status: str             # "local" (its host has the model: it writes its stage itself), "cached", "need"
     free: int = 0           # bytes free in its weights cache folder
     folder: str = ""        # that folder (ranks of one host may share it)
+    holds: tuple = ()       # (file name, start, end, with_vocab) of its host's other stage files of the model
 
 
 def disk_shortfall(needs: list[Need], sizes: dict[int, int], who=lambda r: f"rank {r}") -> str | None:

@@ -251,6 +251,82 @@ class StageLayout:
         return n
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """How a host assembles a stage file (size bytes): `local` ranges copied from files it already holds (each
+    (offset, nbytes, held file's name, offset in that file): a tensor of the source that the held file has as it
+    is), every other byte from the wire, in file order. Rank 0 sends only the wire bytes; both sides cut the file
+    into the same chunks, so each chunk's message carries that chunk's wire bytes."""
+    size: int
+    local: tuple[tuple[int, int, str, int], ...] = ()
+
+    def wire(self, lo: int = 0, hi: int | None = None) -> list[tuple[int, int]]:
+        """The [a, b) ranges of [lo, hi) that come from the wire, in order."""
+        hi = self.size if hi is None else hi
+        out, pos = [], lo
+        for off, n, _, _ in self.local:
+            a, b = max(off, lo), min(off + n, hi)
+            if a >= b:
+                continue
+            if a > pos:
+                out.append((pos, a))
+            pos = b
+        if pos < hi:
+            out.append((pos, hi))
+        return out
+
+    def wire_bytes(self, lo: int = 0, hi: int | None = None) -> int:
+        return sum(b - a for a, b in self.wire(lo, hi))
+
+    def local_in(self, lo: int, hi: int) -> list[tuple[int, int, str, int]]:
+        """The local ranges within [lo, hi), clipped: (a, b, held file's name, offset of a in it)."""
+        out = []
+        for off, n, name, at in self.local:
+            a, b = max(off, lo), min(off + n, hi)
+            if a < b:
+                out.append((a, b, name, at + a - off))
+        return out
+
+    def pack(self, lo: int, chunk: np.ndarray, out: np.ndarray) -> int:
+        """Sender: the wire bytes of the file's bytes chunk (which start at lo) into out, in order; returns how
+        many."""
+        m = 0
+        for a, b in self.wire(lo, lo + len(chunk)):
+            out[m:m + b - a] = chunk[a - lo:b - lo]
+            m += b - a
+        return m
+
+    def unpack(self, lo: int, wire: np.ndarray, held_fds: dict[str, int], out: np.ndarray) -> None:
+        """Receiver: the file's bytes [lo, lo + len(out)) into out, from this chunk's wire bytes and the held files
+        (name -> open fd)."""
+        hi = lo + len(out)
+        m = 0
+        for a, b in self.wire(lo, hi):
+            out[a - lo:b - lo] = wire[m:m + b - a]
+            m += b - a
+        view = memoryview(out)
+        for a, b, name, at in self.local_in(lo, hi):
+            if os.preadv(held_fds[name], [view[a - lo:b - lo]], at) != b - a:
+                raise StageFileError(f"{name} is shorter than its index says")
+
+
+def recipe(layout: StageLayout, held: dict[str, StageLayout]) -> Recipe:
+    """The Recipe of `layout` for a host holding the files `held` (name -> the layout each was written from, all
+    of the same source): a tensor piece whose source bytes a held file has (same source offset and size) is copied
+    from there; the header, stand-ins and everything else travel."""
+    have = {}
+    for name, lay in sorted(held.items()):
+        for p in lay.pieces:
+            if p.src_offset >= 0:
+                have.setdefault((p.src_offset, p.nbytes), (name, p.offset))
+    local = []
+    for p in layout.pieces:
+        if p.src_offset >= 0 and (p.src_offset, p.nbytes) in have:
+            name, at = have[(p.src_offset, p.nbytes)]
+            local.append((p.offset, p.nbytes, name, at))
+    return Recipe(layout.size, tuple(local))
+
+
 def stage_layout(src, start: int, end: int, with_vocab: bool, reader=None) -> StageLayout:
     """The layout of the stage file for layers [start, end) of src (see StageLayout); reader: src's GGUFReader, when
     several layouts are made (parsing a large vocabulary takes seconds)."""

@@ -13,14 +13,17 @@ One call is collective over the ranks that take part:
 3. Rank 0 works out each missing file's layout (engine/stagefile.stage_layout: the stage's bytes without writing
    them) and checks, before any byte is sent, that every receiving host has room: otherwise one line naming the
    host, what it needs and what it has, and every rank exits 1.
-4. Rank 0 streams each file in CHUNK-byte pieces, one receiving rank at a time (its link carries every byte, so
-   sending to several at once would only finish all of them late), IN_FLIGHT pieces in flight, numpy uint8 buffers
-   (no pickling) on a communicator of their own. The receiver hashes what it writes, compares the sha256 rank 0
-   computed of what it read, and only then links the file into its cache (stagecache.IncomingFile: a lost sender
-   leaves nothing behind). Waiting sleeps between tests of the request (never a blocking MPI call: the recipe's
-   "Waiting politely").
-5. Rank 0 prints each host's progress (bytes, rate, time left) as one updating line on a terminal and a summary
-   line per host; `-q` quiets it (set_quiet).
+4. A receiving host that holds other stage files of the model (a re-formed or re-planned pipeline: its old
+   layers) names them, checked whole (stagecache.holdings); rank 0 makes each file's recipe
+   (engine/stagefile.recipe): the tensors a held file has are copied from it on the host, only the rest travels.
+5. Rank 0 streams each file's travelling bytes in CHUNK-byte pieces of the file, one receiving rank at a time (its
+   link carries every byte, so sending to several at once would only finish all of them late), IN_FLIGHT pieces in
+   flight, numpy uint8 buffers (no pickling) on a communicator of their own. The receiver assembles the file,
+   hashes it, compares the sha256 rank 0 computed of the whole file, and only then links it into its cache
+   (stagecache.IncomingFile: a lost sender leaves nothing behind). Waiting sleeps between tests of the request
+   (never a blocking MPI call: the recipe's "Waiting politely").
+6. Rank 0 prints each host's progress (bytes, rate, time left) as one updating line on a terminal and a summary
+   line per host (what travelled, and what the host already held); `-q` quiets it (set_quiet).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import numpy as np
 from ..core import stagecache
 from ..core.errors import UserError
 from ..core.stagecache import Item, Need, fmt_bytes
+from ..engine.stagefile import StageFileError
 from ..wire.hosts import host_name
 
 CHUNK = 8 << 20      # bytes per message: 67 ms at 1 Gbit/s
@@ -91,10 +95,9 @@ def _same(path: Path, fp: str) -> bool:
 
 def _obtain(comm, src: str, want: tuple | None, poll_s: float, fmt: int, what: str, parse: bool) -> Path | None:
     rank = comm.Get_rank()
-    ident = None
+    ident, source = None, None
     if rank == 0:
-        if stagecache.known_identity(src) is None:
-            _start_reading(src, parse)  # the GGUF parse (Python) runs while the sha256 (C, without the GIL) does
+        source = _Source(src, parse=parse and stagecache.known_identity(src) is None)
         ident, dt = stagecache.model_identity(src)
         if dt > 0 and not _quiet:
             size = os.path.getsize(src)
@@ -104,32 +107,35 @@ def _obtain(comm, src: str, want: tuple | None, poll_s: float, fmt: int, what: s
     ident = comm.bcast(ident, root=0)
     d = stagecache.weights_dir()
     item = _item(ident, want, fmt) if want is not None else None
-    status, path = "none", None
+    status, path, holds = "none", None, ()
     if item is not None:
         stagecache.sweep_partials(d)
         path = stagecache.cached(item, d=d)
         status = "cached" if path is not None else "need"
+        if status == "need":
+            holds = stagecache.holdings(item, d)
     free = stagecache.free_override()
     need = Need(rank, host_name(), status, free if free is not None else stagecache.free_bytes(d) if item else 0,
-                str(d))
+                str(d), holds)
     needs = comm.allgather((need, want))
     plan = None
     if rank == 0:
         t0 = time.perf_counter()
-        plan = _plan(src, needs, fmt)
+        plan = source.plan(needs)
         if isinstance(plan, tuple) and plan[0] and not _quiet:
-            _log(f"[pipeinfer] weights: {len(plan[0])} file(s) to send, {fmt_bytes(sum(plan[1].values()))}, laid out "
+            recipes = plan[1]
+            _log(f"[pipeinfer] weights: {len(plan[0])} file(s) to send, "
+                 f"{fmt_bytes(sum(rc.wire_bytes() for rc in recipes.values()))}, laid out "
                  f"in {time.perf_counter() - t0:.1f} s")
     _polite_barrier(comm, poll_s)
     plan = comm.bcast(plan, root=0)
     if isinstance(plan, str):
         raise UserError(plan)
-    order, sizes = plan
+    order, recipes = plan
     if rank == 0:
-        _reading.clear()
-        _send_all(comm, src, order, sizes, [n for n, _ in needs], fmt, poll_s, what)
+        source.send_all(comm, order, [n for n, _ in needs], poll_s, what)
     elif rank in order:
-        path = _receive(comm, item, sizes[rank], poll_s, Path(src).name, d)
+        path = _receive(comm, item, recipes[rank], poll_s, Path(src).name, d)
     _polite_barrier(comm, poll_s)
     return path if item is not None else None
 
@@ -143,101 +149,119 @@ def _item(ident: str, want: tuple, fmt: int) -> Item:
     return Item(ident)
 
 
-def _layout(src: str, want: tuple, reader):
-    from ..engine.stagefile import stage_layout, vocab_layout, whole_layout
-    if want[0] == "stage":
-        return stage_layout(src, want[1], want[2], bool(want[3]), reader=reader)
-    if want[0] == "vocab":
-        return vocab_layout(src, reader=reader)
-    return whole_layout(src)
+class _Source:
+    """Rank 0's side of one obtain: the model file src, its header parsed in a thread (while the sha256, C code
+    without the GIL, runs), the layout of each file to send and its recipe."""
 
+    def __init__(self, src: str, parse: bool):
+        import threading
+        self.src = src
+        self.layouts: dict = {}  # receiving rank -> StageLayout
+        self.recipes: dict = {}  # receiving rank -> Recipe
+        self._reader = self._error = None
+        self._thread = threading.Thread(target=self._parse, name="pipeinfer-gguf-parse", daemon=True) \
+            if parse else None
+        if self._thread:
+            self._thread.start()
 
-_layouts: dict = {}  # rank 0, this call: (src, want) -> StageLayout
-_reading: dict = {}  # rank 0: the source's stagefile.HeaderReader (in a thread: overlaps the sha256)
-
-
-def _start_reading(src: str, parse: bool) -> None:
-    import threading
-
-    from ..engine.stagefile import HeaderReader
-
-    def parse():
+    def _parse(self) -> None:
+        from ..engine.stagefile import HeaderReader
         try:
-            _reading["reader"] = HeaderReader(src)
-        except Exception as e:  # noqa: BLE001 - reported where the reader is needed
-            _reading["error"] = e
-    _reading.clear()
-    if not parse:
-        return
-    _reading["thread"] = threading.Thread(target=parse, name="pipeinfer-gguf-parse", daemon=True)
-    _reading["thread"].start()
+            self._reader = HeaderReader(self.src)
+        except Exception as e:  # noqa: BLE001 - raised where the reader is needed
+            self._error = e
 
+    def reader(self):
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error
+        if self._reader is None:
+            self._parse()
+            if self._error is not None:
+                raise self._error
+        return self._reader
 
-def _reader(src: str):
-    from ..engine.stagefile import HeaderReader
-    if "thread" in _reading:
-        _reading.pop("thread").join()
-    if "error" in _reading:
-        raise _reading.pop("error")
-    if "reader" not in _reading:
-        _reading["reader"] = HeaderReader(src)
-    return _reading["reader"]
+    def layout(self, want: tuple):
+        from ..engine.stagefile import stage_layout, vocab_layout, whole_layout
+        if want[0] == "stage":
+            return stage_layout(self.src, want[1], want[2], bool(want[3]), reader=self.reader())
+        if want[0] == "vocab":
+            return vocab_layout(self.src, reader=self.reader())
+        return whole_layout(self.src)
 
+    def plan(self, needs: list):
+        """(receivers in order, each one's Recipe) or the one-line refusal of a host without room. A receiver's
+        recipe takes from the files its host already holds every tensor they have (a re-formed pipeline's host
+        keeps its old layers: only the ones it lacks travel)."""
+        from ..engine.stagefile import recipe
+        recipes = {}
+        for need, want in needs:
+            if need.status != "need":
+                continue
+            layout = self.layout(want)
+            held = {name: self.layout(("stage", a, b, v)) for name, a, b, v in need.holds}
+            self.layouts[need.rank] = layout
+            recipes[need.rank] = self.recipes[need.rank] = recipe(layout, held)
+        plain = [n for n, _ in needs]
+        msg = stagecache.disk_shortfall(plain, {r: rc.size for r, rc in recipes.items()},
+                                        who=lambda r: f"rank {r}")
+        if msg:
+            return msg
+        return stagecache.send_order(plain, {r: rc.wire_bytes() for r, rc in recipes.items()}), recipes
 
-def _plan(src: str, needs: list, fmt: int):
-    """Rank 0: (receivers in order, bytes each) or the one-line refusal of a host without room."""
-    _layouts.clear()
-    sizes = {}
-    for need, want in needs:
-        if need.status != "need":
-            continue
-        layout = _layout(src, want, _reader(src) if want[0] != "whole" else None)
-        _layouts[need.rank] = layout
-        sizes[need.rank] = layout.size
-    plain = [n for n, _ in needs]
-    msg = stagecache.disk_shortfall(plain, sizes, who=lambda r: f"rank {r}")
-    if msg:
-        return msg
-    return stagecache.send_order(plain, sizes), sizes
+    def send_all(self, comm, order: list[int], needs: list[Need], poll_s: float, what: str) -> None:
+        global last_report
+        last_report = []
+        fd = os.open(self.src, os.O_RDONLY)
+        try:
+            for r in order:
+                host = needs[r].host
+                rc = self.recipes[r]
+                t0 = time.perf_counter()
+                show = _Progress(f"rank {r} ({host})", rc.wire_bytes())
+                _send_one(comm, r, self.layouts[r], rc, fd, poll_s, show)
+                dt = time.perf_counter() - t0
+                kept = rc.size - rc.wire_bytes()
+                show.done(dt, kept)
+                last_report.append({"rank": r, "host": host, "bytes": rc.wire_bytes(), "kept": kept, "seconds": dt,
+                                    "what": what})
+        finally:
+            os.close(fd)
 
 
 # ---------------------------------------------------------------- sending (rank 0)
-def _send_all(comm, src: str, order: list[int], sizes: dict, needs: list[Need], fmt: int, poll_s: float,
-              what: str) -> None:
-    global last_report
-    last_report = []
-    fd = os.open(src, os.O_RDONLY)
-    try:
-        for r in order:
-            host = needs[r].host
-            t0 = time.perf_counter()
-            show = _Progress(f"rank {r} ({host})", sizes[r])
-            _send_one(comm, r, _layouts[r], fd, poll_s, show)
-            dt = time.perf_counter() - t0
-            show.done(dt)
-            last_report.append({"rank": r, "host": host, "bytes": sizes[r], "seconds": dt, "what": what})
-    finally:
-        os.close(fd)
-        _layouts.clear()
+def _chunks(size: int):
+    """[lo, hi) of each message's part of a file, in order."""
+    for lo in range(0, size, CHUNK):
+        yield lo, min(lo + CHUNK, size)
 
 
-def _send_one(comm, dest: int, layout, fd: int, poll_s: float, show) -> None:
+def _send_one(comm, dest: int, layout, rc, fd: int, poll_s: float, show) -> None:
+    """Stream the wire bytes of one file (rc: its Recipe) to rank dest, chunk by chunk, IN_FLIGHT messages in
+    flight; then the sha256 of the whole file as it is to be (the held bytes too: the receiver checks what it
+    assembled, end to end)."""
     from mpi4py import MPI
     sha = hashlib.sha256()
-    bufs = [np.empty(min(CHUNK, max(layout.size, 1)), np.uint8) for _ in range(IN_FLIGHT)]
+    chunk = np.empty(min(CHUNK, max(layout.size, 1)), np.uint8)
+    bufs = [np.empty_like(chunk) for _ in range(IN_FLIGHT)]
     reqs: list = [None] * IN_FLIGHT
-    off = i = 0
-    while off < layout.size:
+    i = sent = 0
+    for lo, hi in _chunks(layout.size):
+        n = layout.read(fd, lo, chunk)
+        sha.update(chunk[:n])
+        parts = rc.wire(lo, hi)
+        if not parts:
+            continue
         k = i % IN_FLIGHT
         if reqs[k] is not None:
             _wait(reqs[k], poll_s)
-        n = layout.read(fd, off, bufs[k])
-        view = bufs[k][:n]
-        sha.update(view)
-        reqs[k] = comm.Isend([view, MPI.BYTE], dest=dest, tag=TAG_DATA)
-        off += n
+        m = rc.pack(lo, chunk[:n], bufs[k])
+        reqs[k] = comm.Isend([bufs[k][:m], MPI.BYTE], dest=dest, tag=TAG_DATA)
         i += 1
-        show.update(off)
+        sent += m
+        show.update(sent)
         if THROTTLE_S:
             time.sleep(THROTTLE_S)
     for req in reqs:
@@ -248,31 +272,46 @@ def _send_one(comm, dest: int, layout, fd: int, poll_s: float, show) -> None:
 
 
 # ---------------------------------------------------------------- receiving
-def _receive(comm, item: Item, size: int, poll_s: float, model_name: str, d: Path) -> Path:
+def _receive(comm, item: Item, rc, poll_s: float, model_name: str, d: Path) -> Path:
+    """Assemble item's file from the wire and the held files rc names (rc: its Recipe), check its sha256 against
+    rank 0's, and only then link it into the cache."""
     from mpi4py import MPI
     incoming = stagecache.IncomingFile(d, item.file_name())
+    held = {name: os.open(d / name, os.O_RDONLY) for _, _, name, _ in rc.local}
     try:
         sha = hashlib.sha256()
-        n_chunks = (size + CHUNK - 1) // CHUNK
-        bufs = [np.empty(min(CHUNK, max(size, 1)), np.uint8) for _ in range(min(IN_FLIGHT, max(n_chunks, 1)))]
-        reqs: list = [None] * len(bufs)
+        chunks = list(_chunks(rc.size))
+        wired = [(lo, hi, rc.wire_bytes(lo, hi)) for lo, hi in chunks]
+        wired = [c for c in wired if c[2]]
+        bufs = [np.empty(CHUNK, np.uint8) for _ in range(min(IN_FLIGHT, max(len(wired), 1)))]
+        reqs: dict = {}
 
-        def post(i):
-            k = i % len(bufs)
-            n = min(CHUNK, size - i * CHUNK)
-            reqs[k] = comm.Irecv([bufs[k][:n], MPI.BYTE], source=0, tag=TAG_DATA)
+        def post(j):
+            reqs[j] = comm.Irecv([bufs[j % len(bufs)][:wired[j][2]], MPI.BYTE], source=0, tag=TAG_DATA)
 
-        for i in range(min(len(bufs), n_chunks)):
-            post(i)
-        for i in range(n_chunks):
-            k = i % len(bufs)
-            _wait(reqs[k], poll_s)
-            n = min(CHUNK, size - i * CHUNK)
-            view = bufs[k][:n]
+        for j in range(min(len(bufs), len(wired))):
+            post(j)
+        chunk = np.empty(min(CHUNK, max(rc.size, 1)), np.uint8)
+        j = 0
+        for lo, hi in chunks:
+            view = chunk[:hi - lo]
+            wire = view[:0]
+            arrived = j < len(wired) and wired[j][0] == lo
+            if arrived:
+                _wait(reqs.pop(j), poll_s)
+                wire = bufs[j % len(bufs)][:wired[j][2]]
+            try:
+                rc.unpack(lo, wire, held, view)
+            except StageFileError as e:
+                raise UserError(f"rank {comm.Get_rank()} ({host_name()}): {e} (in its weights cache): "
+                                f"`pipeinfer models prune --model {item.model_id[:12]}` there and start again") \
+                    from None
+            if arrived:
+                if j + len(bufs) < len(wired):
+                    post(j + len(bufs))  # into the buffer just unpacked
+                j += 1
             sha.update(view)
             incoming.write(view)
-            if i + len(bufs) < n_chunks:
-                post(i + len(bufs))
         digest = np.empty(32, np.uint8)
         _wait(comm.Irecv([digest, MPI.BYTE], source=0, tag=TAG_END), poll_s)
         if digest.tobytes() != sha.digest():
@@ -282,6 +321,9 @@ def _receive(comm, item: Item, size: int, poll_s: float, model_name: str, d: Pat
     except BaseException:
         incoming.discard()
         raise
+    finally:
+        for fd in held.values():
+            os.close(fd)
     stagecache.record(item, path, sha.hexdigest(), model_name, d)
     return path
 
@@ -316,14 +358,16 @@ class _Progress:
                                                                                         now - self.t0))
             sys.stderr.flush()
 
-    def done(self, seconds: float) -> None:
+    def done(self, seconds: float, kept: int = 0) -> None:
+        """kept: bytes of the file the host took from what it already held."""
         if _quiet:
             return
         if self.tty:
             sys.stderr.write("\r\x1b[K")
         rate = self.total / seconds if seconds > 0 else 0.0
+        held = f"; {fmt_bytes(kept)} ({kept:,} bytes) of the file it already held" if kept else ""
         _log(f"[pipeinfer] weights: sent {self.who} {fmt_bytes(self.total)} ({self.total:,} bytes) in {seconds:.1f} s "
-             f"({fmt_bytes(rate)}/s, {rate * 8 / 1e6:.0f} Mbit/s)")
+             f"({fmt_bytes(rate)}/s, {rate * 8 / 1e6:.0f} Mbit/s){held}")
 
 
 def _log(msg: str) -> None:
