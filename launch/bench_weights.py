@@ -10,8 +10,9 @@ are in every row alike). Rows:
   it (warm: the baseline of the issue's bounds);
 - travel-first: the model on h0 only, empty caches elsewhere (h0's own stage warm, its identity index fresh, so the
   sha256 of the whole file is in it); travel-second: the same again (nothing moves);
-- reform: the job re-formed on h0, h1 after h2 is lost (what the supervisor starts): h1 gets only the stage file of
-  its new range;
+- reform-everywhere: the job on h0, h1 with the model on both (stage files found): the re-form's baseline;
+- reform: the job re-formed on h0, h1 after h2 is lost (what the supervisor starts): h1 gets only the tensors of its
+  new stage file that its old one lacks; checked against the bytes it lacked, worked out from the layers' names;
 - copy-whole: the whole GGUF copied from h0 to every other host over TCP at once (a plain socket: no encryption,
   so quicker than scp);
 - rpc, rpc-c-cold, rpc-c-warm: llama.cpp's llama-completion on h0 with ggml-rpc-server on the other hosts
@@ -43,6 +44,7 @@ PROMPT = "Write a Python function that checks whether a number is prime."
 SENT = re.compile(r"weights: sent rank (\d+) \((\S+)\) .*?\(([\d,]+) bytes\) in ([\d.]+) s")
 HASHED = re.compile(r"identified .* in ([\d.]+) s")
 LAID = re.compile(r"laid out in ([\d.]+) s")
+KEPT = re.compile(r"; \S+ \S+ \(([\d,]+) bytes\) of the file it already held")
 RPC_PORT = 50077
 
 
@@ -74,6 +76,41 @@ def pipeinfer_job(n: int, model: str, disks: Path, hide: bool) -> tuple[float, s
     if proc.returncode:
         raise SystemExit(f"pipeinfer failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return elapsed(proc), proc.stdout, proc.stderr, pct
+
+
+def _held(d: Path) -> dict[str, tuple[int, int, bool]]:
+    """A host's cached stage files: name -> (start, end, with_vocab)."""
+    import json
+    try:
+        files = json.loads((d / "index.json").read_text())["files"]
+    except OSError:
+        return {}
+    return {k: (e["range"][0], e["range"][1], e["with_vocab"]) for k, e in files.items() if e["range"][0] >= 0
+            and e["range"] != [0, 0]}
+
+
+def _lacked(model: str, held: list[tuple[int, int, bool]], new: tuple[int, int, bool]) -> int:
+    """The bytes of the new stage file that are not tensors of the model some held stage file has: what must
+    travel, worked out from the layers (names), independently of the recipe ranks/weights.py sends by."""
+    from gguf import GGUFReader
+    from pipeinfer.engine.stagefile import stage_layout
+    r = GGUFReader(model, "r")
+    base = r.data.ctypes.data
+
+    def tensors(a, b, v):  # source tensors of the stage file [a, b): {name}
+        out = set()
+        for t in r.tensors:
+            if t.name.startswith("blk."):
+                if a <= int(t.name.split(".")[1]) < b:
+                    out.add(t.name)
+            elif v or t.name not in ("token_embd.weight", "output.weight"):
+                out.add(t.name)
+        return out
+    have = set().union(*(tensors(*h) for h in held)) if held else set()
+    size = {t.data.ctypes.data - base: (t.name, t.data.nbytes) for t in r.tensors}
+    layout = stage_layout(model, *new)
+    kept = sum(p.nbytes for p in layout.pieces if p.src_offset >= 0 and size[p.src_offset][0] in have)
+    return layout.size - kept
 
 
 def timed(cmd: list[str]) -> list[str]:
@@ -190,12 +227,27 @@ def main() -> None:
             same_text=text == text_every, foreign_cpu_pct=round(pct))
         if a.hosts >= 3:
             n = a.hosts - 1
+            pipeinfer_job(n, model, every, hide=False)  # the smaller pipeline's stage files written on every host
+            t_base, _, _, pct = pipeinfer_job(n, model, every, hide=False)
+            row("reform-everywhere", t_base, f"on {n} hosts with the model on every host, stage files found (the "
+                "re-form's baseline)", hosts=n, foreign_cpu_pct=round(pct))
+            before = _held(travel / "h1" / "weights")
             t, text, err, pct = pipeinfer_job(n, model, travel, hide=True)
             sent = [(int(r), h, int(b.replace(",", "")), float(s)) for r, h, b, s in SENT.findall(err)]
-            have = sorted(p.name for p in (travel / "h1" / "weights").glob("*.gguf"))
-            row("reform", t, f"on {n} hosts after h{a.hosts - 1} is lost: sent "
-                f"{', '.join(f'{h} {b / 1e6:.1f} MB' for _, h, b, _ in sent) or 'nothing'}; h1 now holds {have}",
-                hosts=n, bytes_sent=sum(b for _, _, b, _ in sent), foreign_cpu_pct=round(pct))
+            kept = sum(int(k.replace(",", "")) for k in KEPT.findall(err))
+            after = _held(travel / "h1" / "weights")
+            new = [v for k, v in after.items() if k not in before]
+            lacked = _lacked(model, list(before.values()), new[0]) if len(new) == 1 else None
+            moved = sum(b for _, _, b, _ in sent)
+            bound = t_base + moved * 8 / rate_bps
+            row("reform", t, f"on {n} hosts after h{a.hosts - 1} is lost: h1 held layers "
+                f"{', '.join(f'{x[0]}-{x[1] - 1}' for x in before.values())}, needs {new[0][0]}-{new[0][1] - 1}"
+                f"{' with the vocabulary' if new and new[0][2] else ''}; sent "
+                f"{', '.join(f'{h} {b / 1e6:.1f} MB' for _, h, b, _ in sent) or 'nothing'}, kept {kept / 1e6:.1f} MB "
+                f"it held; the bytes it lacked: {lacked} (moved == lacked: {moved == lacked}); same text: "
+                f"{text == text_every}; baseline + moved at link speed = {bound:.1f} s",
+                hosts=n, bytes_sent=moved, bytes_kept=kept, bytes_lacked=lacked, same_text=text == text_every,
+                bound_reform_s=round(bound, 2), foreign_cpu_pct=round(pct))
         t = copy_whole(a.hosts, model, travel)
         row("copy-whole", t, f"{size / 1e6:.1f} MB to each of {a.hosts - 1} hosts at once over TCP; "
             f"size x hosts / link = {size * (a.hosts - 1) * 8 / rate_bps:.1f} s", bytes_sent=size * (a.hosts - 1))
