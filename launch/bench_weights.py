@@ -10,7 +10,8 @@ are in every row alike). Rows:
   it (warm: the baseline of the issue's bounds);
 - travel-first: the model on h0 only, empty caches elsewhere (h0's own stage warm, its identity index fresh, so the
   sha256 of the whole file is in it); travel-second: the same again (nothing moves);
-- reform-everywhere: the job on h0, h1 with the model on both (stage files found): the re-form's baseline;
+- reform-everywhere: the job on h0, h1 with the model on both, each host writing its new range's stage file: the
+  re-form's baseline (what a re-form costs when every host has the model);
 - reform: the job re-formed on h0, h1 after h2 is lost (what the supervisor starts): h1 gets only the tensors of its
   new stage file that its old one lacks; checked against the bytes it lacked, worked out from the layers' names;
 - copy-whole: the whole GGUF copied from h0 to every other host over TCP at once (a plain socket: no encryption,
@@ -227,10 +228,10 @@ def main() -> None:
             same_text=text == text_every, foreign_cpu_pct=round(pct))
         if a.hosts >= 3:
             n = a.hosts - 1
-            pipeinfer_job(n, model, every, hide=False)  # the smaller pipeline's stage files written on every host
             t_base, _, _, pct = pipeinfer_job(n, model, every, hide=False)
-            row("reform-everywhere", t_base, f"on {n} hosts with the model on every host, stage files found (the "
-                "re-form's baseline)", hosts=n, foreign_cpu_pct=round(pct))
+            row("reform-everywhere", t_base, f"on {n} hosts with the model on every host: each writes the stage file of "
+                "its new range and measures its exact batch limit, as after a lost host today (the re-form's baseline)",
+                hosts=n, foreign_cpu_pct=round(pct))
             before = _held(travel / "h1" / "weights")
             t, text, err, pct = pipeinfer_job(n, model, travel, hide=True)
             sent = [(int(r), h, int(b.replace(",", "")), float(s)) for r, h, b, s in SENT.findall(err)]

@@ -136,7 +136,8 @@ def _obtain(comm, src: str, want: tuple | None, poll_s: float, fmt: int, what: s
         source.send_all(comm, order, [n for n, _ in needs], poll_s, what)
     elif rank in order:
         path = _receive(comm, item, recipes[rank], poll_s, Path(src).name, d)
-    _polite_barrier(comm, poll_s)
+    # no barrier here: a host whose file has arrived loads it (and probes its exact batch limit) while rank 0 sends
+    # the next host its file; the caller's next collective is a polite one (startup.py: after loading)
     return path if item is not None else None
 
 
