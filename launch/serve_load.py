@@ -8,6 +8,9 @@
     python launch/serve_load.py --netns 3 --config '--hostfile {hosts} --stall-timeout 10' --kill-rank 2 \
                                 --fault cut --out results/serve_netcut.csv
     python launch/serve_load.py --config=--no-webui --config '{watch}' --rounds 2 --out results/serve_page.csv
+    python launch/serve_load.py --netns 3 --config '--hostfile {hosts} --stall-timeout 10 {own-disks}' \
+        --config '--hostfile {hosts} --stall-timeout 10 {model-on-h0}' --kill-rank 2 --fault cut \
+        --out results/serve_lost_weights.csv
 
 `{watch}` in a config: while each load runs, a headless chromium (selenium, Debian's chromium-driver) shows the
 server's page, which polls /state every second, and /metrics is scraped every second: what watching the server
@@ -20,6 +23,9 @@ A config with --np or --hostfile starts a supervised server (no mpiexec: it runs
 --netns only), and the summary says how long the streams paused (every request must still complete with its
 reference answer). --netns N runs the configs on N emulated hosts (launch/netns-cluster.sh: root, iproute2;
 `{hosts}` in a config is their hostfile, h0 first; the supervisor reaches them through PIPEINFER_MPI_ARGS).
+`{own-disks}` in a config gives each emulated host a fresh disk of its own (its own stage files and weights cache:
+a re-form writes new stage files, as on real hosts), `{model-on-h0}` the same with the model on h0 only (the
+other hosts get their layers over the network, and a re-form moves only the layers a host lacks).
 
 For each --config in turn (default: `--parallel 1`, today's one-at-a-time server, then the default) starts
 `mpiexec -n 2 pipeinfer serve` on a free loopback port (default model and draft, 1 thread per rank; SERVE ARGS
@@ -40,10 +46,12 @@ import csv
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -361,10 +369,13 @@ def main() -> None:
     runs = [(rnd, configs[(rnd + i) % len(configs)]) for rnd in range(args.rounds) for i in range(len(configs))]
     for k, (rnd, config) in enumerate(runs):  # each round starts one config later: none always runs first
         kill = (args.kill_rank, args.kill_after, args.fault) if args.kill_rank is not None else None
-        with emulated_hosts(args.netns, out.with_suffix(".hosts")) as hosts:
+        disks = "h0" if "{model-on-h0}" in config else "own" if "{own-disks}" in config else None
+        with emulated_hosts(args.netns, out.with_suffix(".hosts"), disks) as hosts:
             watch = "browser" if "{watch}" in config else "poll" if "{poll}" in config else None
-            serve_args = common + config.replace("{hosts}", str(hosts)).replace("{watch}", "").replace(
-                "{poll}", "").split()
+            serve_args = common + config.replace("{hosts}", str(hosts))
+            for mark in ("{watch}", "{poll}", "{model-on-h0}", "{own-disks}"):
+                serve_args = serve_args.replace(mark, "")
+            serve_args = serve_args.split()
             r, s, reference = run_load(serve_args, out.with_suffix(f".server{k}.log"), loads, args.max_tokens, kinds,
                                        reference, kill, watch)
         for x in r + s:
@@ -405,12 +416,31 @@ def main() -> None:
 
 
 @contextlib.contextmanager
-def emulated_hosts(n: int | None, hostfile: Path):
+def emulated_hosts(n: int | None, hostfile: Path, disks: str | None = None):
     """n hosts of the emulated cluster for one server (up, then down whatever happens), their hostfile, and the
-    launcher options that reach them in PIPEINFER_MPI_ARGS; nothing when n is None."""
+    launcher options that reach them in PIPEINFER_MPI_ARGS; nothing when n is None. disks: "own" gives every host a
+    fresh disk view of its own (NETNS_DISKS: its own stage files and weights cache, the model on every host), "h0"
+    the same with the model on h0 only (the others get their layers over the network: ranks/weights.py)."""
     if not n:
         yield None
         return
+    if disks:
+        folder = Path(tempfile.mkdtemp(prefix="pipeinfer-disks-", dir="/var/tmp"))
+        os.environ["NETNS_DISKS"] = str(folder)
+        if disks == "own":
+            os.environ["NETNS_HIDE"] = ""
+    try:
+        with _emulated(n, hostfile) as hosts:
+            yield hosts
+    finally:
+        if disks:
+            os.environ.pop("NETNS_DISKS", None)
+            os.environ.pop("NETNS_HIDE", None)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _emulated(n: int, hostfile: Path):
     script = ["bash", str(ROOT / "launch" / "netns-cluster.sh")]
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     subprocess.run(script + ["up", str(n)], check=True, env=env, capture_output=True)

@@ -43,6 +43,7 @@ from ..wire.hosts import host_name
 
 CHUNK = 8 << 20      # bytes per message: 67 ms at 1 Gbit/s
 IN_FLIGHT = 4        # messages in flight each way
+SLICE = 1 << 20      # bytes hashed or written between two tests of the requests in flight
 TAG_DATA, TAG_END = 1, 2
 PROGRESS_EVERY_S = 0.25
 # tests only: the sender sleeps this long after each message, so that a test can kill it mid-transfer
@@ -251,7 +252,7 @@ def _send_one(comm, dest: int, layout, rc, fd: int, poll_s: float, show) -> None
     i = sent = 0
     for lo, hi in _chunks(layout.size):
         n = layout.read(fd, lo, chunk)
-        sha.update(chunk[:n])
+        _in_slices(chunk[:n], [sha.update], reqs)
         parts = rc.wire(lo, hi)
         if not parts:
             continue
@@ -311,8 +312,7 @@ def _receive(comm, item: Item, rc, poll_s: float, model_name: str, d: Path) -> P
                 if j + len(bufs) < len(wired):
                     post(j + len(bufs))  # into the buffer just unpacked
                 j += 1
-            sha.update(view)
-            incoming.write(view)
+            _in_slices(view, [sha.update, incoming.write], reqs.values())
         digest = np.empty(32, np.uint8)
         _wait(comm.Irecv([digest, MPI.BYTE], source=0, tag=TAG_END), poll_s)
         if digest.tobytes() != sha.digest():
@@ -330,6 +330,19 @@ def _receive(comm, item: Item, rc, poll_s: float, model_name: str, d: Path) -> P
 
 
 # ---------------------------------------------------------------- waiting and telling
+def _in_slices(view: np.ndarray, work: list, pending) -> None:
+    """Each of work (hashing, writing) on view, SLICE bytes at a time, testing the pending requests between slices:
+    MPI moves a message's bytes only inside MPI calls, so a long stretch of work between them would idle the link."""
+    for a in range(0, len(view), SLICE):
+        part = view[a:a + SLICE]
+        for w in work:
+            w(part)
+        for req in pending:
+            if req is not None:
+                req.Test()
+
+
+
 def _wait(req, poll_s: float) -> None:
     """Until req completes, testing it between short sleeps (a blocking wait would spin a core in MPICH)."""
     sleep = min(2e-5, poll_s)
