@@ -42,7 +42,11 @@ for s in $STEPS; do
     serve)   step serve python launch/serve_load.py --rounds 2 ;;
     lost)    step lost python launch/serve_load.py --netns 3 --config '--hostfile {hosts} --stall-timeout 10' \
                  --kill-rank 2 --fault cut --out results/serve_lost_host.csv ;;
-    weights) step weights python launch/bench_weights.py ;;
+    weights) step weights python launch/bench_weights.py
+             step lost-weights python launch/serve_load.py --netns 3 \
+                 --config '--hostfile {hosts} --stall-timeout 10 {own-disks}' \
+                 --config '--hostfile {hosts} --stall-timeout 10 {model-on-h0}' \
+                 --kill-rank 2 --fault cut --out results/serve_lost_weights.csv ;;
     cache)   step cache python launch/bench_prompt_cache.py --conversations 3 --turns 4 --user-tokens 200 \
                  --max-tokens 32 ;;
     twin)    step twin python launch/twin_scaling.py --profile results/twin_profile_2ranks.json

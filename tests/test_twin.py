@@ -182,6 +182,28 @@ def test_plan_chooses_the_cutoff_from_the_measured_draft(tmp_path):
     assert "measured confidence (10 positions)" in out.stdout and " -pa 0." in out.stdout
 
 
+def test_plan_tries_token_trees_where_the_draft_names_runner_ups(tmp_path):
+    """Rows nearly free (the hand profile's stages: 2.0 / 2.2 / 2.4 ms a layer for 1 / 2 / 3 rows), a draft right
+    in 0.3 of its tokens (all proposed: -pa 0.1) whose runner-up is right wherever it is wrong: trees beat the
+    chain, and plan picks them; without runner-ups plan does not try them."""
+    from pipeinfer.ranks.head import GenConfig
+    from pipeinfer.twin.plan import launch_line, load_profile, search
+    prof = load_profile(str(hand_profile(tmp_path, slow=1.0)))
+    kw = dict(agreement=0.3, n_predict=64, exact_limit=3, draft_own_host=False,
+              base=GenConfig(stop_at_eos=False, cut=Cutoffs(0.1, 0.1, 3, 1)))
+    trees, chain = search(prof, runner_up=1.0, **kw), search(prof, **kw)
+    assert trees["pipeinfer"].branches == 4 and chain["pipeinfer"].branches == 1
+    assert trees["pipeinfer"].tokens_per_s > 1.03 * chain["pipeinfer"].tokens_per_s
+    assert "--max-branches 4" in launch_line(prof, trees["pipeinfer"])
+    assert "--max-branches" not in launch_line(prof, chain["pipeinfer"])
+    sim = run_cli(["simulate", "--profile", str(tmp_path / "profile.json"), "-n", "48", "--agreement", "0.3",
+                   "-pa", "0.1", "--runner-up", "1.0", "--max-branches", "4"])
+    assert sim.returncode == 0, sim.stderr
+    assert "siblings" in sim.stdout
+    out = run_cli(["plan", "--profile", str(tmp_path / "profile.json"), "-n", "32", "--runner-up", "0.5"])
+    assert out.returncode == 0, out.stderr
+
+
 def test_plan_counts_draft_calls_that_propose_nothing(tmp_path):
     """A draft below its cutoff at most calls still costs each call: plan predicts less for it."""
     from pipeinfer.ranks.head import GenConfig

@@ -44,7 +44,7 @@ from .guard import installed, run_guarded
 def _gen_config(kw, mode: str) -> GenConfig:
     pr = kw["p_recovery"]
     return GenConfig(mode=mode, n_predict=kw["n_predict"],
-                     cut=Cutoffs(kw["p_accept"], kw["p_split"], kw["draft_max"] or 1, 1),
+                     cut=Cutoffs(kw["p_accept"], kw["p_split"], kw["draft_max"] or 1, kw.get("max_branches", 1)),
                      p_recovery=None if pr == "auto" else float(pr), p_decay=kw["p_decay"],
                      cancel=kw["cancel"], continuous=kw["continuous"], stop_at_eos=False)
 
@@ -106,6 +106,11 @@ def cluster_options(f):
 @click.option("-ps", "--p-split", default=0.1, show_default=True, type=click.FloatRange(0, 1))
 @click.option("-pr", "--p-recovery", default="auto", show_default=True)
 @click.option("-pd", "--p-decay", default=0.0, show_default=True, type=click.FloatRange(0))
+@click.option("--max-branches", default=1, show_default=True, type=click.IntRange(1, 16),
+              help="token trees, as `generate --max-branches`: a sibling beside a draft token where the draft names a "
+              "runner-up (--runner-up, or the measured draft's) and the micro-batch rule finds it worth its row")
+@click.option("--runner-up", default=0.0, show_default=True, type=click.FloatRange(0, 1),
+              help="where the draft is wrong, the probability that its runner-up is the target's token (trees)")
 @click.option("--cancel/--no-cancel", default=True)
 @click.option("--continuous/--no-continuous", default=True)
 @click.option("--replay-ref", default=None, help="take the target's tokens and the prompt from an earlier --json run")
@@ -143,7 +148,7 @@ def simulate_cmd(**kw) -> None:
             raise click.UsageError("--measured-draft: the profile has no measured draft confidence "
                                    "(profile on 2 or more ranks with a draft)")
     res = simulate(cluster, gen, agreement=kw["agreement"], reference=ref, n_prompt=n_prompt, seed=kw["seed"],
-                   propose=kw["propose"], confidence=confidence)
+                   propose=kw["propose"], confidence=confidence, runner_up=kw["runner_up"])
     wall_s = time.perf_counter() - t0
     s = res.stats
     if kw["results"]:
@@ -170,6 +175,9 @@ def simulate_cmd(**kw) -> None:
               help="with --agreement: share of draft calls that propose anything (a run's statistics: speculative "
                    "runs / draft calls)")
 @click.option("-n", "--n-predict", default=128, show_default=True, type=click.IntRange(1))
+@click.option("--runner-up", default=0.0, show_default=True, type=click.FloatRange(0, 1),
+              help="with --agreement: where the draft is wrong, the probability that its runner-up is right; above 0 "
+                   "(or a profiled draft that names runner-ups) plan searches token trees (--max-branches) too")
 @click.option("--draft-host/--no-draft-host", default=False,
               help="consider a host of its own for the draft (the hostfile then needs one more line)")
 @click.option("--hostfile", default="hosts.txt", show_default=True, help="the hostfile named in the printed command")
@@ -191,8 +199,8 @@ def simulate_cmd(**kw) -> None:
               help="with --conversations: seconds a client waits after an answer before its next turn")
 @click.option("--n-ctx", default=None, type=click.IntRange(1),
               help="with --conversations: the context's cells [default: room for every slot's longest turn]")
-def plan_cmd(profile_path: str, agreement: float | None, propose: float, n_predict: int, draft_host: bool,
-             hostfile: str, clients: int | None, parallel: int | None, n_prompt: int, conversations: int | None,
+def plan_cmd(profile_path: str, agreement: float | None, propose: float, n_predict: int, runner_up: float,
+             draft_host: bool, hostfile: str, clients: int | None, parallel: int | None, n_prompt: int, conversations: int | None,
              turns: int, user_tokens: int, think_s: float, n_ctx: int | None) -> None:
     """Search the fastest configuration for a profiled cluster and print the command that runs it."""
     prof = load_profile(profile_path)
@@ -212,7 +220,7 @@ def plan_cmd(profile_path: str, agreement: float | None, propose: float, n_predi
     try:
         best = search(prof, agreement=0.7 if agreement is None else agreement, n_predict=n_predict, exact_limit=limit,
                       draft_own_host=draft_host, base=GenConfig(stop_at_eos=False), propose=propose,
-                      confidence=confidence)
+                      confidence=confidence, runner_up=runner_up)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     draft = (f"the profiled draft's measured confidence ({len(confidence)} positions)" if confidence else

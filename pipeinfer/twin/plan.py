@@ -32,6 +32,15 @@ from .sim import ClientsResult, PromptSpeed, SimResult, compare_prompt_cache, pr
 
 PLAN_P_RECOVERY = (None, 0.1, 0.25, 0.5)   # None: auto (0.5 / (ranks - 1))
 PLAN_P_ACCEPT = (0.1, 0.3, 0.5, 0.7)
+TREE_BRANCHES = 4                          # --max-branches plan tries beside the chain (1)
+
+
+def names_runner_ups(confidence: list | None, runner_up: float) -> bool:
+    """Whether the draft offers siblings: a runner-up probability, or measured confidence with runner-ups
+    ([p, right, p2, right2] entries, p2 > 0)."""
+    if confidence:
+        return any(len(c) >= 4 and c[2] > 0 for c in confidence)
+    return runner_up > 0
 
 
 def load_profile(path: str) -> dict:
@@ -96,6 +105,7 @@ class Candidate:
     draft_max: int | None
     p_accept: float
     p_recovery: float | None
+    branches: int = 1
     tokens_per_s: float = 0.0
 
 
@@ -114,19 +124,22 @@ def _splits(n_ranks: int, step: float = 0.05) -> list[list[float] | None]:
 
 def search(prof: dict, *, agreement: float, n_predict: int, exact_limit: int, draft_own_host: bool,
            base: GenConfig, link: Link | None = None, propose: float = 1.0,
-           confidence: list | None = None) -> dict[str, Candidate]:
+           confidence: list | None = None, runner_up: float = 0.0) -> dict[str, Candidate]:
     """The fastest simulated configuration of each mode (iterative: the split only). The draft: right with
     probability `agreement`, proposing at `propose` of its calls (a model draft below its cutoff proposes
-    nothing, and costs its time), or, given the profile's measured `confidence` pairs, as they and the
-    cutoff decide; then -pa is searched too."""
+    nothing, and costs its time), its runner-up right in `runner_up` of its misses, or, given the profile's
+    measured `confidence` pairs, as they and the cutoff decide; then -pa is searched too. Where the draft names
+    runner-ups, PipeInfer is tried with token trees too (--max-branches TREE_BRANCHES)."""
     n_ranks = len(prof["ranks"])
     best: dict[str, Candidate] = {}
 
     def run(cand: Candidate) -> float:
         gen = replace(base, mode=cand.mode, n_predict=n_predict, p_recovery=cand.p_recovery,
-                      cut=replace(base.cut, n_max=cand.draft_max or 1, p_accept=cand.p_accept))
+                      cut=replace(base.cut, n_max=cand.draft_max or 1, p_accept=cand.p_accept,
+                                  max_branches=cand.branches))
         cl = build_cluster(prof, Shape(fractions=cand.fractions, link=link, draft_on=cand.draft_on))
-        return simulate(cl, gen, agreement=agreement, propose=propose, confidence=confidence).stats.gen_tokens_per_s
+        return simulate(cl, gen, agreement=agreement, propose=propose, confidence=confidence,
+                        runner_up=runner_up).stats.gen_tokens_per_s
 
     splits = _splits(n_ranks)
     for fr in splits:  # the split first, on iterative (the split that balances stages)
@@ -143,8 +156,9 @@ def search(prof: dict, *, agreement: float, n_predict: int, exact_limit: int, dr
         # -pa: searched where the draft's measured confidence says what a cutoff does to the acceptance; with a
         # draft that agrees with a fixed probability it stays the user's
         p_accepts = PLAN_P_ACCEPT if confidence else (base.cut.p_accept,)
-        for fr, place, cap, pr, pa in itertools.product(fr_splits, places, caps, p_recs, p_accepts):
-            cand = Candidate(mode, list(fr) if fr else None, place, cap, pa, pr)
+        trees = (1, TREE_BRANCHES) if mode == "pipeinfer" and names_runner_ups(confidence, runner_up) else (1,)
+        for fr, place, cap, pr, pa, br in itertools.product(fr_splits, places, caps, p_recs, p_accepts, trees):
+            cand = Candidate(mode, list(fr) if fr else None, place, cap, pa, pr, br)
             cand.tokens_per_s = run(cand)
             if mode not in best or cand.tokens_per_s > best[mode].tokens_per_s:
                 best[mode] = cand
@@ -161,6 +175,8 @@ def launch_line(prof: dict, cand: Candidate, hostfile: str = "hosts.txt") -> str
         parts += [f"--draft-max {cand.draft_max}", f"-pa {cand.p_accept:g}"]
         if cand.mode == "pipeinfer":
             parts.append(f"-pr {'auto' if cand.p_recovery is None else f'{cand.p_recovery:g}'}")
+            if cand.branches > 1:
+                parts.append(f"--max-branches {cand.branches}")
         # the twin's placements: in series on the head, or a host of its own (a hostfile line with role=draft)
         parts.append("--draft-at rank" if cand.draft_on == "own" else "--draft-at head")
     return " ".join(parts)
