@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Re-take every number docs/benchmarks.md quotes, in one sitting, on one machine, from one commit.
 #
-#     bash launch/bench_headline.sh [STEP...]   # steps: profile peers repeat serve lost weights cache twin failures
+#     bash launch/bench_headline.sh [STEP...]   # steps: profile peers repeat serve lost weights lost-weights cache
+#                                               #        twin failures
 #
 # Each step waits for a quiet machine (launch/quiet.py) and writes its files into results/. results/sitting.txt
 # gets the machine and, for each step, the commit it ran at, its command and its wall time (a run of all steps
-# starts the file afresh; named steps are appended to it). About 90 minutes on 2 cores; `weights`, `lost` and
+# starts the file afresh; named steps are appended to it). About 100 minutes on 2 cores; `weights`, `lost`, `lost-weights` and
 # the `1gbit` rows of `peers` need root (the emulated cluster).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +21,7 @@ if [[ $# -eq 0 || ! -f $OUT ]]; then
         echo "llama-cpp-python: $(python -c 'import llama_cpp; print(llama_cpp.__version__)')"
     } > "$OUT"
 fi
-STEPS=${*:-profile peers repeat serve lost weights cache twin failures}
+STEPS=${*:-profile peers repeat serve lost weights lost-weights cache twin failures}
 COMMIT=$(git rev-parse --short HEAD)
 
 quiet() { python -c "import sys; sys.path.insert(0, 'launch'); import quiet; quiet.wait_quiet()"; }
@@ -42,8 +43,8 @@ for s in $STEPS; do
     serve)   step serve python launch/serve_load.py --rounds 2 ;;
     lost)    step lost python launch/serve_load.py --netns 3 --config '--hostfile {hosts} --stall-timeout 10' \
                  --kill-rank 2 --fault cut --out results/serve_lost_host.csv ;;
-    weights) step weights python launch/bench_weights.py
-             step lost-weights python launch/serve_load.py --netns 3 \
+    weights) step weights python launch/bench_weights.py ;;
+    lost-weights) step lost-weights python launch/serve_load.py --netns 3 \
                  --config '--hostfile {hosts} --stall-timeout 10 {own-disks}' \
                  --config '--hostfile {hosts} --stall-timeout 10 {model-on-h0}' \
                  --kill-rank 2 --fault cut --out results/serve_lost_weights.csv ;;

@@ -372,10 +372,10 @@ def main() -> None:
         disks = "h0" if "{model-on-h0}" in config else "own" if "{own-disks}" in config else None
         with emulated_hosts(args.netns, out.with_suffix(".hosts"), disks) as hosts:
             watch = "browser" if "{watch}" in config else "poll" if "{poll}" in config else None
-            serve_args = common + config.replace("{hosts}", str(hosts))
+            text = config.replace("{hosts}", str(hosts))
             for mark in ("{watch}", "{poll}", "{model-on-h0}", "{own-disks}"):
-                serve_args = serve_args.replace(mark, "")
-            serve_args = serve_args.split()
+                text = text.replace(mark, "")
+            serve_args = common + text.split()
             r, s, reference = run_load(serve_args, out.with_suffix(f".server{k}.log"), loads, args.max_tokens, kinds,
                                        reference, kill, watch)
         for x in r + s:
