@@ -220,9 +220,10 @@ def test_the_disk_check_names_the_host_what_it_needs_and_has():
     assert "\n" not in msg
 
 
-def test_send_order_smallest_first_only_those_that_need():
+def test_send_order_largest_first_only_those_that_need():
     needs = [Need(0, "h0", "none"), Need(1, "h1", "need"), Need(2, "h2", "need"), Need(3, "h3", "cached")]
-    assert stagecache.send_order(needs, {1: 500, 2: 100}) == [2, 1]
+    assert stagecache.send_order(needs, {1: 100, 2: 500}) == [2, 1]
+    assert stagecache.send_order(needs, {1: 500, 2: 500}) == [1, 2]
 
 
 def test_prune_least_recently_used_to_a_bound_or_one_model():

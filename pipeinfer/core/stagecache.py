@@ -340,9 +340,10 @@ def disk_shortfall(needs: list[Need], sizes: dict[int, int], who=lambda r: f"ran
 
 def send_order(needs: list[Need], sizes: dict[int, int]) -> list[int]:
     """Receivers in the order rank 0 serves them: one at a time, since rank 0's link carries every byte anyway
-    (all at once would finish every host at the same late moment); smallest first, so the most hosts are done
-    earliest and the last one finishes no later than in any other order."""
-    return sorted((n.rank for n in needs if n.status == "need"), key=lambda r: (sizes[r], r))
+    (all at once would finish every host at the same late moment); largest first. A host loads its file (and
+    measures its exact batch limit) as soon as it has it, while rank 0 sends the next host its file, and that work
+    grows with the file: served largest first, the host whose file arrives last has the least of it left."""
+    return sorted((n.rank for n in needs if n.status == "need"), key=lambda r: (-sizes[r], r))
 
 
 def prune_plan(files: dict[str, dict], bound: int | None = None, model: str | None = None) -> list[str]:

@@ -191,14 +191,23 @@ def _rank0_files(config: Config, ranks: _Ranks) -> Config:
 
 def _stage_file(config: Config, comm, start: int, end: int, with_vocab: bool):
     """This rank's stage file for layers [start, end): written from its host's copy of the model, or, when its host
-    lacks it, received from rank 0 into the host's weights cache (collective over comm)."""
+    lacks it, received from rank 0 into the host's weights cache (collective over comm). Rank 0, whose host always
+    has the model, writes its own in a thread while it sends the other hosts theirs (a re-form's new ranges: the
+    write is disk work the transfer need not wait for)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from ..engine.stagefile import STAGE_FORMAT
     from . import weights
-    if comm.Get_size() > 1:
-        got = weights.obtain(comm, config.model, ("stage", start, end, with_vocab), config.poll_s, fmt=STAGE_FORMAT)
-        if got is not None:
-            return got
-    return ensure_stage_file(weights.local_view(config.model), start, end, with_vocab=with_vocab)
+    mine = weights.local_view(config.model)
+    if comm.Get_size() == 1:
+        return ensure_stage_file(mine, start, end, with_vocab=with_vocab)
+    if comm.Get_rank() == 0:
+        with ThreadPoolExecutor(1, thread_name_prefix="pipeinfer-stage-file") as pool:
+            own = pool.submit(ensure_stage_file, mine, start, end, with_vocab)
+            weights.obtain(comm, config.model, ("stage", start, end, with_vocab), config.poll_s, fmt=STAGE_FORMAT)
+            return own.result()
+    got = weights.obtain(comm, config.model, ("stage", start, end, with_vocab), config.poll_s, fmt=STAGE_FORMAT)
+    return got if got is not None else ensure_stage_file(mine, start, end, with_vocab=with_vocab)
 
 
 def _split_layers(config: Config, ranks: _Ranks, info) -> _LayerPlan:
