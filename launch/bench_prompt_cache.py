@@ -58,7 +58,8 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 os.environ["PYTHONPATH"] = os.pathsep.join(
     dict.fromkeys(p for p in [str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)] if p))
 from quiet import _Meter  # noqa: E402
-from serve_load import free_port, start_server, stop_server, urlopen_health  # noqa: E402
+from serve_load import start_server, stop_server, urlopen_health  # noqa: E402
+from helpers import free_port  # noqa: E402  (tests/helpers.py, on the path serve_load set)
 
 from helpers import new_tag  # noqa: E402  (tests/helpers.py, on the path serve_load set)
 

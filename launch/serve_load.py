@@ -61,7 +61,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from helpers import new_tag, rank_pids, tagged_env  # noqa: E402
+from helpers import free_port, headless_chromium, new_tag, rank_pids, tagged_env  # noqa: E402
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -70,12 +70,6 @@ PROMPTS = [
     "What is the difference between a list and a tuple in Python?",
 ]
 SEEDS = [(0.0, 0), (0.7, 1)]  # (temperature, seed): greedy, and a seeded sample
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(port: int, serve_args: list[str], log_path: Path, tag: str) -> subprocess.Popen:
@@ -175,19 +169,6 @@ def kill_later(tag: str, rank: int, after_s: float, fault: dict, how: str = "kil
 
 def supervised(serve_args: list[str]) -> bool:
     return "--np" in serve_args or "--hostfile" in serve_args
-
-
-def headless_chromium(*extra_args: str):
-    """A headless Chromium under selenium (Debian's chromium and chromium-driver)."""
-    import shutil
-
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = shutil.which("chromium") or shutil.which("chromium-browser") or ""
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", *extra_args):
-        opts.add_argument(a)
-    return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
 
 
 @contextlib.contextmanager

@@ -140,6 +140,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def headless_chromium(*extra_args: str):
+    """A headless Chromium under selenium (Debian's chromium and chromium-driver): the page tests, the load test's
+    watching browser (launch/serve_load.py) and the README's screenshot (launch/page_shot.py)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = shutil.which("chromium") or shutil.which("chromium-browser") or ""
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", *extra_args):
+        opts.add_argument(a)
+    return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+
+
 def http_request(port: int, method: str, path: str, body=None, raw: bytes | None = None, timeout: float = 120):
     """(status, headers with lower-case names, body bytes)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)

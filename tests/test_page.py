@@ -246,14 +246,8 @@ def _browser():
         if os.environ.get("PIPEINFER_REQUIRE_REAL"):
             pytest.fail(why)
         pytest.skip(why)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1500,1050", "--no-first-run", "--disable-extensions"):
-        opts.add_argument(arg)
-    return webdriver.Chrome(service=Service(driver), options=opts)
+    from helpers import headless_chromium
+    return headless_chromium("--window-size=1500,1050", "--no-first-run", "--disable-extensions")
 
 
 @pytest.fixture
