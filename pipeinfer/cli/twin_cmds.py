@@ -44,7 +44,7 @@ from .guard import installed, run_guarded
 def _gen_config(kw, mode: str) -> GenConfig:
     pr = kw["p_recovery"]
     return GenConfig(mode=mode, n_predict=kw["n_predict"],
-                     cut=Cutoffs(kw["p_accept"], kw["p_split"], kw["draft_max"] or 1, kw.get("max_branches", 1)),
+                     cut=Cutoffs(kw["p_accept"], kw["p_split"], kw["draft_max"] or 1, kw["max_branches"]),
                      p_recovery=None if pr == "auto" else float(pr), p_decay=kw["p_decay"],
                      cancel=kw["cancel"], continuous=kw["continuous"], stop_at_eos=False)
 
@@ -200,8 +200,8 @@ def simulate_cmd(**kw) -> None:
 @click.option("--n-ctx", default=None, type=click.IntRange(1),
               help="with --conversations: the context's cells [default: room for every slot's longest turn]")
 def plan_cmd(profile_path: str, agreement: float | None, propose: float, n_predict: int, runner_up: float,
-             draft_host: bool, hostfile: str, clients: int | None, parallel: int | None, n_prompt: int, conversations: int | None,
-             turns: int, user_tokens: int, think_s: float, n_ctx: int | None) -> None:
+             draft_host: bool, hostfile: str, clients: int | None, parallel: int | None, n_prompt: int,
+             conversations: int | None, turns: int, user_tokens: int, think_s: float, n_ctx: int | None) -> None:
     """Search the fastest configuration for a profiled cluster and print the command that runs it."""
     prof = load_profile(profile_path)
     limit = int(prof.get("exact_batch", 3))

@@ -285,7 +285,7 @@ def _receive(comm, item: Item, rc, poll_s: float, model_name: str, d: Path) -> P
         chunks = list(_chunks(rc.size))
         wired = [(lo, hi, rc.wire_bytes(lo, hi)) for lo, hi in chunks]
         wired = [c for c in wired if c[2]]
-        bufs = [np.empty(CHUNK, np.uint8) for _ in range(min(IN_FLIGHT, max(len(wired), 1)))]
+        bufs = [np.empty(min(CHUNK, max(rc.size, 1)), np.uint8) for _ in range(min(IN_FLIGHT, max(len(wired), 1)))]
         reqs: dict = {}
 
         def post(j):
