@@ -148,3 +148,32 @@ def test_layer_costs_count_what_a_token_reads(tmp_path):
     experts = sum(t.nbytes for n, t in tensors.items() if n.startswith("blk.0.") and "_exps" in n)
     assert experts > 0
     assert layer_costs(moe)[0][0] == pytest.approx((dense + experts * XU / X) / 1e6)
+
+
+def test_header_reader_skips_long_arrays_as_gguf_reads_them(tmp_path):
+    """Arrays the reader is not asked to keep are skipped (a string array crossing its 1 MiB reads many times):
+    the same tensor offsets and key spans as keeping them, the same as gguf.GGUFReader; a file cut inside the array
+    is a truncated header, not a wrong answer."""
+    import gguf
+    from pipeinfer.engine.ggufheader import NotGGUF, _read_header, read_header
+    p = tmp_path / "long.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    words = [("w" * (i % 37)) + str(i) for i in range(60_000)]  # about 1.6 MB of strings
+    w.add_array("tokenizer.ggml.tokens", words)
+    w.add_array("tokenizer.ggml.scores", [float(i) for i in range(5000)])
+    w.add_uint32("after.arrays", 7)
+    w.add_tensor("t", np.arange(64, dtype=np.float32).reshape(8, 8))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    skipped, kept = read_header(p), read_header(p, keep_arrays=("tokenizer.ggml.tokens",))
+    assert skipped.fields["tokenizer.ggml.tokens"] == 60_000 and skipped.fields["after.arrays"] == 7
+    assert [s.decode() for s in kept.fields["tokenizer.ggml.tokens"]] == words
+    assert skipped.spans == kept.spans and skipped.tensors == kept.tensors
+    assert skipped.tensors["t"].offset == gguf.GGUFReader(str(p)).tensors[0].data_offset
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(p.read_bytes()[:1_200_000])  # inside the strings
+    _read_header.cache_clear()
+    with pytest.raises(NotGGUF, match="truncated GGUF header"):
+        read_header(cut)

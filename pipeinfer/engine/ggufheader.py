@@ -92,6 +92,29 @@ def _read_header(path: str, size: int, mtime_ns: int, keep_arrays: tuple[str, ..
             pos += n
             return s
 
+        def skip(itype, n):
+            """Past an array of n values of itype without decoding them (a vocabulary's 151,936 strings and as many
+            merges: 0.05 s here, against 0.5 s value by value)."""
+            nonlocal pos
+            if itype in _SCALAR:
+                size = struct.calcsize(_SCALAR[itype]) * n
+                need(size)
+                pos += size
+            elif itype == _STRING:
+                length = struct.Struct("<Q").unpack_from
+                for _ in range(n):
+                    if pos + 8 > len(buf):
+                        need(8)
+                    pos += 8 + length(buf, pos)[0]
+                    if pos > len(buf):
+                        over = pos - len(buf)
+                        pos = len(buf)
+                        need(over)
+                        pos += over
+            else:
+                for _ in range(n):
+                    value(itype, False)
+
         def value(vtype, keep):
             if vtype in _SCALAR:
                 return unpack(_SCALAR[vtype])
@@ -101,8 +124,7 @@ def _read_header(path: str, size: int, mtime_ns: int, keep_arrays: tuple[str, ..
                 itype, n = unpack("<I"), unpack("<Q")
                 if keep:
                     return [string() if itype == _STRING else value(itype, True) for _ in range(n)]
-                for _ in range(n):
-                    value(itype, False)
+                skip(itype, n)
                 return n
             raise NotGGUF(f"unknown GGUF value type {vtype}")
 
