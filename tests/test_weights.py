@@ -1,6 +1,7 @@
 """Weights that travel: the stage file's layout (the bytes rank 0 streams), the weights cache of a host (keys, the
 identity index, checks of a cached file, files nobody sees half-written), the disk check, the send order, the LRU
 prune and `pipeinfer models cached|prune` (pure: no MPI; tests/test_weights_mpi.py runs the transfer)."""
+import hashlib
 import os
 import signal
 import subprocess
@@ -160,7 +161,7 @@ def _put(d: Path, item: Item, data: bytes) -> Path:
     f = stagecache.IncomingFile(d, item.file_name())
     f.write(data)
     path = f.commit()
-    stagecache.record(item, path, "x", "m.gguf", d)
+    stagecache.record(item, path, hashlib.sha256(data).hexdigest(), "m.gguf", d)
     return path
 
 
@@ -179,6 +180,14 @@ def test_a_cached_file_cut_short_or_overwritten_is_dropped(tmp_path):
     path.write_bytes(b"\0" * 10 + data[10:])  # another file of the same size
     assert stagecache.cached(item, d=d) is None
     assert stagecache.listing(d) == []
+    path = _put(d, item, data)
+    with open(path, "r+b") as f:  # damaged in its middle only: the sampled first and last MiB unchanged
+        f.seek(len(data) // 2)
+        f.write(b"\0" * 16)
+    assert stagecache.cached(item, d=d) is None and not path.exists()  # written since indexed: checked whole
+    path = _put(d, item, data)
+    os.utime(path, ns=(1, 1))  # touched, not changed: checked whole once, then kept
+    assert stagecache.cached(item, d=d) == path and stagecache.cached(item, d=d) == path
 
 
 def test_nothing_half_written_is_left_by_a_writer_that_dies(tmp_path):

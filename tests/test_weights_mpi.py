@@ -66,6 +66,8 @@ def reference(model):
 
 
 def test_a_host_without_the_file_gets_it_and_the_next_start_moves_nothing(tmp_path, model, reference):
+    from pipeinfer.core import stagecache
+    from pipeinfer.ranks.handshake import model_fingerprint
     hosts = _hosts(tmp_path, 3)
     p = _run(GEN + ["-m", str(model)], hosts)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -74,9 +76,21 @@ def test_a_host_without_the_file_gets_it_and_the_next_start_moves_nothing(tmp_pa
     assert len(_cached(tmp_path, 1)) == 1 and _cached(tmp_path, 1)[0].endswith(".novocab.s3.gguf")
     assert len(_cached(tmp_path, 2)) == 1 and ".novocab" not in _cached(tmp_path, 2)[0]
     assert _cached(tmp_path, 0) == []  # rank 0's host has the model: it keeps nothing in the weights cache
+    # rank 0 hashed the model while the first file travelled; each host learnt the name to cache its file under
+    assert "while the first file travelled" in p.stderr
+    ident, fp = stagecache.sha256_file(model), model_fingerprint(model)
+    for r in (1, 2):
+        (entry,) = stagecache.read_index(tmp_path / f"cache{r}" / "weights")["files"].values()
+        assert entry["model"] == ident and entry["source_fp"] == fp and _cached(tmp_path, r)[0].startswith(ident[:32])
     again = _run(GEN + ["-m", str(model)], hosts)
     assert again.returncode == 0 and again.stdout == reference
     assert "weights: sent" not in again.stderr and "identified" not in again.stderr  # the index knew the model
+    # rank 0 with an empty index: the hosts may hold the model's files (by its fingerprint), so rank 0 hashes the
+    # model before they look, and nothing travels
+    hosts[0]["PIPEINFER_CACHE"] = str(tmp_path / "cache0b")
+    fresh0 = _run(GEN + ["-m", str(model)], hosts)
+    assert fresh0.returncode == 0 and fresh0.stdout == reference, fresh0.stderr[-3000:]
+    assert "weights: sent" not in fresh0.stderr and "before the hosts looked in their caches" in fresh0.stderr
     # -q: nothing said of the transfer (a fresh cache on rank 2)
     hosts[2]["PIPEINFER_CACHE"] = str(tmp_path / "cache2b")
     quiet = _run(GEN + ["-q", "-m", str(model)], hosts)

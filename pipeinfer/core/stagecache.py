@@ -172,8 +172,9 @@ def sampled_digest(path: str | os.PathLike) -> str:
 
 
 def cached(item: Item, size: int | None = None, d: Path | None = None) -> Path | None:
-    """The cached file of item when it is whole (size as expected and as indexed, its sampled digest unchanged),
-    its last use updated; None otherwise. A file that fails the check is deleted (it is fetched again)."""
+    """The cached file of item when it is whole (size as expected and as indexed, its sampled digest unchanged, and
+    a file written since it was indexed, by its mtime or inode, checked whole against its sha256), its last use
+    updated; None otherwise. A file that fails the check is deleted (it is fetched again)."""
     d = d or weights_dir()
     path = d / item.file_name()
     with locked_index(d) as index:
@@ -183,6 +184,9 @@ def cached(item: Item, size: int | None = None, d: Path | None = None) -> Path |
             st = path.stat()
             ok = st.st_size == entry["size"] and (size is None or size == entry["size"]) \
                 and sampled_digest(path) == entry["sample"]
+            if ok and entry.get("stat") != _stat_key(st):
+                ok = sha256_file(path) == entry["sha256"]
+                entry["stat"] = _stat_key(st)
         if not ok:
             index["files"].pop(item.file_name(), None)
             path.unlink(missing_ok=True)
@@ -219,14 +223,32 @@ def holdings(item: Item, d: Path | None = None) -> tuple[tuple[str, int, int, bo
     return tuple(out)
 
 
-def record(item: Item, path: Path, sha: str, model_name: str, d: Path | None = None) -> None:
-    """Index a file just linked into place."""
+def record(item: Item, path: Path, sha: str, model_name: str, d: Path | None = None, source_fp: str = "") -> None:
+    """Index a file just linked into place; source_fp: the model's cheap fingerprint (handshake.model_fingerprint),
+    by which a host looks for it while rank 0 has yet to hash the model (may_hold)."""
     d = d or weights_dir()
     with locked_index(d) as index:
         index["files"][item.file_name()] = {
             "size": path.stat().st_size, "sha256": sha, "sample": sampled_digest(path), "model": item.model_id,
             "model_name": model_name, "range": [item.start, item.end], "with_vocab": item.with_vocab,
-            "format": item.fmt, "last_use": time.time(), "created": time.time()}
+            "format": item.fmt, "source_fp": source_fp, "stat": _stat_key(path.stat()), "last_use": time.time(),
+            "created": time.time()}
+
+
+def _stat_key(st: os.stat_result) -> list[int]:
+    """What changes when a file is written or replaced: its mtime (ns) and inode."""
+    return [st.st_mtime_ns, st.st_ino]
+
+
+def may_hold(source_fp: str, d: Path | None = None) -> bool:
+    """Whether this host's cache may hold a file of the model with that fingerprint: one recorded with it, or one
+    recorded without any (by an older pipeinfer). When no host may, rank 0 need not finish hashing the model before
+    it sends."""
+    d = d or weights_dir()
+    if not (d / INDEX).is_file():
+        return False
+    with locked_index(d, write=False) as index:
+        return any(e.get("source_fp") in (source_fp, None, "") for e in index["files"].values())
 
 
 # ---------------------------------------------------------------- writing a file nobody sees until it is whole
@@ -256,7 +278,9 @@ class IncomingFile:
             n = os.write(self.fd, view)
             view = view[n:]
 
-    def commit(self) -> Path:
+    def commit(self, name: str | None = None) -> Path:
+        """Link the file into place under name (else the one it was opened with)."""
+        self.name = name or self.name
         final = self.d / self.name
         os.fsync(self.fd)
         if self.partial is None:

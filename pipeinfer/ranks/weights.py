@@ -10,6 +10,10 @@ One call is collective over the ranks that take part:
    remembered by path, size, mtime and inode), and every other rank looks in its host's weights cache for the file
    it needs under that name, checked (size, sampled digest). A rank whose host has another file under the same path
    (a different model, or a copy cut short) is never served it: it takes the cache's or rank 0's bytes.
+   When rank 0 has not hashed the model yet, it hashes it in a thread while the first file travels (1.2 s per GiB
+   here, once per file): the hosts then look for the model's files by its cheap fingerprint, recorded beside each
+   cached file; only when some host may hold one does rank 0 wait for the hash before the hosts look by it. Each
+   host learns the identity its file is cached under with the file's end (TAG_END).
 3. Rank 0 works out each missing file's layout (engine/stagefile.stage_layout: the stage's bytes without writing
    them) and checks, before any byte is sent, that every receiving host has room: otherwise one line naming the
    host, what it needs and what it has, and every rank exits 1.
@@ -31,6 +35,7 @@ import hashlib
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +50,7 @@ CHUNK = 8 << 20      # bytes per message: 67 ms at 1 Gbit/s
 IN_FLIGHT = 4        # messages in flight each way
 SLICE = 1 << 20      # bytes hashed or written between two tests of the requests in flight
 TAG_DATA, TAG_END = 1, 2
+END_BYTES = 64       # TAG_END: sha256 of the file as assembled, then sha256 of the model (its identity)
 PROGRESS_EVERY_S = 0.25
 # tests only: the sender sleeps this long after each message, so that a test can kill it mid-transfer
 THROTTLE_S = float(os.environ.get("PIPEINFER_WEIGHTS_THROTTLE_S", "0") or 0)
@@ -74,13 +80,12 @@ def obtain(comm, src: str, want: tuple | None, poll_s: float = 0.0005, fmt: int 
     fp = comm.bcast(model_fingerprint(src) if rank == 0 else None, root=0)
     mine = local_view(src)
     has = rank == 0 or want is None or _same(mine, fp)
-    answers = comm.allgather((has, None if has else want[0]))
-    if all(h for h, _ in answers):
+    answers = comm.allgather(has)
+    if all(answers):
         return None
     comm = comm_weights or comm.Dup()
     try:
-        parse = any(kind not in (None, "whole") for _, kind in answers)
-        return _obtain(comm, src, None if has else want, poll_s, fmt, what, parse)
+        return _obtain(comm, src, fp, None if has else want, poll_s, fmt, what)
     finally:
         if comm_weights is None:
             comm.Free()
@@ -94,26 +99,27 @@ def _same(path: Path, fp: str) -> bool:
         return False
 
 
-def _obtain(comm, src: str, want: tuple | None, poll_s: float, fmt: int, what: str, parse: bool) -> Path | None:
+def _obtain(comm, src: str, fp: str, want: tuple | None, poll_s: float, fmt: int, what: str) -> Path | None:
     rank = comm.Get_rank()
-    ident, source = None, None
-    if rank == 0:
-        source = _Source(src, parse=parse and stagecache.known_identity(src) is None)
-        ident, dt = stagecache.model_identity(src)
-        if dt > 0 and not _quiet:
-            size = os.path.getsize(src)
-            _log(f"[pipeinfer] weights: identified {Path(src).name} by its sha256 in {dt:.1f} s "
-                 f"({dt / (size / 2**30):.2f} s/GiB; once per file on this host)")
+    source = _Source(src) if rank == 0 else None
     _polite_barrier(comm, poll_s)  # the others wait for rank 0 without a blocking MPI call (which spins a core)
-    ident = comm.bcast(ident, root=0)
+    ident = comm.bcast(source.ident if rank == 0 else None, root=0)  # None: rank 0 is hashing the model
     d = stagecache.weights_dir()
-    item = _item(ident, want, fmt) if want is not None else None
+    if want is not None:
+        stagecache.sweep_partials(d)
+    if ident is None:
+        unsure = want is not None and stagecache.may_hold(fp, d)
+        if any(comm.allgather(unsure)):  # a host may hold a file of this model: it looks by the model's identity
+            if rank == 0:
+                source.identity(sending=False)
+            _polite_barrier(comm, poll_s)
+            ident = comm.bcast(source.ident if rank == 0 else None, root=0)
+    item = _item(ident or "", want, fmt) if want is not None else None
     status, path, holds = "none", None, ()
     if item is not None:
-        stagecache.sweep_partials(d)
-        path = stagecache.cached(item, d=d)
+        path = stagecache.cached(item, d=d) if ident else None
         status = "cached" if path is not None else "need"
-        if status == "need":
+        if status == "need" and ident:
             holds = stagecache.holdings(item, d)
     free = stagecache.free_override()
     need = Need(rank, host_name(), status, free if free is not None else stagecache.free_bytes(d) if item else 0,
@@ -136,7 +142,7 @@ def _obtain(comm, src: str, want: tuple | None, poll_s: float, fmt: int, what: s
     if rank == 0:
         source.send_all(comm, order, [n for n, _ in needs], poll_s, what)
     elif rank in order:
-        path = _receive(comm, item, recipes[rank], poll_s, Path(src).name, d)
+        path = _receive(comm, item, recipes[rank], poll_s, Path(src).name, fp, d)
     # no barrier here: a host whose file has arrived loads it (and probes its exact batch limit) while rank 0 sends
     # the next host its file; the caller's next collective is a polite one (startup.py: after loading)
     return path if item is not None else None
@@ -152,37 +158,39 @@ def _item(ident: str, want: tuple, fmt: int) -> Item:
 
 
 class _Source:
-    """Rank 0's side of one obtain: the model file src, its header parsed in a thread (while the sha256, C code
-    without the GIL, runs), the layout of each file to send and its recipe."""
+    """Rank 0's side of one obtain: the model file src, its identity (known, or hashed in a thread: sha256 is C code
+    that releases the GIL, so the hash runs while the first file travels), the layout of each file to send and its
+    recipe."""
 
-    def __init__(self, src: str, parse: bool):
-        import threading
+    def __init__(self, src: str):
+        from concurrent.futures import ThreadPoolExecutor
         self.src = src
         self.layouts: dict = {}  # receiving rank -> StageLayout
         self.recipes: dict = {}  # receiving rank -> Recipe
-        self._reader = self._error = None
-        self._thread = threading.Thread(target=self._parse, name="pipeinfer-gguf-parse", daemon=True) \
-            if parse else None
-        if self._thread:
-            self._thread.start()
+        self._reader = None
+        self.ident = stagecache.known_identity(src)
+        self._hashing = None
+        if self.ident is None:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="pipeinfer-model-sha256")
+            self._hashing = pool.submit(stagecache.model_identity, src)
+            pool.shutdown(wait=False)
 
-    def _parse(self) -> None:
-        from ..engine.stagefile import HeaderReader
-        try:
-            self._reader = HeaderReader(self.src)
-        except Exception as e:  # noqa: BLE001 - raised where the reader is needed
-            self._error = e
+    def identity(self, sending: bool = True) -> str:
+        """The model's sha256 (hex), waiting for the hash if it is still running (sending: while a file travels, or
+        before the hosts look in their caches)."""
+        if self.ident is None:
+            self.ident, dt = self._hashing.result()
+            if not _quiet:
+                size = os.path.getsize(self.src)
+                when = "while the first file travelled" if sending else "before the hosts looked in their caches"
+                _log(f"[pipeinfer] weights: identified {Path(self.src).name} by its sha256 in {dt:.1f} s "
+                     f"({dt / (size / 2**30):.2f} s/GiB; once per file on this host, {when})")
+        return self.ident
 
     def reader(self):
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            raise self._error
+        from ..engine.stagefile import HeaderReader
         if self._reader is None:
-            self._parse()
-            if self._error is not None:
-                raise self._error
+            self._reader = HeaderReader(self.src)
         return self._reader
 
     def layout(self, want: tuple):
@@ -223,7 +231,7 @@ class _Source:
                 rc = self.recipes[r]
                 t0 = time.perf_counter()
                 show = _Progress(f"rank {r} ({host})", rc.wire_bytes())
-                _send_one(comm, r, self.layouts[r], rc, fd, poll_s, show)
+                _send_one(comm, r, self.layouts[r], rc, fd, poll_s, show, self.identity)
                 dt = time.perf_counter() - t0
                 kept = rc.size - rc.wire_bytes()
                 show.done(dt, kept)
@@ -240,10 +248,10 @@ def _chunks(size: int):
         yield lo, min(lo + CHUNK, size)
 
 
-def _send_one(comm, dest: int, layout, rc, fd: int, poll_s: float, show) -> None:
+def _send_one(comm, dest: int, layout, rc, fd: int, poll_s: float, show, identity) -> None:
     """Stream the wire bytes of one file (rc: its Recipe) to rank dest, chunk by chunk, IN_FLIGHT messages in
-    flight; then the sha256 of the whole file as it is to be (the held bytes too: the receiver checks what it
-    assembled, end to end)."""
+    flight; then its end: the sha256 of the whole file as it is to be (the held bytes too: the receiver checks what
+    it assembled, end to end) and the model's (identity(): the name the host caches the file under)."""
     from mpi4py import MPI
     sha = hashlib.sha256()
     chunk = np.empty(min(CHUNK, max(layout.size, 1)), np.uint8)
@@ -269,16 +277,17 @@ def _send_one(comm, dest: int, layout, rc, fd: int, poll_s: float, show) -> None
     for req in reqs:
         if req is not None:
             _wait(req, poll_s)
-    digest = np.frombuffer(sha.digest(), np.uint8).copy()
-    _wait(comm.Isend([digest, MPI.BYTE], dest=dest, tag=TAG_END), poll_s)
+    end = np.frombuffer(sha.digest() + bytes.fromhex(identity()), np.uint8).copy()
+    _wait(comm.Isend([end, MPI.BYTE], dest=dest, tag=TAG_END), poll_s)
 
 
 # ---------------------------------------------------------------- receiving
-def _receive(comm, item: Item, rc, poll_s: float, model_name: str, d: Path) -> Path:
+def _receive(comm, item: Item, rc, poll_s: float, model_name: str, fp: str, d: Path) -> Path:
     """Assemble item's file from the wire and the held files rc names (rc: its Recipe), check its sha256 against
-    rank 0's, and only then link it into the cache."""
+    rank 0's, and only then link it into the cache, under the model's identity the end message names (item's may be
+    "": rank 0 was still hashing the model), with the model's fingerprint fp beside it."""
     from mpi4py import MPI
-    incoming = stagecache.IncomingFile(d, item.file_name())
+    incoming = stagecache.IncomingFile(d, item.file_name() if item.model_id else f"unnamed{item.file_name()}")
     held = {name: os.open(d / name, os.O_RDONLY) for _, _, name, _ in rc.local}
     try:
         sha = hashlib.sha256()
@@ -313,19 +322,20 @@ def _receive(comm, item: Item, rc, poll_s: float, model_name: str, d: Path) -> P
                     post(j + len(bufs))  # into the buffer just unpacked
                 j += 1
             _in_slices(view, [sha.update, incoming.write], reqs.values())
-        digest = np.empty(32, np.uint8)
-        _wait(comm.Irecv([digest, MPI.BYTE], source=0, tag=TAG_END), poll_s)
-        if digest.tobytes() != sha.digest():
+        end = np.empty(END_BYTES, np.uint8)
+        _wait(comm.Irecv([end, MPI.BYTE], source=0, tag=TAG_END), poll_s)
+        item = replace(item, model_id=end[32:].tobytes().hex())
+        if end[:32].tobytes() != sha.digest():
             raise UserError(f"rank {comm.Get_rank()} ({host_name()}): the {item.label()} of {model_name} arrived "
                             f"damaged (sha256 differs from what rank 0 sent); nothing was kept: start again")
-        path = incoming.commit()
+        path = incoming.commit(item.file_name())
     except BaseException:
         incoming.discard()
         raise
     finally:
         for fd in held.values():
             os.close(fd)
-    stagecache.record(item, path, sha.hexdigest(), model_name, d)
+    stagecache.record(item, path, sha.hexdigest(), model_name, d, source_fp=fp)
     return path
 
 
