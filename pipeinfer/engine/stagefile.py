@@ -235,19 +235,23 @@ class StageLayout:
         """Fill buf (a uint8 array) with the file's bytes from offset; returns how many (the rest of the
         file when shorter)."""
         n = min(len(buf), self.size - offset)
-        buf[:n] = 0  # the padding between pieces
         view = memoryview(buf)[:n]
-        end = offset + n
-        for p in self.pieces:
+        pos, end = offset, offset + n  # pos: where the bytes written so far end
+        for p in sorted(self.pieces, key=lambda p: p.offset):
             a, b = max(p.offset, offset), min(p.offset + p.nbytes, end)
             if a >= b:
                 continue
+            if a > pos:
+                buf[pos - offset:a - offset] = 0  # the padding between pieces
+            pos = max(pos, b)
             if p.src_offset < 0:
                 view[a - offset:b - offset] = p.data[a - p.offset:b - p.offset]
             else:
                 got = os.preadv(src_fd, [view[a - offset:b - offset]], p.src_offset + a - p.offset)
                 if got != b - a:
                     raise StageFileError(f"short read of the source at {p.src_offset + a - p.offset:,}")
+        if pos < end:
+            buf[pos - offset:n] = 0
         return n
 
 

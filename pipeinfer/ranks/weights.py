@@ -254,21 +254,26 @@ def _send_one(comm, dest: int, layout, rc, fd: int, poll_s: float, show, identit
     it assembled, end to end) and the model's (identity(): the name the host caches the file under)."""
     from mpi4py import MPI
     sha = hashlib.sha256()
-    chunk = np.empty(min(CHUNK, max(layout.size, 1)), np.uint8)
-    bufs = [np.empty_like(chunk) for _ in range(IN_FLIGHT)]
+    size = min(CHUNK, max(layout.size, 1))
+    reads = [np.empty(size, np.uint8) for _ in range(IN_FLIGHT)]  # sent as they are when a chunk travels whole
+    packs = [np.empty(size, np.uint8) for _ in range(IN_FLIGHT)] if rc.local else None
     reqs: list = [None] * IN_FLIGHT
     i = sent = 0
     for lo, hi in _chunks(layout.size):
-        n = layout.read(fd, lo, chunk)
-        _in_slices(chunk[:n], [sha.update], reqs)
-        parts = rc.wire(lo, hi)
-        if not parts:
-            continue
         k = i % IN_FLIGHT
         if reqs[k] is not None:
             _wait(reqs[k], poll_s)
-        m = rc.pack(lo, chunk[:n], bufs[k])
-        reqs[k] = comm.Isend([bufs[k][:m], MPI.BYTE], dest=dest, tag=TAG_DATA)
+            reqs[k] = None
+        n = layout.read(fd, lo, reads[k])
+        _in_slices(reads[k][:n], [sha.update], reqs)
+        parts = rc.wire(lo, hi)
+        if not parts:
+            continue
+        if parts == [(lo, hi)]:
+            out, m = reads[k], n
+        else:
+            out, m = packs[k], rc.pack(lo, reads[k][:n], packs[k])
+        reqs[k] = comm.Isend([out[:m], MPI.BYTE], dest=dest, tag=TAG_DATA)
         i += 1
         sent += m
         show.update(sent)
@@ -302,26 +307,33 @@ def _receive(comm, item: Item, rc, poll_s: float, model_name: str, fp: str, d: P
 
         for j in range(min(len(bufs), len(wired))):
             post(j)
+        def repost(j):  # message j's buffer is free: the message len(bufs) later goes into it
+            if j + len(bufs) < len(wired):
+                post(j + len(bufs))
+
         chunk = np.empty(min(CHUNK, max(rc.size, 1)), np.uint8)
-        j = 0
+        j = 0  # the next message
         for lo, hi in chunks:
-            view = chunk[:hi - lo]
-            wire = view[:0]
-            arrived = j < len(wired) and wired[j][0] == lo
-            if arrived:
+            wire = None  # this chunk's wire bytes, when it has some
+            if j < len(wired) and wired[j][0] == lo:
                 _wait(reqs.pop(j), poll_s)
                 wire = bufs[j % len(bufs)][:wired[j][2]]
-            try:
-                rc.unpack(lo, wire, held, view)
-            except StageFileError as e:
-                raise UserError(f"rank {comm.Get_rank()} ({host_name()}): {e} (in its weights cache): "
-                                f"`pipeinfer models prune --model {item.model_id[:12]}` there and start again") \
-                    from None
-            if arrived:
-                if j + len(bufs) < len(wired):
-                    post(j + len(bufs))  # into the buffer just unpacked
-                j += 1
+            whole = wire is not None and len(wire) == hi - lo
+            view = wire if whole else chunk[:hi - lo]  # a chunk that travelled whole: its bytes as they arrived
+            if not whole:
+                try:
+                    rc.unpack(lo, view[:0] if wire is None else wire, held, view)
+                except StageFileError as e:
+                    raise UserError(f"rank {comm.Get_rank()} ({host_name()}): {e} (in its weights cache): "
+                                    f"`pipeinfer models prune --model {item.model_id[:12]}` there and start again") \
+                        from None
+                if wire is not None:
+                    repost(j)  # unpacked: its buffer takes a message while this chunk is hashed and written
             _in_slices(view, [sha.update, incoming.write], reqs.values())
+            if wire is not None:
+                if whole:
+                    repost(j)
+                j += 1
         end = np.empty(END_BYTES, np.uint8)
         _wait(comm.Irecv([end, MPI.BYTE], source=0, tag=TAG_END), poll_s)
         item = replace(item, model_id=end[32:].tobytes().hex())
