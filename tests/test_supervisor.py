@@ -44,6 +44,26 @@ def test_per_rank_options_follow_the_slots_left():
     assert Config("x.gguf", layer_split="auto").for_places([1], 2).layer_split == "auto"  # re-measured anyway
 
 
+def test_a_resumed_answer_is_timed_across_its_jobs_and_says_when_nothing_was_drafted():
+    """The last job's Stats of a resumed request: its own clock and tokens only (its t_first_s unset when it sent
+    one token, so a ttft of minus the clock); resumed_stats times the whole answer as the supervisor saw it."""
+    from pipeinfer.core.metrics import Stats
+    from pipeinfer.server.answer import drafts_said
+    from pipeinfer.server.supervisor import _Record, resumed_stats
+    last_job = Stats(n_generated=1, n_drafted=4, n_draft_accepted=3, t_start_s=5000.0, t_prompt_done_s=5000.5,
+                     t_first_s=0.0, t_last_s=5001.0)
+    rec = _Record(1, None, None, tokens=list(range(12)), n_resumes=1, t_sent=10.0, t_token1=10.5, t_token2=10.7,
+                  t_token_last=25.7)
+    st = resumed_stats(last_job, rec)
+    assert st.n_generated == 12 and st.n_drafted == 4
+    assert st.ttft_s == pytest.approx(0.2) and st.gen_tokens_per_s == pytest.approx(11 / 15.2)
+    assert st.t_prompt_done_s - st.t_start_s == pytest.approx(0.5)
+    one = resumed_stats(last_job, _Record(2, None, None, tokens=[7], n_resumes=1, t_sent=3.0, t_token1=4.0,
+                                          t_token_last=4.0))
+    assert one.ttft_s == 0.0 and one.gen_tokens_per_s == 0.0
+    assert drafts_said(st) == "acceptance 75%" and drafts_said(Stats(n_generated=9)) == "nothing drafted"
+
+
 def test_the_configuration_travels_whole_as_json():
     from pipeinfer.core.config import Config
     from pipeinfer.core.verify import SamplingParams
@@ -103,8 +123,14 @@ def test_a_lost_rank_costs_seconds_not_answers(models, refs, tmp_path, mode, vic
         after = srv.stream({"model": "t-q8", "prompt": PROMPT_TEXT, "max_tokens": 30})  # and it goes on serving
         assert after and refs[0].startswith(universal_newlines(after))
         from pipeinfer.core.results import read_results
-        statuses = sorted(r["status"] for r in read_results(rows))
+        results = read_results(rows)
+        statuses = sorted(r["status"] for r in results)
         assert statuses[-1] == "ok: resumed 1" and statuses.count("ok") >= 1, statuses
+        # a resumed answer is timed across its jobs (the supervisor's clock): never a negative time, and slower than
+        # an answer the lost rank did not interrupt (not its last job's tokens over all of its tokens)
+        assert all(r["ttft_s"] >= 0 and r["pp_tokens_per_s"] >= 0 for r in results), results
+        whole = max(r["gen_tokens_per_s"] for r in results if r["status"] == "ok")
+        assert all(0 < r["gen_tokens_per_s"] < whole for r in results if r["status"] != "ok"), results
     finally:
         code = srv.stop()  # (and kills a frozen rank left behind)
     assert code == 0, srv.text()[-3000:]

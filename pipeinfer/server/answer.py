@@ -138,7 +138,7 @@ class Answer:
         log(f"[serve] {job.request_id}: {len(job.prompt_tokens)} prompt + {stats.n_generated} tokens, "
             f"queued {queued:.2f} s, prompt {stats.t_prompt_done_s - stats.t_start_s:.2f} s, "
             f"ttft {stats.ttft_s:.3f} s, {stats.gen_tokens_per_s:.2f} tokens/s, "
-            f"acceptance {stats.acceptance_rate * 100:.0f}%, {finish}")
+            f"{drafts_said(stats)}, {finish}")
         if on_done is not None:
             on_done(job, stats, finish)
         if (meter := getattr(job, "meter", None)) is not None:
@@ -146,3 +146,9 @@ class Answer:
         job.push(("done", {"finish_reason": finish, "prompt_tokens": len(job.prompt_tokens),
                            "completion_tokens": stats.n_generated,
                            "cached_tokens": stats.n_cached, "stats": stats}))
+
+
+def drafts_said(stats) -> str:
+    """What the draft did for one answer: its acceptance, or that it drafted nothing (iterative mode, or the pipeline
+    kept busy by other requests: the scheduler speculates only where a stage would idle), not "acceptance 0%"."""
+    return f"acceptance {stats.acceptance_rate * 100:.0f}%" if stats.n_drafted else "nothing drafted"

@@ -203,6 +203,20 @@ class _Record:
     tokens: list[int] = field(default_factory=list)  # streamed so far
     cancel_sent: bool = False   # to the job now attached (a new job needs its own)
     n_resumes: int = 0
+    # when (time.perf_counter here) it first went to a job, and its first, second and latest tokens came back: a
+    # resumed request's times (resumed_stats), which no one job saw whole
+    t_sent: float = 0.0
+    t_token1: float = 0.0
+    t_token2: float = 0.0
+    t_token_last: float = 0.0
+
+
+def resumed_stats(stats: Stats, rec: _Record) -> Stats:
+    """The Stats of a request that jobs answered in turn: the last job's counters (its own drafts), with every token
+    counted and the times the supervisor saw (its clock: from when the request first went to a job), since no job's
+    clock spans the whole answer."""
+    return replace(stats, n_generated=len(rec.tokens), t_start_s=rec.t_sent, t_prompt_done_s=rec.t_token1 or rec.t_sent,
+                   t_first_s=rec.t_token2, t_last_s=rec.t_token_last or rec.t_token1 or rec.t_sent)
 
 
 class StageTotals:
@@ -584,7 +598,12 @@ class Supervisor:
         if rec is None:  # answered or failed already
             return
         if isinstance(msg, link.Tokens):
+            now, had = time.perf_counter(), len(rec.tokens)
             rec.tokens += msg.tokens
+            rec.t_token1 = rec.t_token1 or now
+            if had <= 1 < len(rec.tokens):
+                rec.t_token2 = now
+            rec.t_token_last = now
             rec.job.on_token_ids(msg.tokens)
             if (logprobs := msg.token_logprobs()) is not None:
                 rec.answer.on_logprobs(logprobs)
@@ -594,6 +613,8 @@ class Supervisor:
                 self.prompt_cache = msg.prompt_cache
             stats = Stats.from_dict(msg.stats)
             stats.n_generated = len(rec.tokens)  # this job's and the earlier jobs' tokens
+            if rec.n_resumes:
+                stats = resumed_stats(stats, rec)
             with self._lock:
                 self._records.pop(rec.jid, None)
             if rec.n_resumes:
@@ -665,6 +686,7 @@ class Supervisor:
             self._send_job(rec)
 
     def _send_job(self, rec: _Record) -> None:
+        rec.t_sent = rec.t_sent or time.perf_counter()
         job, left = rec.job, rec.job.n_predict - len(rec.tokens)
         sp = job.sampling
         decoding = getattr(job, "decoding", None)
