@@ -99,3 +99,42 @@ def test_limit_is_measured_once_and_cached(models, monkeypatch, tmp_path):
     assert 1 <= first <= 8 and again == first and other == first
     assert len(calls) == 2, "one probe per (file, kernels, threads)"
     assert len(list(tmp_path.glob("*.exact.*.json"))) == 2
+
+
+def test_a_stage_with_the_same_kernel_key_takes_the_limit_measured_before(models, monkeypatch, tmp_path):
+    """Stage files of other layer ranges of one model (the same roles, types and shapes) share a kernel key: the
+    second takes the first's limit from this host's table without a probe; rank 0's table (`known`) serves a host
+    whose own table lacks the key; other settings, another model or other types make another key."""
+    import json
+
+    from pipeinfer.engine.stage import StageEngine
+    from pipeinfer.engine.stagefile import ensure_stage_file
+    from synth import make_llama_gguf
+    monkeypatch.setenv("PIPEINFER_STAGE_CACHE", str(tmp_path))
+    calls = []
+    real_probe = kernels.probe_exact_batch
+    monkeypatch.setattr(kernels, "probe_exact_batch", lambda eng: calls.append(1) or real_probe(eng))
+    model = make_llama_gguf(tmp_path / "m.gguf", n_layer=6, qtype="q8_0")
+    a, b = ensure_stage_file(model, 0, 2, False), ensure_stage_file(model, 2, 5, False)
+    key = kernels.kernel_key(a, "repack", 1, 1, True, True)
+    assert kernels.kernel_key(b, "repack", 1, 1, True, True) == key
+    assert kernels.kernel_key(b, "repack", 1, 2, True, True) != key                       # other threads
+    assert kernels.kernel_key(ensure_stage_file(model, 4, 6, True), "repack", 1, 1, True, False) != key  # the output
+    f32 = make_llama_gguf(tmp_path / "f.gguf", n_layer=6)
+    assert kernels.kernel_key(ensure_stage_file(f32, 0, 2, False), "repack", 1, 1, True, True) != key  # other types
+    wide = make_llama_gguf(tmp_path / "w.gguf", n_layer=6, qtype="q8_0", n_embd=128)
+    assert kernels.kernel_key(ensure_stage_file(wide, 0, 2, False), "repack", 1, 1, True, True) != key  # other shapes
+
+    def limit(path, known=None):
+        with StageEngine(str(path), n_ctx=64, n_batch=64, n_seq_max=1, n_threads=1, n_threads_batch=1,
+                         embd_input=True, capture_hidden=True) as eng:
+            return kernels.exact_batch_limit(eng, path, "repack", 1, 1, known)
+    first = limit(a)
+    assert len(calls) == 1 and kernels.exact_table() == {key: first}
+    assert limit(b) == first and len(calls) == 1                                          # from the host's table
+    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob(f"{b.stem}.exact.*.json")]
+    assert record["how"] == "taken from a stage with the same kernel key" and record["kernel_key"] == key
+    (tmp_path / kernels.EXACT_TABLE).unlink()                                               # another host ...
+    c = ensure_stage_file(model, 1, 4, False)
+    assert limit(c, known={key: 5}) == 5 and len(calls) == 1                              # ... rank 0's table
+    assert limit(ensure_stage_file(model, 1, 3, False)) == 5                              # now in its own table

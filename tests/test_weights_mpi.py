@@ -4,6 +4,7 @@ One machine plays several hosts: each rank has its own cache (PIPEINFER_CACHE) a
 for the model (PIPEINFER_HOST_ROOT: rank 0's path looked up under that folder), given per rank with MPICH's
 `-n 1 -env NAME VALUE CMD : ...`. The emulated cluster (launch/netns-cluster.sh) does the same with a mount
 namespace per host."""
+import json
 import os
 import signal
 import subprocess
@@ -22,10 +23,11 @@ GEN = ["generate", "-p", "hi", "-n", "8", "--mode", "iterative", "-t", "1"]
 
 
 def _hosts(tmp: Path, n: int) -> list[dict]:
-    """Per-rank environments: rank 0 sees the real file system; every other rank an empty one (no model)."""
+    """Per-rank environments: rank 0 sees the real file system; every other rank an empty one (no model). Each has
+    caches of its own (weights, stage files, exact batch limits)."""
     out = []
     for r in range(n):
-        env = {"PIPEINFER_CACHE": str(tmp / f"cache{r}")}
+        env = {"PIPEINFER_CACHE": str(tmp / f"cache{r}"), "PIPEINFER_STAGE_CACHE": str(tmp / f"stages{r}")}
         if r:
             (tmp / f"root{r}").mkdir(exist_ok=True)
             env["PIPEINFER_HOST_ROOT"] = str(tmp / f"root{r}")
@@ -91,11 +93,14 @@ def test_a_host_without_the_file_gets_it_and_the_next_start_moves_nothing(tmp_pa
     fresh0 = _run(GEN + ["-m", str(model)], hosts)
     assert fresh0.returncode == 0 and fresh0.stdout == reference, fresh0.stderr[-3000:]
     assert "weights: sent" not in fresh0.stderr and "before the hosts looked in their caches" in fresh0.stderr
-    # -q: nothing said of the transfer (a fresh cache on rank 2)
-    hosts[2]["PIPEINFER_CACHE"] = str(tmp_path / "cache2b")
+    # -q: nothing said of the transfer (fresh caches on rank 2); rank 2 takes its exact batch limit from what rank 0's
+    # host saw it measure (its stage's kernel key), not from a probe
+    hosts[2].update(PIPEINFER_CACHE=str(tmp_path / "cache2b"), PIPEINFER_STAGE_CACHE=str(tmp_path / "stages2b"))
     quiet = _run(GEN + ["-q", "-m", str(model)], hosts)
     assert quiet.returncode == 0 and quiet.stdout == reference and "weights:" not in quiet.stderr
     assert (tmp_path / "cache2b" / "weights" / _cached(tmp_path, 2)[0]).exists()
+    (limit,) = [json.loads(p.read_text()) for p in (tmp_path / "stages2b").glob("*.exact.*.json")]
+    assert limit["how"] == "taken from a stage with the same kernel key", limit
 
 
 def test_a_re_formed_pipeline_moves_only_the_layers_a_host_lacks(tmp_path, model, reference):

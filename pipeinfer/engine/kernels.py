@@ -164,21 +164,77 @@ def probe_exact_batch(engine, max_batch: int = PROBE_MAX_BATCH) -> int:
         engine.clear_kv()
 
 
-def exact_batch_limit(engine, path: str | os.PathLike, kernels: str, n_threads: int, n_threads_batch: int) -> int:
-    """The engine's exact batch limit, probed once per (file, kernels, threads, build, CPU) and cached
-    beside the stage files."""
+def exact_batch_limit(engine, path: str | os.PathLike, kernels: str, n_threads: int, n_threads_batch: int,
+                      known: dict[str, int] | None = None) -> int:
+    """The engine's exact batch limit: cached beside the stage files per (file, kernels, threads, build, CPU); else
+    the limit of a stage with the same kernel key (kernel_key: measured on this host, or in `known`, what rank 0's
+    host has seen its jobs' ranks measure); else probed. Every limit goes into this host's table of kernel keys."""
     from ..core.files import derived_path, write_atomically
-    key = (kernels, n_threads, n_threads_batch, engine.embd_input, engine.capture_hidden, numerics_id(), PROBE_FORMAT)
-    cache = derived_path(path, "exact", "json", *key)
+    key_parts = (kernels, n_threads, n_threads_batch, engine.embd_input, engine.capture_hidden, numerics_id(),
+                 PROBE_FORMAT)
+    cache = derived_path(path, "exact", "json", *key_parts)
     try:
         return int(json.loads(cache.read_text())["exact_batch"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    limit = probe_exact_batch(engine)
+    key = kernel_key(path, kernels, n_threads, n_threads_batch, engine.embd_input, engine.capture_hidden)
+    limit = exact_table().get(key, (known or {}).get(key))
+    how = "probed" if limit is None else "taken from a stage with the same kernel key"
+    if limit is None:
+        limit = probe_exact_batch(engine)
     record = {"exact_batch": limit, "probed_up_to": min(PROBE_MAX_BATCH, engine.n_batch, engine.n_ctx),
-              "kernels": kernels, "threads": [n_threads, n_threads_batch], "build": numerics_id()}
+              "kernels": kernels, "threads": [n_threads, n_threads_batch], "build": numerics_id(), "how": how,
+              "kernel_key": key}
     write_atomically(cache, lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
+    record_exact({key: limit})
     return limit
+
+
+def kernel_key(path: str | os.PathLike, kernels: str, n_threads: int, n_threads_batch: int, embd_input: bool,
+               capture_hidden: bool) -> str:
+    """What a stage's exact batch limit depends on: the settings (kernels, threads, its input and output), the build
+    and CPU (numerics_id), each tensor's role (its name less the layer's number), type and shape, and the
+    architecture's hyperparameters (its keys less block_count). The limit is where a batch's kernels first differ from one row's
+    in some matrix multiply or attention, so stages alike in these have one limit: often another layer range of the
+    same model (a re-formed pipeline's, or another host's)."""
+    import re
+
+    from .ggufheader import read_header
+    header = read_header(path)
+    arch = header.fields.get("general.architecture", "")
+    arrays = tuple(k for k, (vtype, _, _) in header.spans.items() if vtype == 9 and k.startswith(f"{arch}."))
+    fields = read_header(path, keep_arrays=arrays).fields if arrays else header.fields  # per-layer values in full
+    hyper = sorted((k, repr(v)) for k, v in fields.items() if k.startswith(f"{arch}.") and k != f"{arch}.block_count")
+    kinds = sorted({(re.sub(r"^blk\.\d+\.", "", n), t.ggml_type, t.shape) for n, t in header.tensors.items()})
+    settings = (kernels, n_threads, n_threads_batch, embd_input, capture_hidden, numerics_id(), PROBE_FORMAT)
+    text = repr((arch, hyper, kinds, settings))
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+EXACT_TABLE = "exact-limits.json"  # in the stage cache: kernel key -> exact batch limit
+EXACT_TABLE_MAX = 4096
+
+
+def exact_table() -> dict[str, int]:
+    """This host's kernel keys and their limits (empty when there is no table or it cannot be read)."""
+    from ..core.files import stage_cache_dir
+    try:
+        table = json.loads((stage_cache_dir() / EXACT_TABLE).read_text())
+        return {str(k): int(v) for k, v in table.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def record_exact(entries: dict[str, int]) -> None:
+    """Add kernel keys' limits to this host's table (ranks of one host racing may lose an entry: it is measured
+    again), keeping the last EXACT_TABLE_MAX."""
+    from ..core.files import stage_cache_dir, write_atomically
+    table = exact_table()
+    if all(table.get(k) == v for k, v in entries.items()):
+        return
+    table.update(entries)
+    table = dict(list(table.items())[-EXACT_TABLE_MAX:])
+    write_atomically(stage_cache_dir() / EXACT_TABLE, lambda tmp: tmp.write_text(json.dumps(table, indent=0)))
 
 
 def largest_draft(limit: int, lead: bool) -> int:

@@ -24,7 +24,7 @@ from ..core.topology import (
     plan_layers,
     split_from_speeds,
 )
-from ..engine.kernels import DEFAULT_DRAFT_MAX, resolve_draft_max
+from ..engine.kernels import DEFAULT_DRAFT_MAX, exact_table, record_exact, resolve_draft_max
 from ..wire.launcher import mpi_library, world_size_mismatch
 from ..engine.stagefile import StageFileError, check_splittable, ensure_stage_file, layer_costs, read_info, vocab_bound
 from ..drafters.factory import make_drafter
@@ -246,11 +246,16 @@ def _load_stage(config: Config, comm, plan: _LayerPlan) -> _Stage:
                                            n_lanes=n_lanes)
     n_batch = min(config.n_batch, config.n_ctx)
     my = topo.my_range
+    # rank 0's host's table of kernel keys: a stage like one measured before takes its exact batch limit (kernels.py)
+    known = comm.bcast(exact_table() if rank == 0 and config.kernels != "fast" else None, root=0)
     path = _stage_file(config, comm, my.start, my.end, topo.is_last) if size > 1 else None
-    engine, exact = _load_engine(config, topo, plan.threads[rank], plan.threads_b[rank], n_batch, n_seq_max,
-                                 stage_path=path)
+    engine, exact, key = _load_engine(config, topo, plan.threads[rank], plan.threads_b[rank], n_batch, n_seq_max,
+                                      stage_path=path, known=known)
     polite_barrier(comm, config.poll_s)  # ranks finish loading at different times: the early ones wait without spinning
-    exact_per_rank = comm.allgather(exact)
+    exact_per_rank, keys = zip(*comm.allgather((exact, key)))
+    exact_per_rank = list(exact_per_rank)
+    if rank == 0 and size > 1 and exact is not None:
+        record_exact({k: e for e, k in zip(exact_per_rank, keys) if k})  # what the next job's ranks may take
     cfg = _resolve_gen(config, comm, engine, n_batch, exact_per_rank)
     transport = None
     if size > 1:
@@ -264,10 +269,10 @@ def _load_stage(config: Config, comm, plan: _LayerPlan) -> _Stage:
 
 
 def _load_engine(config: Config, topo: Topology, n_threads: int, n_threads_batch: int, n_batch: int,
-                 n_seq_max: int, stage_path):
-    """This rank's StageEngine (on several ranks, over its stage file: stage_path, _stage_file's; None on one rank)
-    and its exact batch limit (kernels.py)."""
-    from ..engine.kernels import exact_batch_limit
+                 n_seq_max: int, stage_path, known: dict | None = None):
+    """This rank's StageEngine (on several ranks, over its stage file: stage_path, _stage_file's; None on one rank),
+    its exact batch limit and the kernel key of that limit (kernels.py; None, None with --kernels fast)."""
+    from ..engine.kernels import exact_batch_limit, kernel_key
     from ..engine.stage import StageEngine  # imports llama_cpp: after the cheap checks
     if topo.n_ranks == 1:
         path, embd_input = config.model, False
@@ -276,8 +281,11 @@ def _load_engine(config: Config, topo: Topology, n_threads: int, n_threads_batch
     engine = StageEngine(path, n_ctx=config.n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
                          n_threads=n_threads, n_threads_batch=n_threads_batch,
                          embd_input=embd_input, capture_hidden=not topo.is_last, kernels=config.kernels)
-    exact = None if config.kernels == "fast" else exact_batch_limit(engine, path, config.kernels, n_threads, n_threads_batch)
-    return engine, exact
+    if config.kernels == "fast":
+        return engine, None, None
+    exact = exact_batch_limit(engine, path, config.kernels, n_threads, n_threads_batch, known)
+    return engine, exact, kernel_key(path, config.kernels, n_threads, n_threads_batch, engine.embd_input,
+                                     engine.capture_hidden)
 
 
 def _resolve_gen(config: Config, comm, engine, n_batch: int, exact_per_rank: list[int | None]) -> GenConfig:
