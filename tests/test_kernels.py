@@ -122,6 +122,8 @@ def test_a_stage_with_the_same_kernel_key_takes_the_limit_measured_before(models
     assert kernels.kernel_key(ensure_stage_file(model, 4, 6, True), "repack", 1, 1, True, False) != key  # the output
     f32 = make_llama_gguf(tmp_path / "f.gguf", n_layer=6)
     assert kernels.kernel_key(ensure_stage_file(f32, 0, 2, False), "repack", 1, 1, True, True) != key  # other types
+    from synth_arch import make_arch_gguf
+    assert kernels.kernel_key(make_arch_gguf(tmp_path / "q.gguf", "qwen3moe"), "repack", 1, 1, False, False) is None
     wide = make_llama_gguf(tmp_path / "w.gguf", n_layer=6, qtype="q8_0", n_embd=128)
     assert kernels.kernel_key(ensure_stage_file(wide, 0, 2, False), "repack", 1, 1, True, True) != key  # other shapes
 

@@ -178,7 +178,7 @@ def exact_batch_limit(engine, path: str | os.PathLike, kernels: str, n_threads: 
     except (OSError, ValueError, KeyError, TypeError):
         pass
     key = kernel_key(path, kernels, n_threads, n_threads_batch, engine.embd_input, engine.capture_hidden)
-    limit = exact_table().get(key, (known or {}).get(key))
+    limit = exact_table().get(key, (known or {}).get(key)) if key else None
     how = "probed" if limit is None else "taken from a stage with the same kernel key"
     if limit is None:
         limit = probe_exact_batch(engine)
@@ -186,21 +186,25 @@ def exact_batch_limit(engine, path: str | os.PathLike, kernels: str, n_threads: 
               "kernels": kernels, "threads": [n_threads, n_threads_batch], "build": numerics_id(), "how": how,
               "kernel_key": key}
     write_atomically(cache, lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
-    record_exact({key: limit})
+    if key:
+        record_exact({key: limit})
     return limit
 
 
 def kernel_key(path: str | os.PathLike, kernels: str, n_threads: int, n_threads_batch: int, embd_input: bool,
-               capture_hidden: bool) -> str:
+               capture_hidden: bool) -> str | None:
     """What a stage's exact batch limit depends on: the settings (kernels, threads, its input and output), the build
     and CPU (numerics_id), each tensor's role (its name less the layer's number), type and shape, and the
     architecture's hyperparameters (its keys less block_count). The limit is where a batch's kernels first differ from one row's
     in some matrix multiply or attention, so stages alike in these have one limit: often another layer range of the
-    same model (a re-formed pipeline's, or another host's)."""
+    same model (a re-formed pipeline's, or another host's). None for a stage with experts: which kernel multiplies an
+    expert depends on how many of a batch's rows the router sends it, so each such stage is probed."""
     import re
 
     from .ggufheader import read_header
     header = read_header(path)
+    if any("_exps" in n for n in header.tensors):
+        return None
     arch = header.fields.get("general.architecture", "")
     arrays = tuple(k for k, (vtype, _, _) in header.spans.items() if vtype == 9 and k.startswith(f"{arch}."))
     fields = read_header(path, keep_arrays=arrays).fields if arrays else header.fields  # per-layer values in full
