@@ -398,8 +398,6 @@ class _Progress:
         """kept: bytes of the file the host took from what it already held."""
         if _quiet:
             return
-        if self.tty:
-            sys.stderr.write("\r\x1b[K")
         rate = self.total / seconds if seconds > 0 else 0.0
         held = f"; {fmt_bytes(kept)} ({kept:,} bytes) of the file it already held" if kept else ""
         _log(f"[pipeinfer] weights: sent {self.who} {fmt_bytes(self.total)} ({self.total:,} bytes) in {seconds:.1f} s "
@@ -407,4 +405,7 @@ class _Progress:
 
 
 def _log(msg: str) -> None:
+    """A line on stderr; on a terminal, in place of a progress line (the model's identity can arrive under one)."""
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\x1b[K")
     print(msg, file=sys.stderr, flush=True)
