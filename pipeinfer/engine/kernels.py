@@ -170,9 +170,8 @@ def exact_batch_limit(engine, path: str | os.PathLike, kernels: str, n_threads: 
     the limit of a stage with the same kernel key (kernel_key: measured on this host, or in `known`, what rank 0's
     host has seen its jobs' ranks measure); else probed. Every limit goes into this host's table of kernel keys."""
     from ..core.files import derived_path, write_atomically
-    key_parts = (kernels, n_threads, n_threads_batch, engine.embd_input, engine.capture_hidden, numerics_id(),
-                 PROBE_FORMAT)
-    cache = derived_path(path, "exact", "json", *key_parts)
+    cache = derived_path(path, "exact", "json",
+                         *_probe_settings(kernels, n_threads, n_threads_batch, engine.embd_input, engine.capture_hidden))
     try:
         return int(json.loads(cache.read_text())["exact_batch"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -195,9 +194,9 @@ def kernel_key(path: str | os.PathLike, kernels: str, n_threads: int, n_threads_
                capture_hidden: bool) -> str | None:
     """What a stage's exact batch limit depends on: the settings (kernels, threads, its input and output), the build
     and CPU (numerics_id), each tensor's role (its name less the layer's number), type and shape, and the
-    architecture's hyperparameters (its keys less block_count). The limit is where a batch's kernels first differ from one row's
-    in some matrix multiply or attention, so stages alike in these have one limit: often another layer range of the
-    same model (a re-formed pipeline's, or another host's). None for a stage with experts: which kernel multiplies an
+    architecture's hyperparameters (its keys less block_count). The limit is where a batch's kernels first differ
+    from one row's in some matrix multiply or attention, so stages alike in these have one limit: often another layer
+    range of the same model (a re-formed pipeline's, or another host's). None for a stage with experts: which kernel multiplies an
     expert depends on how many of a batch's rows the router sends it, so each such stage is probed."""
     import re
 
@@ -210,9 +209,14 @@ def kernel_key(path: str | os.PathLike, kernels: str, n_threads: int, n_threads_
     fields = read_header(path, keep_arrays=arrays).fields if arrays else header.fields  # per-layer values in full
     hyper = sorted((k, repr(v)) for k, v in fields.items() if k.startswith(f"{arch}.") and k != f"{arch}.block_count")
     kinds = sorted({(re.sub(r"^blk\.\d+\.", "", n), t.ggml_type, t.shape) for n, t in header.tensors.items()})
-    settings = (kernels, n_threads, n_threads_batch, embd_input, capture_hidden, numerics_id(), PROBE_FORMAT)
+    settings = _probe_settings(kernels, n_threads, n_threads_batch, embd_input, capture_hidden)
     text = repr((arch, hyper, kinds, settings))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _probe_settings(kernels: str, n_threads: int, n_threads_batch: int, embd_input: bool, capture_hidden: bool):
+    """What a limit depends on besides the stage's weights: the settings, the build and CPU, the probe's format."""
+    return kernels, n_threads, n_threads_batch, embd_input, capture_hidden, numerics_id(), PROBE_FORMAT
 
 
 EXACT_TABLE = "exact-limits.json"  # in the stage cache: kernel key -> exact batch limit
