@@ -9,7 +9,7 @@ are in every row alike). Rows:
 - everywhere-cold / everywhere-warm: the model on every host; each host writes its own stage file (cold), then finds
   it (warm: the baseline of the issue's bounds);
 - travel-first: the model on h0 only, empty caches elsewhere (h0's own stage warm, its identity index fresh, so the
-  sha256 of the whole file is in it); travel-second: the same again (nothing moves);
+  content hash of the whole file is in it); travel-second: the same again (nothing moves);
 - reform-everywhere: the job on h0, h1 with the model on both, each host writing its new range's stage file: the
   re-form's baseline (what a re-form costs when every host has the model);
 - reform: the job re-formed on h0, h1 after h2 is lost (what the supervisor starts): h1 gets only the tensors of its
@@ -218,7 +218,7 @@ def main() -> None:
         bound = 1.3 * largest * 8 / rate_bps + t_every
         bound_link = 1.3 * total * 8 / rate_bps + t_every  # h0's one link carries every byte
         row("travel-first", t, f"sent {', '.join(f'{h} {b / 1e6:.1f} MB in {s:.1f} s' for _, h, b, s in sent)}; "
-            f"sha256 of the model {hashed:.1f} s; layouts {laid:.1f} s; same text: {text == text_every}",
+            f"hash of the model {hashed:.1f} s; layouts {laid:.1f} s; same text: {text == text_every}",
             bytes_sent=total, largest_share=largest, hash_s=hashed, layout_s=laid,
             send_s=round(sum(x for _, _, _, x in sent), 2), same_text=text == text_every,
             bound_largest_share_s=round(bound, 2), bound_all_bytes_s=round(bound_link, 2), foreign_cpu_pct=round(pct))

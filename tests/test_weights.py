@@ -1,7 +1,7 @@
 """Weights that travel: the stage file's layout (the bytes rank 0 streams), the weights cache of a host (keys, the
 identity index, checks of a cached file, files nobody sees half-written), the disk check, the send order, the LRU
 prune and `pipeinfer models cached|prune` (pure: no MPI; tests/test_weights_mpi.py runs the transfer)."""
-import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -114,7 +114,7 @@ def test_holdings_are_the_models_other_stages_checked_whole(tmp_path):
     def put(item, data):
         path = _put(d, item, data)
         with stagecache.locked_index(d) as index:
-            index["files"][item.file_name()]["sha256"] = stagecache.sha256_file(path)
+            index["files"][item.file_name()]["digest"] = stagecache.file_digest(path)
         return path
 
     put(Item(ident, 2, 4, False, 3), os.urandom(1 << 20))          # overlaps: held
@@ -146,7 +146,7 @@ def test_the_identity_is_hashed_once_and_again_when_the_file_changes(tmp_path):
     src = make_llama_gguf(tmp_path / "m.gguf", n_layer=2)
     d = tmp_path / "w"
     ident, dt = stagecache.model_identity(src, d)
-    assert dt > 0 and ident == stagecache.sha256_file(src)
+    assert dt > 0 and ident == stagecache.file_digest(src)
     assert stagecache.model_identity(src, d) == (ident, 0.0)
     data = bytearray(src.read_bytes())
     data[-1] ^= 1
@@ -161,7 +161,7 @@ def _put(d: Path, item: Item, data: bytes) -> Path:
     f = stagecache.IncomingFile(d, item.file_name())
     f.write(data)
     path = f.commit()
-    stagecache.record(item, path, hashlib.sha256(data).hexdigest(), "m.gguf", d)
+    stagecache.record(item, path, stagecache.content_hash(data).hexdigest(), "m.gguf", d)
     return path
 
 
@@ -295,3 +295,17 @@ def test_the_fast_header_reader_lays_out_the_same_bytes_for_every_architecture(t
         assert _stream(stage_layout(src, start, end, with_vocab, reader=reader), src, 1 << 16) == \
             (tmp_path / "s.gguf").read_bytes(), (start, end, with_vocab)
     assert _stream(vocab_layout(src, reader=reader), src, 4096) == _stream(vocab_layout(src), src, 4096)
+
+
+def test_a_cache_indexed_with_another_hash_is_emptied_not_trusted(tmp_path):
+    d = tmp_path / "w"
+    item = Item("ab" * 32, 0, 2, False, 3)
+    path = _put(d, item, os.urandom(1 << 20))
+    index = json.loads((d / "index.json").read_text())
+    index.pop("hash")  # as a pipeinfer that named files by sha256 wrote it
+    index["files"][item.file_name()]["sha256"] = index["files"][item.file_name()].pop("digest")
+    (d / "index.json").write_text(json.dumps(index))
+    assert stagecache.read_index(d)["files"] == {} and path.exists()  # reading deletes nothing
+    assert stagecache.cached(Item("cd" * 32, 0, 2, False, 3), d=d) is None  # the first use of the cache empties it
+    assert not path.exists() and stagecache.read_index(d)["files"] == {}
+    assert stagecache.read_index(d)["hash"] == stagecache.HASH

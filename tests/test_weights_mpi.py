@@ -80,7 +80,7 @@ def test_a_host_without_the_file_gets_it_and_the_next_start_moves_nothing(tmp_pa
     assert _cached(tmp_path, 0) == []  # rank 0's host has the model: it keeps nothing in the weights cache
     # rank 0 hashed the model while the first file travelled; each host learnt the name to cache its file under
     assert "while the first file travelled" in p.stderr
-    ident, fp = stagecache.sha256_file(model), model_fingerprint(model)
+    ident, fp = stagecache.file_digest(model), model_fingerprint(model)
     for r in (1, 2):
         (entry,) = stagecache.read_index(tmp_path / f"cache{r}" / "weights")["files"].values()
         assert entry["model"] == ident and entry["source_fp"] == fp and _cached(tmp_path, r)[0].startswith(ident[:32])

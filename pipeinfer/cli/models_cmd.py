@@ -88,7 +88,7 @@ def _holds(e: dict) -> str:
 @click.option("--max-size", default=None, help="keep at most this much (20G, 500M, bytes), least recently used "
                                                 "files deleted first")
 @click.option("--model", "model", default=None, help="delete every cached file of this model (its file name as "
-                                                     "`cached` shows it, or the start of its sha256)")
+                                                     "`cached` shows it, or the start of its content hash)")
 def prune_cmd(max_size: str | None, model: str | None) -> None:
     """Delete cached stage files of this host: least recently used down to --max-size, or all of one --model."""
     from ..core import stagecache

@@ -6,14 +6,15 @@ or, on a draft rank, the draft model): nothing here runs per token.
 One call is collective over the ranks that take part:
 1. rank 0 sends the model's cheap fingerprint (handshake.model_fingerprint); a rank whose host has a file with that
    fingerprint at rank 0's path writes its stage itself, as before. When every rank does, that is all.
-2. Otherwise rank 0 names the model by its content (core/stagecache.model_identity: sha256 of the whole file, once,
-   remembered by path, size, mtime and inode), and every other rank looks in its host's weights cache for the file
-   it needs under that name, checked (size, sampled digest). A rank whose host has another file under the same path
-   (a different model, or a copy cut short) is never served it: it takes the cache's or rank 0's bytes.
-   When rank 0 has not hashed the model yet, it hashes it in a thread while the first file travels (1.2 s per GiB
-   here, once per file): the hosts then look for the model's files by its cheap fingerprint, recorded beside each
-   cached file; only when some host may hold one does rank 0 wait for the hash before the hosts look by it. Each
-   host learns the identity its file is cached under with the file's end (TAG_END).
+2. Otherwise rank 0 names the model by its content (core/stagecache.model_identity: the content hash of the whole
+   file, once, remembered by path, size, mtime and inode), and every other rank looks in its host's weights cache
+   for the file it needs under that name, checked (size, sampled digest). A rank whose host has another file under
+   the same path (a different model, or a copy cut short) is never served it: it takes the cache's or rank 0's
+   bytes. When rank 0 has not hashed the model yet, it hashes it in a thread while the first file travels (once per
+   file; 0.1 s per GiB here from the page cache, a disk's read rate from a disk): the hosts then look for the
+   model's files by its cheap fingerprint, recorded beside each cached file; only when some host may hold one does
+   rank 0 wait for the hash before the hosts look by it. Each host learns the identity its file is cached under
+   with the file's end (TAG_END).
 3. Rank 0 works out each missing file's layout (engine/stagefile.stage_layout: the stage's bytes without writing
    them) and checks, before any byte is sent, that every receiving host has room: otherwise one line naming the
    host, what it needs and what it has, and every rank exits 1.
@@ -23,7 +24,7 @@ One call is collective over the ranks that take part:
 5. Rank 0 streams each file's travelling bytes in CHUNK-byte pieces of the file, one receiving rank at a time (its
    link carries every byte, so sending to several at once would only finish all of them late), IN_FLIGHT pieces in
    flight, numpy uint8 buffers (no pickling) on a communicator of their own. The receiver assembles the file,
-   hashes it, compares the sha256 rank 0 computed of the whole file, and only then links it into its cache
+   hashes it, compares the digest rank 0 computed of the whole file, and only then links it into its cache
    (stagecache.IncomingFile: a lost sender leaves nothing behind). Waiting sleeps between tests of the request
    (never a blocking MPI call: the recipe's "Waiting politely").
 6. Rank 0 prints each host's progress (bytes, rate, time left) as one updating line on a terminal and a summary
@@ -31,7 +32,6 @@ One call is collective over the ranks that take part:
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import time
@@ -50,7 +50,8 @@ CHUNK = 8 << 20      # bytes per message: 67 ms at 1 Gbit/s
 IN_FLIGHT = 4        # messages in flight each way
 SLICE = 1 << 20      # bytes hashed or written between two tests of the requests in flight
 TAG_DATA, TAG_END = 1, 2
-END_BYTES = 64       # TAG_END: sha256 of the file as assembled, then sha256 of the model (its identity)
+DIGEST = stagecache.DIGEST_BYTES
+END_BYTES = 2 * DIGEST  # TAG_END: the digest of the file as assembled, then the model's (its identity)
 PROGRESS_EVERY_S = 0.25
 # tests only: the sender sleeps this long after each message, so that a test can kill it mid-transfer
 THROTTLE_S = float(os.environ.get("PIPEINFER_WEIGHTS_THROTTLE_S", "0") or 0)
@@ -158,8 +159,8 @@ def _item(ident: str, want: tuple, fmt: int) -> Item:
 
 
 class _Source:
-    """Rank 0's side of one obtain: the model file src, its identity (known, or hashed in a thread: sha256 is C code
-    that releases the GIL, so the hash runs while the first file travels), the layout of each file to send and its
+    """Rank 0's side of one obtain: the model file src, its identity (known, or hashed in a thread: the hash is C
+    code that releases the GIL, so the hash runs while the first file travels), the layout of each file to send and its
     recipe."""
 
     def __init__(self, src: str):
@@ -171,19 +172,19 @@ class _Source:
         self.ident = stagecache.known_identity(src)
         self._hashing = None
         if self.ident is None:
-            pool = ThreadPoolExecutor(1, thread_name_prefix="pipeinfer-model-sha256")
+            pool = ThreadPoolExecutor(1, thread_name_prefix="pipeinfer-model-hash")
             self._hashing = pool.submit(stagecache.model_identity, src)
             pool.shutdown(wait=False)
 
     def identity(self, sending: bool = True) -> str:
-        """The model's sha256 (hex), waiting for the hash if it is still running (sending: while a file travels, or
-        before the hosts look in their caches)."""
+        """The model's content hash (hex), waiting for the hash if it is still running (sending: while a file travels,
+        or before the hosts look in their caches)."""
         if self.ident is None:
             self.ident, dt = self._hashing.result()
             if not _quiet:
                 size = os.path.getsize(self.src)
                 when = "while the first file travelled" if sending else "before the hosts looked in their caches"
-                _log(f"[pipeinfer] weights: identified {Path(self.src).name} by its sha256 in {dt:.1f} s "
+                _log(f"[pipeinfer] weights: identified {Path(self.src).name} by its {stagecache.HASH} in {dt:.1f} s "
                      f"({dt / (size / 2**30):.2f} s/GiB; once per file on this host, {when})")
         return self.ident
 
@@ -250,10 +251,10 @@ def _chunks(size: int):
 
 def _send_one(comm, dest: int, layout, rc, fd: int, poll_s: float, show, identity) -> None:
     """Stream the wire bytes of one file (rc: its Recipe) to rank dest, chunk by chunk, IN_FLIGHT messages in
-    flight; then its end: the sha256 of the whole file as it is to be (the held bytes too: the receiver checks what
+    flight; then its end: the digest of the whole file as it is to be (the held bytes too: the receiver checks what
     it assembled, end to end) and the model's (identity(): the name the host caches the file under)."""
     from mpi4py import MPI
-    sha = hashlib.sha256()
+    sha = stagecache.content_hash()
     size = min(CHUNK, max(layout.size, 1))
     reads = [np.empty(size, np.uint8) for _ in range(IN_FLIGHT)]  # sent as they are when a chunk travels whole
     packs = [np.empty(size, np.uint8) for _ in range(IN_FLIGHT)] if rc.local else None
@@ -288,14 +289,14 @@ def _send_one(comm, dest: int, layout, rc, fd: int, poll_s: float, show, identit
 
 # ---------------------------------------------------------------- receiving
 def _receive(comm, item: Item, rc, poll_s: float, model_name: str, fp: str, d: Path) -> Path:
-    """Assemble item's file from the wire and the held files rc names (rc: its Recipe), check its sha256 against
+    """Assemble item's file from the wire and the held files rc names (rc: its Recipe), check its digest against
     rank 0's, and only then link it into the cache, under the model's identity the end message names (item's may be
     "": rank 0 was still hashing the model), with the model's fingerprint fp beside it."""
     from mpi4py import MPI
     incoming = stagecache.IncomingFile(d, item.file_name() if item.model_id else f"unnamed{item.file_name()}")
     held = {name: os.open(d / name, os.O_RDONLY) for _, _, name, _ in rc.local}
     try:
-        sha = hashlib.sha256()
+        sha = stagecache.content_hash()
         chunks = list(_chunks(rc.size))
         wired = [(lo, hi, rc.wire_bytes(lo, hi)) for lo, hi in chunks]
         wired = [c for c in wired if c[2]]
@@ -336,10 +337,10 @@ def _receive(comm, item: Item, rc, poll_s: float, model_name: str, fp: str, d: P
                 j += 1
         end = np.empty(END_BYTES, np.uint8)
         _wait(comm.Irecv([end, MPI.BYTE], source=0, tag=TAG_END), poll_s)
-        item = replace(item, model_id=end[32:].tobytes().hex())
-        if end[:32].tobytes() != sha.digest():
+        item = replace(item, model_id=end[DIGEST:].tobytes().hex())
+        if end[:DIGEST].tobytes() != sha.digest():
             raise UserError(f"rank {comm.Get_rank()} ({host_name()}): the {item.label()} of {model_name} arrived "
-                            f"damaged (sha256 differs from what rank 0 sent); nothing was kept: start again")
+                            f"damaged (its digest differs from what rank 0 sent); nothing was kept: start again")
         path = incoming.commit(item.file_name())
     except BaseException:
         incoming.discard()
