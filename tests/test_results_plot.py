@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import csv
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -138,3 +140,12 @@ def test_plot_cli_and_empty(tmp_path):
     assert len(res.output.split()) == 5
     for name in ("gen_speed.png", "acceptance.png"):
         _check_png(tmp_path / "png" / name)
+
+
+def test_the_command_line_loads_matplotlib_only_to_plot():
+    # every rank of every job loads the command line: pyplot there cost each process 0.3 s of CPU at start-up
+    code = ("import sys, pipeinfer.cli.main, pipeinfer.ranks.startup; "
+            "assert 'matplotlib' not in sys.modules, 'matplotlib loaded'; "
+            "from pipeinfer.cli.plot import _pyplot; _pyplot(); assert 'matplotlib.pyplot' in sys.modules")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]

@@ -126,7 +126,7 @@ def _generate(kw: dict) -> None:
     if mpi_size() > 1:
         _report_failures(args, prompt, head)
     try:
-        res = run(config, head.prompt_tokens, prompt_text=prompt.text, chat=bool(prompt.chat),
+        res = run(config, lambda: head.prompt_tokens, prompt_text=prompt.text, chat=bool(prompt.chat),
                   on_tokens=head.on_tokens, on_progress=head.on_progress, should_stop=lambda: stop.requested)
     finally:
         head.close_status()
@@ -192,21 +192,49 @@ class HeadOutput:
     the status line, and the tokens and statistics so far that a failure report needs."""
 
     def __init__(self, args: GenerateArgs, prompt: Prompt):
+        from concurrent.futures import ThreadPoolExecutor
+
         from ..engine.stagefile import check_splittable, read_info
-        from ..engine.tokenizer import StreamDecoder, Tokenizer, apply_chat
         # clear errors for a non-GGUF or a foreign architecture before llama.cpp sees the file
-        config = args.config
-        check_splittable(read_info(config.model), n_target_ranks(config))
-        self.tok = Tokenizer(config.model)
-        self.prompt_tokens = self.tok.encode(apply_chat(self.tok, prompt.text) if prompt.chat else prompt.text)
-        check_fits(config, len(self.prompt_tokens), config.n_predict, n_target_ranks(config))
+        check_splittable(read_info(args.config.model), n_target_ranks(args.config))
+        # the tokenizer loads while the ranks start (0.2-0.5 s; it is C code that releases the GIL): the prompt's
+        # tokens are needed when the stages are loaded, not before (llama-cli also tokenizes after its load)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="pipeinfer-tokenizer")
+        self._tokenized = pool.submit(self._tokenize, args.config, prompt)
+        pool.shutdown(wait=False)
         self.as_json = args.as_json
-        self.dec = StreamDecoder(self.tok)
         self.tokens: list[int] = []
         self.stats = None  # the Stats of the last progress report
         self.status = None
         if not args.quiet and not args.as_json:
             self.status = StatusLine.for_streams(sys.stdout, sys.stderr, under_mpiexec=mpi_size() > 1)
+
+    @staticmethod
+    def _tokenize(config: Config, prompt: Prompt):
+        """(Tokenizer, the prompt's tokens, a StreamDecoder), or UserError when the prompt does not fit."""
+        from ..engine.tokenizer import StreamDecoder, Tokenizer, apply_chat
+        tok = Tokenizer(config.model)
+        tokens = tok.encode(apply_chat(tok, prompt.text) if prompt.chat else prompt.text)
+        check_fits(config, len(tokens), config.n_predict, n_target_ranks(config))
+        return tok, tokens, StreamDecoder(tok)
+
+    @property
+    def tok(self):
+        return self._tokenized.result()[0]
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        """The prompt's tokens, waiting for the tokenizer (its UserError raised here)."""
+        return self._tokenized.result()[1]
+
+    @property
+    def dec(self):
+        return self._tokenized.result()[2]
+
+    def n_prompt(self) -> int:
+        """The prompt's tokens counted, 0 before the tokenizer has them or when it failed (a failure's row)."""
+        done = self._tokenized.done() and self._tokenized.exception() is None
+        return len(self.prompt_tokens) if done else 0
 
     def on_tokens(self, tokens: list[int]) -> None:
         self.tokens += tokens
@@ -225,8 +253,10 @@ class HeadOutput:
 
     def end_text(self, tokens: list[int], **more) -> None:
         """The answer's end: its line on stdout finished, or with --json one object (text, tokens, the prompt's
-        tokens, then `more`)."""
-        if self.as_json:
+        tokens, then `more`); a line's end alone when the prompt never tokenized (its error says why)."""
+        if self._tokenized.exception() is not None:
+            sys.stdout.write("\n")
+        elif self.as_json:
             print(json.dumps({"text": self.tok.decode(tokens), "tokens": tokens, "prompt_tokens": self.prompt_tokens,
                               **more}))
         else:
@@ -242,7 +272,7 @@ def _report_failures(args: GenerateArgs, prompt: Prompt, head: HeadOutput) -> No
 
     def row_so_far(status: str = "ok") -> dict:
         return _results_row(args.config, [None] * n_target_ranks(args.config), prompt.name,
-                            head.stats or Stats(n_prompt=len(head.prompt_tokens)), status=status)
+                            head.stats or Stats(n_prompt=head.n_prompt()), status=status)
 
     def on_failure(reason: str) -> None:
         head.close_status()

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -67,6 +68,7 @@ def model_arch(model) -> str:
 
 _GGML = None
 _BACKEND_READY = False
+_BACKEND_LOCK = threading.Lock()
 
 
 def _ggml_dequantizer(type_name: str):
@@ -168,11 +170,13 @@ class WeightPages:
 
 
 def init_backend() -> None:
+    """llama.cpp's backend and log callback, once per process (rank 0's tokenizer loads in a thread of its own)."""
     global _BACKEND_READY
-    if not _BACKEND_READY:
-        llama_cpp.llama_log_set(_LOG_CB, None)
-        llama_cpp.llama_backend_init()
-        _BACKEND_READY = True
+    with _BACKEND_LOCK:
+        if not _BACKEND_READY:
+            llama_cpp.llama_log_set(_LOG_CB, None)
+            llama_cpp.llama_backend_init()
+            _BACKEND_READY = True
 
 
 class StageEngine:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from ..core.config import Config
 from ..core.errors import UserError
@@ -36,12 +37,17 @@ from .scheduler import default_parallel
 from .session import HeadSession, RunResult, peak_rss_mb
 
 
-def run(config: Config, prompt: list[int] | None = None, comm=None, **request) -> RunResult | None:
+def run(config: Config, prompt: list[int] | Callable[[], list[int]] | None = None, comm=None,
+        **request) -> RunResult | None:
     """Run one generation of `prompt` (rank 0; keyword arguments as HeadSession.request); returns the result on
-    rank 0 and None on the other ranks."""
+    rank 0 and None on the other ranks. prompt: the tokens, or a function that gives them once the stages are loaded
+    (rank 0's command line tokenizes while the ranks start; its UserError ends the job before anything is
+    generated)."""
     session = open_session(config, comm)
     if session is None:
         return None  # a stage rank: it served the pipeline until the head shut it down
+    if callable(prompt):
+        prompt = prompt()
     try:
         stats = session.generate(prompt, **request)
     finally:
