@@ -10,6 +10,8 @@ are in every row alike). Rows:
   it (warm: the baseline of the issue's bounds);
 - travel-first: the model on h0 only, empty caches elsewhere (h0's own stage warm, its identity index fresh, so the
   content hash of the whole file is in it); travel-second: the same again (nothing moves);
+- everywhere-warm, travel-first and rpc run --rounds times side by side, their order rotating from round to round
+  (each first start after emptying the caches), and report medians: one start apiece is at the mercy of the noise;
 - reform-everywhere: the job on h0, h1 with the model on both, each host writing its new range's stage file: the
   re-form's baseline (what a re-form costs when every host has the model);
 - reform: the job re-formed on h0, h1 after h2 is lost (what the supervisor starts): h1 gets only the tensors of its
@@ -28,6 +30,7 @@ import csv
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -180,6 +183,39 @@ def rpc_load(n: int, model: str, disks: Path, cache: bool) -> float:
             s.wait(timeout=30)
 
 
+ROTATION = ("everywhere-warm", "travel-first", "rpc")
+
+
+def side_by_side(a, model: str, every: Path, travel: Path, text_every: str) -> tuple[dict, list[str]]:
+    """--rounds rounds of the baseline, a first start and llama.cpp RPC's load (without -c), in an order that
+    rotates from round to round: {name: [seconds]} and each first start's stderr. Before each first start the
+    receiving hosts' weights caches and h0's identity index are emptied, so every round is a first start."""
+    times: dict[str, list[float]] = {name: [] for name in ROTATION}
+    errs = []
+    for i in range(a.rounds):
+        for name in ROTATION[i % 3:] + ROTATION[:i % 3]:
+            if name == "everywhere-warm":
+                t, text, _, _ = pipeinfer_job(a.hosts, model, every, hide=False)
+            elif name == "travel-first":
+                for h in range(a.hosts):
+                    shutil.rmtree(travel / f"h{h}" / "weights", ignore_errors=True)
+                t, text, err, _ = pipeinfer_job(a.hosts, model, travel, hide=True)
+                errs.append(err)
+            elif a.no_rpc:
+                continue
+            else:
+                t, text = rpc_load(a.hosts, model, travel, cache=False), text_every
+            if text != text_every:
+                raise SystemExit(f"{name}: another text than the model everywhere's first start")
+            times[name].append(t)
+            print(f"  round {i + 1}: {name:16s} {t:6.2f} s", flush=True)
+    return times, errs
+
+
+def _rounds(values: list[float]) -> str:
+    return f"median of {len(values)} rounds ({', '.join(f'{v:.2f}' for v in values)})"
+
+
 def main() -> None:
     from pipeinfer.engine.models import resolve_model
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -188,6 +224,8 @@ def main() -> None:
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_weights.csv"))
     ap.add_argument("--no-rpc", action="store_true", help="leave llama.cpp RPC out")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the baseline, a first start and RPC, side by "
+                    "side (a single start is at the mercy of the machine's noise)")
     a = ap.parse_args()
     model = str(resolve_model(a.model))
     size = os.path.getsize(model)
@@ -205,11 +243,12 @@ def main() -> None:
         t, text_every, err, pct = pipeinfer_job(a.hosts, model, every, hide=False)
         row("everywhere-cold", t, "each host writes its own stage file (and measures its exact batch limit)",
             foreign_cpu_pct=round(pct))
-        t_every, text, err, pct = pipeinfer_job(a.hosts, model, every, hide=False)
-        row("everywhere-warm", t_every, "stage files found (the baseline)", foreign_cpu_pct=round(pct))
-        assert text == text_every
         shutil.copytree(every / "h0" / "stages", travel / "h0" / "stages")  # h0's own stage as warm as above
-        t, text, err, pct = pipeinfer_job(a.hosts, model, travel, hide=True)
+        times, errs = side_by_side(a, model, every, travel, text_every)
+        t_every = statistics.median(times["everywhere-warm"])
+        row("everywhere-warm", t_every, f"stage files found (the baseline); {_rounds(times['everywhere-warm'])}")
+        err = errs[-1]  # the last first start's lines (every round moves the same bytes)
+        t = statistics.median(times["travel-first"])
         sent = [(int(r), h, int(b.replace(",", "")), float(s)) for r, h, b, s in SENT.findall(err)]
         hashed = float(HASHED.search(err).group(1)) if HASHED.search(err) else 0.0
         laid = float(LAID.search(err).group(1)) if LAID.search(err) else 0.0
@@ -218,10 +257,15 @@ def main() -> None:
         bound = 1.3 * largest * 8 / rate_bps + t_every
         bound_link = 1.3 * total * 8 / rate_bps + t_every  # h0's one link carries every byte
         row("travel-first", t, f"sent {', '.join(f'{h} {b / 1e6:.1f} MB in {s:.1f} s' for _, h, b, s in sent)}; "
-            f"hash of the model {hashed:.1f} s; layouts {laid:.1f} s; same text: {text == text_every}",
+            f"hash of the model {hashed:.1f} s; layouts {laid:.1f} s; same text: True; "
+            f"{_rounds(times['travel-first'])}",
             bytes_sent=total, largest_share=largest, hash_s=hashed, layout_s=laid,
-            send_s=round(sum(x for _, _, _, x in sent), 2), same_text=text == text_every,
-            bound_largest_share_s=round(bound, 2), bound_all_bytes_s=round(bound_link, 2), foreign_cpu_pct=round(pct))
+            send_s=round(sum(x for _, _, _, x in sent), 2), same_text=True,
+            bound_largest_share_s=round(bound, 2), bound_all_bytes_s=round(bound_link, 2))
+        if times.get("rpc"):
+            t_rpc = statistics.median(times["rpc"])
+            row("rpc", t_rpc, f"llama-completion -n 8, rpc-server x {a.hosts - 1}; {_rounds(times['rpc'])}; "
+                f"travel-first / rpc = {t / t_rpc:.2f}")
         t, text, err, pct = pipeinfer_job(a.hosts, model, travel, hide=True)
         row("travel-second", t, f"sent {len(SENT.findall(err))} files; x{t / t_every:.2f} the baseline; same text: "
             f"{text == text_every}", bytes_sent=sum(int(b.replace(',', '')) for _, _, b, _ in SENT.findall(err)),
@@ -253,8 +297,6 @@ def main() -> None:
         row("copy-whole", t, f"{size / 1e6:.1f} MB to each of {a.hosts - 1} hosts at once over TCP; "
             f"size x hosts / link = {size * (a.hosts - 1) * 8 / rate_bps:.1f} s", bytes_sent=size * (a.hosts - 1))
         if not a.no_rpc:
-            row("rpc", rpc_load(a.hosts, model, travel, cache=False), "llama-completion -n 8, rpc-server x "
-                f"{a.hosts - 1}")
             row("rpc-c-cold", rpc_load(a.hosts, model, travel, cache=True), "rpc-server -c, empty cache")
             row("rpc-c-warm", rpc_load(a.hosts, model, travel, cache=True), "rpc-server -c, cache filled")
     finally:
