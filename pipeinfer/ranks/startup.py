@@ -65,6 +65,7 @@ def open_session(config: Config, comm=None) -> HeadSession | None:
         serve_draft_rank(config, ranks.draft_comm, ranks.world.Get_size())
         ranks.live.close()
         return None
+    inputs = _head_inputs_soon(config.model, ranks.comm.Get_size() > 1) if ranks.comm.Get_rank() == 0 else None
     info = _agree_model(config, ranks)          # one target file on every stage
     plan = _split_layers(config, ranks, info)   # threads and layers per rank
     config = replace(config, parallel=resolved_parallel(config, len(plan.ranges)))
@@ -72,7 +73,7 @@ def open_session(config: Config, comm=None) -> HeadSession | None:
     if ranks.comm.Get_rank() != 0:
         _serve_stage(config, ranks, stage)
         return None
-    return _open_head(config, ranks, plan, stage)
+    return _open_head(config, ranks, plan, stage, inputs.result())
 
 
 # ---- the start-up steps, in open_session's order; every rank makes the same collective calls in each
@@ -318,19 +319,32 @@ def _serve_stage(config: Config, ranks: _Ranks, stage: _Stage) -> None:
     stage.engine.close()
 
 
-def _open_head(config: Config, ranks: _Ranks, plan: _LayerPlan, stage: _Stage) -> HeadSession:
-    """Rank 0: the pipeline over every stage, the partitions, the drafter and the tokenizer, as a HeadSession."""
-    from ..engine.stage import TokenEmbedder
-    from ..engine.tokenizer import Tokenizer
+def _head_inputs_soon(model: str, several: bool):
+    """Rank 0: a future of the head's tokenizer and token embedder (None on one rank: the stage takes tokens), loaded
+    in a thread (0.3 s here, C code and a file mapping) while the stages load, not after them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def load():
+        from ..engine.stage import TokenEmbedder
+        from ..engine.tokenizer import Tokenizer
+        return Tokenizer(model), TokenEmbedder(model) if several else None
+    pool = ThreadPoolExecutor(1, thread_name_prefix="pipeinfer-head-inputs")
+    future = pool.submit(load)
+    pool.shutdown(wait=False)
+    return future
+
+
+def _open_head(config: Config, ranks: _Ranks, plan: _LayerPlan, stage: _Stage, inputs) -> HeadSession:
+    """Rank 0: the pipeline over every stage, the partitions, the drafter and the tokenizer, as a HeadSession.
+    inputs: (the tokenizer, the token embedder or None), _head_inputs_soon's."""
     from .pipeline import Pipeline
     cfg = stage.cfg
-    embedder = TokenEmbedder(config.model) if stage.topo.n_ranks > 1 else None
+    tok, embedder = inputs
     pipe = Pipeline(stage.topo, stage.engine, embedder=embedder, transport=stage.transport, limits=stage.limits)
     pool = None
     if cfg.mode != "iterative":
         pool = PartitionPool(stage.n_part, cfg.cut.max_branches, stage.n_seq_max, lane_count(config.parallel, config.cache_prompt))
     drafter_for, beside = _head_drafter(config, ranks, plan, stage)
-    tok = Tokenizer(config.model)
     eos = set() if not cfg.stop_at_eos else {t for t in tok.eos}
     if ranks.live is not None:
         ranks.live.in_flight = lambda: len(pipe.in_flight)
