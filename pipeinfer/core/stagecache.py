@@ -143,7 +143,7 @@ def identity_key(path: str | os.PathLike) -> str:
 
 def file_digest(path: str | os.PathLike, start: int = 0, end: int | None = None) -> str:
     """The content hash (hex) of bytes [start, end) of a file."""
-    sha = content_hash()
+    hasher = content_hash()
     with open(path, "rb") as f:
         f.seek(start)
         left = (os.path.getsize(path) if end is None else end) - start
@@ -151,9 +151,9 @@ def file_digest(path: str | os.PathLike, start: int = 0, end: int | None = None)
             chunk = f.read(min(left, HASH_CHUNK))
             if not chunk:
                 break
-            sha.update(chunk)
+            hasher.update(chunk)
             left -= len(chunk)
-    return sha.hexdigest()
+    return hasher.hexdigest()
 
 
 def known_identity(path: str | os.PathLike, d: Path | None = None) -> str | None:
@@ -185,12 +185,12 @@ def sampled_digest(path: str | os.PathLike) -> str:
     """size:digest of the first and last MiB: what a start checks of a cached file (cheap, catches truncation,
     another file put in its place, a copy cut short)."""
     size = os.path.getsize(path)
-    sha = content_hash()
+    hasher = content_hash()
     with open(path, "rb") as f:
-        sha.update(f.read(MIB))
+        hasher.update(f.read(MIB))
         f.seek(max(0, size - MIB))
-        sha.update(f.read(MIB))
-    return f"{size}:{sha.hexdigest()[:32]}"
+        hasher.update(f.read(MIB))
+    return f"{size}:{hasher.hexdigest()[:32]}"
 
 
 def cached(item: Item, size: int | None = None, d: Path | None = None) -> Path | None:
@@ -220,8 +220,8 @@ def cached(item: Item, size: int | None = None, d: Path | None = None) -> Path |
 def holdings(item: Item, d: Path | None = None) -> tuple[tuple[str, int, int, bool], ...]:
     """The other stage files of item's model (same stage format) in this host's cache that can give item bytes (a
     layer in common, or both with the vocabulary): (file name, start, end, with_vocab), each checked whole against
-    the digest it was indexed with (a file that fails is dropped, never used). What a re-formed
-    pipeline's host keeps, so that only the layers it lacks travel."""
+    the digest it was indexed with (a file that fails is dropped, never used). What a re-formed pipeline's host
+    keeps, so that only the layers it lacks travel."""
     d = d or weights_dir()
     if item.whole or item.vocab_only:
         return ()

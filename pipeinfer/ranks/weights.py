@@ -254,7 +254,7 @@ def _send_one(comm, dest: int, layout, rc, fd: int, poll_s: float, show, identit
     flight; then its end: the digest of the whole file as it is to be (the held bytes too: the receiver checks what
     it assembled, end to end) and the model's (identity(): the name the host caches the file under)."""
     from mpi4py import MPI
-    sha = stagecache.content_hash()
+    hasher = stagecache.content_hash()
     size = min(CHUNK, max(layout.size, 1))
     reads = [np.empty(size, np.uint8) for _ in range(IN_FLIGHT)]  # sent as they are when a chunk travels whole
     packs = [np.empty(size, np.uint8) for _ in range(IN_FLIGHT)] if rc.local else None
@@ -266,7 +266,7 @@ def _send_one(comm, dest: int, layout, rc, fd: int, poll_s: float, show, identit
             _wait(reqs[k], poll_s)
             reqs[k] = None
         n = layout.read(fd, lo, reads[k])
-        _in_slices(reads[k][:n], [sha.update], reqs)
+        _in_slices(reads[k][:n], [hasher.update], reqs)
         parts = rc.wire(lo, hi)
         if not parts:
             continue
@@ -283,7 +283,7 @@ def _send_one(comm, dest: int, layout, rc, fd: int, poll_s: float, show, identit
     for req in reqs:
         if req is not None:
             _wait(req, poll_s)
-    end = np.frombuffer(sha.digest() + bytes.fromhex(identity()), np.uint8).copy()
+    end = np.frombuffer(hasher.digest() + bytes.fromhex(identity()), np.uint8).copy()
     _wait(comm.Isend([end, MPI.BYTE], dest=dest, tag=TAG_END), poll_s)
 
 
@@ -296,7 +296,7 @@ def _receive(comm, item: Item, rc, poll_s: float, model_name: str, fp: str, d: P
     incoming = stagecache.IncomingFile(d, item.file_name() if item.model_id else f"unnamed{item.file_name()}")
     held = {name: os.open(d / name, os.O_RDONLY) for _, _, name, _ in rc.local}
     try:
-        sha = stagecache.content_hash()
+        hasher = stagecache.content_hash()
         chunks = list(_chunks(rc.size))
         wired = [(lo, hi, rc.wire_bytes(lo, hi)) for lo, hi in chunks]
         wired = [c for c in wired if c[2]]
@@ -330,7 +330,7 @@ def _receive(comm, item: Item, rc, poll_s: float, model_name: str, fp: str, d: P
                         from None
                 if wire is not None:
                     repost(j)  # unpacked: its buffer takes a message while this chunk is hashed and written
-            _in_slices(view, [sha.update, incoming.write], reqs.values())
+            _in_slices(view, [hasher.update, incoming.write], reqs.values())
             if wire is not None:
                 if whole:
                     repost(j)
@@ -338,7 +338,7 @@ def _receive(comm, item: Item, rc, poll_s: float, model_name: str, fp: str, d: P
         end = np.empty(END_BYTES, np.uint8)
         _wait(comm.Irecv([end, MPI.BYTE], source=0, tag=TAG_END), poll_s)
         item = replace(item, model_id=end[DIGEST:].tobytes().hex())
-        if end[:DIGEST].tobytes() != sha.digest():
+        if end[:DIGEST].tobytes() != hasher.digest():
             raise UserError(f"rank {comm.Get_rank()} ({host_name()}): the {item.label()} of {model_name} arrived "
                             f"damaged (its digest differs from what rank 0 sent); nothing was kept: start again")
         path = incoming.commit(item.file_name())
@@ -348,7 +348,7 @@ def _receive(comm, item: Item, rc, poll_s: float, model_name: str, fp: str, d: P
     finally:
         for fd in held.values():
             os.close(fd)
-    stagecache.record(item, path, sha.hexdigest(), model_name, d, source_fp=fp)
+    stagecache.record(item, path, hasher.hexdigest(), model_name, d, source_fp=fp)
     return path
 
 
