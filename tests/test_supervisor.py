@@ -423,3 +423,14 @@ def test_resume_on_failure_needs_a_supervisor(models):
     assert p.returncode != 0 and "need --np N or --hostfile HOSTS" in p.stderr and "Traceback" not in p.stderr
     p = cli(["serve", "-m", str(models["q8"]), "--rejoin"], n=1)
     assert p.returncode == 1 and p.stderr.startswith("pipeinfer: error: --rejoin needs --np N or --hostfile"), p.stderr
+
+
+def test_the_hub_names_the_rank_lost_first_not_the_ones_mpiexec_ended_after_it():
+    from pipeinfer.wire.hub import LOST_TOGETHER_S, first_lost
+    # rank 1 stopped (last heard at 9.0), then killed; mpiexec ends ranks 0 and 2 within milliseconds, and a busy
+    # hub sees the three connections close in one wake-up
+    assert first_lost({0: 10.0, 1: 10.0, 2: 10.0}, {0: 9.9, 1: 9.0, 2: 9.8}) == 1
+    # closed apart: the first to close, whatever it said last
+    assert first_lost({0: 10.0, 1: 10.0 + 2 * LOST_TOGETHER_S}, {0: 9.9, 1: 5.0}) == 0
+    # together, and heard from last at one moment: the lowest rank
+    assert first_lost({2: 10.0, 1: 10.0 + LOST_TOGETHER_S / 2}, {1: 9.5, 2: 9.5}) == 1

@@ -10,7 +10,8 @@ What the hub concludes about a rank (liveness.Word names the lines):
   STOPPING                      a stop was asked for (a signal): what ends from now on is no failure: stay quiet,
                                 and tell rank 0 (STOP) when the signal went to another rank alone
   EOF without either            the process is gone (killed, crashed): LOST, seen at once, since the kernel
-                                closes its socket before mpiexec even learns that it exited
+                                closes its socket before mpiexec even learns that it exited; when mpiexec then
+                                ends the others, the rank named is the first lost (first_lost)
   no line for stall_timeout     stopped (SIGSTOP), hung, or its host or network is down: SILENT
 
 On a failure it prints the one line, sends rank 0 END_JOB and waits up to ROW_WAIT_S for ROW_WRITTEN, writes
@@ -32,6 +33,18 @@ from .liveness import CONNECT_TIMEOUT_S, Word, debug_log, line_of, parse_line, s
 ROW_WAIT_S = 5.0       # how long the hub waits for rank 0 to write the row itself
 STOP_GRACE_S = 0.5     # a stop signal to a rank other than 0 reaches rank 0 through the hub unless it had its own
 LOST = "lost"          # a rank's state once its connection closed without BYE, ABORTING or ROW_WRITTEN
+LOST_TOGETHER_S = 0.5  # connections that close this close together went down together (see first_lost)
+
+
+def first_lost(lost_at: dict[int, float], last_heard: dict[int, float]) -> int:
+    """The rank to name of those whose connections closed without a word (rank -> when the hub saw it): the first
+    to close; of those that closed together (within LOST_TOGETHER_S, or in one wake-up of a busy hub: mpiexec ends
+    every rank once one dies, within milliseconds), the one the hub heard from last the longest ago (a rank stopped,
+    hung or killed stops sending first, while the ones mpiexec ended sent their heartbeats until then), then the
+    lowest."""
+    first = min(lost_at.values())
+    together = [r for r, t in lost_at.items() if t - first <= LOST_TOGETHER_S]
+    return min(together, key=lambda r: (last_heard.get(r, 0.0), r))
 
 
 class Hub:
@@ -47,6 +60,7 @@ class Hub:
         self.bufs: dict[int, bytes] = {}
         self.last: dict[int, float] = {}
         self.state: dict[int, str] = {}   # the rank's last word (BYE, ABORTING, ROW_WRITTEN), or LOST
+        self.lost_at: dict[int, float] = {}  # when the hub saw a LOST rank's connection close
         self.in_flight: int | None = None
         self.row: tuple[str, dict] | None = None
         self.quiet = False                # some rank aborts on purpose (its line says why), or a stop was asked for
@@ -116,6 +130,7 @@ class Hub:
             s.close()
             if r not in self.state:
                 self.state[r] = LOST
+                self.lost_at[r] = time.monotonic()
             return
         self.last[r] = time.monotonic()
         self.bufs[r] += data
@@ -154,9 +169,9 @@ class Hub:
             self.stop_passed_on = True
 
     def _check(self, now: float) -> tuple[int, str] | None:
-        lost = [r for r in range(self.n) if self.state.get(r) == LOST]
+        lost = {r: self.lost_at[r] for r in range(self.n) if self.state.get(r) == LOST}
         if lost:
-            r = lost[0]
+            r = first_lost(lost, self.last)
             return r, (f"{who(r, self.hosts)} was lost: its process ended without a word (killed, crashed, or its "
                        f"host went down)")
         if self.stall > 0:
