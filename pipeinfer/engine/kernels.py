@@ -170,8 +170,8 @@ def exact_batch_limit(engine, path: str | os.PathLike, kernels: str, n_threads: 
     the limit of a stage with the same kernel key (kernel_key: measured on this host, or in `known`, what rank 0's
     host has seen its jobs' ranks measure); else probed. Every limit goes into this host's table of kernel keys."""
     from ..core.files import derived_path, write_atomically
-    cache = derived_path(path, "exact", "json",
-                         *_probe_settings(kernels, n_threads, n_threads_batch, engine.embd_input, engine.capture_hidden))
+    settings = _probe_settings(kernels, n_threads, n_threads_batch, engine.embd_input, engine.capture_hidden)
+    cache = derived_path(path, "exact", "json", *settings)
     try:
         return int(json.loads(cache.read_text())["exact_batch"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -196,8 +196,8 @@ def kernel_key(path: str | os.PathLike, kernels: str, n_threads: int, n_threads_
     and CPU (numerics_id), each tensor's role (its name less the layer's number), type and shape, and the
     architecture's hyperparameters (its keys less block_count). The limit is where a batch's kernels first differ
     from one row's in some matrix multiply or attention, so stages alike in these have one limit: often another layer
-    range of the same model (a re-formed pipeline's, or another host's). None for a stage with experts: which kernel multiplies an
-    expert depends on how many of a batch's rows the router sends it, so each such stage is probed."""
+    range of the same model (a re-formed pipeline's, or another host's). None for a stage with experts: which kernel
+    multiplies an expert depends on how many of a batch's rows the router sends it, so each such stage is probed."""
     import re
 
     from .ggufheader import read_header
