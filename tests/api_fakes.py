@@ -242,7 +242,9 @@ def scripted_server(n_ctx: int, default_max: int, prompt_cache: bool = False):
     import httpx2
     import openai
 
-    from pipeinfer.server.app import Generator, ServeConfig, create_app
+    from pipeinfer.feeders.generator import Generator
+
+    from pipeinfer.frontend.app import ServeConfig, create_app
     session = ScriptedSession(prompt_cache)
     gen = Generator(session, max_queue=16, log=lambda _msg: None)
     gen.start()

@@ -18,8 +18,9 @@ from pipeinfer.core.decoding import Constraint, Decoding, TokenLogprob
 from pipeinfer.core.metrics import Stats
 from pipeinfer.core.verify import SamplingParams
 from pipeinfer.ranks.scheduler import Request
-from pipeinfer.server.app import Generator, ServeConfig, create_app
-from pipeinfer.server.jobs import RequestError
+from pipeinfer.feeders.generator import Generator
+from pipeinfer.frontend.app import ServeConfig, create_app
+from pipeinfer.serving.job import RequestError
 
 N_VOCAB = 300
 BOS = 299
@@ -256,8 +257,40 @@ def test_n_choices_each_with_its_seed(api):
     assert single["choices"][0]["text"] == r["choices"][1]["text"]
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "ba", "n": 2, "max_tokens": 8}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a random animal."}], "n": 2,
+                              "max_tokens": 8}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Name a random animal."}], "max_tokens": 8}),
+    ("/v1/responses", {"input": "Name a random animal.", "max_output_tokens": 8}),
+])
+def test_a_sampled_request_without_a_seed_draws_a_new_one_and_names_it(api, path, body):
+    """Every API: no seed, a fresh one per request, named in X-Seed (choice j samples with it + j)."""
+    body = {"model": "fake", "temperature": 1.0, **body}
+    seeds = []
+    for _ in range(4):
+        api.session.requests.clear()
+        r = api.client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        seeds.append(int(r.headers["x-seed"]))
+        assert sorted(q.sampling.seed for q in api.session.requests) == [seeds[-1] + j for j in range(body.get("n", 1))]
+    assert len(set(seeds)) == 4
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_seed_drawn_for_a_request_reproduces_its_answer(api, path):
+    body = {"model": "fake", "temperature": 1.0, "max_tokens": 8, "n": 2, "prompt": "ba",
+            "messages": [{"role": "user", "content": "hi"}]}
+    body.pop("prompt" if "chat" in path else "messages")
+    first = api.client.post(path, json=body)
+    seed = int(first.headers["x-seed"])
+    again = api.client.post(path, json={**body, "seed": seed})
+    assert int(again.headers["x-seed"]) == seed
+    assert again.json()["choices"] == first.json()["choices"]
+
+
 def test_prompts_times_n_are_indexed_prompt_major(api):
-    r = complete(api, prompt=["ba", "ki"], max_tokens=5, n=2, temperature=1.0)
+    r = complete(api, prompt=["ba", "ki"], max_tokens=5, n=2, temperature=1.0, seed=0)
     want = [answer_text(ids(p), SamplingParams(1.0, 0, 1.0, j), 5) for p in ("ba", "ki") for j in range(2)]
     assert [(c["index"], c["text"]) for c in r["choices"]] == list(enumerate(want))
 
@@ -354,7 +387,7 @@ def test_no_logprobs_unless_asked(api):
 def answer_events(tokens_per_call: list[list[int]], stops: list[str]) -> list[tuple]:
     """What server.answer.Answer pushes for these on_tokens calls (each after on_logprobs for its tokens) and the
     finish."""
-    from pipeinfer.server.answer import Answer
+    from pipeinfer.serving.answer import Answer
     events: list[tuple] = []
     job = SimpleNamespace(stops=stops, push=events.append, cancelled=threading.Event(), n_predict=99,
                           prompt_tokens=[1], request_id="r", t_queued_s=0.0)
@@ -583,7 +616,8 @@ def openai_client(served):
 def test_the_openai_package_reads_every_shape(openai_client):
     import openai
     c = openai_client
-    r = c.completions.create(model="fake", prompt=["ba", "ki"], max_tokens=6, n=2, temperature=1.0, logprobs=1)
+    r = c.completions.create(model="fake", prompt=["ba", "ki"], max_tokens=6, n=2, temperature=1.0, seed=0,
+                             logprobs=1)
     assert [ch.index for ch in r.choices] == [0, 1, 2, 3] and r.usage.completion_tokens == 24
     assert r.choices[2].text == answer_text(ids("ki"), SamplingParams(1.0, 0, 1.0, 0), 6)
     assert len(r.choices[0].logprobs.tokens) == 6

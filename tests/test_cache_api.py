@@ -10,8 +10,8 @@ import shutil
 import pytest
 
 from api_fakes import scripted_server, say
-from pipeinfer.server import link
-from pipeinfer.server.openai_reply import CHAT, Reply
+from pipeinfer.serving import link
+from pipeinfer.frontend.openai_reply import CHAT, Reply
 
 CACHE_KEYS = {"enabled", "entries", "tokens", "hits", "tokens_reused", "cells_used", "cells"}
 
@@ -162,9 +162,9 @@ def test_a_supervisor_relays_cache_prompt_and_rank0s_prompt_cache(tmp_path):
     from test_link import WAIT_S, FakeSession, LetterTokenizer, attach_rank0, outcome
 
     from pipeinfer.core.verify import SamplingParams
-    from pipeinfer.server.metrics import _Now
-    from pipeinfer.server.resume import StdoutJob
-    from pipeinfer.server.supervisor import Supervisor
+    from pipeinfer.frontend.metrics import _Now
+    from pipeinfer.supervisor.resume import StdoutJob
+    from pipeinfer.supervisor.supervisor import Supervisor
 
     class CachingSession(FakeSession):
         def __init__(self):

@@ -12,7 +12,8 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, Phase, settings
 
 from api_fakes import ScriptedSession, simple_template
-from pipeinfer.server.app import Generator, ServeConfig, create_app
+from pipeinfer.feeders.generator import Generator
+from pipeinfer.frontend.app import ServeConfig, create_app
 
 FUZZ_EXAMPLES = 30
 CALLS: dict[str, list[int]] = {}  # "METHOD path" -> statuses seen (the summary at the end)
@@ -20,8 +21,8 @@ CALLS: dict[str, list[int]] = {}  # "METHOD path" -> statuses seen (the summary 
 
 def _with_hand_read_bodies(raw: dict) -> dict:
     """The published schema, plus request bodies for the routes that validate theirs by hand."""
-    from pipeinfer.server.anthropic_api import CountTokensRequest, MessagesRequest
-    from pipeinfer.server.responses_api import ResponsesRequest
+    from pipeinfer.frontend.anthropic_api import CountTokensRequest, MessagesRequest
+    from pipeinfer.frontend.responses_api import ResponsesRequest
     for path, model in (("/v1/messages", MessagesRequest), ("/v1/messages/count_tokens", CountTokensRequest),
                         ("/v1/responses", ResponsesRequest)):
         op = raw["paths"].get(path, {}).get("post")

@@ -136,7 +136,7 @@ def test_auto_recovery_fills_the_stages_after_the_head(n_ranks, expected, runs_a
 
 def test_head_needs_a_resolved_recovery_factor():
     with pytest.raises(ValueError, match="p_recovery is unresolved"):
-        Head(FakePipeline(target_alone(PROMPT, 8)), GenConfig(p_recovery=None), lambda: 1)
+        Head(GenConfig(p_recovery=None), lambda: 1)
 
 
 def test_pipeinfer_decay_lowers_the_cutoff():

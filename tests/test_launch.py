@@ -201,7 +201,7 @@ def test_supervised_placement_takes_the_hostfiles_settings(tmp_path):
     from dataclasses import replace
 
     from pipeinfer.core.config import Config
-    from pipeinfer.server.supervisor import DraftHost, placement
+    from pipeinfer.supervisor.supervisor import DraftHost, placement
     model = tmp_path / "m.gguf"
     model.write_bytes(b"x" * 1000)
     hf = tmp_path / "hosts"

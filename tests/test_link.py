@@ -16,7 +16,7 @@ import pytest
 from pipeinfer.core.metrics import Stats
 from pipeinfer.core.verify import SamplingParams
 from pipeinfer.core.topology import LayerRange
-from pipeinfer.server import link
+from pipeinfer.serving import link
 
 WAIT_S = 20.0
 
@@ -193,7 +193,7 @@ def outcome(job) -> tuple:
 def attach_rank0(tmp_path, session):
     """run_attached(session) in a thread, connected over a Unix socket in tmp_path: (listener, the accepted
     connection for a Supervisor, the rank-0 thread)."""
-    from pipeinfer.server.attach import run_attached
+    from pipeinfer.feeders.attach import run_attached
     path = str(tmp_path / "rank0.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -209,9 +209,9 @@ def attach_rank0(tmp_path, session):
 def test_the_supervisor_and_rank0_understand_each_other(tmp_path):
     """A Supervisor attached to run_attached (a fake session) over a Unix socket: Ready, a job with every field,
     a resumed job (its replay), a refused one, a cancelled one, and Stop."""
-    from pipeinfer.server.app import _Answer
-    from pipeinfer.server.resume import StdoutJob
-    from pipeinfer.server.supervisor import Supervisor, _Record
+    from pipeinfer.serving.answer import Answer
+    from pipeinfer.supervisor.resume import StdoutJob
+    from pipeinfer.supervisor.supervisor import Supervisor, _Record
     session = FakeSession()
     listener, conn, rank0 = attach_rank0(tmp_path, session)
     fatal: list[str] = []
@@ -234,7 +234,7 @@ def test_the_supervisor_and_rank0_understand_each_other(tmp_path):
         assert stages[1]["n_decoded"] >= 12 and stages[1]["bytes_sent"] >= 1200 and "n_reports" not in stages[1]
 
         resumed = StdoutJob([1], 10, SamplingParams(), "lo", False, as_json=True)
-        rec = _Record(100, resumed, _Answer(resumed, sup.tok), tokens=[letter(0), letter(1), letter(2)])
+        rec = _Record(100, resumed, Answer(resumed, sup.tok), tokens=[letter(0), letter(1), letter(2)])
         with sup._lock:
             sup._records[rec.jid] = rec
             sup._send_job(rec)

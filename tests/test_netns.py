@@ -119,7 +119,7 @@ def test_supervised_server_survives_a_cut_link(models, tmp_path):
         pytest.skip(why)
     import threading
 
-    from pipeinfer.server.supervisor import PROBE_TIMEOUT_S, REJOIN_CHECK_S
+    from pipeinfer.supervisor.supervisor import PROBE_TIMEOUT_S, REJOIN_CHECK_S
     script = str(ROOT / "launch" / "netns-cluster.sh")
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     up = subprocess.run(["bash", script, "up", "3"], capture_output=True, text=True, env=env, timeout=120)

@@ -16,8 +16,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api_fakes import CountingSession, ScriptedSession, serving, simple_template
-from pipeinfer.server.access import Access, error_body, exposure_warning, read_keys
-from pipeinfer.server.app import Generator, ServeConfig, create_app
+from pipeinfer.frontend.access import Access, error_body, exposure_warning, read_keys
+from pipeinfer.feeders.generator import Generator
+from pipeinfer.frontend.app import ServeConfig, create_app
 
 N_CTX = 4096
 KEYS = ("sk-first-key", "sk-second-key")
@@ -98,7 +99,7 @@ def test_metrics_are_the_apps_own():
 
 def test_metrics_of_a_supervisor_and_the_stages():
     """The supervisor's re-forms and lost hosts, and a stage per slot (rank, host), from its load()."""
-    from pipeinfer.server.metrics import ServerMetrics
+    from pipeinfer.frontend.metrics import ServerMetrics
 
     class Sup:
         parallel, fatal, on_done, slots = 2, None, None, ["node-a", "node-b"]
@@ -119,7 +120,7 @@ def test_metrics_of_a_supervisor_and_the_stages():
 
 def test_metrics_of_the_stages_counters():
     """Each stage's counters (load()["stages"], HeadSession.stages' shape) as counters by rank and host."""
-    from pipeinfer.server.metrics import ServerMetrics
+    from pipeinfer.frontend.metrics import ServerMetrics
     stages = [{"rank": 0, "host": "node-a", "n_reports": 0, "n_decoded": 40, "n_tokens": 90, "n_cancelled_before": 0,
                "n_cancelled_mid": 0, "n_kv_txns": 0, "t_busy_s": 1.25, "t_idle_s": 3.5, "bytes_sent": 123_456},
               {"rank": 1, "host": "node-b", "n_reports": 7, "n_decoded": 38, "n_tokens": 85, "n_cancelled_before": 2,
@@ -417,7 +418,7 @@ def test_serve_takes_the_options(tmp_path):
     for option in ("--api-key", "--api-key-file", "--ssl-certfile", "--ssl-keyfile", "--max-body-bytes",
                    "--max-connections", "--stalled-client-timeout"):
         assert option in out.output, option
-    from pipeinfer.server.access import access_of
+    from pipeinfer.frontend.access import access_of
     from pipeinfer.core.errors import UserError
     kw = {"api_key": ("k",), "api_key_file": None, "ssl_certfile": None, "ssl_keyfile": None,
           "max_body_bytes": 4096, "max_connections": 3, "stalled_client_timeout": 9.0}

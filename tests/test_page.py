@@ -20,10 +20,11 @@ from fastapi.testclient import TestClient
 from api_fakes import ScriptedSession, simple_template
 from pipeinfer.core.config import Config
 from pipeinfer.core.topology import LayerRange
-from pipeinfer.server import link
-from pipeinfer.server.app import Generator, ServeConfig, create_app
-from pipeinfer.server.page import STATIC
-from pipeinfer.server.state import ClusterState
+from pipeinfer.serving import link
+from pipeinfer.feeders.generator import Generator
+from pipeinfer.frontend.app import ServeConfig, create_app
+from pipeinfer.frontend.page import STATIC
+from pipeinfer.frontend.state import ClusterState
 
 SHOTS = Path(__file__).resolve().parent.parent / "results" / "page"
 
@@ -137,7 +138,7 @@ def _stage(rank: int, host: str, busy: float, idle: float, n: int = 1) -> dict:
 
 
 def test_busy_share_from_two_readings():
-    from pipeinfer.server.state import busy_share
+    from pipeinfer.frontend.state import busy_share
     old, new = _stage(1, "h", 2.0, 6.0), _stage(1, "h", 5.0, 7.0)
     assert busy_share(old, new) == 0.75          # 3 s busy, 1 s idle in between
     assert busy_share(None, new) == round(5 / 12, 3)  # no earlier reading: since the stage started
@@ -147,7 +148,7 @@ def test_busy_share_from_two_readings():
 
 
 def test_busy_window_takes_the_reading_about_a_window_old():
-    from pipeinfer.server.state import BusyWindow
+    from pipeinfer.frontend.state import BusyWindow
     w = BusyWindow(window_s=5.0)
     assert w.shares([_stage(1, "h", 1.0, 1.0)], now=100.0) == {(1, "h"): 0.5}   # the first: since the start
     assert w.shares([_stage(1, "h", 2.0, 2.0)], now=102.0)[(1, "h")] == 0.5      # 2 s so far: against the first
@@ -174,7 +175,7 @@ def test_each_rank_shows_its_stage_and_busy_share():
 
 
 def _supervisor(tmp_path, phase="serving"):
-    from pipeinfer.server.supervisor import Supervisor
+    from pipeinfer.supervisor.supervisor import Supervisor
     sup = Supervisor(["localhost", "localhost"], Config("t.gguf", mode="iterative"), tok=None,
                      log=lambda _msg: None)
     sup.phase = phase

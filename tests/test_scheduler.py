@@ -14,6 +14,7 @@ from toy import FakePipeline, KvError, ToyDrafter, ToyStage, logits_flat, logits
 from pipeinfer.core.kvplan import PartitionPool, lane_canonical, lane_count, lane_seq_max, plan_partitions
 from pipeinfer.core.protocol import KvOp
 from pipeinfer.core.verify import SamplingParams
+from pipeinfer.ranks.actions import Launch
 from pipeinfer.ranks.head import GenConfig
 from pipeinfer.ranks.scheduler import Request, Scheduler, pipeline_depth
 from pipeinfer.drafters.drafter import Cutoffs
@@ -221,12 +222,12 @@ def test_no_admitted_generation_starves():
     # 3 at once on 4 stages: the oldest speculates; nothing but the room rule keeps it from 8 runs ahead
     sched, pipe, _ = make("pipeinfer", n_parallel=3, n_stages=4, max_in_flight=8, p_recovery=0.0, error_rate=0.0)
     order: list[int] = []
-    launch = sched.launch
+    apply = sched._apply
 
-    def record(g, *a):
-        order.append(id(g))
-        launch(g, *a)
-    sched.launch = record
+    def record(g, actions):
+        order.extend(id(g) for a in actions if isinstance(a, Launch))
+        apply(g, actions)
+    sched._apply = record
     jobs = [(PROMPTS[0], 60, SamplingParams(), 0), (PROMPTS[1], 8, SamplingParams(), 0),
             (PROMPTS[3], 40, SamplingParams(), 0), (PROMPTS[4], 30, SamplingParams(), 0)]
     assert_exact(submit_all(sched, jobs))

@@ -97,6 +97,22 @@ def test_sampled_completion_follows_the_seed(server, models):
         assert got == generate_text(models, 16, "--temp", "2.0", "--top-p", "0.95", "--seed", str(seed))
 
 
+def test_a_sampled_request_without_a_seed_is_a_new_draw_that_its_seed_reproduces(server):
+    """The real openai client: four sampled chat requests without a seed each get their own seed (X-Seed) and not
+    all the same answer; each seed, sent back, gives its answer again."""
+    c = client(server)
+    ask = dict(model="synthetic", messages=[{"role": "user", "content": "Name a random animal."}], max_tokens=12,
+               temperature=2.0)
+    drawn = []
+    for _ in range(4):
+        raw = c.chat.completions.with_raw_response.create(**ask)
+        drawn.append((int(raw.headers["x-seed"]), raw.parse().choices[0].message.content))
+    assert len({seed for seed, _ in drawn}) == 4
+    assert len({text for _, text in drawn}) > 1, drawn
+    for seed, text in drawn[:2]:
+        assert c.chat.completions.create(**ask, seed=seed).choices[0].message.content == text
+
+
 def test_chat_streaming_and_not(server):
     c = client(server)
     msgs = [{"role": "user", "content": PROMPT}]

@@ -48,8 +48,8 @@ def test_a_resumed_answer_is_timed_across_its_jobs_and_says_when_nothing_was_dra
     """The last job's Stats of a resumed request: its own clock and tokens only (its t_first_s unset when it sent
     one token, so a ttft of minus the clock); resumed_stats times the whole answer as the supervisor saw it."""
     from pipeinfer.core.metrics import Stats
-    from pipeinfer.server.answer import drafts_said
-    from pipeinfer.server.supervisor import _Record, resumed_stats
+    from pipeinfer.serving.answer import drafts_said
+    from pipeinfer.supervisor.supervisor import _Record, resumed_stats
     last_job = Stats(n_generated=1, n_drafted=4, n_draft_accepted=3, t_start_s=5000.0, t_prompt_done_s=5000.5,
                      t_first_s=0.0, t_last_s=5001.0)
     rec = _Record(1, None, None, tokens=list(range(12)), n_resumes=1, t_sent=10.0, t_token1=10.5, t_token2=10.7,
@@ -226,7 +226,7 @@ def test_rejoin_takes_a_lost_host_back_while_idle(models, refs, tmp_path, lost):
     re-forms without it (on 2 slots; or with the draft beside rank 0) and the answer completes; once no request is
     in flight, the host (this machine, so it answers) is taken back and the job re-planned with it; /health is ok
     again and the next answer is the no-failure one."""
-    from pipeinfer.server.supervisor import REJOIN_CHECK_S
+    from pipeinfer.supervisor.supervisor import REJOIN_CHECK_S
     if lost == "slot":
         args, n_slots = ["--np", "3", "--mode", "iterative"], 3
     else:

@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:  # run as a script (the fake rank 0, the wrapped C
 from pipeinfer.core.errors import UserError  # noqa: E402
 from pipeinfer.core.metrics import Stats  # noqa: E402
 from pipeinfer.core.verify import SamplingParams  # noqa: E402
-from pipeinfer.server import link  # noqa: E402
+from pipeinfer.serving import link  # noqa: E402
 
 TOKEN_S = 0.01          # the fake rank 0's pace: one token per job this often
 WAIT_S = 20.0           # every wait in these tests is bounded by this
@@ -137,7 +137,7 @@ class Harness:
     """A Supervisor on two local slots with a FakeLauncher; what it logs, and each on_fatal call."""
 
     def __init__(self, monkeypatch, launcher: FakeLauncher, slots=("localhost", "localhost"), rejoin=False):
-        from pipeinfer.server import supervisor
+        from pipeinfer.supervisor import supervisor
         monkeypatch.setattr(supervisor, "_launch_command", launcher)
         monkeypatch.setattr(supervisor, "REJOIN_CHECK_S", 0.05)
         self.launcher, self.logs, self.fatal_calls = launcher, [], []
@@ -146,7 +146,7 @@ class Harness:
                                          on_fatal=self.fatal_calls.append, rejoin=rejoin)
 
     def job(self, n_predict: int):
-        from pipeinfer.server.resume import StdoutJob
+        from pipeinfer.supervisor.resume import StdoutJob
         return StdoutJob([FIRST], n_predict, SamplingParams(), "a", False, as_json=True)
 
     def submit(self, n_predict: int):
@@ -186,7 +186,7 @@ def wait_for(predicate, what: str) -> None:
 
 def assert_failed_with(h: Harness, jobs, cause: str) -> None:
     """Every job failed naming `cause`; the supervisor is fatal with it, said so once, and left no job running."""
-    from pipeinfer.server.app import RequestError
+    from pipeinfer.serving.job import RequestError
     for job in jobs:
         kind, message = outcome(job)
         assert kind == "error" and message == f"the pipeline failed: {cause}", message
@@ -270,7 +270,7 @@ class HttpFront:
     def __init__(self, sup):
         import uvicorn
 
-        from pipeinfer.server.app import ServeConfig, create_app
+        from pipeinfer.frontend.app import ServeConfig, create_app
         app = create_app(ServeConfig("fake", 4096, 0, 16), sup, LetterTokenizer(), lambda messages: "")
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -371,7 +371,7 @@ def _health(port: int) -> dict | None:
 def _serve_with(spec: str, argv: list[str]) -> None:
     """The pipeinfer CLI with supervisor._launch_command a FakeLauncher (spec: FakeLauncher.from_json)."""
     from pipeinfer.cli.main import entry
-    from pipeinfer.server import supervisor
+    from pipeinfer.supervisor import supervisor
     supervisor._launch_command = FakeLauncher.from_json(spec)
     sys.argv = ["pipeinfer", *argv]
     entry()

@@ -7,9 +7,9 @@ import pytest
 from helpers import real_model
 
 from pipeinfer.engine.chat import render_chat, template_messages
-from pipeinfer.server.tools import (HERMES, CallArgs, CallEnd, CallFailed, CallStart, Text, ToolCallParser,
-                                    ToolError, check_tools, choice_of, from_anthropic_messages,
-                                    from_anthropic_tools, new_call_id, prompt_tools, tool_constraint, tool_format)
+from pipeinfer.frontend.tools import (HERMES, CallArgs, CallEnd, CallFailed, CallStart, Text, ToolCallParser,
+                                      ToolError, check_tools, choice_of, from_anthropic_messages,
+                                      from_anthropic_tools, new_call_id, prompt_tools, tool_constraint, tool_format)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city",

@@ -144,11 +144,11 @@ def _generate(kw: dict) -> None:
 
 def _generate_supervised(args: GenerateArgs) -> None:
     """--np N / --hostfile HOSTS outside mpiexec: the generation survives a lost rank (resume.py)."""
-    from ..server.resume import batch_supervised, generate_supervised
+    from ..supervisor.resume import batch_supervised, generate_supervised
     if not (args.np or args.hostfile):
         raise UserError("--resume-on-failure and --rejoin need --np N or --hostfile HOSTS, run without mpiexec: the "
                         "process that resumes must outlive the MPI job")
-    from ..server.supervisor import placement
+    from ..supervisor.supervisor import placement
     where = placement(args.np, args.hostfile, args.config, sys.argv)
     stop = StopSignals().install()
     if args.prompts:
@@ -161,7 +161,7 @@ def _generate_batch(args: GenerateArgs) -> None:
     from mpi4py import MPI
 
     from ..ranks.startup import open_session
-    from ..server.batch import run_batch
+    from ..feeders.batch import run_batch
     if args.prompt or args.prompt_file or args.prompt_name or args.as_json:
         raise UserError("--prompts FILE replaces -p/-f/--prompt-name and prints JSON lines (no --json)")
     if args.config.mode == "speculative":
@@ -348,7 +348,7 @@ class ServeArgs:
     def of(cls, kw: dict) -> ServeArgs:
         if kw["drafter"] == "replay":
             raise UserError("--drafter replay is a benchmark instrument for generate, not for serve")
-        from ..server.access import access_of
+        from ..frontend.access import access_of
         config = config_from_options(kw, n_predict=kw["n_predict"], sampling=SamplingParams(),
                                      stop_at_eos=not kw["ignore_eos"], parallel=kw["parallel"])
         return cls(config, kw["model"], access=access_of(kw),
@@ -372,7 +372,7 @@ def _serve(kw: dict) -> None:
     session = open_session(args.config)
     if session is None:
         return
-    from ..server.app import Generator
+    from ..feeders.generator import Generator
 
     def on_done(job, stats, finish):
         _served_row(args, session.ranges, job, stats, finish)
@@ -402,7 +402,7 @@ def _attach(kw: dict) -> None:
     from mpi4py import MPI  # noqa: F401  first: an error then ends the whole job in one line (guard.die)
 
     from ..ranks.startup import open_session
-    from ..server.attach import run_attached
+    from ..feeders.attach import run_attached
     try:
         config = Config.from_json(os.environ[CONFIG_ENV])
     except (KeyError, ValueError) as e:
@@ -422,7 +422,7 @@ def _supervise(args: ServeArgs) -> None:
     """`serve --np N` / `--hostfile HOSTS` outside mpiexec: the HTTP server here, the pipeline a child job that is
     re-formed on the slots that remain when a rank is lost (supervisor.py)."""
     from ..engine.tokenizer import Tokenizer
-    from ..server.supervisor import Supervisor, placement, resumed_status
+    from ..supervisor.supervisor import Supervisor, placement, resumed_status
     where = placement(args.np, args.hostfile, args.config, sys.argv)
     slots = where.slots
     _check_port_free(args.host, args.port)
@@ -447,19 +447,19 @@ def _supervise(args: ServeArgs) -> None:
 
 
 def _serve_http(args: ServeArgs, generator, tok, ranks: str, stop: StopSignals) -> None:
-    """The OpenAI-compatible app over `generator` (server.Generator, or the Supervisor) on --host/--port until a
+    """The OpenAI-compatible app over `generator` (feeders/generator.Generator, or the Supervisor) on --host/--port until a
     stop signal; `ranks` says where the pipeline runs. A stop asked for while the models loaded: no server."""
     import uvicorn
 
     from ..engine.tokenizer import apply_chat
-    from ..server.app import ServeConfig, create_app
+    from ..frontend.app import ServeConfig, create_app
     model_id = _model_id(args)
     config = args.config
     app = create_app(ServeConfig(model_id, config.n_ctx, cells_reserve(config, n_target_ranks(config)), config.n_predict, webui=args.webui),
                      generator, tok, lambda messages: apply_chat(tok, messages), access=args.access)
     if stop.requested:
         return
-    from ..server.access import exposure_warning
+    from ..frontend.access import exposure_warning
     scheme, keyed = ("https" if args.ssl_certfile else "http"), bool(args.access.api_keys)
     print(f"[pipeinfer] serving '{model_id}' on {scheme}://{args.host}:{args.port}/v1 (mode {config.mode}, {ranks}, "
           f"{generator.parallel} request(s) at once{', API key required' if keyed else ''}); Ctrl-C stops",

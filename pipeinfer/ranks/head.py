@@ -51,7 +51,7 @@ from ..core.verify import (
     verify,
 )
 from ..drafters.drafter import Cutoffs, Drafter, DraftNode, main_chain
-from .pipeline import Pipeline
+from .actions import Action, Cancel, EditKv, Launch
 from .rules import RunRules
 from .shape import add_siblings, choose_draft_len, choose_siblings, draft_cost_fit, fixed_siblings
 
@@ -155,7 +155,8 @@ class ChainEntry:
 
 class Head:
     """One generation's part of the loop of the module docstring (scheduler.py drives it, alone or beside others,
-    over a Pipeline or the twin's).
+    over a Pipeline or the twin's). It never calls the pipeline: each step returns the actions it decided
+    (actions.py: launches, cancels, KV edits), which the scheduler applies.
 
     Why one class: it is the paper's algorithm as one state machine. Launching, verifying, committing and
     cancelling all read and change the same few pieces of state together (the accepted tokens, the end of
@@ -166,7 +167,7 @@ class Head:
     kvplan.py, choose_draft_len) already live outside it.
     """
 
-    def __init__(self, pipe: Pipeline, cfg: GenConfig, new_run_id: Callable[[], int], *,
+    def __init__(self, cfg: GenConfig, new_run_id: Callable[[], int], *,
                  eos: set[int] = frozenset(), on_tokens: Callable[[list[int]], None] | None = None,
                  on_progress: Callable[[Stats, int], None] | None = None,
                  should_stop: Callable[[], bool] | None = None,
@@ -174,7 +175,8 @@ class Head:
                  rules: RunRules | None = None, top_logprobs: int | None = None,
                  on_logprobs: Callable[[list[TokenLogprob]], None] | None = None):
         check_gen_config(cfg)
-        self.pipe, self.cfg = pipe, cfg
+        self.cfg = cfg
+        self._out: list[Action] = []       # what this step decided, for the scheduler to apply (_decided)
         self.pool: PartitionPool | None = None
         self.drafter: Drafter | None = None  # lent by the scheduler while this generation may speculate
         self.eos = set(eos)
@@ -246,74 +248,91 @@ class Head:
         self.stats.t_start_s = self.clock()
         self.stats.n_prompt = len(prompt)
         self._n_prompt = len(prompt) + len(replay)  # where this start's new tokens begin in `accepted`
-        self.pipe.set_sampling(self.cfg.sampling, self.top_logprobs)
         self._plan_prompt(prompt, list(replay), cached)
         if self.drafter is not None:
             self.drafter.prefill(self.accepted)  # while the target's stages process the prompt
 
-    def feed(self) -> None:
+    def feed(self) -> list[Action]:
         """Launch the prompt's next run."""
         nodes, pre_ops = self.pending.popleft()
         run = TreeRun(self._new_run_id(), nodes)
         self._launch(Flight(run, speculative=False), pre_ops)
         self.prompt_in_flight.add(run.run_id)
         self.n_kv0 = run.nodes[-1].pos + 1
+        return self._decided()
+
+    def _decided(self) -> list[Action]:
+        out, self._out = self._out, []
+        return out
 
     @property
     def n_planned(self) -> int:
         """Positions in sequence 0 once the prompt's pending runs are fed too."""
         return self.n_kv0 + sum(len(nodes) for nodes, _ in self.pending)
 
-    def take(self, res) -> None:
+    def take(self, res) -> list[Action]:
         """One result of this generation's runs: verify and commit it, cancel what it made useless, and keep
-        the next token covered."""
-        self.handle(res)
+        the next token covered (once done, cancel everything left in flight)."""
+        self._handle(res)
         if self.asynchronous and self.cfg.mode == "pipeinfer" and not self._quiet() and self.drafter is not None:
             self._steer_drafter()  # re-root it now, before this rank's next decode
         if self.should_stop is not None and self.should_stop():
             self.done = True  # a client left or a stop string matched: cancel what is in flight
-        if not self.done:
-            self.cover()
+        if self.done:
+            self._cancel_all()
+        else:
+            self._cover()
+        return self._decided()
 
     def result(self) -> list[int]:
         """The generated tokens (after the prompt and any replayed ones)."""
         return self.accepted[self._n_prompt:self._n_prompt + self.stats.n_generated]
 
-    def speculate(self, room: Callable[[], bool] = lambda: True) -> None:
-        """Keep the pipeline full while no result is waiting (continuous, asynchronous speculation)."""
+    @property
+    def may_speculate(self) -> bool:
+        """Whether a speculative micro-batch could go out now: a partition is free and the prompt is all fed."""
+        return self.drafter is not None and self.pool.n_free > 0 and not self.pending
+
+    @property
+    def speculating(self) -> bool:
+        """Whether a speculative run of this generation is in flight."""
+        return any(f.speculative for f in self.flights.values())
+
+    def speculate_once(self) -> list[Action] | None:
+        """Draft one micro-batch on top of the current speculation and launch it if the draft is confident
+        (the cutoff then rises by p_recovery); if not, lower the cutoff by p_decay and return no actions, or
+        return None: nothing more to speculate now (not continuous and a run is out, the cutoff reached 1,
+        the quiet first token, far enough ahead, or an unconfident draft without decay)."""
         cut = self.cfg.cut
-        while (self.pool.n_free > 0 and not self.pending and (not self.pipe.result_ready() or self._single_rank_turn())
-               and room()):
-            if not self.cfg.continuous and any(f.speculative and not f.cancelled for f in self.flights.values()):
-                return
-            p_accept = max(0.0, cut.p_accept + self.adjust)
-            if p_accept >= 1.0:
-                return
-            if self._quiet():
-                return
-            context = self._spec_context()
-            if len(context) >= min(self._n_prompt + self.cfg.n_predict, self.cfg.n_ctx - cut.n_max):
-                return  # far enough ahead
-            t0 = self.clock()
-            self._n_draft = self._draft_len()
-            if self.asynchronous:  # what the drafter beside us has drafted on this chain so far
-                tree, unconfident = self._steer_drafter(context).ready(context, p_accept, self._n_draft)
-            else:
-                tree = self.drafter.draft(context, Cutoffs(p_accept, max(0.0, cut.p_split + self.adjust),
-                                                           self._n_draft, cut.max_branches))
-                unconfident = not tree
-                self.stats.n_draft_calls += 1
-                if tree:
-                    self._draft_obs.append((len(tree), (self.clock() - t0) * 1e3))
+        if not self.cfg.continuous and any(f.speculative and not f.cancelled for f in self.flights.values()):
+            return None
+        p_accept = max(0.0, cut.p_accept + self.adjust)
+        if p_accept >= 1.0 or self._quiet():
+            return None
+        context = self._spec_context()
+        if len(context) >= min(self._n_prompt + self.cfg.n_predict, self.cfg.n_ctx - cut.n_max):
+            return None  # far enough ahead
+        t0 = self.clock()
+        self._n_draft = self._draft_len()
+        if self.asynchronous:  # what the drafter beside us has drafted on this chain so far
+            tree, unconfident = self._steer_drafter(context).ready(context, p_accept, self._n_draft)
+        else:
+            tree = self.drafter.draft(context, Cutoffs(p_accept, max(0.0, cut.p_split + self.adjust),
+                                                       self._n_draft, cut.max_branches))
+            unconfident = not tree
+            self.stats.n_draft_calls += 1
             if tree:
-                if cut.max_branches > 1 and all(n.branches == {0} for n in tree):
-                    tree = self._with_siblings(tree, max(0.0, cut.p_split + self.adjust))
-                self._launch_spec(tree, context)
-                self.adjust += self.cfg.p_recovery
-            elif unconfident and self.cfg.p_decay > 0 and p_accept > 0:
-                self.adjust -= self.cfg.p_decay
-            else:
-                return
+                self._draft_obs.append((len(tree), (self.clock() - t0) * 1e3))
+        if tree:
+            if cut.max_branches > 1 and all(n.branches == {0} for n in tree):
+                tree = self._with_siblings(tree, max(0.0, cut.p_split + self.adjust))
+            self._launch_spec(tree, context)
+            self.adjust += self.cfg.p_recovery
+            return self._decided()
+        if unconfident and self.cfg.p_decay > 0 and p_accept > 0:
+            self.adjust -= self.cfg.p_decay
+            return []
+        return None
 
     def _draft_len(self) -> int:
         """Draft tokens for the next micro-batch: choose_draft_len on the measured costs and the running
@@ -378,12 +397,12 @@ class Head:
         return (self.cfg.quiet_first and self.asynchronous and not self.drafter.remote
                 and self.stats.n_generated == 1 and not self.done)
 
-    def _single_rank_turn(self) -> bool:
-        # one rank: results are ready at once, so speculate one micro-batch per round instead of never
-        return not self.pipe.distributed and not any(f.speculative for f in self.flights.values())
-
-    def handle(self, res) -> None:
+    def handle(self, res) -> list[Action]:
         """Verify the oldest run, commit what it proved, cancel what it made useless."""
+        self._handle(res)
+        return self._decided()
+
+    def _handle(self, res) -> None:
         fl = self.flights.pop(res.run_id)
         self.prompt_in_flight.discard(res.run_id)
         verdict, m_before = None, len(self.accepted)
@@ -398,7 +417,8 @@ class Head:
                 branch_seq = next(s for s in node.seq_ids if s != self.canon) if node.pos >= self.n_kv0 else None
                 end = max(end, node.pos + 1)
             starts = retire_starts([(n.pos, n.seq_ids) for n in fl.run.nodes], self.canon)
-            self.pipe.kv(commit_ops(branch_seq, self.n_kv0, end, fl.seqs, starts, self.pool.garbage_seq, self.canon))
+            self._out.append(EditKv(commit_ops(branch_seq, self.n_kv0, end, fl.seqs, starts, self.pool.garbage_seq,
+                                               self.canon)))
             self.n_kv0 = end
             self.pool.give_back(fl.partition)
         if len(self.accepted) > m_before:  # the chain's drafts these positions decided (before _prune_chain)
@@ -416,9 +436,13 @@ class Head:
         self._prune_chain()
         self._cancel_useless()
 
-    def cover(self) -> None:
+    def cover(self) -> list[Action]:
         """Make sure some run in flight predicts the token after the last accepted one (the prompt's last run does,
         once fed)."""
+        self._cover()
+        return self._decided()
+
+    def _cover(self) -> None:
         if self.pending:
             return
         m = len(self.accepted)
@@ -513,7 +537,8 @@ class Head:
                       np.array([n.row >= 0 for n in run.nodes], dtype=np.int32), pre_ops)
         self.flights[run.run_id] = fl
         rules = self.rules.for_run(run, self.accepted) if self.rules is not None else None
-        self.pipe.launch(run.run_id, batch, fl.speculative, fl.parent_id, rules)
+        self._out.append(Launch(run.run_id, batch, fl.speculative, fl.parent_id, (self.cfg.sampling, self.top_logprobs),
+                                rules))
         self.stats.n_runs += 1
 
     # ================================================================ bookkeeping
@@ -577,10 +602,10 @@ class Head:
         if dead:
             self.stats.n_cancelled += len(dead)
             if self.cfg.cancel:
-                self.pipe.cancel(dead)
+                self._out.append(Cancel(tuple(dead)))
             self._prune_chain()
 
-    def cancel_all(self) -> None:
+    def _cancel_all(self) -> None:
         """Cancel every speculative run in flight and forget the prompt's runs not launched (the generation is
         over)."""
         self.pending.clear()
@@ -588,4 +613,4 @@ class Head:
         for rid in left:
             self.flights[rid].cancelled = True
         if left and self.cfg.cancel:
-            self.pipe.cancel(left)
+            self._out.append(Cancel(tuple(left)))

@@ -51,6 +51,7 @@ from ..core.metrics import Stats
 from ..core.prefixcache import Entry, PrefixCache, whole_chunks
 from ..core.protocol import compact, kv_ops, rm
 from ..core.verify import SamplingParams
+from .actions import Action, Cancel, EditKv, Launch, Sampling
 from .head import GenConfig, Head, check_gen_config
 
 # generations at once by default, per stage (`serve`/`generate --prompts` --parallel): one per stage would keep
@@ -114,37 +115,6 @@ class _Gen:
     lane: int
 
 
-class _LanePipe:
-    """What one generation's Head sees of the shared pipeline: its launches are recorded as its own, and its
-    sampling parameters go down the pipeline (in order with the runs) only before a run of its own."""
-
-    def __init__(self, sched: Scheduler, lane: int):
-        self.sched, self.lane = sched, lane
-        self.sampling: tuple[SamplingParams, int | None] = (SamplingParams(), None)
-
-    @property
-    def distributed(self) -> bool:
-        return self.sched.pipe.distributed
-
-    def set_sampling(self, sp: SamplingParams, top_logprobs: int | None = None) -> None:
-        self.sampling = (sp, top_logprobs)
-
-    def launch(self, run_id: int, batch, speculative: bool, parent_id: int, rules=None) -> None:
-        self.sched.launch(self.lane, run_id, batch, speculative, parent_id, self.sampling, rules)
-
-    def kv(self, ops) -> None:
-        self.sched.pipe.kv(ops)
-
-    def cancel(self, run_ids: list[int]) -> None:
-        self.sched.pipe.cancel(run_ids)
-
-    def result_ready(self) -> bool:
-        return self.sched.pipe.result_ready()
-
-    def next_result(self):
-        raise RuntimeError("internal: a generation under the scheduler takes results from it")
-
-
 @dataclass
 class SchedulerStats:
     n_admitted: int = 0
@@ -188,10 +158,9 @@ class Scheduler:
         self.waiting: deque[tuple[int, Request, object]] = deque()  # (number, request, its RunRules or None)
         self.gens: list[_Gen] = []            # admission order
         self.owner: dict[int, _Gen] = {}      # run id -> the generation that launched it
-        self._on_lane: dict[int, _Gen] = {}   # slot -> the generation in it
         self.holder: _Gen | None = None       # the generation the drafter is lent to
         self._run_id = first_run_id
-        self._sampling_sent: tuple[SamplingParams, int | None] | None = None
+        self._sampling_sent: Sampling | None = None
         self._n_requests = 0
         self.stats = SchedulerStats()
 
@@ -249,7 +218,7 @@ class Scheduler:
         self._feed()
         holder = self._lease()
         if holder is not None and not holder.head.done and self.cfg.mode == "pipeinfer":
-            holder.head.speculate(self._room())
+            self._speculate(holder)
             if holder.head.asynchronous and not self.pipe.result_ready():
                 holder.head.drafter.wait(self.pipe.result_ready)  # a draft or a result, whichever comes first
                 if not self.pipe.result_ready():
@@ -279,12 +248,11 @@ class Scheduler:
     def _start(self, num: int, req: Request, rules) -> None:
         lane = self._clean.popleft()
         cfg = replace(self.cfg, n_predict=req.n_predict, sampling=req.sampling)
-        head = Head(_LanePipe(self, lane), cfg, self._new_run_id, eos=self.eos, on_tokens=req.on_tokens,
+        head = Head(cfg, self._new_run_id, eos=self.eos, on_tokens=req.on_tokens,
                     on_progress=req.on_progress, should_stop=req.should_stop, clock=self.clock,
                     canon=self._canon[lane], rules=rules, top_logprobs=req.decoding.top_logprobs,
                     on_logprobs=req.on_logprobs)
         g = _Gen(req, head, lane)
-        self._on_lane[lane] = g
         self.gens.append(g)
         self.stats.n_admitted += 1
         self.stats.max_active = max(self.stats.max_active, len(self.gens))
@@ -295,7 +263,7 @@ class Scheduler:
             start = self.cache.find(req.prompt, [(seq, h.req.prompt[:h.head.n_planned]) for seq, h in running.items()])
             if start is not None and start.seq in running:  # the copy must follow the chunks it copies at every stage
                 while running[start.seq].head.n_kv0 < start.n:
-                    running[start.seq].head.feed()
+                    self._apply(running[start.seq], running[start.seq].head.feed())
         # in the chunks it takes alone (prompt_chunk, from position 0): other chunks change the numerics
         head.start(req.prompt, req.replay, cached=(start.seq, start.n) if start else None)
         head.stats.t_queue_s = max(0.0, head.stats.t_start_s - req.t_queued_s)
@@ -307,7 +275,8 @@ class Scheduler:
             pending = [g for g in self.gens if g.head.pending]
             if not pending or sum(len(g.head.prompt_in_flight) for g in self.gens) >= self.n_stages:
                 return
-            min(pending, key=lambda g: len(g.head.pending)).head.feed()
+            g = min(pending, key=lambda g: len(g.head.pending))
+            self._apply(g, g.head.feed())
 
     def _cells_short(self, newcomer: int = 0) -> bool:
         """Whether one more round's runs might not fit: a token per generation and the speculation, and the cells a
@@ -324,7 +293,8 @@ class Scheduler:
         still here, repacked (one that ended while its runs were collected keeps its cells: it is finished after)."""
         while self.pipe.in_flight:
             res = self.pipe.next_result()
-            self.owner.pop(res.run_id).head.handle(res)
+            g = self.owner.pop(res.run_id)
+            self._apply(g, g.head.handle(res))
         live = [self._canon[g.lane] for g in self.gens]
         kept: list[Entry] = []
         if self.cache is not None:  # the entries that fit beside what the generations here and the next may need
@@ -348,7 +318,7 @@ class Scheduler:
         for g in [g for g in self.gens if g.head.done]:
             self._finish(g)
         for g in self.gens:
-            g.head.cover()
+            self._apply(g, g.head.cover())
 
     # ================================================================ the prompt cache
     def _drop(self, e: Entry) -> None:
@@ -402,12 +372,24 @@ class Scheduler:
             self.holder = want
         return want
 
-    def _room(self) -> Callable[[], bool]:
+    def _speculate(self, g: _Gen) -> None:
+        """Keep the pipeline full while no result is waiting (continuous, asynchronous speculation): the holder's
+        micro-batches, one by one, each sent as soon as it is drafted."""
+        head = g.head
+        while head.may_speculate and self._room() and (not self.pipe.result_ready() or self._single_rank_turn(head)):
+            actions = head.speculate_once()
+            if actions is None:
+                return
+            self._apply(g, actions)
+
+    def _room(self) -> bool:
         """Whether the holder may launch one more speculative run now: alone, while the drafter keeps up; beside
         others, only while fewer runs are in flight than the pipeline's depth (the stages would idle)."""
-        if len(self.gens) == 1:
-            return lambda: True
-        return lambda: len(self.pipe.in_flight) < self.depth
+        return len(self.gens) == 1 or len(self.pipe.in_flight) < self.depth
+
+    def _single_rank_turn(self, head: Head) -> bool:
+        # one rank: results are ready at once, so speculate one micro-batch per round instead of never
+        return not self.pipe.distributed and not head.speculating
 
     # ================================================================ runs and results
     def _new_run_id(self) -> int:
@@ -418,22 +400,25 @@ class Scheduler:
     def last_run_id(self) -> int:
         return self._run_id
 
-    def launch(self, lane: int, run_id: int, batch, speculative: bool, parent_id: int,
-               sampling: tuple[SamplingParams, int | None], rules=None) -> None:
-        if sampling != self._sampling_sent:  # the last stage draws this generation's tokens by its parameters
-            self.pipe.set_sampling(*sampling)
-            self._sampling_sent = sampling
-        self.owner[run_id] = self._on_lane[lane]
-        self.pipe.launch(run_id, batch, speculative, parent_id, rules)
+    def _apply(self, g: _Gen, actions: list[Action]) -> None:
+        """The one place the pipeline is driven: a generation's actions, in the order it decided them."""
+        for a in actions:
+            if isinstance(a, Launch):
+                if a.sampling != self._sampling_sent:  # the last stage draws this generation's tokens by these
+                    self.pipe.set_sampling(*a.sampling)
+                    self._sampling_sent = a.sampling
+                self.owner[a.run_id] = g
+                self.pipe.launch(a.run_id, a.batch, a.speculative, a.parent_id, a.rules)
+            elif isinstance(a, Cancel):
+                self.pipe.cancel(list(a.run_ids))
+            elif isinstance(a, EditKv):
+                self.pipe.kv(a.ops)
+            else:
+                raise TypeError(f"internal: unknown action {a!r}")
 
     def _take(self, res) -> None:
         g = self.owner.pop(res.run_id)
-        if g.head.done:
-            g.head.handle(res)
-            return
-        g.head.take(res)
-        if g.head.done:
-            g.head.cancel_all()
+        self._apply(g, g.head.handle(res) if g.head.done else g.head.take(res))
 
     def _finish(self, g: _Gen) -> None:
         """Every run of a finished generation is back: deliver its answer; its slot holds its prompt as a cache
@@ -442,7 +427,6 @@ class Scheduler:
             g.head.give_back()
             self.holder = None
         self.gens.remove(g)
-        del self._on_lane[g.lane]
         entry = None
         if self.cache is not None and g.req.cache_prompt:
             # a generation that ended before its prompt's last chunk went out holds only the chunks launched

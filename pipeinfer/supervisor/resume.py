@@ -109,7 +109,7 @@ def batch_supervised(args, where, stop, results_row, write_row) -> None:
     --parallel of them at once), each answer a JSON line as it finishes (batch.py's, with "resumed": how many
     times the job re-formed under it), and the jobs in flight resumed where a rank is lost."""
     from ..engine.tokenizer import Tokenizer, apply_chat
-    from .batch import answer_line, read_batch
+    from ..feeders.batch import answer_line, read_batch
     from .supervisor import resumed_status
     prompts = read_batch(args.prompts, chat=True if args.chat is None else args.chat,
                          n_predict=args.config.n_predict, sampling=args.config.sampling)

@@ -19,7 +19,7 @@ from ..core.decoding import Decoding
 from ..core.verify import SamplingParams
 from ..wire.hosts import host_name
 from ..wire.liveness import available_memory
-from .link import STAGES_EVERY_S, Cancel, Done, Job, JobError, Link, Ready, Stages, Stop, Tokens
+from ..serving.link import STAGES_EVERY_S, Cancel, Done, Job, JobError, Link, Ready, Stages, Stop, Tokens
 from .pump import pump
 
 

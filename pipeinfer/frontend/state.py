@@ -211,7 +211,7 @@ def _hosts(ranks: list[dict], mem: dict) -> list[dict]:
 
 
 class ClusterState:
-    """GET /state for one app: its generator (server.Generator or the supervisor), its meter, its event log."""
+    """GET /state for one app: its generator (feeders/generator.Generator or the supervisor), its meter, its event log."""
 
     def __init__(self, cfg, generator):
         self.cfg, self.generator, self.meter = cfg, generator, Meter()

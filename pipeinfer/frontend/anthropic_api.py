@@ -42,7 +42,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .jobs import JobStream, RequestError, ServeConfig, check_model
+from ..serving.job import RequestError
+from .submit import JobStream, ServeConfig, check_model, with_seed
 from .tools import (CallArgs, CallEnd, CallFailed, CallStart, Text, ToolError, from_anthropic_messages,
                     from_anthropic_tools, new_call_id)
 from .turn import Block, Conversation, Outcome, Turn, arguments_object, fold, render
@@ -276,8 +277,8 @@ def register_anthropic(app: FastAPI, cfg: ServeConfig, generator, tokenizer, app
             await turn.start(generator, request)
             reply = MessageReply(cfg.model_id, turn)
             if req.stream:
-                return JobStream(reply.stream(), [turn.job], headers=SSE_HEADERS)
-            return await reply.whole()
+                return with_seed(JobStream(reply.stream(), [turn.job], headers=SSE_HEADERS), turn.settings.seed)
+            return with_seed(await reply.whole(), turn.settings.seed)
         return await guarded(work)
 
     @app.post("/v1/messages/count_tokens")

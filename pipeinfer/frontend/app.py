@@ -8,10 +8,10 @@ the context: llama-server's `meta` and vLLM's `max_model_len`), GET /health, and
 does not fit the context, 404 for an unknown model or route, 405 for a wrong method, 503 + Retry-After when the
 queue is full, 500 when the pipeline failed.
 
-Threads on rank 0: uvicorn's event loop takes requests and turns each into jobs (jobs.py: one per choice); one
-generation thread (generator.py) owns the pipeline and runs queued jobs first come first served: one at a time
+Threads on rank 0: uvicorn's event loop takes requests and turns each into jobs (submit.py: one per choice); one
+generation thread (feeders/generator.py) owns the pipeline and runs queued jobs first come first served: one at a time
 (--parallel 1), or up to N at once through the scheduler (ranks/scheduler.py: --parallel N). Text goes back to the
-request's handler through an asyncio queue (answer.py). A client that disconnects (or a stop string that matches)
+request's handler through an asyncio queue (serving/answer.py). A client that disconnects (or a stop string that matches)
 sets the job's stop flag: the head stops launching, cancels its runs in flight through the pipeline's
 cancellation, and collects them, so no run or KV cell is left behind; each generation starts from an empty KV
 cache on every stage (ranks/startup.HeadSession), or, with the prompt cache (--cache-prompt, and the request's
@@ -19,8 +19,8 @@ cache on every stage (ranks/startup.HeadSession), or, with the prompt cache (--c
 never another request's answer. /health shows the cache (`prompt_cache`). The other ranks serve the pipeline as
 they do for `generate`.
 
-Modules, downward: jobs.py (requests as jobs, their events) <- answer.py (a job's text and log-probabilities on
-the way out) <- generator.py (the generation thread) <- turn.py (a conversation with tools: its prompt, the tool
+Modules, downward: serving/job.py (requests as jobs, their events) <- serving/answer.py (a job's text and
+log-probabilities on the way out) <- feeders/generator.py (the generation thread) <- submit.py <- turn.py (a conversation with tools: its prompt, the tool
 calls parsed from its answers) <- openai_api.py / openai_reply.py <- this one (the routes).
 """
 from __future__ import annotations
@@ -32,19 +32,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .answer import Answer, StopMatcher
-from .generator import Generator
-from .jobs import (Job, Prompt, RequestError, ServeConfig, acheck_constraint, check_model, check_token_ids,
-                   make_jobs, new_request_id, submit)
+from ..serving.answer import Answer, StopMatcher
+from ..serving.job import Job, Prompt, RequestError, new_request_id
+from .submit import ServeConfig, acheck_constraint, check_model, check_token_ids, make_jobs, submit, with_seed
 from .openai_api import (Body, ChatRequest, Common, CompletionRequest, chat_conversation, chat_top_logprobs,
                          check_choices, completion_prompts, constraint_of, refuse_unsupported, settings_of)
 from .openai_reply import CHAT, COMPLETION, Reply, ReplyKind, respond
 from .turn import AnswerFormat, answer_format, render
 
-_Answer = Answer  # the name the supervisor (supervisor.py) and its tests know it by
-
-__all__ = ["Generator", "Job", "RequestError", "ServeConfig", "StopMatcher", "Reply", "submit", "create_app",
-           "_Answer"]
+__all__ = ["Job", "RequestError", "ServeConfig", "StopMatcher", "Reply", "submit", "create_app"]
 
 
 class TokenizeRequest(Body):
@@ -159,8 +155,8 @@ def _openai_routes(app: FastAPI, cfg: ServeConfig, generator, tokenizer, apply_c
         request_id = new_request_id()
         jobs = make_jobs(cfg, prompts, settings, request_id)
         want_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await respond(generator, kind, cfg.model_id, req.stream, want_usage, prompts, jobs, request_id,
-                             request, fmt.parser if fmt is not None else None)
+        return with_seed(await respond(generator, kind, cfg.model_id, req.stream, want_usage, prompts, jobs,
+                                       request_id, request, fmt.parser if fmt is not None else None), settings.seed)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -181,7 +177,7 @@ def _openai_routes(app: FastAPI, cfg: ServeConfig, generator, tokenizer, apply_c
 
 
 def create_app(cfg: ServeConfig, generator, tokenizer, apply_chat_template, access=None):
-    """The ASGI app over `generator` (generator.Generator, or the supervisor). `apply_chat_template(messages) ->
+    """The ASGI app over `generator` (feeders/generator.Generator, or the supervisor). `apply_chat_template(messages) ->
     prompt text`; `access` (access.Access): keys and limits (none by default but a 4 MiB body), /metrics always."""
     app = FastAPI(title="pipeinfer", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     _error_handlers(app)

@@ -34,7 +34,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .anthropic_api import SSE_HEADERS, read_body, sse, validation_error
-from .jobs import JobStream, RequestError, ServeConfig, bad, check_model
+from ..serving.job import RequestError, bad
+from .submit import JobStream, ServeConfig, check_model, with_seed
 from .openai_api import Common, ResponseFormat, constraint_of
 from .tools import CallArgs, CallEnd, CallFailed, CallStart, Text, ToolError, check_tools
 from .turn import Block, Conversation, Outcome, Turn, fold
@@ -320,9 +321,9 @@ def register_responses(app: FastAPI, cfg: ServeConfig, generator, tokenizer, app
             return JSONResponse(err.body(), status_code=500)
         reply = ResponseReply(cfg.model_id, req, turn)
         if req.stream:
-            return JobStream(reply.stream(), [turn.job], headers=SSE_HEADERS)
+            return with_seed(JobStream(reply.stream(), [turn.job], headers=SSE_HEADERS), turn.settings.seed)
         try:
-            return await reply.whole()
+            return with_seed(await reply.whole(), turn.settings.seed)
         except RequestError as e:
             return JSONResponse(e.body(), status_code=e.status)
 

@@ -26,7 +26,8 @@ from typing import Callable
 
 from fastapi.responses import JSONResponse
 
-from .jobs import Job, JobStream, Prompt, RequestError, collect, submit_all
+from ..serving.job import Job, Prompt, RequestError
+from .submit import JobStream, collect, submit_all
 from .tools import CallArgs, CallFailed, CallStart
 from .turn import CallParser, ParsedChoice, collect_parsed, parsed_events
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.responses import FileResponse
 
-from .jobs import RequestError
+from ..serving.job import RequestError
 from .state import ClusterState
 
 STATIC = Path(__file__).with_name("static")

@@ -37,7 +37,7 @@ REFUSED = {401: "unauthorized", 413: "body_too_large", 503: "overloaded"}
 
 
 class ServerMetrics:
-    """The app's metrics over `generator` (server.Generator, or the supervisor)."""
+    """The app's metrics over `generator` (feeders/generator.Generator, or the supervisor)."""
 
     def __init__(self, generator):
         self.generator = generator

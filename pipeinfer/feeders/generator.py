@@ -8,8 +8,8 @@ import queue
 import sys
 import threading
 
-from .answer import Answer
-from .jobs import Job, RequestError
+from ..serving.answer import Answer
+from ..serving.job import Job, RequestError
 from .pump import pump
 
 

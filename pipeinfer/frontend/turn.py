@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..core.decoding import Constraint, Decoding
-from .answer import StopMatcher
-from .jobs import Job, Prompt, RequestError, ServeConfig, Settings, acheck_constraint, make_jobs, new_request_id, submit
+from ..serving.answer import StopMatcher
+from ..serving.job import Job, Prompt, RequestError, Settings, draw_seed, new_request_id
+from .submit import ServeConfig, acheck_constraint, make_jobs, submit
 from .tools import (CallArgs, CallEnd, CallFailed, CallStart, Text, ToolCallParser, ToolError, ToolFormat,
                     new_call_id, prompt_tools, tool_constraint, tool_format)
 
@@ -163,7 +164,7 @@ class Turn:
         self.parser = fmt.parser(call_id)
         # stop sequences are matched here (not by the job), so the reply can name the one that matched
         self.settings = Settings(max_tokens, max_tokens_param, temperature or 0.0, 1.0 if top_p is None else top_p,
-                                 top_k or 0, 0, (), Decoding(self.constraint), 1, cache_prompt)
+                                 top_k or 0, draw_seed(None, temperature or 0.0), (), Decoding(self.constraint), 1, cache_prompt)
         self.request_id = new_request_id()
         self.job: Job | None = None
         self._events = None

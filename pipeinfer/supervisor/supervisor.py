@@ -35,7 +35,9 @@ from ..core.config import CONFIG_ENV
 from ..core.errors import UserError
 from ..core.metrics import Stats
 from ..core.protocol import STAGE_COUNTERS
-from . import link
+from ..serving import link
+from ..serving.answer import Answer
+from ..serving.job import RequestError
 
 DRAFT_PLACE = -1  # the draft host's key among the lost slots (Supervisor._away)
 _FAILED_RANK = re.compile(r"rank (\d+) \(host ([^,)]+)")  # liveness's line, from rank 0 (or another rank)
@@ -199,7 +201,7 @@ class _Record:
     """One request as the supervisor keeps it across child jobs."""
     jid: int
     job: object                 # server.Job, or resume.StdoutJob (generate --np)
-    answer: object              # server._Answer: text, stop strings
+    answer: Answer              # text, stop strings
     tokens: list[int] = field(default_factory=list)  # streamed so far
     cancel_sent: bool = False   # to the job now attached (a new job needs its own)
     n_resumes: int = 0
@@ -676,11 +678,10 @@ class Supervisor:
 
     # ---------------------------------------------------------------- the HTTP side
     def submit(self, job) -> None:
-        from .app import RequestError, _Answer
         with self._lock:  # fatal read under the lock: a request recorded after _fail's would wait for ever
             if self.fatal:
                 raise RequestError(503, f"the pipeline failed: {self.fatal}", code="pipeline_failed")
-            rec = _Record(self._next_id, job, _Answer(job, self.tok))
+            rec = _Record(self._next_id, job, Answer(job, self.tok))
             self._next_id += 1
             self._records[rec.jid] = rec
             self._send_job(rec)

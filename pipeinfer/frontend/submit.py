@@ -1,55 +1,19 @@
-"""Requests as jobs for the generation thread, whatever API they came in by, and the events that come back.
-
-A route turns its body into Prompts (token ids, and the text a drafter reads) and Settings (what each generation
-asks: length, sampling, stop strings, core/decoding.Decoding), checks the model (`check_model`) and a constraint
-(`check_constraint`, before any token), and `make_jobs` makes one Job per choice, each checked against the
-context. `submit_all` queues a request's jobs and yields `(choice index, event)` as they come; `collect` gathers
-them into one Choice each for a whole answer. The events, the same for every API:
-
-    ("text", str, list[dict] | None)  a piece of the answer, with the log-probabilities of the tokens whose text
-                                      it completes (answer.py: OpenAI's chat entries {token, logprob, bytes,
-                                      top_logprobs}); None: not asked for
-    ("done", {"finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "stats"})
-                                      cached_tokens: the prompt's tokens taken from the prompt cache
-    ("error", message)                the generation failed (every other choice of the request is cancelled)
-
-A Job carries plain data only (token ids, SamplingParams, stop strings, Decoding) besides its event queue and
-cancel flag: a supervised server sends it to rank 0 over a socket (link.py). A streamed answer goes out as a
-`JobStream`, which cancels its jobs however the response ends.
+"""A route's common work: a request's Prompts and Settings (serving/job.py) checked (`check_model`, a constraint
+before any token: `check_constraint`) and made into one Job per choice, each checked against the context
+(`make_jobs`); `submit_all` queues them and yields `(choice index, event)` as they come; `collect` gathers them into
+one Choice each for a whole answer. A streamed answer goes out as a `JobStream`, which cancels its jobs however the
+response ends; every sampled reply names its seed (`with_seed`).
 """
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
-import uuid
 from dataclasses import dataclass, field
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..core.decoding import Constraint, Decoding
+from ..core.decoding import Constraint
 from ..core.verify import SamplingParams
-
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-               503: "server_overloaded"}
-
-
-class RequestError(Exception):
-    """A request refused, in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
-
-
-def bad(param: str, message: str) -> RequestError:
-    """A 400 naming the field: "param: message"."""
-    return RequestError(400, f"{param}: {message}", param=param)
-
+from ..serving.job import Job, Prompt, RequestError, Settings, bad
 
 @dataclass
 class ServeConfig:
@@ -60,55 +24,16 @@ class ServeConfig:
     webui: bool = True      # the web page at / (server/page.py; --no-webui turns it off)
 
 
-@dataclass(frozen=True)
-class Prompt:
-    tokens: list[int]       # what the target reads
-    text: str | None        # what a drafter that reads text reads
-    chat: bool = False      # a lone user message: the draft formats it its own way
+# the response header that names the seed a request sampled with (choice j: + j), the one it asked for or the one
+# drawn for it: sent back as `seed`, it reproduces the answer
+SEED_HEADER = "X-Seed"
 
 
-@dataclass(frozen=True)
-class Settings:
-    """What a request asks of each of its generations."""
-    max_tokens: int | None = None   # None: the server's default, within the room the context leaves
-    max_tokens_param: str = "max_tokens"  # the field it came from, for an error
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0                   # choice j of a prompt samples with seed + j
-    stops: tuple[str, ...] = ()
-    decoding: Decoding = Decoding()
-    n: int = 1                      # choices per prompt
-    cache_prompt: bool = True       # llama-server's: start from the prompt cache, and leave the prompt in it
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex[:24]
-
-
-@dataclass
-class Job:
-    """One generation (one choice of a request) for the generation thread."""
-    prompt_tokens: list[int]
-    n_predict: int
-    sampling: SamplingParams
-    stops: list[str]
-    prompt_text: str | None
-    chat: bool
-    loop: asyncio.AbstractEventLoop
-    decoding: Decoding = Decoding()
-    index: int = 0                  # the choice it answers
-    cache_prompt: bool = True       # false: neither starts from the prompt cache nor leaves its prompt in it
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # (index, event), shared by a request's jobs
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    request_id: str = field(default_factory=new_request_id)
-    t_queued_s: float = field(default_factory=time.perf_counter)
-
-    def push(self, event: tuple) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, event))
-
-    def on_token_ids(self, tokens: list[int]) -> None:
-        """The ids as they come (a supervised generate keeps them for its results row); a client needs only text."""
+def with_seed(reply, seed: int) -> Response:
+    """A route's reply (a JSON body or a Response) naming its seed in SEED_HEADER."""
+    response = reply if isinstance(reply, Response) else JSONResponse(reply)
+    response.headers[SEED_HEADER] = str(seed)
+    return response
 
 
 # ------------------------------------------------------------------------------------ checks and jobs

@@ -15,7 +15,8 @@ Every field, and what the server does with it (C: chat, T: completions; llama-se
     max_tokens, max_completion_tokens  the answer's length (C: max_completion_tokens first); without either, the
                                        server's default within the room the context leaves
     temperature 0..2, top_p, top_k (L) sampling (temperature 0, the default: greedy)
-    seed                               choice j of a prompt samples with seed + j (no seed: 0)
+    seed                               choice j of a prompt samples with seed + j (no seed: a new one per request;
+                                       the reply's X-Seed header names it)
     stop                               a string or a list of strings; the text is cut before the first match
     n 1..8                             choices per prompt, each its own generation (T: index prompt_i * n + j)
     stream, stream_options             server-sent events; include_usage adds a last chunk with the usage
@@ -62,7 +63,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.decoding import MAX_TOP_LOGPROBS, Constraint, Decoding
-from .jobs import Prompt, RequestError, Settings, bad, check_token_ids
+from ..serving.job import Prompt, RequestError, Settings, bad, draw_seed
+from .submit import check_token_ids
 from .tools import ToolError, check_tools
 from .turn import Conversation
 
@@ -213,7 +215,7 @@ def settings_of(req: Common, constraint: Constraint | None, top_logprobs: int | 
     decoding = Decoding(constraint, logit_bias(req.logit_bias, tokenizer), req.frequency_penalty or 0.0,
                         req.presence_penalty or 0.0, top_logprobs)
     return Settings(max_tokens, max_tokens_param, req.temperature or 0.0, req.top_p or 1.0, req.top_k or 0,
-                    req.seed or 0, stops(req.stop), decoding, req.n, req.cache_prompt is not False)
+                    draw_seed(req.seed, req.temperature or 0.0), stops(req.stop), decoding, req.n, req.cache_prompt is not False)
 
 
 # ------------------------------------------------------------------------------------ prompts
