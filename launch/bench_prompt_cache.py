@@ -59,9 +59,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     dict.fromkeys(p for p in [str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)] if p))
 from quiet import _Meter  # noqa: E402
 from serve_load import start_server, stop_server, urlopen_health  # noqa: E402
-from helpers import free_port  # noqa: E402  (tests/helpers.py, on the path serve_load set)
-
-from helpers import new_tag  # noqa: E402  (tests/helpers.py, on the path serve_load set)
+from harness import free_port, new_tag  # noqa: E402
 
 SYSTEM_PROMPT = (
     "You are a careful senior engineer reviewing a Python project that runs large language models across "
@@ -253,7 +251,7 @@ def run_server(cache: str, serve_args: list[str], log_path: Path, conversations:
 
 
 def server_times(log_path: Path) -> dict[str, dict]:
-    """The server's own line per request (server/answer.py): how long it queued and how long its prompt took."""
+    """The server's own line per request (serving/answer.py): how long it queued and how long its prompt took."""
     out = {}
     for line in log_path.read_text(errors="replace").splitlines():
         m = SERVE_LINE.match(line)

@@ -3,7 +3,7 @@
 
     python launch/failures.py [--out results/failures] [--only NAME ...] [--mpi mpich openmpi]
 
-The cases (tests/faults.py: CASES, run_case) run the real CLI under mpiexec on small synthetic GGUFs and record
+The cases (tests/faults.py, run as a program: this script never imports the tests) run the real CLI under mpiexec on small synthetic GGUFs and record
 the exit code, the seconds from the fault (or from the start, for bad input) to the end of mpiexec, the first
 `pipeinfer: error` line, whether the text so far was on stdout, what --results got and when the last rank process
 of the job was gone; the emulated cluster's rows (launch/netns-cluster.sh) need root and are skipped with a note
@@ -19,16 +19,26 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from harness import netns_unavailable
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from faults import CASES, MPIS, Case, make_models, run_case  # noqa: E402
-from helpers import netns_unavailable  # noqa: E402
+FAULTS = [sys.executable, str(ROOT / "tests" / "faults.py")]
+
+
+def _faults(*args: str) -> dict:
+    """tests/faults.py's answer (one JSON object on stdout) to these arguments."""
+    p = subprocess.run(FAULTS + list(args), capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"failures: tests/faults.py {' '.join(args)} failed: {p.stderr.strip()[-1500:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1]) if p.stdout.strip() else {}
 
 COLS = ["case", "mpi", "what", "exit_code", "seconds", "from", "error", "n_error_lines", "traceback",
         "stdout_bytes_at_fault", "stdout_bytes", "results_status", "n_generated", "reform", "ranks_gone_s", "test"]
@@ -66,18 +76,20 @@ def _old_rows(out: str) -> dict[tuple[str, str], dict]:
         return {}
 
 
-def _measure(case: Case, models: dict, work: Path, mpi: str) -> dict | None:
-    why = netns_unavailable() if case.extra.get("netns") else None
-    if case.extra.get("netns") and mpi != "mpich":
+def _measure(case: dict, models: Path, work: Path, mpi: str) -> dict | None:
+    """One case's row under one MPI (case: tests/faults.py --list's entry), or None when it cannot run here."""
+    why = netns_unavailable() if case["netns"] else None
+    if case["netns"] and mpi != "mpich":
         why = "the emulated cluster runs MPICH's mpiexec only"
     if why:
-        print(f"{case.name} ({mpi}): skipped ({why}); its row is kept from the last run", file=sys.stderr, flush=True)
+        print(f"{case['name']} ({mpi}): skipped ({why}); its row is kept from the last run", file=sys.stderr,
+              flush=True)
         return None
-    tmp = work / f"{case.name}-{mpi}"
+    tmp = work / f"{case['name']}-{mpi}"
     tmp.mkdir()
-    r = run_case(case, models, tmp, mpi=mpi)
-    r["test"] = case.test
-    print(f"{case.name} ({mpi}): exit {r['exit_code']} in {r['seconds']} s: {r['error'][:150]}", file=sys.stderr,
+    r = _faults("--measure", case["name"], "--mpi", mpi, "--models", str(models), "--work", str(tmp))
+    r["test"] = case["test"]
+    print(f"{case['name']} ({mpi}): exit {r['exit_code']} in {r['seconds']} s: {r['error'][:150]}", file=sys.stderr,
           flush=True)
     return r
 
@@ -86,19 +98,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "results" / "failures"))
     ap.add_argument("--only", nargs="*", default=None, metavar="NAME", help="measure these cases only (CASES' names)")
-    ap.add_argument("--mpi", nargs="+", choices=MPIS, default=["mpich"], help="the MPIs to measure under")
+    known = _faults("--list")
+    cases, mpis = known["cases"], known["mpis"]
+    ap.add_argument("--mpi", nargs="+", choices=mpis, default=["mpich"], help="the MPIs to measure under")
     a = ap.parse_args()
-    unknown = set(a.only or []) - {c.name for c in CASES}
+    unknown = set(a.only or []) - {c["name"] for c in cases}
     if unknown:
-        ap.error(f"no case named {', '.join(sorted(unknown))} (known: {', '.join(c.name for c in CASES)})")
+        ap.error(f"no case named {', '.join(sorted(unknown))} (known: {', '.join(c['name'] for c in cases)})")
     work = Path(tempfile.mkdtemp(prefix="pipeinfer-failures-"))
     os.environ.setdefault("PIPEINFER_STAGE_CACHE", str(work / "stages"))
     try:
-        models = make_models(work / "models")
-        measured = {(c.name, mpi): _measure(c, models, work, mpi) for c in CASES for mpi in a.mpi
-                    if not a.only or c.name in a.only}
+        _faults("--models", str(work / "models"))
+        measured = {(c["name"], mpi): _measure(c, work / "models", work, mpi) for c in cases for mpi in a.mpi
+                    if not a.only or c["name"] in a.only}
         old = _old_rows(a.out)
-        keys = [(c.name, mpi) for c in CASES for mpi in MPIS]  # each case's MPICH row, then its Open MPI row
+        keys = [(c["name"], mpi) for c in cases for mpi in mpis]  # each case's MPICH row, then its Open MPI row
         rows = [measured.get(k) or old[k] for k in keys if measured.get(k) or k in old]
         with open(a.out + ".csv", "w", newline="") as f:
             w = csv.DictWriter(f, COLS, extrasaction="ignore")

@@ -4,7 +4,7 @@
     python launch/page_shot.py [--out results/page/qwen-2-ranks-chat.png]
 
 Starts `mpiexec -n 2 pipeinfer serve -t 1` (the default model and draft; launch/serve_load.py's start_server, on a
-free loopback port), opens its page in a headless Chromium (tests/helpers.headless_chromium), asks the page's chat the
+free loopback port), opens its page in a headless Chromium (harness.headless_chromium), asks the page's chat the
 README's question, waits for the whole answer, saves the screenshot and stops the server.
 """
 from __future__ import annotations
@@ -21,9 +21,8 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 os.environ["PYTHONPATH"] = os.pathsep.join(
     dict.fromkeys(p for p in [str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)] if p))
+from harness import free_port, headless_chromium, new_tag  # noqa: E402
 from serve_load import start_server, stop_server  # noqa: E402
-
-from helpers import free_port, headless_chromium, new_tag  # noqa: E402  (tests/helpers.py: serve_load's path)
 
 QUESTION = "Write a Python function that checks whether a number is prime."
 

@@ -59,9 +59,9 @@ from pathlib import Path
 
 import numpy as np
 
+from harness import free_port, headless_chromium, new_tag, rank_pids, tagged_env
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from helpers import free_port, headless_chromium, new_tag, rank_pids, tagged_env  # noqa: E402
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -77,7 +77,7 @@ def start_server(port: int, serve_args: list[str], log_path: Path, tag: str) -> 
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     cmd = [mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pipeinfer", "serve", "--host", "127.0.0.1",
            "--port", str(port)] + serve_args
-    if supervised(serve_args):  # a supervised server starts its pipeline's job itself (server/supervisor.py)
+    if supervised(serve_args):  # a supervised server starts its pipeline's job itself (supervisor/supervisor.py)
         cmd = [sys.executable, "-m", "pipeinfer", "serve", "--host", "127.0.0.1", "--port", str(port)] + serve_args
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True,
                             env=tagged_env(tag))

@@ -6,7 +6,9 @@ line, whether the text generated before the fault was on stdout, what --results 
 process of the job was gone. Faults are injected from outside, as a user would: `kill -STOP` / `kill -9` of one
 rank's process, found through the job's tag in its environment (helpers.rank_pids), or `ip link set pi-hI down`,
 which cuts host hI of the emulated cluster (launch/netns-cluster.sh, root only) off the network.
-tests/test_failures.py checks each row's expectation; launch/failures.py measures the table.
+tests/test_failures.py checks each row's expectation; launch/failures.py measures the table by running this file as
+a program (`python tests/faults.py --list`, `--models DIR`, `--measure NAME --mpi M --models DIR --work DIR`: JSON
+on stdout), so that launch/ never imports the tests.
 """
 from __future__ import annotations
 
@@ -360,3 +362,29 @@ def check_resumed(case: Case, r: dict) -> None:
     assert r["n_error_lines"] == 0 and "re-formed in" in r["reform"], ctx
     assert r["stdout_bytes"] > r["stdout_bytes_at_fault"] > 0, ctx
     assert r["results_status"] == case.results_status and r["n_generated"] == N_RESUMED, ctx
+
+
+def main(argv: list[str]) -> None:
+    """The cases for launch/failures.py, as JSON on stdout: --list (name, test, netns of each, and the MPIs),
+    --models DIR (the synthetic models made there), --measure NAME --mpi M --models DIR --work DIR (one row)."""
+    import argparse
+    import json
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--measure", metavar="NAME")
+    ap.add_argument("--mpi", choices=MPIS, default="mpich")
+    ap.add_argument("--models", type=Path)
+    ap.add_argument("--work", type=Path)
+    a = ap.parse_args(argv)
+    if a.list:
+        print(json.dumps({"mpis": list(MPIS), "cases": [{"name": c.name, "test": c.test, "netns": bool(c.extra.get("netns"))}
+                                                       for c in CASES]}))
+    elif a.measure:
+        case = next(c for c in CASES if c.name == a.measure)
+        print(json.dumps(run_case(case, make_models(a.models), a.work, mpi=a.mpi), default=str))
+    else:
+        make_models(a.models)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

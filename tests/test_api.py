@@ -385,7 +385,7 @@ def test_no_logprobs_unless_asked(api):
 
 
 def answer_events(tokens_per_call: list[list[int]], stops: list[str]) -> list[tuple]:
-    """What server.answer.Answer pushes for these on_tokens calls (each after on_logprobs for its tokens) and the
+    """What serving.answer.Answer pushes for these on_tokens calls (each after on_logprobs for its tokens) and the
     finish."""
     from pipeinfer.serving.answer import Answer
     events: list[tuple] = []

@@ -159,7 +159,7 @@ def test_health_and_metrics_show_the_prompt_cache(api):
 def test_a_supervisor_relays_cache_prompt_and_rank0s_prompt_cache(tmp_path):
     """run_attached over a Unix socket (a fake session that reports a prompt cache): Ready carries the cache,
     each Done the cache as the request left it; a job's cache_prompt false reaches rank 0's request."""
-    from test_link import WAIT_S, FakeSession, LetterTokenizer, attach_rank0, outcome
+    from link_fakes import WAIT_S, FakeSession, LetterTokenizer, attach_rank0, outcome
 
     from pipeinfer.core.verify import SamplingParams
     from pipeinfer.frontend.metrics import _Now

@@ -4,6 +4,7 @@ Every import in pipeinfer/ counts, those inside functions too: an import deferre
 dependency of the module (it only moves the failure to the first call).
 """
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,72 @@ def test_the_twin_runs_with_mpi_and_llama_cpp_unimportable():
         "try:\n    import mpi4py\nexcept ImportError:\n    print('clean')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "clean" in out.stdout, out.stderr
+
+
+def test_the_http_server_imports_no_mpi_and_only_the_command_line_imports_it():
+    """The HTTP server (frontend/) runs beside rank 0 or in a supervisor: every module of it imports with mpi4py
+    unimportable, and nothing below the command line imports it."""
+    front = sorted(m for m in modules() if m.startswith("pipeinfer.frontend"))
+    code = BLOCK.replace("('mpi4py', 'llama_cpp')", "('mpi4py',)") + "".join(f"import {m}\n" for m in front) + \
+        "print('clean')\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "clean" in out.stdout, out.stderr[-2000:]
+    importers = sorted(m for m, targets in graph().items() if not m.startswith("pipeinfer.frontend")
+                       and any(t.startswith("pipeinfer.frontend") for t in targets))
+    assert all(m.startswith("pipeinfer.cli") for m in importers), importers
+
+
+# ---------------------------------------------------------------- the walls around the package
+REPO = PKG.parent
+TESTS, LAUNCH = REPO / "tests", REPO / "launch"
+
+
+def top_imports(path: Path) -> set[str]:
+    """The first component of every absolute import in a file."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+    return out
+
+
+def test_no_test_module_imports_another():
+    """What several test modules share lives in helper modules (helpers, toy, lanes, link_fakes, ...)."""
+    bad = [f"{p.name} imports {m}" for p in sorted(TESTS.glob("*.py")) for m in sorted(top_imports(p))
+           if m.startswith("test_")]
+    assert not bad, "\n".join(bad)
+
+
+def test_launch_never_imports_the_tests():
+    """Benchmarks share what they need with the tests through launch/harness.py, and run tests/faults.py as a
+    program: no script of launch/ imports a module of tests/ or puts tests/ on its path."""
+    test_side = {p.stem for p in TESTS.glob("*.py")} - {p.stem for p in LAUNCH.glob("*.py")}
+    bad = [f"{p.name} imports {m}" for p in sorted(LAUNCH.glob("*.py")) for m in sorted(top_imports(p) & test_side)]
+    bad += [f"{p.name} puts tests/ on its path" for p in sorted(LAUNCH.glob("*.py"))
+            if re.search(r"sys\.path.*[\"']tests[\"']", p.read_text())]
+    assert not bad, "\n".join(bad)
+
+
+def docstrings(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in [tree, *ast.walk(tree)]:
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            if doc := ast.get_docstring(node):
+                yield doc
+
+
+def test_every_module_path_named_in_a_docstring_exists():
+    """A docstring that names a file (`ranks/scheduler.py`, `server/app.py`) names one that is there: a path
+    relative to the package, the repository or any package folder."""
+    files = {p.relative_to(REPO).as_posix() for p in REPO.rglob("*.py") if ".git" not in p.parts}
+    files |= {f.split("/", 1)[1] for f in list(files) if f.startswith("pipeinfer/")}
+    ends = {f.rsplit("/", 1)[-1] for f in files} | {"/".join(f.split("/")[-2:]) for f in files}
+    missing = []
+    for name, path in modules().items():
+        for doc in docstrings(path):
+            for ref in re.findall(r"(?<![\w/.-])((?:[a-z_]+/)*[a-z_0-9]+\.py)\b", doc):
+                if ref not in files and ref not in ends:
+                    missing.append(f"{name}: {ref}")
+    assert not missing, "docstrings naming files that are not there:\n" + "\n".join(sorted(set(missing)))

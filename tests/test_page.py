@@ -1,4 +1,4 @@
-"""The cluster's live page (server/page.py, state.py, static/): fast tests over the scripted session the API tests
+"""The cluster's live page (frontend/page.py, state.py, static/): fast tests over the scripted session the API tests
 use (the page and its files, /state's shape, the cluster as a HeadSession and as a supervisor know it); then a
 real headless Chromium (selenium) on a real 2-rank server under mpiexec, and on a supervised one that loses a rank.
 The browser tests save screenshots into results/page/."""

@@ -10,7 +10,7 @@ from pipeinfer.core.prefixcache import PrefixCache, common_prefix, reusable, who
 from pipeinfer.core.protocol import KvOp
 from pipeinfer.core.verify import SamplingParams
 from pipeinfer.ranks.scheduler import Request
-from test_scheduler import make
+from lanes import make
 from toy import target_alone
 
 C = 4  # the toy's prompt chunk

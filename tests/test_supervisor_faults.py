@@ -3,7 +3,7 @@
 /health reports it, and the server exits 1; a --rejoin probe that cannot be launched leaves the job serving.
 
 No MPI: supervisor._launch_command is replaced by FakeLauncher, whose job is this file run as a script: a fake
-rank 0 that speaks the link (server/link.py) and answers every job with letters, token i of an answer being
+rank 0 that speaks the link (serving/link.py) and answers every job with letters, token i of an answer being
 letter i, so an answer resumed after a re-form equals the uninterrupted one.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tool calls: the chat template rendered with tools (engine/chat.py), and server/tools.py's checks, tool-call
+"""Tool calls: the chat template rendered with tools (engine/chat.py), and frontend/tools.py's checks, tool-call
 format, streaming parser and forcing grammar. The `real` tests load the Qwen2.5-Coder vocabulary (no weights)."""
 import itertools
 import json

@@ -340,7 +340,7 @@ class ServeArgs:
     hostfile: str | None
     rejoin: bool
     webui: bool = True
-    access: object = None   # server/access.Access: keys and limits
+    access: object = None   # frontend/access.Access: keys and limits
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
 
@@ -393,7 +393,7 @@ def _serve(kw: dict) -> None:
 @main.command(hidden=True)
 @click.argument("socket_path")
 def attach(socket_path: str) -> None:
-    """Every rank of a supervised job (server/supervisor.py starts it): the configuration from PIPEINFER_CONFIG;
+    """Every rank of a supervised job (supervisor/supervisor.py starts it): the configuration from PIPEINFER_CONFIG;
     rank 0 takes its requests from the supervisor's socket, the others serve the pipeline."""
     run_guarded(_attach, {"socket_path": socket_path})
 

@@ -125,7 +125,7 @@ def pipeline_options(f):
 
 def supervision_options(what: str):
     """--np, --hostfile and --rejoin (generate and serve): run without mpiexec as a supervised job that re-forms
-    without a lost rank and resumes `what` (server/supervisor.py)."""
+    without a lost rank and resumes `what` (supervisor/supervisor.py)."""
     options = [
         click.option("--np", "np", default=None, type=click.IntRange(1),
                      help="run without mpiexec: start the pipeline on this many ranks as a supervised job that "

@@ -1,7 +1,7 @@
 """The run's configuration: every option of a pipeline run, typed, built once from the command line
 (cli/options.py: config_from_options), checked once (here: every Config is a valid one, `replace` included), and
 handed whole to every rank (ranks/startup.py). A supervised job gets it as JSON in its environment
-(PIPEINFER_CONFIG, forwarded by the launcher to every rank: server/supervisor.py, `pipeinfer attach`), with the
+(PIPEINFER_CONFIG, forwarded by the launcher to every rank: supervisor/supervisor.py, `pipeinfer attach`), with the
 values of its hosts (`for_places`, a hostfile's settings) put in by `dataclasses.replace`.
 
 The ranks derive what they run from it: the head's GenConfig (ranks/startup.py, with what start-up measured),

@@ -312,7 +312,7 @@ class DraftClient:
 
     def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
         """Synchronous use (speculative mode, tests): steer to context, wait for cut.n_max tokens or the end of
-        the confident chain (with each token's runner-up: the head makes siblings of them, tree.py)."""
+        the confident chain (with each token's runner-up: the head makes siblings of them, ranks/shape.py)."""
         while True:
             self.steer(context, len(context) + cut.n_max, cut.p_accept, cut.n_max)  # again: re-roots a divergence
             nodes, unconfident = self.ready(context, cut.p_accept, cut.n_max)

@@ -219,7 +219,7 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
 
 def _a_later_rank() -> bool:
     """A rank other than 0 of an MPI job, by its launcher's environment (MPICH, Open MPI, PMIx): its host may lack
-    the model (wire/weights.py); rank 0 resolves the model and checks it."""
+    the model (ranks/weights.py); rank 0 resolves the model and checks it."""
     for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
         v = os.environ.get(var)
         if v is not None and v.isdigit():

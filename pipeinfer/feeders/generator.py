@@ -1,5 +1,5 @@
 """The generation thread of `pipeinfer serve` on rank 0: it owns the head session (every MPI call and llama.cpp
-decode happens there) and pumps queued jobs (jobs.py) into its scheduler (ranks/scheduler.py), which runs up to
+decode happens there) and pumps queued jobs (serving/job.py) into its scheduler (ranks/scheduler.py), which runs up to
 --parallel of them at once, admitted first come first served. Each job's answer goes back to its request's
 handler through the job's asyncio queue (answer.py)."""
 from __future__ import annotations

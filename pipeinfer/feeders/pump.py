@@ -1,6 +1,6 @@
 """The one pump between a front end and the generation loop: requests from a queue into rank 0's scheduler
-(ranks/scheduler.py), which it steps until every admitted request is answered. The HTTP server (app.Generator)
-and the attached rank 0 of a supervised job (attach.py) both run it; `generate` runs the scheduler directly."""
+(ranks/scheduler.py), which it steps until every admitted request is answered. The HTTP server's generation thread
+(generator.Generator) and the attached rank 0 of a supervised job (attach.py) both run it; `generate` runs the scheduler directly."""
 from __future__ import annotations
 
 import queue

@@ -1,4 +1,4 @@
-"""OpenAI's request bodies (POST /v1/chat/completions, /v1/completions) and what they ask, as jobs (jobs.py).
+"""OpenAI's request bodies (POST /v1/chat/completions, /v1/completions) and what they ask, as jobs (submit.py).
 
 Every field, and what the server does with it (C: chat, T: completions; llama-server's own fields marked L):
 

@@ -21,7 +21,7 @@ class ServeConfig:
     n_ctx: int
     cells_reserve: int      # KV cells runs in flight may take beyond the prompt and the answer
     default_max_tokens: int
-    webui: bool = True      # the web page at / (server/page.py; --no-webui turns it off)
+    webui: bool = True      # the web page at / (frontend/page.py; --no-webui turns it off)
 
 
 # the response header that names the seed a request sampled with (choice j: + j), the one it asked for or the one

@@ -14,7 +14,7 @@ Two ways to run it:
     reply can name the one that matched), its events the parser's Text / CallStart / CallArgs / CallEnd /
     CallFailed and then an Outcome; `fold` gathers them into blocks for a whole answer.
   - `parsed_events` (OpenAI's chat completions): a request's n jobs (jobs.submit_all's events), each choice parsed
-    by its own CallParser; the events stay jobs.py's, with ("call", CallStart | CallArgs | CallEnd | CallFailed,
+    by its own CallParser; the events stay serving/job.py's, with ("call", CallStart | CallArgs | CallEnd | CallFailed,
     entries) for the calls' pieces (a CallFailed's text is content from then on), and a finish reason
     "tool_calls" for a choice that made calls; `collect_parsed` gathers them into one ParsedChoice each. Every
     token's log-probability entry goes with its choice's next event that carries something (content, a call's

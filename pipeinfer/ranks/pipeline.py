@@ -41,7 +41,7 @@ from ..core.protocol import (
 from ..core.topology import Topology
 from ..core.verify import SamplingParams
 
-if TYPE_CHECKING:  # llama.cpp and MPI stay unimported where only the interface is used (the twin, twin.py)
+if TYPE_CHECKING:  # llama.cpp and MPI stay unimported where only the interface is used (the twin, twin/sim.py)
     from ..engine.stage import StageEngine, TokenEmbedder
     from ..wire.transport import Transport
 

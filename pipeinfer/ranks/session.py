@@ -92,7 +92,7 @@ class HeadSession:
                 "prompt_cache": sched.cache_load() if sched else None, "stages": self.stages()}
 
     def poll_stages(self, waited_s: float = 0.0) -> None:
-        """On the generation thread, between steps (server/pump.py): take the stages' reports that came, and count
+        """On the generation thread, between steps (feeders/pump.py): take the stages' reports that came, and count
         waited_s (the front end's wait for a request) as rank 0's idle time."""
         self.pipe.poll_reports(waited_s)
 

@@ -1,6 +1,6 @@
 """`pipeinfer serve --np N` / `--hostfile HOSTS` (not under mpiexec): a server that survives a lost machine.
 
-This process is the supervisor: it keeps the HTTP front end (server.py), the request queue and every request's
+This process is the supervisor: it keeps the HTTP front end (frontend/app.py), the request queue and every request's
 state (prompt, sampling, the tokens already streamed) and runs the pipeline as a child MPI job (the launcher
 and hostfile as `pipeinfer launch` builds them) whose rank 0 attaches to it over a local Unix socket
 (attach.py; the messages are link.py's: one JSON line each, a few dozen bytes per token).

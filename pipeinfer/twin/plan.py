@@ -1,4 +1,4 @@
-"""`pipeinfer simulate` and `pipeinfer plan`: predictions from the digital twin (twin.py).
+"""`pipeinfer simulate` and `pipeinfer plan`: predictions from the digital twin (sim.py).
 
 simulate: one generation of the real Head scheduler on a cluster described by a profile (profile.py),
           optionally re-split, scaled to another model or to more hosts, with other links.

@@ -1,4 +1,4 @@
-"""`pipeinfer profile`: measure what the digital twin (twin.py) needs, on the ranks that will run.
+"""`pipeinfer profile`: measure what the digital twin (sim.py) needs, on the ranks that will run.
 
 Each rank, one at a time (the measurements must not compete for cores or memory bandwidth), times its
 own stage's decode for batch sizes 1..max_batch with a warm KV cache of `n_ctx_fill` positions, and a

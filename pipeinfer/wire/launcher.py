@@ -1,6 +1,6 @@
 """MPI launchers: which MPI runs here, hostfiles, and the mpiexec/mpirun command line of a pipeinfer job.
 
-The `pipeinfer launch` command (cli/launch.py) and the supervisor (server/supervisor.py) build their jobs here;
+The `pipeinfer launch` command (cli/launch.py) and the supervisor (supervisor/supervisor.py) build their jobs here;
 every rank checks its world against what its launcher started (world_size_mismatch) here too.
 
 Hostfile format
@@ -412,7 +412,7 @@ def settings_args(hosts: Sequence[Host], np: int, user_args: Sequence[str] = ())
 def with_draft_last(hosts: Sequence[Host], np: int,
                     user_args: Sequence[str] = ()) -> tuple[list[Host], dict[str, object]]:
     """(hosts in rank order, settings) for a hostfile with a draft host: the stage slots the first np - 1 ranks
-    fill, then the draft host (the world's last rank is the draft's, runner.py); settings draft_at rank and
+    fill, then the draft host (the world's last rank is the draft's, ranks/draft_rank.py); settings draft_at rank and
     draft_threads (from its threads=) unless user_args set them. Without a draft host: (hosts, {})."""
     draft = next((h for h in hosts if h.role == "draft"), None)
     if draft is None:

@@ -134,7 +134,7 @@ class Liveness:
         self.interval = interval_s or max(0.05, min(1.0, self.stall / 4 if self.stall else 1.0))
         self.hosts: list[tuple[str, int]] = comm.allgather((host_name(), os.getpid()))
         # each rank's host's available memory (bytes) before this job loads a model: what a supervisor that re-forms
-        # the job on fewer hosts checks the model's shares against (server/supervisor.py)
+        # the job on fewer hosts checks the model's shares against (supervisor/supervisor.py)
         self.mem_available: list[int] = comm.allgather(available_memory())
         self.in_flight: Callable[[], int] | None = None  # rank 0: runs in flight, for the hub's message
         self._lock = threading.Lock()

@@ -1,0 +1,101 @@
+"""What the tests and the benchmark scripts both use to run a job on this machine: a job's processes found by a
+tag in their environment (set on the command that starts it, inherited by its MPI ranks and a supervisor's jobs),
+so that a test or a benchmark ends its own processes and never another job's; a free loopback port; a headless
+Chromium; whether the emulated cluster (launch/netns-cluster.sh) can run here. tests/conftest.py puts launch/ on
+the path; nothing here imports the tests."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import uuid
+from pathlib import Path
+
+
+JOB_TAG = "PIPEINFER_JOB_TAG"  # set on the command a test starts; its MPI ranks (and a supervisor's jobs) inherit it
+
+
+def new_tag() -> str:
+    return uuid.uuid4().hex
+
+
+def tagged_env(tag: str, env: dict | None = None, **more) -> dict:
+    return dict(env if env is not None else os.environ, **more, **{JOB_TAG: tag})
+
+
+def _environ(pid: str) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    return dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Every process (launchers, proxies, ranks) whose environment carries the tag."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if _environ(pid).get(JOB_TAG) == tag:
+                out.append(int(pid))
+        except OSError:  # gone, or not ours to read
+            continue
+    return out
+
+
+def rank_pids(tag: str, attached: bool = False) -> dict[int, int]:
+    """rank -> pid of the pipeinfer ranks of the job with this tag (MPICH's PMI_RANK, Open MPI's
+    OMPI_COMM_WORLD_RANK). attached: only a supervised job's ranks (`pipeinfer attach`), not the supervisor's
+    one-rank `pipeinfer --version` probes."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = _environ(pid)
+            if env.get(JOB_TAG) != tag:
+                continue
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        rank = env.get("PMI_RANK", env.get("OMPI_COMM_WORLD_RANK"))
+        if rank is not None and b"pipeinfer" in cmd and (not attached or b"attach" in cmd):
+            out[int(rank)] = int(pid)
+    return out
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILL whatever of the job is left (a frozen rank would hold the machine)."""
+    for pid in tagged_pids(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def headless_chromium(*extra_args: str):
+    """A headless Chromium under selenium (Debian's chromium and chromium-driver): the page tests, the load test's
+    watching browser (launch/serve_load.py) and the README's screenshot (launch/page_shot.py)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = shutil.which("chromium") or shutil.which("chromium-browser") or ""
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", *extra_args):
+        opts.add_argument(a)
+    return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+
+
+def netns_unavailable() -> str | None:
+    """Why the emulated cluster (launch/netns-cluster.sh) cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if not shutil.which("ip") or not shutil.which("tc"):
+        return "needs iproute2 (ip, tc)"
+    probe = subprocess.run(["ip", "netns", "add", "pipeinfer-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot create a network namespace here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "pipeinfer-probe"], capture_output=True)
+    return None
