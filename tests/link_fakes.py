@@ -108,7 +108,7 @@ class FakeSession:
         return self.requests[-1]
 
 
-def outcome(job) -> tuple:
+def outcome(job):
     assert job.finished.wait(WAIT_S), "the request was left waiting"
     return job.outcome
 

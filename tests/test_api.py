@@ -20,6 +20,7 @@ from pipeinfer.core.verify import SamplingParams
 from pipeinfer.ranks.scheduler import Request
 from pipeinfer.feeders.generator import Generator
 from pipeinfer.frontend.app import ServeConfig, create_app
+from pipeinfer.serving.job import TextEvent
 from pipeinfer.serving.job import RequestError
 
 N_VOCAB = 300
@@ -388,7 +389,7 @@ def answer_events(tokens_per_call: list[list[int]], stops: list[str]) -> list[tu
     """What serving.answer.Answer pushes for these on_tokens calls (each after on_logprobs for its tokens) and the
     finish."""
     from pipeinfer.serving.answer import Answer
-    events: list[tuple] = []
+    events: list = []
     job = SimpleNamespace(stops=stops, push=events.append, cancelled=threading.Event(), n_predict=99,
                           prompt_tokens=[1], request_id="r", t_queued_s=0.0)
     ans = Answer(job, FakeTokenizer())
@@ -403,7 +404,8 @@ def answer_events(tokens_per_call: list[list[int]], stops: list[str]) -> list[tu
 
 def reported(events) -> list[tuple[bytes, bytes]]:
     """(the text's bytes, the bytes of the tokens whose entries it carries) of each text event."""
-    return [(ev[1].encode(), bytes(b for e in ev[2] for b in e["bytes"])) for ev in events if ev[0] == "text"]
+    return [(ev.text.encode(), bytes(b for e in ev.logprobs for b in e["bytes"])) for ev in events
+            if isinstance(ev, TextEvent)]
 
 
 def test_a_token_the_stop_string_cuts_in_part_is_not_reported():

@@ -11,6 +11,7 @@ import pytest
 
 from api_fakes import scripted_server, say
 from pipeinfer.serving import link
+from pipeinfer.serving.job import DoneEvent
 from pipeinfer.frontend.openai_reply import CHAT, Reply
 
 CACHE_KEYS = {"enabled", "entries", "tokens", "hits", "tokens_reused", "cells_used", "cells"}
@@ -190,7 +191,7 @@ def test_a_supervisor_relays_cache_prompt_and_rank0s_prompt_cache(tmp_path):
         for cache_prompt in (True, False):
             job = StdoutJob([1, 2], 3, SamplingParams(), None, False, as_json=True, cache_prompt=cache_prompt)
             sup.submit(job)
-            assert outcome(job)[0] == "done"
+            assert isinstance(outcome(job), DoneEvent)
         assert session.cache_prompts == [True, False]
         pc = sup.load()["prompt_cache"]
         assert set(pc) == CACHE_KEYS and (pc["entries"], pc["tokens_reused"], pc["cells_used"]) == (2, 4, 10)

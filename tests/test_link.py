@@ -14,6 +14,7 @@ import pytest
 from pipeinfer.core.metrics import Stats
 from pipeinfer.core.verify import SamplingParams
 from pipeinfer.serving import link
+from pipeinfer.serving.job import DoneEvent, ErrorEvent
 
 from link_fakes import WAIT_S, FakeSession, LetterTokenizer, attach_rank0, letter, outcome
 
@@ -106,7 +107,7 @@ def test_the_supervisor_and_rank0_understand_each_other(tmp_path):
         assert sup.parallel == 3 and sup._pids == [os.getpid()] and sup._host_mem["localhost"] > 0
         full = StdoutJob([1, 2], 12, SamplingParams(0.5, 40, 0.9, 7), "lo ki", True, as_json=True)
         sup.submit(full)
-        assert outcome(full)[0] == "done" and full.tokens == [letter(i) for i in range(12)]
+        assert isinstance(outcome(full), DoneEvent) and full.tokens == [letter(i) for i in range(12)]
         assert (session.requests[0].prompt, session.requests[0].sampling, session.requests[0].prompt_text,
                 session.requests[0].chat) == ([1, 2], SamplingParams(0.5, 40, 0.9, 7), "lo ki", True)
         # the stages' counters come over as they change (Stages, at most every second), the pump's waits as idle
@@ -122,19 +123,19 @@ def test_the_supervisor_and_rank0_understand_each_other(tmp_path):
         with sup._lock:
             sup._records[rec.jid] = rec
             sup._send_job(rec)
-        assert outcome(resumed)[0] == "done" and rec.tokens == [letter(i) for i in range(10)]
+        assert isinstance(outcome(resumed), DoneEvent) and rec.tokens == [letter(i) for i in range(10)]
         assert session.requests[-1].replay == rec.tokens[:3] and session.requests[-1].n_predict == 7
 
         refused = StdoutJob(list(range(20)), 5, SamplingParams(), None, False, as_json=True)
         sup.submit(refused)
-        assert outcome(refused) == ("error", "prompt (20 tokens) does not fit")
+        assert outcome(refused) == ErrorEvent("prompt (20 tokens) does not fit")
 
         threading.Thread(target=sup._watch_cancels, daemon=True).start()
         endless = StdoutJob([1], 10**6, SamplingParams(), None, False, as_json=True)
         sup.submit(endless)
         endless.cancelled.set()
-        kind, info = outcome(endless)
-        assert kind == "done" and info["finish_reason"] == "cancelled", info
+        done = outcome(endless)
+        assert isinstance(done, DoneEvent) and done.finish_reason == "cancelled", done
     finally:
         sup.stop()
         listener.close()

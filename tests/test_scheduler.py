@@ -47,7 +47,7 @@ def assert_exact(results):
 
 
 def assert_all_free(sched, pipe, pool):
-    assert not sched.gens and not sched.waiting and not pipe.in_flight and not sched.owner
+    assert not sched.gens and not sched.waiting and not pipe.in_flight and not sched.executor.owner
     if pool is not None:
         assert pool.n_free == pool.n_partitions
     pipe.finish() if hasattr(pipe, "finish") else None
@@ -133,12 +133,12 @@ def test_no_admitted_generation_starves():
     # 3 at once on 4 stages: the oldest speculates; nothing but the room rule keeps it from 8 runs ahead
     sched, pipe, _ = make("pipeinfer", n_parallel=3, n_stages=4, max_in_flight=8, p_recovery=0.0, error_rate=0.0)
     order: list[int] = []
-    apply = sched._apply
+    apply = sched.executor.apply
 
     def record(g, actions):
         order.extend(id(g) for a in actions if isinstance(a, Launch))
         apply(g, actions)
-    sched._apply = record
+    sched.executor.apply = record
     jobs = [(PROMPTS[0], 60, SamplingParams(), 0), (PROMPTS[1], 8, SamplingParams(), 0),
             (PROMPTS[3], 40, SamplingParams(), 0), (PROMPTS[4], 30, SamplingParams(), 0)]
     assert_exact(submit_all(sched, jobs))
@@ -191,7 +191,7 @@ def test_a_long_prompt_goes_out_between_the_running_generations_tokens_shortest_
     def logged(run_id, batch, speculative, parent_id=-1, rules=None):
         launch(run_id, batch, speculative, parent_id, rules)
         chunk = not speculative and len(batch.tokens) > 1
-        log.append((name[tuple(sched.owner[run_id].req.prompt)], chunk))
+        log.append((name[tuple(sched.executor.owner[run_id].req.prompt)], chunk))
         if chunk:
             chunk_runs.add(run_id)
         most[0] = max(most[0], sum(r in chunk_runs for r in pipe.in_flight))

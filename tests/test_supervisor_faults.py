@@ -30,6 +30,7 @@ from pipeinfer.core.errors import UserError  # noqa: E402
 from pipeinfer.core.metrics import Stats  # noqa: E402
 from pipeinfer.core.verify import SamplingParams  # noqa: E402
 from pipeinfer.serving import link  # noqa: E402
+from pipeinfer.serving.job import DoneEvent, ErrorEvent  # noqa: E402
 
 TOKEN_S = 0.01          # the fake rank 0's pace: one token per job this often
 WAIT_S = 20.0           # every wait in these tests is bounded by this
@@ -172,7 +173,7 @@ def harness(monkeypatch):
         h.close()
 
 
-def outcome(job) -> tuple:
+def outcome(job):
     assert job.finished.wait(WAIT_S), "the request was left waiting"
     return job.outcome
 
@@ -188,8 +189,7 @@ def assert_failed_with(h: Harness, jobs, cause: str) -> None:
     """Every job failed naming `cause`; the supervisor is fatal with it, said so once, and left no job running."""
     from pipeinfer.serving.job import RequestError
     for job in jobs:
-        kind, message = outcome(job)
-        assert kind == "error" and message == f"the pipeline failed: {cause}", message
+        assert outcome(job) == ErrorEvent(f"the pipeline failed: {cause}"), outcome(job)
     assert h.sup.fatal == cause and h.fatal_calls == [cause]
     assert f"[serve] fatal: {cause}" in h.logs
     assert h.sup.load()["phase"] == "failed"
@@ -222,8 +222,7 @@ def test_a_launcher_failure_while_replanning_fails_the_requests_that_wait(harnes
     h = harness(FakeLauncher({3: fault}, fail_after=6, gate=gate), rejoin=True)
     h.sup.start()
     first = h.submit(40)
-    kind, _info = outcome(first)
-    assert kind == "done" and first.tokens == [letter(i) for i in range(40)]
+    assert isinstance(outcome(first), DoneEvent) and first.tokens == [letter(i) for i in range(40)]
     assert h.launcher.launching.wait(WAIT_S), h.logs
     assert h.sup.load()["phase"] == "re-planning"
     waiting = h.submit(30)
@@ -239,11 +238,11 @@ def test_a_probe_that_cannot_be_launched_leaves_the_job_serving(harness):
                 rejoin=True)
     h.sup.start()
     first = h.submit(40)
-    assert outcome(first)[0] == "done"
+    assert isinstance(outcome(first), DoneEvent)
     wait_for(lambda: any("cannot ask far whether it answers: RuntimeError: no launcher" in line
                          for line in h.logs), "the probe's failure in the log")
     later = h.submit(20)
-    assert outcome(later)[0] == "done" and later.tokens == [letter(i) for i in range(20)]
+    assert isinstance(outcome(later), DoneEvent) and later.tokens == [letter(i) for i in range(20)]
     load = h.sup.load()
     assert h.sup.fatal is None and not h.fatal_calls and load["phase"] == "serving" and load["ranks"] == 1, load
 

@@ -9,7 +9,7 @@ import sys
 import threading
 
 from ..serving.answer import Answer
-from ..serving.job import Job, RequestError
+from ..serving.job import ErrorEvent, Job, RequestError
 from .pump import pump
 
 
@@ -44,7 +44,7 @@ class Generator:
             except queue.Empty:
                 break
             if job is not None:
-                job.push(("error", "the server is shutting down"))
+                job.push(ErrorEvent("the server is shutting down"))
         self.jobs.put(None)
         self.thread.join()
 
@@ -58,7 +58,7 @@ class Generator:
         """The pipeline is gone (a rank failed): fail these and every later request."""
         self.fatal = f"{type(e).__name__}: {e}"
         for job in jobs:
-            job.push(("error", f"the pipeline failed: {self.fatal}"))
+            job.push(ErrorEvent(f"the pipeline failed: {self.fatal}"))
         self.log(f"[serve] fatal: {self.fatal}")
 
     def _loop(self) -> None:
@@ -86,6 +86,6 @@ class Generator:
         try:
             sched.submit(req)
         except ValueError as e:  # does not fit the context as the stages planned it
-            job.push(("error", str(e)))
+            job.push(ErrorEvent(str(e)))
             return
         running[id(job)] = job

@@ -32,7 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..serving.answer import Answer, StopMatcher
+from ..serving.answer import StopMatcher
 from ..serving.job import Job, Prompt, RequestError, new_request_id
 from .submit import ServeConfig, acheck_constraint, check_model, check_token_ids, make_jobs, submit, with_seed
 from .openai_api import (Body, ChatRequest, Common, CompletionRequest, chat_conversation, chat_top_logprobs,

@@ -26,10 +26,10 @@ from typing import Callable
 
 from fastapi.responses import JSONResponse
 
-from ..serving.job import Job, Prompt, RequestError
+from ..serving.job import ErrorEvent, Job, Prompt, RequestError, TextEvent
 from .submit import JobStream, collect, submit_all
 from .tools import CallArgs, CallFailed, CallStart
-from .turn import CallParser, ParsedChoice, collect_parsed, parsed_events
+from .turn import CallEvent, CallParser, ParsedChoice, collect_parsed, parsed_events
 
 
 def chat_logprobs(entries: list[dict], _offset: int) -> dict:
@@ -155,23 +155,23 @@ class Reply:
                 yield self.chunk(self.kind.opening(i))
         offsets, completion, cached = [0] * self.n_choices, 0, [0] * self.n_choices
         async for i, ev in events:
-            if ev[0] == "text":
+            if isinstance(ev, TextEvent):
                 shaped = None
                 if self.logprobs:
-                    shaped = self.kind.logprobs(ev[2] or [], offsets[i])
-                    offsets[i] += sum(len(e["token"]) for e in ev[2] or [])
-                yield self.chunk(self.kind.piece(i, ev[1], None, shaped))
-            elif ev[0] == "call":
-                choice = _chat_call_delta(i, ev[1], self.kind.logprobs(ev[2] or [], 0) if self.logprobs else None)
+                    shaped = self.kind.logprobs(ev.logprobs or [], offsets[i])
+                    offsets[i] += sum(len(e["token"]) for e in ev.logprobs or [])
+                yield self.chunk(self.kind.piece(i, ev.text, None, shaped))
+            elif isinstance(ev, CallEvent):
+                choice = _chat_call_delta(i, ev.part, self.kind.logprobs(ev.logprobs or [], 0) if self.logprobs else None)
                 if choice is not None:
                     yield self.chunk(choice)
-            elif ev[0] == "error":
-                yield _sse(RequestError(500, ev[1]).body())
+            elif isinstance(ev, ErrorEvent):
+                yield _sse(RequestError(500, ev.message).body())
                 return
             else:
-                completion += ev[1]["completion_tokens"]
-                cached[i] = ev[1]["cached_tokens"]
-                yield self.chunk(self.kind.piece(i, None, ev[1]["finish_reason"], None))
+                completion += ev.completion_tokens
+                cached[i] = ev.cached_tokens
+                yield self.chunk(self.kind.piece(i, None, ev.finish_reason, None))
         if want_usage:
             yield _sse(self.body(self.kind.chunk_object, [],
                                  usage=_usage(self.prompt_tokens, completion, self.cached(cached))))

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.decoding import Constraint
 from ..core.verify import SamplingParams
-from ..serving.job import Job, Prompt, RequestError, Settings, bad
+from ..serving.job import DoneEvent, ErrorEvent, Job, Prompt, RequestError, Settings, TextEvent, bad
 
 @dataclass
 class ServeConfig:
@@ -130,9 +130,9 @@ def submit_all(generator, jobs: list[Job], request):
                         return
                     continue
                 yield index, ev
-                if ev[0] == "error":
+                if isinstance(ev, ErrorEvent):
                     return
-                if ev[0] == "done":
+                if isinstance(ev, DoneEvent):
                     left -= 1
         finally:
             for job in jobs:
@@ -184,13 +184,12 @@ async def collect(events, n_choices: int) -> list[Choice] | None:
     n_done = 0
     async for index, ev in events:
         c = choices[index]
-        if ev[0] == "text":
-            c.text += ev[1]
-            c.logprobs += ev[2] or []
-        elif ev[0] == "error":
-            raise RequestError(500, ev[1], code="pipeline_failed")
+        if isinstance(ev, TextEvent):
+            c.text += ev.text
+            c.logprobs += ev.logprobs or []
+        elif isinstance(ev, ErrorEvent):
+            raise RequestError(500, ev.message, code="pipeline_failed")
         else:
-            c.finish_reason, c.completion_tokens = ev[1]["finish_reason"], ev[1]["completion_tokens"]
-            c.cached_tokens = ev[1]["cached_tokens"]
+            c.finish_reason, c.completion_tokens, c.cached_tokens = ev.finish_reason, ev.completion_tokens, ev.cached_tokens
             n_done += 1
     return choices if n_done == n_choices else None

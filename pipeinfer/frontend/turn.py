@@ -13,9 +13,9 @@ Two ways to run it:
   - `Turn` (Anthropic's Messages API, OpenAI's Responses API): one job, its stop sequences matched here (so the
     reply can name the one that matched), its events the parser's Text / CallStart / CallArgs / CallEnd /
     CallFailed and then an Outcome; `fold` gathers them into blocks for a whole answer.
-  - `parsed_events` (OpenAI's chat completions): a request's n jobs (jobs.submit_all's events), each choice parsed
-    by its own CallParser; the events stay serving/job.py's, with ("call", CallStart | CallArgs | CallEnd | CallFailed,
-    entries) for the calls' pieces (a CallFailed's text is content from then on), and a finish reason
+  - `parsed_events` (OpenAI's chat completions): a request's n jobs (submit.submit_all's events), each choice
+    parsed by its own CallParser; the events stay serving/job.py's, with a CallEvent for each of the calls' pieces
+    (a CallFailed's text is content from then on), and a finish reason
     "tool_calls" for a choice that made calls; `collect_parsed` gathers them into one ParsedChoice each. Every
     token's log-probability entry goes with its choice's next event that carries something (content, a call's
     start or a fragment of its arguments; the rest of them before the choice's "done").
@@ -23,12 +23,13 @@ Two ways to run it:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..core.decoding import Constraint, Decoding
 from ..serving.answer import StopMatcher
-from ..serving.job import Job, Prompt, RequestError, Settings, draw_seed, new_request_id
+from ..serving.job import (ErrorEvent, Job, Prompt, RequestError, Settings, TextEvent, draw_seed,
+                           new_request_id)
 from .submit import ServeConfig, acheck_constraint, make_jobs, submit
 from .tools import (CallArgs, CallEnd, CallFailed, CallStart, Text, ToolCallParser, ToolError, ToolFormat,
                     new_call_id, prompt_tools, tool_constraint, tool_format)
@@ -136,6 +137,13 @@ def answer_format(conv: Conversation, tokenizer) -> AnswerFormat:
     return AnswerFormat(constraint, param, fmt, names, conv.parallel_tool_calls is False)
 
 
+@dataclass(frozen=True)
+class CallEvent:
+    """A piece of a tool call in a choice's events (parsed_events), with the log-probability entries it carries."""
+    part: CallStart | CallArgs | CallEnd | CallFailed
+    logprobs: list[dict] | None = None
+
+
 # ==================================================================================== one job: Turn
 @dataclass
 class Outcome:
@@ -186,27 +194,25 @@ class Turn:
     async def events(self):
         matcher, raw, hit = StopMatcher(self.stops), "", None
         async for ev in self._events:
-            if ev[0] == "text":
-                raw += ev[1]
-                out = matcher.feed(ev[1])
+            if isinstance(ev, TextEvent):
+                raw += ev.text
+                out = matcher.feed(ev.text)
                 if matcher.hit and hit is None:
                     hit = min(self.stops, key=lambda s: (raw.find(s) if s in raw else len(raw) + 1))
                     self.job.cancelled.set()  # the generation stops; its "done" still comes
                 for e in self._parse(out):
                     yield e
-            elif ev[0] == "error":
-                raise RequestError(500, ev[1], code="pipeline_failed")
+            elif isinstance(ev, ErrorEvent):
+                raise RequestError(500, ev.message, code="pipeline_failed")
             else:
                 for e in self._parse(matcher.flush(), end=True):
                     yield e
-                info = ev[1]
-                finish = info["finish_reason"]
+                finish = ev.finish_reason
                 if hit is not None:
                     finish = "stop_sequence"
                 elif self.parser is not None and self.parser.n_calls:
                     finish = "tool_calls"
-                yield Outcome(finish, info["prompt_tokens"], info["completion_tokens"], hit,
-                              info["cached_tokens"])
+                yield Outcome(finish, ev.prompt_tokens, ev.completion_tokens, hit, ev.cached_tokens)
                 return
 
 
@@ -257,10 +263,9 @@ def arguments_object(text: str) -> dict:
 
 # ==================================================================================== n jobs: chat completions
 async def parsed_events(events, parsers: list[CallParser], jobs: list[Job]):
-    """jobs.submit_all's (index, event)s with each choice's text parsed by its parser (the module docstring): the
-    parsed text as ("text", str, entries), a call's pieces as ("call", CallStart | CallArgs | CallEnd |
-    CallFailed, entries), a choice that made calls finishing with "tool_calls"; a choice whose parser is done is
-    stopped."""
+    """submit.submit_all's (index, event)s with each choice's text parsed by its parser (the module docstring): the
+    parsed text as TextEvents, a call's pieces as CallEvents, a choice that made calls finishing with "tool_calls";
+    a choice whose parser is done is stopped."""
     held: list[list[dict] | None] = [None] * len(parsers)   # entries waiting for their choice's next event
 
     def shaped(i: int, parsed: list):
@@ -269,30 +274,27 @@ async def parsed_events(events, parsers: list[CallParser], jobs: list[Job]):
             if isinstance(e, CallStart) or getattr(e, "text", "") or getattr(e, "fragment", ""):
                 entries, held[i] = held[i], None   # an event with something to send takes the entries held
             if not isinstance(e, Text):
-                yield i, ("call", e, entries)
+                yield i, CallEvent(e, entries)
             elif e.text:
-                yield i, ("text", e.text, entries)
+                yield i, TextEvent(e.text, entries)
 
     async for i, ev in events:
-        if ev[0] == "text":
-            if ev[2] is not None:
-                held[i] = (held[i] or []) + ev[2]
-            for out in shaped(i, parsers[i].feed(ev[1])):
+        if isinstance(ev, TextEvent):
+            if ev.logprobs is not None:
+                held[i] = (held[i] or []) + ev.logprobs
+            for out in shaped(i, parsers[i].feed(ev.text)):
                 yield out
             if parsers[i].done:
                 jobs[i].cancelled.set()  # the one call allowed is made; its "done" still comes
-        elif ev[0] == "error":
+        elif isinstance(ev, ErrorEvent):
             yield i, ev
         else:
             for out in shaped(i, parsers[i].close()):
                 yield out
             if held[i]:
-                yield i, ("text", "", held[i])
+                yield i, TextEvent("", held[i])
                 held[i] = None
-            info = ev[1]
-            if parsers[i].n_calls:
-                info = {**info, "finish_reason": "tool_calls"}
-            yield i, ("done", info)
+            yield i, replace(ev, finish_reason="tool_calls") if parsers[i].n_calls else ev
 
 
 @dataclass
@@ -314,12 +316,12 @@ async def collect_parsed(events, n_choices: int) -> list[ParsedChoice] | None:
     n_done = 0
     async for index, ev in events:
         c = choices[index]
-        if ev[0] in ("text", "call"):
-            c.logprobs += ev[2] or []
-        if ev[0] == "text":
-            c.text += ev[1]
-        elif ev[0] == "call":
-            e = ev[1]
+        if isinstance(ev, (TextEvent, CallEvent)):
+            c.logprobs += ev.logprobs or []
+        if isinstance(ev, TextEvent):
+            c.text += ev.text
+        elif isinstance(ev, CallEvent):
+            e = ev.part
             if isinstance(e, CallStart):
                 calls[index][e.index] = {"id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}}
             elif isinstance(e, CallArgs):
@@ -327,11 +329,10 @@ async def collect_parsed(events, n_choices: int) -> list[ParsedChoice] | None:
             elif isinstance(e, CallFailed):
                 calls[index].pop(e.index, None)
                 c.text += e.text
-        elif ev[0] == "error":
-            raise RequestError(500, ev[1], code="pipeline_failed")
+        elif isinstance(ev, ErrorEvent):
+            raise RequestError(500, ev.message, code="pipeline_failed")
         else:
-            c.finish_reason, c.completion_tokens = ev[1]["finish_reason"], ev[1]["completion_tokens"]
-            c.cached_tokens = ev[1]["cached_tokens"]
+            c.finish_reason, c.completion_tokens, c.cached_tokens = ev.finish_reason, ev.completion_tokens, ev.cached_tokens
             n_done += 1
     if n_done < n_choices:
         return None

@@ -51,7 +51,7 @@ from ..core.metrics import Stats
 from ..core.prefixcache import Entry, PrefixCache, whole_chunks
 from ..core.protocol import compact, kv_ops, rm
 from ..core.verify import SamplingParams
-from .actions import Action, Cancel, EditKv, Launch, Sampling
+from .actions import EditKv, Executor
 from .head import GenConfig, Head, check_gen_config
 
 # generations at once by default, per stage (`serve`/`generate --prompts` --parallel): one per stage would keep
@@ -157,10 +157,9 @@ class Scheduler:
         self.reserve = cells_reserve(pool.n_partitions, cfg.cut.n_max) if pool is not None else 0
         self.waiting: deque[tuple[int, Request, object]] = deque()  # (number, request, its RunRules or None)
         self.gens: list[_Gen] = []            # admission order
-        self.owner: dict[int, _Gen] = {}      # run id -> the generation that launched it
+        self.executor: Executor[_Gen] = Executor(pipe)  # the one place the pipeline is driven
         self.holder: _Gen | None = None       # the generation the drafter is lent to
         self._run_id = first_run_id
-        self._sampling_sent: Sampling | None = None
         self._n_requests = 0
         self.stats = SchedulerStats()
 
@@ -224,7 +223,7 @@ class Scheduler:
                 if not self.pipe.result_ready():
                     return
         if self.pipe.in_flight:
-            self._take(self.pipe.next_result())
+            self._take(*self.executor.next_result())
         for g in [g for g in self.gens if g.head.done and not g.head.flights]:
             self._finish(g)
 
@@ -263,7 +262,7 @@ class Scheduler:
             start = self.cache.find(req.prompt, [(seq, h.req.prompt[:h.head.n_planned]) for seq, h in running.items()])
             if start is not None and start.seq in running:  # the copy must follow the chunks it copies at every stage
                 while running[start.seq].head.n_kv0 < start.n:
-                    self._apply(running[start.seq], running[start.seq].head.feed())
+                    self.executor.apply(running[start.seq], running[start.seq].head.feed())
         # in the chunks it takes alone (prompt_chunk, from position 0): other chunks change the numerics
         head.start(req.prompt, req.replay, cached=(start.seq, start.n) if start else None)
         head.stats.t_queue_s = max(0.0, head.stats.t_start_s - req.t_queued_s)
@@ -276,7 +275,7 @@ class Scheduler:
             if not pending or sum(len(g.head.prompt_in_flight) for g in self.gens) >= self.n_stages:
                 return
             g = min(pending, key=lambda g: len(g.head.pending))
-            self._apply(g, g.head.feed())
+            self.executor.apply(g, g.head.feed())
 
     def _cells_short(self, newcomer: int = 0) -> bool:
         """Whether one more round's runs might not fit: a token per generation and the speculation, and the cells a
@@ -292,9 +291,8 @@ class Scheduler:
         """Collect every run in flight, then have every stage keep only the canonical sequences of the generations
         still here, repacked (one that ended while its runs were collected keeps its cells: it is finished after)."""
         while self.pipe.in_flight:
-            res = self.pipe.next_result()
-            g = self.owner.pop(res.run_id)
-            self._apply(g, g.head.handle(res))
+            g, res = self.executor.next_result()
+            self.executor.apply(g, g.head.handle(res))
         live = [self._canon[g.lane] for g in self.gens]
         kept: list[Entry] = []
         if self.cache is not None:  # the entries that fit beside what the generations here and the next may need
@@ -308,7 +306,7 @@ class Scheduler:
             kept = self.cache.entries
         trim = [rm(e.seq, len(e.tokens), -1) for e in kept]  # an entry keeps only the positions it can give
         keep = live + [e.seq for e in kept]
-        self.pipe.kv(kv_ops(*trim, *[compact(s) for s in keep]) if keep else kv_ops(rm(-1)))
+        self.executor.apply(None, [EditKv(kv_ops(*trim, *[compact(s) for s in keep]) if keep else kv_ops(rm(-1)))])
         for g in self.gens:
             g.head.compacted()
         self._clean.extend(sorted(self._dirty))
@@ -318,7 +316,7 @@ class Scheduler:
         for g in [g for g in self.gens if g.head.done]:
             self._finish(g)
         for g in self.gens:
-            self._apply(g, g.head.cover())
+            self.executor.apply(g, g.head.cover())
 
     # ================================================================ the prompt cache
     def _drop(self, e: Entry) -> None:
@@ -380,7 +378,7 @@ class Scheduler:
             actions = head.speculate_once()
             if actions is None:
                 return
-            self._apply(g, actions)
+            self.executor.apply(g, actions)
 
     def _room(self) -> bool:
         """Whether the holder may launch one more speculative run now: alone, while the drafter keeps up; beside
@@ -400,25 +398,8 @@ class Scheduler:
     def last_run_id(self) -> int:
         return self._run_id
 
-    def _apply(self, g: _Gen, actions: list[Action]) -> None:
-        """The one place the pipeline is driven: a generation's actions, in the order it decided them."""
-        for a in actions:
-            if isinstance(a, Launch):
-                if a.sampling != self._sampling_sent:  # the last stage draws this generation's tokens by these
-                    self.pipe.set_sampling(*a.sampling)
-                    self._sampling_sent = a.sampling
-                self.owner[a.run_id] = g
-                self.pipe.launch(a.run_id, a.batch, a.speculative, a.parent_id, a.rules)
-            elif isinstance(a, Cancel):
-                self.pipe.cancel(list(a.run_ids))
-            elif isinstance(a, EditKv):
-                self.pipe.kv(a.ops)
-            else:
-                raise TypeError(f"internal: unknown action {a!r}")
-
-    def _take(self, res) -> None:
-        g = self.owner.pop(res.run_id)
-        self._apply(g, g.head.handle(res) if g.head.done else g.head.take(res))
+    def _take(self, g: _Gen, res) -> None:
+        self.executor.apply(g, g.head.handle(res) if g.head.done else g.head.take(res))
 
     def _finish(self, g: _Gen) -> None:
         """Every run of a finished generation is back: deliver its answer; its slot holds its prompt as a cache

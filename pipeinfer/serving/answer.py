@@ -18,6 +18,7 @@ import time
 from collections import deque
 
 from ..core.decoding import TokenLogprob
+from .job import DoneEvent, TextEvent
 
 # OpenAI's floor for a log-probability: -inf (a token a constraint forbids) is not JSON
 LOGPROB_FLOOR = -9999.0
@@ -101,7 +102,7 @@ class _Aligned:
 
 
 class Answer:
-    """One job's text (and log-probabilities) on its way out, as ("text", str, entries | None) events."""
+    """One job's text (and log-probabilities) on its way out, as TextEvents, then its DoneEvent."""
 
     def __init__(self, job, tok):
         from ..engine.tokenizer import StreamDecoder
@@ -121,7 +122,7 @@ class Answer:
     def _release(self, text: str) -> None:
         entries = self.lps.release(text)
         if text or entries:
-            self.job.push(("text", text, entries))
+            self.job.push(TextEvent(text, entries))
 
     def should_stop(self) -> bool:
         return self.job.cancelled.is_set() or self.stop.hit
@@ -143,9 +144,7 @@ class Answer:
             on_done(job, stats, finish)
         if (meter := getattr(job, "meter", None)) is not None:
             meter.on_done(job, stats, finish)
-        job.push(("done", {"finish_reason": finish, "prompt_tokens": len(job.prompt_tokens),
-                           "completion_tokens": stats.n_generated,
-                           "cached_tokens": stats.n_cached, "stats": stats}))
+        job.push(DoneEvent(finish, len(job.prompt_tokens), stats.n_generated, stats.n_cached, stats))
 
 
 def drafts_said(stats) -> str:

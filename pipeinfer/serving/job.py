@@ -3,14 +3,8 @@ and what every front end shares about it: the request refused (RequestError, Ope
 the settings, the seed.
 
 A Job carries plain data only (token ids, SamplingParams, stop strings, Decoding) besides its event queue and
-cancel flag: a supervised server sends it to rank 0 over a socket (link.py). Its events, the same for every API:
-
-    ("text", str, list[dict] | None)  a piece of the answer, with the log-probabilities of the tokens whose text
-                                      it completes (answer.py: OpenAI's chat entries {token, logprob, bytes,
-                                      top_logprobs}); None: not asked for
-    ("done", {"finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "stats"})
-                                      cached_tokens: the prompt's tokens taken from the prompt cache
-    ("error", message)                the generation failed (every other choice of the request is cancelled)
+cancel flag: a supervised server sends it to rank 0 over a socket (link.py). Its events, the same for every API,
+are TextEvent (pieces of the answer), then one DoneEvent or one ErrorEvent.
 """
 from __future__ import annotations
 
@@ -20,9 +14,13 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Union
 
 from ..core.decoding import Decoding
 from ..core.verify import SamplingParams
+
+if TYPE_CHECKING:
+    from ..core.metrics import Stats
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
                503: "server_overloaded"}
@@ -79,6 +77,35 @@ def new_request_id() -> str:
     return uuid.uuid4().hex[:24]
 
 
+# ------------------------------------------------------------------------------------ a job's events
+@dataclass(frozen=True)
+class TextEvent:
+    """A piece of the answer, with the log-probabilities of the tokens whose text it completes (answer.py: OpenAI's
+    chat entries {token, logprob, bytes, top_logprobs}); None: not asked for."""
+    text: str
+    logprobs: list[dict] | None = None
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """The answer is whole: why it ended ("stop", "length", "cancelled"; a front end may refine it), its counts
+    (cached_tokens: the prompt's tokens taken from the prompt cache) and the generation's statistics."""
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    stats: Stats | None = None
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """The generation failed (every other choice of the request is cancelled)."""
+    message: str
+
+
+Event = Union[TextEvent, DoneEvent, ErrorEvent]
+
+
 @dataclass
 class Job:
     """One generation (one choice of a request) for the generation thread."""
@@ -97,7 +124,7 @@ class Job:
     request_id: str = field(default_factory=new_request_id)
     t_queued_s: float = field(default_factory=time.perf_counter)
 
-    def push(self, event: tuple) -> None:
+    def push(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, event))
 
     def on_token_ids(self, tokens: list[int]) -> None:

@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 from ..core.errors import UserError
+from ..serving.job import DoneEvent, ErrorEvent, Event, TextEvent
 
 
 class StdoutJob:
@@ -29,16 +30,16 @@ class StdoutJob:
         self.finished = threading.Event()
         self.tokens: list[int] = []
         self.text = ""
-        self.outcome: tuple | None = None   # ("done", info) or ("error", message)
+        self.outcome: DoneEvent | ErrorEvent | None = None
 
     def on_token_ids(self, tokens: list[int]) -> None:
         self.tokens += tokens
 
-    def push(self, event: tuple) -> None:
-        if event[0] == "text":
-            self.text += event[1]
+    def push(self, event: Event) -> None:
+        if isinstance(event, TextEvent):
+            self.text += event.text
             if not self.as_json:
-                sys.stdout.write(event[1])
+                sys.stdout.write(event.text)
                 sys.stdout.flush()
             return
         self.outcome = event
@@ -86,18 +87,17 @@ def generate_supervised(args, where, prompt, stop, results_row, write_row) -> No
             write_row(args.results, results_row(args.config, [None] * len(sup.slots), prompt.name, stats,
                                                 status=resumed_status(n_resumes)))
     sup = _run_supervised(args, where, tok, [job], on_done, stop)
-    if job.outcome is None or job.outcome[0] == "error":
-        why = sup.fatal or (job.outcome[1] if job.outcome else "the generation did not finish")
+    if not isinstance(job.outcome, DoneEvent):
+        why = sup.fatal or (job.outcome.message if job.outcome else "the generation did not finish")
         if args.results:  # the row of what was generated before the failure, as an unsupervised run writes it
             from ..core.metrics import Stats
             done = Stats(n_prompt=len(ids), n_generated=len(job.tokens))
             write_row(args.results, results_row(args.config, [None] * len(sup.slots), prompt.name, done,
                                                 status=f"failed: {why}"))
         raise UserError(why)
-    info = job.outcome[1]
     if args.as_json:
         print(json.dumps({"text": job.text, "tokens": job.tokens, "prompt_tokens": ids,
-                          "stats": info["stats"].to_dict(), "resumed": resumed[0] if resumed else 0,
+                          "stats": job.outcome.stats.to_dict(), "resumed": resumed[0] if resumed else 0,
                           "lost": sup.lost}))
     else:
         sys.stdout.write("\n")
@@ -129,6 +129,6 @@ def batch_supervised(args, where, stop, results_row, write_row) -> None:
             write_row(args.results, results_row(args.config, [None] * len(sup.slots), f"{name}:{p.index}", stats,
                                                 status=resumed_status(n_resumes)))
     sup = _run_supervised(args, where, tok, jobs, on_done, stop)
-    failed = [p.index for p, job in zip(prompts, jobs) if job.outcome is None or job.outcome[0] == "error"]
+    failed = [p.index for p, job in zip(prompts, jobs) if not isinstance(job.outcome, DoneEvent)]
     if failed:
         raise UserError(sup.fatal or f"prompts {', '.join(map(str, failed))} did not finish")

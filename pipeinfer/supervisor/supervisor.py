@@ -37,7 +37,7 @@ from ..core.metrics import Stats
 from ..core.protocol import STAGE_COUNTERS
 from ..serving import link
 from ..serving.answer import Answer
-from ..serving.job import RequestError
+from ..serving.job import ErrorEvent, RequestError
 
 DRAFT_PLACE = -1  # the draft host's key among the lost slots (Supervisor._away)
 _FAILED_RANK = re.compile(r"rank (\d+) \(host ([^,)]+)")  # liveness's line, from rank 0 (or another rank)
@@ -502,7 +502,7 @@ class Supervisor:
         self.log(f"[serve] fatal: {why}")
         self._kill_child()
         for rec in recs:
-            rec.job.push(("error", f"the pipeline failed: {why}"))
+            rec.job.push(ErrorEvent(f"the pipeline failed: {why}"))
         self.on_fatal(why)
 
     # ---------------------------------------------------------------- --rejoin
@@ -626,7 +626,7 @@ class Supervisor:
         elif isinstance(msg, link.JobError):
             with self._lock:
                 self._records.pop(rec.jid, None)
-            rec.job.push(("error", msg.message))
+            rec.job.push(ErrorEvent(msg.message))
 
     def _reform(self, child: subprocess.Popen) -> None:
         """The job ended under us: drop the failed rank's slot, start again, resume every request."""
@@ -741,7 +741,7 @@ class Supervisor:
             if self.fatal is None:
                 self.phase = "stopping"
         for rec in recs:
-            rec.job.push(("error", "the server is shutting down"))
+            rec.job.push(ErrorEvent("the server is shutting down"))
         self._send(link.Stop())
         if self._child is not None:
             try:

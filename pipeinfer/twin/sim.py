@@ -706,7 +706,7 @@ def _serve(cluster: Cluster, gen: GenConfig, clients: _Clients, clock: VirtualCl
         n_ctx = _roomy_ctx(gen, n_parallel, max(clients.n_prompts), n_part, n_lanes)
     sched = Scheduler(pipe, replace(gen, n_ctx=n_ctx), n_stages=cluster.n_ranks, n_parallel=n_parallel, pool=pool,
                       drafter_for=drafter_for, clock=clock)
-    pipe.reference_of = lambda run_id: clients.reference_of_prompt(sched.owner[run_id].req.prompt)
+    pipe.reference_of = lambda run_id: clients.reference_of_prompt(sched.executor.owner[run_id].req.prompt)
     clients.drive(sched)
     n_requests = len(clients.refs)
     if len(clients.results) != n_requests:
