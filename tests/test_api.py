@@ -390,7 +390,7 @@ def answer_events(tokens_per_call: list[list[int]], stops: list[str]) -> list[tu
     finish."""
     from pipeinfer.serving.answer import Answer
     events: list = []
-    job = SimpleNamespace(stops=stops, push=events.append, cancelled=threading.Event(), n_predict=99,
+    job = SimpleNamespace(stops=stops, push=events.append, cancelled=threading.Event(), n_predict=99, meter=None,
                           prompt_tokens=[1], request_id="r", t_queued_s=0.0)
     ans = Answer(job, FakeTokenizer())
     k = 0

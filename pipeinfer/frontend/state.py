@@ -226,7 +226,7 @@ class ClusterState:
         submit = gen.submit
 
         def submit_metered(job) -> None:
-            if getattr(job, "meter", None) is None:
+            if job.meter is None:
                 job.meter = meter
             submit(job)
         gen.submit = submit_metered

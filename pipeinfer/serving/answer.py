@@ -114,7 +114,7 @@ class Answer:
         self.lps.add(lps)
 
     def on_tokens(self, tokens: list[int]) -> None:
-        if (meter := getattr(self.job, "meter", None)) is not None:  # the web page's counters (state.Meter)
+        if (meter := self.job.meter) is not None:  # the web page's counters (state.Meter)
             meter.on_tokens(len(tokens))
         self.lps.place(tokens)
         self._release(self.stop.feed(self.dec.feed(tokens)))
@@ -142,7 +142,7 @@ class Answer:
             f"{drafts_said(stats)}, {finish}")
         if on_done is not None:
             on_done(job, stats, finish)
-        if (meter := getattr(job, "meter", None)) is not None:
+        if (meter := job.meter) is not None:
             meter.on_done(job, stats, finish)
         job.push(DoneEvent(finish, len(job.prompt_tokens), stats.n_generated, stats.n_cached, stats))
 

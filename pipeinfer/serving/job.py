@@ -2,6 +2,11 @@
 and what every front end shares about it: the request refused (RequestError, OpenAI's error shape), the prompt,
 the settings, the seed.
 
+Declared here, as Protocols, what each side asks of the other: a Generation (every kind of job the generation
+thread and the supervisor serve: an HTTP request's Job, a supervised `generate`'s StdoutJob), a TokenMeter (the
+live page's counters a job may carry) and a Generator (what the HTTP server drives: rank 0's generation thread,
+feeders/generator.py, or a supervisor, supervisor/supervisor.py).
+
 A Job carries plain data only (token ids, SamplingParams, stop strings, Decoding) besides its event queue and
 cancel flag: a supervised server sends it to rank 0 over a socket (link.py). Its events, the same for every API,
 are TextEvent (pieces of the answer), then one DoneEvent or one ErrorEvent.
@@ -14,7 +19,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Callable, Protocol, Union
 
 from ..core.decoding import Decoding
 from ..core.verify import SamplingParams
@@ -106,6 +111,50 @@ class ErrorEvent:
 Event = Union[TextEvent, DoneEvent, ErrorEvent]
 
 
+# ------------------------------------------------------------------------------------ the interfaces
+class TokenMeter(Protocol):
+    """Counts a job's tokens and its end as they happen (frontend/state.Meter: the live page's numbers)."""
+
+    def on_tokens(self, n: int) -> None: ...
+
+    def on_done(self, job: Generation, stats: Stats, finish: str) -> None: ...
+
+
+class Generation(Protocol):
+    """One generation asked of rank 0, whoever asked it: what the generation thread, the supervisor and an
+    answer (answer.Answer) read of it, and how its events and token ids come back."""
+    prompt_tokens: list[int]
+    n_predict: int
+    sampling: SamplingParams
+    stops: list[str]
+    prompt_text: str | None
+    chat: bool
+    decoding: Decoding
+    cache_prompt: bool               # false: neither starts from the prompt cache nor leaves its prompt in it
+    cancelled: threading.Event
+    request_id: str
+    t_queued_s: float
+    meter: TokenMeter | None
+
+    def push(self, event: Event) -> None: ...
+
+    def on_token_ids(self, tokens: list[int]) -> None: ...
+
+
+class Generator(Protocol):
+    """What the HTTP server drives: submit (RequestError 503 when it cannot take the job), fatal (why the pipeline
+    failed, or None), parallel (generations at once), load() (the queue, the cells, the stages: /health's), log,
+    and on_done(job, stats, finish) after each answer."""
+    fatal: str | None
+    parallel: int
+    log: Callable[[str], None]
+    on_done: Callable[[Generation, Stats, str], None] | None
+
+    def submit(self, job: Generation) -> None: ...
+
+    def load(self) -> dict: ...
+
+
 @dataclass
 class Job:
     """One generation (one choice of a request) for the generation thread."""
@@ -123,6 +172,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     request_id: str = field(default_factory=new_request_id)
     t_queued_s: float = field(default_factory=time.perf_counter)
+    meter: TokenMeter | None = None  # the live page's counters (frontend/state.py sets it)
 
     def push(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, event))

@@ -13,16 +13,19 @@ import uuid
 from pathlib import Path
 
 from ..core.errors import UserError
+from ..core.decoding import Decoding
 from ..serving.job import DoneEvent, ErrorEvent, Event, TextEvent
 
 
 class StdoutJob:
-    """server.Job's shape for the supervisor: the text goes to stdout as it comes (or, with --json, at the end)."""
+    """A supervised `generate`'s job (serving/job.Generation): the text goes to stdout as it comes (or, with --json,
+    at the end)."""
 
     def __init__(self, prompt_tokens: list[int], n_predict: int, sampling, prompt_text: str, chat: bool,
                  as_json: bool, cache_prompt: bool = True):
         self.prompt_tokens, self.n_predict, self.sampling = prompt_tokens, n_predict, sampling
         self.cache_prompt = cache_prompt  # false: neither starts from the prompt cache nor stays in it
+        self.decoding, self.meter = Decoding(), None
         self.prompt_text, self.chat, self.stops, self.as_json = prompt_text, chat, [], as_json
         self.request_id = uuid.uuid4().hex[:24]
         self.t_queued_s = time.perf_counter()

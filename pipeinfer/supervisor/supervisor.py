@@ -37,7 +37,7 @@ from ..core.metrics import Stats
 from ..core.protocol import STAGE_COUNTERS
 from ..serving import link
 from ..serving.answer import Answer
-from ..serving.job import ErrorEvent, RequestError
+from ..serving.job import ErrorEvent, Generation, RequestError
 
 DRAFT_PLACE = -1  # the draft host's key among the lost slots (Supervisor._away)
 _FAILED_RANK = re.compile(r"rank (\d+) \(host ([^,)]+)")  # liveness's line, from rank 0 (or another rank)
@@ -200,7 +200,7 @@ def placement(np: int | None, hostfile: str | None, config, argv: list[str]) -> 
 class _Record:
     """One request as the supervisor keeps it across child jobs."""
     jid: int
-    job: object                 # server.Job, or resume.StdoutJob (generate --np)
+    job: Generation             # an HTTP request's Job, or resume.StdoutJob (generate --np)
     answer: Answer              # text, stop strings
     tokens: list[int] = field(default_factory=list)  # streamed so far
     cancel_sent: bool = False   # to the job now attached (a new job needs its own)
@@ -266,7 +266,7 @@ def _stop_this_process(_why: str) -> None:
 
 
 class Supervisor:
-    """The generator the HTTP app talks to (server.Generator's interface: submit, stop, fatal, parallel, load),
+    """The generator the HTTP app talks to (serving/job.Generator: submit, fatal, parallel, load, log, on_done),
     forwarding to rank 0 of a child MPI job and re-forming that job when it fails.
 
     `phase` says what it does (/health): starting, serving, re-forming (the job failed), re-planning (--rejoin: a
@@ -677,7 +677,7 @@ class Supervisor:
         return None, ""
 
     # ---------------------------------------------------------------- the HTTP side
-    def submit(self, job) -> None:
+    def submit(self, job: Generation) -> None:
         with self._lock:  # fatal read under the lock: a request recorded after _fail's would wait for ever
             if self.fatal:
                 raise RequestError(503, f"the pipeline failed: {self.fatal}", code="pipeline_failed")
@@ -690,11 +690,9 @@ class Supervisor:
         rec.t_sent = rec.t_sent or time.perf_counter()
         job, left = rec.job, rec.job.n_predict - len(rec.tokens)
         sp = job.sampling
-        decoding = getattr(job, "decoding", None)
         self._send(link.Job(rec.jid, job.prompt_tokens, rec.tokens, max(1, left),
                             (sp.temp, sp.top_k, sp.top_p, sp.seed), job.prompt_text, job.chat,
-                            decoding.to_dict() if decoding is not None else None,
-                            getattr(job, "cache_prompt", True)))
+                            job.decoding.to_dict(), job.cache_prompt))
 
     def _send(self, msg) -> bool:
         """Whether `msg` went to the attached rank 0. Not while none is (between jobs: _attach sends every record
