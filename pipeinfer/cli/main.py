@@ -212,9 +212,9 @@ class HeadOutput:
     @staticmethod
     def _tokenize(config: Config, prompt: Prompt):
         """(Tokenizer, the prompt's tokens, a StreamDecoder), or UserError when the prompt does not fit."""
-        from ..engine.tokenizer import StreamDecoder, Tokenizer, apply_chat
+        from ..engine.tokenizer import StreamDecoder, Tokenizer, encode_prompt
         tok = Tokenizer(config.model)
-        tokens = tok.encode(apply_chat(tok, prompt.text) if prompt.chat else prompt.text)
+        tokens = encode_prompt(tok, prompt.text, bool(prompt.chat))
         check_fits(config, len(tokens), config.n_predict, n_target_ranks(config))
         return tok, tokens, StreamDecoder(tok)
 

@@ -90,6 +90,11 @@ def apply_chat(tok, conversation: str | list[dict], template: str | None = None)
     return format_chat(tmpl, messages)
 
 
+def encode_prompt(tok, text: str, chat: bool) -> list[int]:
+    """A prompt's tokens: `text` as one user message in the model's chat format (apply_chat), or as it is."""
+    return tok.encode(apply_chat(tok, text) if chat else text)
+
+
 class StreamDecoder:
     """Turns token ids into text as they arrive, holding back incomplete UTF-8 sequences."""
 

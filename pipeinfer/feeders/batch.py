@@ -80,7 +80,7 @@ def answer_line(p: BatchPrompt, text: str, tokens: list[int], finish: str, stats
 
 def run_batch(args, stop, results_row, write_row) -> None:
     """Rank 0: every prompt through the scheduler; a JSON line per answer, a summary on stderr."""
-    from ..engine.tokenizer import Tokenizer, apply_chat
+    from ..engine.tokenizer import Tokenizer, encode_prompt
     from ..ranks.startup import open_session
     config = args.config
     prompts = read_batch(args.prompts, chat=True if args.chat is None else args.chat, n_predict=config.n_predict,
@@ -88,7 +88,7 @@ def run_batch(args, stop, results_row, write_row) -> None:
     tok = Tokenizer(config.model)
     encoded = []
     for p in prompts:
-        ids = tok.encode(apply_chat(tok, p.text) if p.chat else p.text)
+        ids = encode_prompt(tok, p.text, p.chat)
         if any(t >= tok.n_vocab for t in p.replay):
             raise UserError(f"--prompts {args.prompts}: prompt {p.index} replays a token id outside the vocabulary "
                             f"({tok.n_vocab} tokens)")

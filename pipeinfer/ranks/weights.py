@@ -45,6 +45,7 @@ from ..core.errors import UserError
 from ..core.stagecache import Item, Need, fmt_bytes
 from ..engine.stagefile import StageFileError
 from ..wire.hosts import host_name
+from ..wire.transport import polite_barrier, wait_politely
 
 CHUNK = 8 << 20      # bytes per message: 67 ms at 1 Gbit/s
 IN_FLIGHT = 4        # messages in flight each way
@@ -103,7 +104,7 @@ def _same(path: Path, fp: str) -> bool:
 def _obtain(comm, src: str, fp: str, want: tuple | None, poll_s: float, fmt: int, what: str) -> Path | None:
     rank = comm.Get_rank()
     source = _Source(src) if rank == 0 else None
-    _polite_barrier(comm, poll_s)  # the others wait for rank 0 without a blocking MPI call (which spins a core)
+    polite_barrier(comm, poll_s)  # the others wait for rank 0 without a blocking MPI call (which spins a core)
     ident = comm.bcast(source.ident if rank == 0 else None, root=0)  # None: rank 0 is hashing the model
     d = stagecache.weights_dir()
     if want is not None:
@@ -113,7 +114,7 @@ def _obtain(comm, src: str, fp: str, want: tuple | None, poll_s: float, fmt: int
         if any(comm.allgather(unsure)):  # a host may hold a file of this model: it looks by the model's identity
             if rank == 0:
                 source.identity(sending=False)
-            _polite_barrier(comm, poll_s)
+            polite_barrier(comm, poll_s)
             ident = comm.bcast(source.ident if rank == 0 else None, root=0)
     item = _item(ident or "", want, fmt) if want is not None else None
     status, path, holds = "none", None, ()
@@ -135,7 +136,7 @@ def _obtain(comm, src: str, fp: str, want: tuple | None, poll_s: float, fmt: int
             _log(f"[pipeinfer] weights: {len(plan[0])} file(s) to send, "
                  f"{fmt_bytes(sum(rc.wire_bytes() for rc in recipes.values()))}, laid out "
                  f"in {time.perf_counter() - t0:.1f} s")
-    _polite_barrier(comm, poll_s)
+    polite_barrier(comm, poll_s)
     plan = comm.bcast(plan, root=0)
     if isinstance(plan, str):
         raise UserError(plan)
@@ -263,7 +264,7 @@ def _send_one(comm, dest: int, layout, rc, fd: int, poll_s: float, show, identit
     for lo, hi in _chunks(layout.size):
         k = i % IN_FLIGHT
         if reqs[k] is not None:
-            _wait(reqs[k], poll_s)
+            wait_politely(reqs[k], poll_s)
             reqs[k] = None
         n = layout.read(fd, lo, reads[k])
         _in_slices(reads[k][:n], [hasher.update], reqs)
@@ -282,9 +283,9 @@ def _send_one(comm, dest: int, layout, rc, fd: int, poll_s: float, show, identit
             time.sleep(THROTTLE_S)
     for req in reqs:
         if req is not None:
-            _wait(req, poll_s)
+            wait_politely(req, poll_s)
     end = np.frombuffer(hasher.digest() + bytes.fromhex(identity()), np.uint8).copy()
-    _wait(comm.Isend([end, MPI.BYTE], dest=dest, tag=TAG_END), poll_s)
+    wait_politely(comm.Isend([end, MPI.BYTE], dest=dest, tag=TAG_END), poll_s)
 
 
 # ---------------------------------------------------------------- receiving
@@ -317,7 +318,7 @@ def _receive(comm, item: Item, rc, poll_s: float, model_name: str, fp: str, d: P
         for lo, hi in chunks:
             wire = None  # this chunk's wire bytes, when it has some
             if j < len(wired) and wired[j][0] == lo:
-                _wait(reqs.pop(j), poll_s)
+                wait_politely(reqs.pop(j), poll_s)
                 wire = bufs[j % len(bufs)][:wired[j][2]]
             whole = wire is not None and len(wire) == hi - lo
             view = wire if whole else chunk[:hi - lo]  # a chunk that travelled whole: its bytes as they arrived
@@ -336,7 +337,7 @@ def _receive(comm, item: Item, rc, poll_s: float, model_name: str, fp: str, d: P
                     repost(j)
                 j += 1
         end = np.empty(END_BYTES, np.uint8)
-        _wait(comm.Irecv([end, MPI.BYTE], source=0, tag=TAG_END), poll_s)
+        wait_politely(comm.Irecv([end, MPI.BYTE], source=0, tag=TAG_END), poll_s)
         item = replace(item, model_id=end[DIGEST:].tobytes().hex())
         if end[:DIGEST].tobytes() != hasher.digest():
             raise UserError(f"rank {comm.Get_rank()} ({host_name()}): the {item.label()} of {model_name} arrived "
@@ -364,18 +365,6 @@ def _in_slices(view: np.ndarray, work: list, pending) -> None:
             if req is not None:
                 req.Test()
 
-
-
-def _wait(req, poll_s: float) -> None:
-    """Until req completes, testing it between short sleeps (a blocking wait would spin a core in MPICH)."""
-    sleep = min(2e-5, poll_s)
-    while not req.Test():
-        time.sleep(sleep)
-        sleep = min(sleep * 2, poll_s)
-
-
-def _polite_barrier(comm, poll_s: float) -> None:
-    _wait(comm.Ibarrier(), poll_s)
 
 
 class _Progress:

@@ -77,10 +77,10 @@ def _run_supervised(args, where, tok, jobs: list[StdoutJob], on_done, stop):
 
 def generate_supervised(args, where, prompt, stop, results_row, write_row) -> None:
     """The generation under the supervisor; the answer on stdout, the statistics and a --results row as usual."""
-    from ..engine.tokenizer import Tokenizer, apply_chat
+    from ..engine.tokenizer import Tokenizer, encode_prompt
     from .supervisor import resumed_status
     tok = Tokenizer(args.config.model)
-    ids = tok.encode(apply_chat(tok, prompt.text) if prompt.chat else prompt.text)
+    ids = encode_prompt(tok, prompt.text, bool(prompt.chat))
     job = StdoutJob(ids, args.config.n_predict, args.config.sampling, prompt.text, bool(prompt.chat), args.as_json)
     resumed: list[int] = []
 
@@ -111,7 +111,7 @@ def batch_supervised(args, where, stop, results_row, write_row) -> None:
     """`generate --prompts FILE --np/--hostfile`: every prompt a job of the supervisor (rank 0's scheduler runs
     --parallel of them at once), each answer a JSON line as it finishes (batch.py's, with "resumed": how many
     times the job re-formed under it), and the jobs in flight resumed where a rank is lost."""
-    from ..engine.tokenizer import Tokenizer, apply_chat
+    from ..engine.tokenizer import Tokenizer, encode_prompt
     from ..feeders.batch import answer_line, read_batch
     from .supervisor import resumed_status
     prompts = read_batch(args.prompts, chat=True if args.chat is None else args.chat,
@@ -120,7 +120,7 @@ def batch_supervised(args, where, stop, results_row, write_row) -> None:
         raise UserError(f"--prompts {args.prompts}: 'replay' is not taken under --np/--hostfile (the supervisor "
                         "replays what it streamed itself)")
     tok = Tokenizer(args.config.model)
-    jobs = [StdoutJob(tok.encode(apply_chat(tok, p.text) if p.chat else p.text), p.n_predict, p.sampling, p.text,
+    jobs = [StdoutJob(encode_prompt(tok, p.text, p.chat), p.n_predict, p.sampling, p.text,
                       p.chat, as_json=True, cache_prompt=p.cache_prompt) for p in prompts]
     prompt_of = {id(job): p for p, job in zip(prompts, jobs)}
     name = Path(args.prompts).stem

@@ -142,8 +142,7 @@ class Transport:
         return self.t_wait_s + (max(0.0, time.perf_counter() - t0) if t0 is not None else 0.0)
 
     def _wait_request(self, req: MPI.Request) -> None:
-        while not req.Test():
-            time.sleep(self.poll_s)
+        wait_politely(req, self.poll_s)
 
     # ---- receiving
     def wait_header(self, source: int, while_idle: Callable[[], None] | None = None) -> Header:
@@ -227,8 +226,15 @@ def bad_message(source: int, why) -> ProtocolError:
     return err
 
 
+def wait_politely(req: MPI.Request, poll_s: float) -> None:
+    """Until req completes, testing it between sleeps that grow from 20 us to poll_s: a blocking MPI wait would
+    spin a core in MPICH (module docstring), a long first sleep would add latency to a message already due."""
+    sleep = min(2e-5, poll_s)
+    while not req.Test():
+        time.sleep(sleep)
+        sleep = min(sleep * 2, poll_s)
+
+
 def polite_barrier(comm: MPI.Comm, poll_s: float = 0.0005) -> None:
     """A barrier that sleeps while it waits (a blocking MPI_Barrier busy-polls, see module docstring)."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(poll_s)
+    wait_politely(comm.Ibarrier(), poll_s)
