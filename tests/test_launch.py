@@ -207,19 +207,46 @@ def test_supervised_placement_takes_the_hostfiles_settings(tmp_path):
     hf = tmp_path / "hosts"
     hf.write_text("a:2 # pipeinfer: threads=4 weight=2 mem=8\nb # pipeinfer: threads=2 weight=1\n")
     setup = Config(str(model))
-    where = placement(None, str(hf), setup, ["pipeinfer", "serve", "-m", str(model)])
+    where = placement(None, str(hf), setup)
     assert where.slots == ["a", "a", "b"]
     assert (where.config.threads, where.config.layer_split) == ("4,4,2", "0.4,0.4,0.2")
     assert (where.footprint.weights_bytes, where.footprint.declared_gib) == (1000, {"a": 8.0})
-    user_threads = placement(2, str(hf), replace(setup, threads="1"), ["serve", "--threads", "1"]).config
+    user_threads = placement(2, str(hf), replace(setup, threads="1", set_by_user=frozenset({"threads"}))).config
     assert (user_threads.threads, user_threads.layer_split) == ("1", "0.5,0.5")  # the user's option wins
     hf.write_text("a\nd # pipeinfer: role=draft threads=2\n")  # the draft host: the job's last rank
     with_draft = Config(str(model), draft=str(model), drafter="model", draft_at="thread")
-    where = placement(None, str(hf), with_draft, [])
+    where = placement(None, str(hf), with_draft)
     assert where.slots == ["a"] and where.draft == DraftHost("d", {"draft_at": "rank", "draft_threads": 2}, 1000)
     assert where.footprint.head_bytes == 0  # not beside rank 0 (until its host is lost)
     with pytest.raises(UserError, match="d has role=draft but this run has no draft model"):
-        placement(None, str(hf), setup, [])
+        placement(None, str(hf), setup)
+
+
+def test_the_options_the_user_set_are_carried_in_the_config(tmp_path):
+    """config_from_options records which options the command line set (not their defaults), and the Config carries
+    them to the ranks: what a hostfile's settings must not override."""
+    import click
+    from click.testing import CliRunner
+
+    from pipeinfer.cli.options import config_from_options, pipeline_options
+    from pipeinfer.core.config import Config
+    from pipeinfer.core.verify import SamplingParams
+    from pipeinfer.wire.launcher import options_given
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x" * 1000)
+    seen = []
+
+    @click.command()
+    @pipeline_options
+    def cmd(**kw):
+        seen.append(config_from_options(kw, n_predict=8, sampling=SamplingParams(), stop_at_eos=True))
+    argv = ["-m", str(model), "--mode", "iterative", "--threads", "2", "--draft-threads=1"]
+    result = CliRunner().invoke(cmd, argv)
+    assert result.exit_code == 0, result.output
+    given = seen[0].set_by_user
+    assert {"threads", "draft_threads", "model", "mode"} <= given and not given & {"threads_batch", "layer_split"}
+    assert Config.from_json(seen[0].to_json()) == seen[0]
+    assert options_given(argv + ["--", "--layer-split", "x"]) == frozenset({"threads", "draft_threads"})
 
 
 def test_dry_run_leaves_no_temporary_hostfile(tmp_path, monkeypatch):

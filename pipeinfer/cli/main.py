@@ -149,7 +149,7 @@ def _generate_supervised(args: GenerateArgs) -> None:
         raise UserError("--resume-on-failure and --rejoin need --np N or --hostfile HOSTS, run without mpiexec: the "
                         "process that resumes must outlive the MPI job")
     from ..supervisor.supervisor import placement
-    where = placement(args.np, args.hostfile, args.config, sys.argv)
+    where = placement(args.np, args.hostfile, args.config)
     stop = StopSignals().install()
     if args.prompts:
         return batch_supervised(args, where, stop, _results_row, _write_row)
@@ -423,7 +423,7 @@ def _supervise(args: ServeArgs) -> None:
     re-formed on the slots that remain when a rank is lost (supervisor.py)."""
     from ..engine.tokenizer import Tokenizer
     from ..supervisor.supervisor import Supervisor, placement, resumed_status
-    where = placement(args.np, args.hostfile, args.config, sys.argv)
+    where = placement(args.np, args.hostfile, args.config)
     slots = where.slots
     _check_port_free(args.host, args.port)
     stop = StopSignals().install()

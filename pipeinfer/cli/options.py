@@ -8,6 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from ..core.errors import UserError
 from ..core.verify import SamplingParams
@@ -49,10 +50,37 @@ def _auto_or_float(value: str, param) -> float | None:
     return x
 
 
+# how a run speculates, declared once: the commands that run the pipeline (generate, serve) and the twin's
+# `simulate`, which runs the same scheduler on a simulated cluster
+SPECULATION_OPTIONS = [
+    click.option("--mode", type=click.Choice(MODES), default="pipeinfer", show_default=True),
+    click.option("--draft-max", default=None, type=click.IntRange(1, 64),
+                 help=f"max draft tokens per speculative micro-batch [default: up to {DEFAULT_DRAFT_MAX}, within the exact "
+                      f"batch limit]"),
+    click.option("--micro-batch", type=click.Choice(["auto", "fixed"]), default="auto", show_default=True,
+                 help="PipeInfer's draft tokens per micro-batch: auto picks 1..--draft-max from the decode costs measured "
+                      "at start-up and the running acceptance; fixed always asks for --draft-max"),
+    click.option("-pa", "--p-accept", default=0.5, show_default=True, type=click.FloatRange(0, 1), help="draft confidence cutoff"),
+    click.option("-ps", "--p-split", default=0.1, show_default=True, type=click.FloatRange(0, 1), help="confidence to open a tree branch"),
+    click.option("-pr", "--p-recovery", default="auto", show_default=True, callback=lambda c, p, v: _auto_or_float(v, p),
+                 help="cutoff rise per micro-batch since the last acceptance; auto: 0.5 / (ranks - 1)"),
+    click.option("-pd", "--p-decay", default=0.0, show_default=True, type=click.FloatRange(0), help="cutoff fall per failed draft while idle"),
+    click.option("--max-branches", default=1, show_default=True, type=click.IntRange(1, 16), help="max tree branches per run: with 2 or more, the draft's runner-ups go beside its chain as "
+                                                                                   "siblings where the measured costs say they pay"),
+    click.option("--cancel/--no-cancel", default=True, help="early inference cancellation"),
+    click.option("--continuous/--no-continuous", default=True, help="more than one speculative run in flight"),
+]
+
+
+def speculation_options(f):
+    for option in reversed(SPECULATION_OPTIONS):
+        f = option(f)
+    return f
+
+
 # options of every command that loads the pipeline (generate, serve); one PipelineArgs field each
 PIPELINE_OPTIONS = [
     click.option("-m", "--model", default=None, help="target GGUF path or registry name [default: qwen2.5-coder-1.5b]"),
-    click.option("--mode", type=click.Choice(MODES), default="pipeinfer", show_default=True),
     click.option("--layer-split", default=None,
                  help="layers per rank: balanced (equal time per stage, by the weights a token reads in each layer and "
                       "in the output projection), even (equal layer counts), auto (balanced at each rank's measured "
@@ -85,23 +113,9 @@ PIPELINE_OPTIONS = [
     click.option("--draft-head", default="auto", show_default=True, callback=lambda c, p, v: _draft_head(v),
                  help=f"tokens the draft model's output projection keeps, the most frequent first: a number, full, or auto "
                       f"({DRAFT_HEAD_AUTO:,}); the draft proposes only those, the output stays exact"),
-    click.option("--draft-max", default=None, type=click.IntRange(1, 64),
-                 help=f"max draft tokens per speculative micro-batch [default: up to {DEFAULT_DRAFT_MAX}, within the exact "
-                      f"batch limit]"),
-    click.option("--micro-batch", type=click.Choice(["auto", "fixed"]), default="auto", show_default=True,
-                 help="PipeInfer's draft tokens per micro-batch: auto picks 1..--draft-max from the decode costs measured "
-                      "at start-up and the running acceptance; fixed always asks for --draft-max"),
-    click.option("-pa", "--p-accept", default=0.5, show_default=True, type=click.FloatRange(0, 1), help="draft confidence cutoff"),
-    click.option("-ps", "--p-split", default=0.1, show_default=True, type=click.FloatRange(0, 1), help="confidence to open a tree branch"),
-    click.option("-pr", "--p-recovery", default="auto", show_default=True, callback=lambda c, p, v: _auto_or_float(v, p),
-                 help="cutoff rise per micro-batch since the last acceptance; auto: 0.5 / (ranks - 1)"),
-    click.option("-pd", "--p-decay", default=0.0, show_default=True, type=click.FloatRange(0), help="cutoff fall per failed draft while idle"),
-    click.option("--max-branches", default=1, show_default=True, type=click.IntRange(1, 16), help="max tree branches per run: with 2 or more, the draft's runner-ups go beside its chain as "
-                                                                                   "siblings where the measured costs say they pay"),
+    *SPECULATION_OPTIONS,
     click.option("--max-in-flight", default="auto", show_default=True, callback=lambda c, p, v: _auto_or_int(v, p),
                  help="max speculative runs in flight; auto: the target's stages + 2, at least 8"),
-    click.option("--cancel/--no-cancel", default=True, help="early inference cancellation"),
-    click.option("--continuous/--no-continuous", default=True, help="more than one speculative run in flight"),
     click.option("--quiet-first/--no-quiet-first", default=True,
                  help="with the draft in a thread of rank 0, leave it idle while the first token after the prompt is "
                       "computed (docs/speculation.md)"),
@@ -174,6 +188,10 @@ def config_from_options(kw: dict, *, n_predict: int, sampling: SamplingParams, s
         draft_at = "thread" if beside else "head"
     if mode == "speculative" and parallel is None:
         parallel = 1
+    ctx = click.get_current_context(silent=True)
+    set_by_user = frozenset() if ctx is None else frozenset(
+        name for name in ctx.params
+        if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT))
     return Config(
         model=model, mode=mode, layer_split=kw["layer_split"], threads=kw["threads"],
         threads_batch=kw["threads_batch"], n_ctx=kw["ctx_size"], n_batch=kw["batch_size"],
@@ -186,7 +204,8 @@ def config_from_options(kw: dict, *, n_predict: int, sampling: SamplingParams, s
         p_accept=kw["p_accept"], p_split=kw["p_split"], p_recovery=kw["p_recovery"], p_decay=kw["p_decay"],
         max_branches=kw["max_branches"], max_in_flight=kw["max_in_flight"], cancel=kw["cancel"],
         continuous=kw["continuous"], quiet_first=kw["quiet_first"], n_predict=n_predict, sampling=sampling,
-        stop_at_eos=stop_at_eos, parallel=parallel, poll_s=kw["poll_us"] / 1e6, stall_timeout=kw["stall_timeout"])
+        stop_at_eos=stop_at_eos, parallel=parallel, poll_s=kw["poll_us"] / 1e6, stall_timeout=kw["stall_timeout"],
+        set_by_user=set_by_user)
 
 
 def n_target_ranks(config: Config) -> int:

@@ -39,14 +39,15 @@ from ..twin.profile import ProfileOptions, run_profile
 from ..twin.cluster import Link
 from ..twin.sim import simulate
 from .guard import installed, run_guarded
+from .options import speculation_options
 
 
 def _gen_config(kw, mode: str) -> GenConfig:
-    pr = kw["p_recovery"]
+    """The head's parameters from the speculation options (cli/options.SPECULATION_OPTIONS, as generate's)."""
     return GenConfig(mode=mode, n_predict=kw["n_predict"],
                      cut=Cutoffs(kw["p_accept"], kw["p_split"], kw["draft_max"] or 1, kw["max_branches"]),
-                     p_recovery=None if pr == "auto" else float(pr), p_decay=kw["p_decay"],
-                     cancel=kw["cancel"], continuous=kw["continuous"], stop_at_eos=False)
+                     p_recovery=kw["p_recovery"], p_decay=kw["p_decay"], cancel=kw["cancel"],
+                     continuous=kw["continuous"], adaptive_draft=kw["micro_batch"] == "auto", stop_at_eos=False)
 
 
 def _shape(kw) -> Shape:
@@ -99,20 +100,9 @@ def cluster_options(f):
 
 @click.command("simulate")
 @cluster_options
-@click.option("--mode", type=click.Choice(MODES), default="pipeinfer", show_default=True)
-@click.option("--draft-max", default=None, type=click.IntRange(1, 64), help="draft tokens per micro-batch [default: the "
-              "profile's exact batch limit; speculative: one less]")
-@click.option("-pa", "--p-accept", default=0.5, show_default=True, type=click.FloatRange(0, 1))
-@click.option("-ps", "--p-split", default=0.1, show_default=True, type=click.FloatRange(0, 1))
-@click.option("-pr", "--p-recovery", default="auto", show_default=True)
-@click.option("-pd", "--p-decay", default=0.0, show_default=True, type=click.FloatRange(0))
-@click.option("--max-branches", default=1, show_default=True, type=click.IntRange(1, 16),
-              help="token trees, as `generate --max-branches`: a sibling beside a draft token where the draft names a "
-              "runner-up (--runner-up, or the measured draft's) and the micro-batch rule finds it worth its row")
+@speculation_options
 @click.option("--runner-up", default=0.0, show_default=True, type=click.FloatRange(0, 1),
               help="where the draft is wrong, the probability that its runner-up is the target's token (trees)")
-@click.option("--cancel/--no-cancel", default=True)
-@click.option("--continuous/--no-continuous", default=True)
 @click.option("--replay-ref", default=None, help="take the target's tokens and the prompt from an earlier --json run")
 @click.option("--seed", default=0, show_default=True, type=int, help="the draft's agreement draws (as --drafter replay)")
 @click.option("--measured-draft", is_flag=True, help="the draft as the profile measured it (its confidence and agreement "
@@ -122,12 +112,7 @@ def cluster_options(f):
 def simulate_cmd(**kw) -> None:
     """Predict a generation's speed with the real scheduler on a simulated cluster (virtual time)."""
     prof = load_profile(kw["profile_path"])
-    if kw["p_recovery"] != "auto":
-        try:
-            float(kw["p_recovery"])
-        except ValueError:
-            raise click.BadParameter("a number or auto", param_hint="-pr") from None
-    if kw["draft_max"] is None:
+    if kw["draft_max"] is None:  # the profile's exact batch limit (speculative: one less, for the lead token)
         kw["draft_max"] = max(1, prof.get("exact_batch", 3) - (kw["mode"] == "speculative"))
     shape = _shape(kw)
     try:

@@ -77,6 +77,9 @@ class Config:
     # ---- the wire
     poll_s: float = 0.0005                  # sleep between message probes while waiting
     stall_timeout: float = 60.0             # wire/liveness.py: a rank silent this long ends the job (0: only losses)
+    # ---- where the values came from
+    set_by_user: frozenset[str] = frozenset()  # options the command line set (click's names, as the fields'): a
+                                               # hostfile's settings do not override them
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -105,7 +108,7 @@ class Config:
         return replace(self, **{name: keep(getattr(self, name)) for name in PER_RANK_FIELDS})
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        return json.dumps({**asdict(self), "set_by_user": sorted(self.set_by_user)}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "Config":
@@ -117,7 +120,8 @@ class Config:
             unknown = set(d) - {f.name for f in fields(cls)}
             if unknown:
                 raise ValueError(f"unknown fields {sorted(unknown)} (another pipeinfer version?)")
-            return cls(**{**d, "sampling": SamplingParams(**d.get("sampling", {}))})
+            return cls(**{**d, "sampling": SamplingParams(**d.get("sampling", {})),
+                          "set_by_user": frozenset(d.get("set_by_user", ()))})
         except (TypeError, json.JSONDecodeError, AttributeError) as e:
             raise ValueError(f"not a pipeinfer configuration: {e}") from None
 

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..core.config import CONFIG_ENV
+from ..core.config import CONFIG_ENV, Config
 from ..core.errors import UserError
 from ..core.metrics import Stats
 from ..core.protocol import STAGE_COUNTERS
@@ -163,13 +163,13 @@ class Placement:
     (threads=, threads_batch=, weight=)."""
     slots: list[str]
     footprint: Footprint
-    config: object   # core/config.Config
+    config: Config
     draft: DraftHost | None = None
 
 
-def placement(np: int | None, hostfile: str | None, config, argv: list[str]) -> Placement:
-    """--hostfile's slots (--np of them), or --np on this machine; `argv`: the user's options (which win over
-    the hostfile's settings)."""
+def placement(np: int | None, hostfile: str | None, config: Config) -> Placement:
+    """--hostfile's slots (--np of them), or --np on this machine; the options the user set (config.set_by_user) win
+    over the hostfile's settings."""
     from ..wire.launcher import host_settings, mpi_size, parse_hostfile, rank_hosts, with_draft_last
     if mpi_size() > 1:
         raise UserError("--np/--hostfile start the pipeline's MPI job themselves: run pipeinfer without mpiexec")
@@ -179,13 +179,13 @@ def placement(np: int | None, hostfile: str | None, config, argv: list[str]) -> 
         try:
             hosts = parse_hostfile(hostfile)
             n = np or sum(h.slots for h in hosts)
-            ordered, draft_settings = with_draft_last(hosts, n, argv)
+            ordered, draft_settings = with_draft_last(hosts, n, config.set_by_user)
             if ordered and ordered[-1].role == "draft":
                 if not config.draft:
                     raise ValueError(f"{ordered[-1].name} has role=draft but this run has no draft model")
                 draft, ordered, n = DraftHost(ordered[-1].name, draft_settings, draft_bytes), ordered[:-1], n - 1
             slots = [h.name for h in rank_hosts(ordered, n)]
-            settings = host_settings(ordered, n, argv)
+            settings = host_settings(ordered, n, config.set_by_user)
             config = replace(config, **settings)
         except (ValueError, OSError) as e:
             raise UserError(f"--hostfile {hostfile}: {e}") from None

@@ -77,7 +77,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Collection, Iterable, Mapping, Sequence
 
 
 __all__ = [
@@ -363,36 +363,45 @@ def rank_hosts(hosts: Sequence[Host], np: int) -> list[Host]:
     return ranks[:np]
 
 
-def _has_option(args: Sequence[str], option: str) -> bool:
+# the options a hostfile's settings may give (core/config field names); an option the user set wins over them
+HOST_SET_OPTIONS = ("threads", "threads_batch", "layer_split", "draft_at", "draft_threads")
+
+
+def options_given(args: Sequence[str]) -> frozenset[str]:
+    """The HOST_SET_OPTIONS a pipeinfer command line sets (before a literal "--"): what `pipeinfer launch` knows of
+    the command it runs; `serve`/`generate --hostfile` know it from click (Config.set_by_user)."""
+    given = set()
     for a in args:
         if a == "--":
-            return False
-        if a == option or a.startswith(option + "="):
-            return True
-    return False
+            break
+        for name in HOST_SET_OPTIONS:
+            option = "--" + name.replace("_", "-")
+            if a == option or a.startswith(option + "="):
+                given.add(name)
+    return frozenset(given)
 
 
 def _fmt_weight(w: float) -> str:
     return f"{w:.6f}".rstrip("0").rstrip(".") or "0"
 
 
-def host_settings(hosts: Sequence[Host], np: int, user_args: Sequence[str] = ()) -> dict[str, str]:
-    """The run's options (core/config field names) that per-host settings give and ``user_args`` does not already
-    set: threads=, threads_batch= and weight= (as --layer-split fractions), one value per rank."""
+def host_settings(hosts: Sequence[Host], np: int, given: Collection[str] = ()) -> dict[str, str]:
+    """The run's options (core/config field names) that per-host settings give and the user did not set (`given`:
+    field names): threads=, threads_batch= and weight= (as --layer-split fractions), one value per rank."""
     per_rank = rank_hosts(hosts, np)
     out: dict[str, str] = {}
-    if any(h.threads for h in per_rank) and not _has_option(user_args, "--threads"):
+    if any(h.threads for h in per_rank) and "threads" not in given:
         missing = sorted({h.name for h in per_rank if h.threads is None})
         if missing:
             raise ValueError(f"threads= is set on some hosts but not on {', '.join(missing)}")
         out["threads"] = ",".join(str(h.threads) for h in per_rank)
-    if any(h.threads_batch for h in per_rank) and not _has_option(user_args, "--threads-batch"):
+    if any(h.threads_batch for h in per_rank) and "threads_batch" not in given:
         tb = [h.threads_batch or h.threads for h in per_rank]
         missing = sorted({h.name for h, v in zip(per_rank, tb) if v is None})
         if missing:
             raise ValueError(f"threads_batch= (or threads=) missing on {', '.join(missing)}")
         out["threads_batch"] = ",".join(str(v) for v in tb)
-    if any(h.weight is not None for h in per_rank) and not _has_option(user_args, "--layer-split"):
+    if any(h.weight is not None for h in per_rank) and "layer_split" not in given:
         ws = [1.0 if h.weight is None else h.weight for h in per_rank]
         total = sum(ws)
         out["layer_split"] = ",".join(_fmt_weight(w / total) for w in ws)
@@ -404,16 +413,16 @@ def option_args(settings: Mapping[str, object]) -> list[str]:
     return [a for name, value in settings.items() for a in (f"--{name.replace('_', '-')}", str(value))]
 
 
-def settings_args(hosts: Sequence[Host], np: int, user_args: Sequence[str] = ()) -> list[str]:
+def settings_args(hosts: Sequence[Host], np: int, given: Collection[str] = ()) -> list[str]:
     """host_settings as pipeinfer options (what `pipeinfer launch` adds to the command it runs)."""
-    return option_args(host_settings(hosts, np, user_args))
+    return option_args(host_settings(hosts, np, given))
 
 
 def with_draft_last(hosts: Sequence[Host], np: int,
-                    user_args: Sequence[str] = ()) -> tuple[list[Host], dict[str, object]]:
+                    given: Collection[str] = ()) -> tuple[list[Host], dict[str, object]]:
     """(hosts in rank order, settings) for a hostfile with a draft host: the stage slots the first np - 1 ranks
     fill, then the draft host (the world's last rank is the draft's, ranks/draft_rank.py); settings draft_at rank and
-    draft_threads (from its threads=) unless user_args set them. Without a draft host: (hosts, {})."""
+    draft_threads (from its threads=) unless the user set them (`given`). Without a draft host: (hosts, {})."""
     draft = next((h for h in hosts if h.role == "draft"), None)
     if draft is None:
         return list(hosts), {}
@@ -426,8 +435,8 @@ def with_draft_last(hosts: Sequence[Host], np: int,
             left -= stages[-1].slots
     if left > 0:
         raise ValueError(f"np={np} exceeds the {np - 1 - left} stage slots + 1 draft slot in the hostfile")
-    settings: dict[str, object] = {} if _has_option(user_args, "--draft-at") else {"draft_at": "rank"}
-    if draft.threads and not _has_option(user_args, "--draft-threads"):
+    settings: dict[str, object] = {} if "draft_at" in given else {"draft_at": "rank"}
+    if draft.threads and "draft_threads" not in given:
         settings["draft_threads"] = draft.threads
     return stages + [draft], settings
 
@@ -464,8 +473,9 @@ def build_command(
     if mpi not in MPI_KINDS:
         raise ValueError(f"unknown MPI {mpi!r} (expected one of {MPI_KINDS})")
     args = list(pipeinfer_args)
-    hosts, draft_settings = with_draft_last(group_hosts(hosts), np, args)
-    added = option_args(draft_settings) + settings_args(hosts, np - (hosts[-1].role == "draft"), args)
+    given = options_given(args)
+    hosts, draft_settings = with_draft_last(group_hosts(hosts), np, given)
+    added = option_args(draft_settings) + settings_args(hosts, np - (hosts[-1].role == "draft"), given)
     if added:  # options must come before a literal "--" in the user's args
         cut = args.index("--") if "--" in args else len(args)
         args[cut:cut] = added
