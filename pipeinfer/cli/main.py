@@ -17,11 +17,11 @@ import click
 from .. import __version__
 from ..core.errors import UserError
 from ..core.files import prompt_path, read_prompt_file
-from ..core.results import append_result, stats_row
+from ..core.results import results_row, write_row
 from ..core.verify import SamplingParams
 from .guard import StopSignals, die, mpi_rank, mpi_size, run_guarded
 from ..core.config import CONFIG_ENV, Config, cells_reserve, check_fits
-from .options import (config_from_options, draft_label, drafter_note, n_target_ranks, own_fields,
+from .options import (config_from_options, drafter_note, n_target_ranks, own_fields,
                       pipeline_options, supervision_options)
 from .status import StatusLine
 
@@ -138,7 +138,7 @@ def _generate(kw: dict) -> None:
     if not args.quiet:
         _print_report(config, res)
     if args.results:
-        _write_row(args.results, _results_row(config, res.ranges, prompt.name, res.stats, res.peak_rss_mb,
+        write_row(args.results, results_row(config, res.ranges, prompt.name, res.stats, res.peak_rss_mb,
                                               status=status))
 
 
@@ -152,8 +152,8 @@ def _generate_supervised(args: GenerateArgs) -> None:
     where = placement(args.np, args.hostfile, args.config)
     stop = StopSignals().install()
     if args.prompts:
-        return batch_supervised(args, where, stop, _results_row, _write_row)
-    generate_supervised(args, where, read_prompt(args), stop, _results_row, _write_row)
+        return batch_supervised(args, where, stop)
+    generate_supervised(args, where, read_prompt(args), stop)
 
 
 def _generate_batch(args: GenerateArgs) -> None:
@@ -170,7 +170,7 @@ def _generate_batch(args: GenerateArgs) -> None:
     if MPI.COMM_WORLD.Get_rank() != 0:
         open_session(args.config)
         return
-    run_batch(args, stop, _results_row, _write_row)
+    run_batch(args, stop)
 
 
 def read_prompt(args: GenerateArgs) -> Prompt:
@@ -271,14 +271,14 @@ def _report_failures(args: GenerateArgs, prompt: Prompt, head: HeadOutput) -> No
     from ..wire.liveness import set_failure_hook, set_row_provider
 
     def row_so_far(status: str = "ok") -> dict:
-        return _results_row(args.config, [None] * n_target_ranks(args.config), prompt.name,
+        return results_row(args.config, [None] * n_target_ranks(args.config), prompt.name,
                             head.stats or Stats(n_prompt=head.n_prompt()), status=status)
 
     def on_failure(reason: str) -> None:
         head.close_status()
         head.end_text(head.tokens, status=f"failed: {reason}")
         if args.results:
-            _write_row(args.results, row_so_far(f"failed: {reason}"))
+            write_row(args.results, row_so_far(f"failed: {reason}"))
     set_failure_hook(on_failure)
     set_row_provider(lambda: (args.results, row_so_far()) if args.results else None)
 
@@ -477,7 +477,7 @@ def _served_row(args: ServeArgs, ranges, job, stats, finish: str, status: str = 
     if not args.results:
         return
     try:
-        _write_row(args.results, _results_row(args.config, ranges, f"serve:{finish}", stats, status=status))
+        write_row(args.results, results_row(args.config, ranges, f"serve:{finish}", stats, status=status))
     except UserError as e:  # the answer went out; a row that cannot be written must not stop the server
         print(f"[serve] {job.request_id}: {e}", file=sys.stderr, flush=True)
 
@@ -516,25 +516,6 @@ def _model_id(args: ServeArgs) -> str:
 
 
 # ------------------------------------------------------------------------------------ --results rows
-def _results_row(config: Config, ranges, prompt_name: str, stats, peak_rss_mb: list[float] | None = None,
-                 status: str = "ok") -> dict:
-    """A --results row of a generation: `status` is "ok" or "failed: REASON" (ranges may then be unknown: None
-    per rank); peak RSS per rank when known (generate has it, a served request not)."""
-    return stats_row(
-        stats, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"), mode=config.mode, target_model=Path(config.model).name,
-        draft_model=draft_label(config), ranks=len(ranges),
-        layer_split=",".join(str(r.n_layers) for r in ranges if r is not None), threads=config.threads or "",
-        prompt_name=prompt_name, peak_rss_max_mb=round(max(peak_rss_mb), 1) if peak_rss_mb else None,
-        peak_rss_sum_mb=round(sum(peak_rss_mb), 1) if peak_rss_mb else None, status=status)
-
-
-def _write_row(path: str, row: dict) -> None:
-    try:
-        append_result(path, row)
-    except (ValueError, OSError) as e:  # the text is out already; only the row could not be written
-        raise UserError(f"--results {path}: {e}") from None
-
-
 # spellings that once meant something else here, or mean something else in llama.cpp: a one-line hint, not a run
 _OLD_SPELLINGS = {
     "-np": "-np is not an option: --np N runs N ranks as a supervised job, --max-branches N sets the draft tree's "

@@ -10,10 +10,9 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from ..core.errors import UserError
 from ..core.verify import SamplingParams
 from ..engine.kernels import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, KERNELS
-from ..core.config import DRAFT_HEAD_AUTO, MODES, PROMPT_CHUNK, Config
+from ..core.config import DRAFT_HEAD_AUTO, MODES, PROMPT_CHUNK, Config, draft_label
 from .guard import installed, mpi_size
 
 
@@ -211,15 +210,6 @@ def config_from_options(kw: dict, *, n_predict: int, sampling: SamplingParams, s
 def n_target_ranks(config: Config) -> int:
     """The ranks that hold the target's stages under this launcher: every rank but the draft's (--draft-at rank)."""
     return mpi_size() - (config.draft_at == "rank")
-
-
-def draft_label(config: Config) -> str:
-    """The draft_model column: the drafter for the model-free ones, else the draft file's name."""
-    if config.mode == "iterative":
-        return ""
-    label = {"ngram": "ngram", "replay": f"replay@{config.replay_accuracy}"}.get(config.drafter,
-                                                                                Path(config.draft or "").name)
-    return label if config.draft_at == "head" else f"{label} ({config.draft_at})"
 
 
 def drafter_note(config: Config) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 
 from .errors import UserError
 from .verify import SamplingParams
@@ -124,6 +125,15 @@ class Config:
                           "set_by_user": frozenset(d.get("set_by_user", ()))})
         except (TypeError, json.JSONDecodeError, AttributeError) as e:
             raise ValueError(f"not a pipeinfer configuration: {e}") from None
+
+
+def draft_label(config: Config) -> str:
+    """The draft_model column: the drafter for the model-free ones, else the draft file's name."""
+    if config.mode == "iterative":
+        return ""
+    label = {"ngram": "ngram", "replay": f"replay@{config.replay_accuracy}"}.get(config.drafter,
+                                                                                Path(config.draft or "").name)
+    return label if config.draft_at == "head" else f"{label} ({config.draft_at})"
 
 
 def cells_reserve(config: Config, n_stages: int) -> int:

@@ -74,10 +74,13 @@ from __future__ import annotations
 
 import csv
 import os
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from .. import __version__
+from .config import Config, draft_label
+from .errors import UserError
 from .metrics import Stats
 
 __all__ = ["RESULT_COLUMNS", "INT_COLUMNS", "FLOAT_COLUMNS", "append_result", "read_results", "stats_row"]
@@ -197,3 +200,22 @@ def read_results(path: str | os.PathLike) -> list[dict]:
         reader = csv.DictReader(f)
         return [{c: _convert(c, (r.get(c) or "")) for c in (reader.fieldnames or [])}
                 for r in reader]
+
+
+def results_row(config: Config, ranges, prompt_name: str, stats, peak_rss_mb: list[float] | None = None,
+                 status: str = "ok") -> dict:
+    """A --results row of a generation: `status` is "ok" or "failed: REASON" (ranges may then be unknown: None
+    per rank); peak RSS per rank when known (generate has it, a served request not)."""
+    return stats_row(
+        stats, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"), mode=config.mode, target_model=Path(config.model).name,
+        draft_model=draft_label(config), ranks=len(ranges),
+        layer_split=",".join(str(r.n_layers) for r in ranges if r is not None), threads=config.threads or "",
+        prompt_name=prompt_name, peak_rss_max_mb=round(max(peak_rss_mb), 1) if peak_rss_mb else None,
+        peak_rss_sum_mb=round(sum(peak_rss_mb), 1) if peak_rss_mb else None, status=status)
+
+
+def write_row(path: str, row: dict) -> None:
+    try:
+        append_result(path, row)
+    except (ValueError, OSError) as e:  # the text is out already; only the row could not be written
+        raise UserError(f"--results {path}: {e}") from None

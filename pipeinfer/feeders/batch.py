@@ -22,6 +22,7 @@ from pathlib import Path
 from ..core.config import check_fits
 from ..wire.launcher import mpi_size
 from ..core.errors import UserError
+from ..core.results import results_row, write_row
 from ..core.verify import SamplingParams
 
 
@@ -78,7 +79,7 @@ def answer_line(p: BatchPrompt, text: str, tokens: list[int], finish: str, stats
                        "tokens_per_s": round(stats.gen_tokens_per_s, 3), "queue_s": round(stats.t_queue_s, 3), "n_cached": stats.n_cached, **more})
 
 
-def run_batch(args, stop, results_row, write_row) -> None:
+def run_batch(args, stop) -> None:
     """Rank 0: every prompt through the scheduler; a JSON line per answer, a summary on stderr."""
     from ..engine.tokenizer import Tokenizer, encode_prompt
     from ..ranks.startup import open_session

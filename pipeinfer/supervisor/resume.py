@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 from ..core.errors import UserError
+from ..core.results import results_row, write_row
 from ..core.decoding import Decoding
 from ..serving.job import DoneEvent, ErrorEvent, Event, TextEvent
 
@@ -75,7 +76,7 @@ def _run_supervised(args, where, tok, jobs: list[StdoutJob], on_done, stop):
     return sup
 
 
-def generate_supervised(args, where, prompt, stop, results_row, write_row) -> None:
+def generate_supervised(args, where, prompt, stop) -> None:
     """The generation under the supervisor; the answer on stdout, the statistics and a --results row as usual."""
     from ..engine.tokenizer import Tokenizer, encode_prompt
     from .supervisor import resumed_status
@@ -107,7 +108,7 @@ def generate_supervised(args, where, prompt, stop, results_row, write_row) -> No
         sys.stdout.flush()
 
 
-def batch_supervised(args, where, stop, results_row, write_row) -> None:
+def batch_supervised(args, where, stop) -> None:
     """`generate --prompts FILE --np/--hostfile`: every prompt a job of the supervisor (rank 0's scheduler runs
     --parallel of them at once), each answer a JSON line as it finishes (batch.py's, with "resumed": how many
     times the job re-formed under it), and the jobs in flight resumed where a rank is lost."""
