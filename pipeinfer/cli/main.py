@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -24,6 +25,9 @@ from ..core.config import CONFIG_ENV, Config, cells_reserve, check_fits
 from .options import (config_from_options, drafter_note, n_target_ranks, own_fields,
                       pipeline_options, supervision_options)
 from .status import StatusLine
+
+if TYPE_CHECKING:
+    from ..frontend.access import Access
 
 
 
@@ -340,7 +344,7 @@ class ServeArgs:
     hostfile: str | None
     rejoin: bool
     webui: bool = True
-    access: object = None   # frontend/access.Access: keys and limits
+    access: Access | None = None   # keys and limits
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import resource
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 from ..core.config import Config
 from ..core.decoding import Decoding
@@ -17,6 +18,17 @@ from ..wire.transport import polite_barrier
 from .head import GenConfig
 from .rules import RunRules
 from .scheduler import Request, Scheduler
+
+if TYPE_CHECKING:  # MPI and llama.cpp stay unimported where only the interface is read
+    from mpi4py import MPI
+
+    from ..drafters.draftahead import DraftClient, ThreadDrafter
+    from ..drafters.drafter import Drafter
+    from ..engine.stage import StageEngine
+    from ..engine.tokenizer import Tokenizer
+    from ..wire.liveness import Liveness
+    from ..wire.transport import Transport
+    from .pipeline import Pipeline
 
 
 @dataclass
@@ -38,20 +50,20 @@ class HeadSession:
     """Rank 0's end of a loaded pipeline: the scheduler of every generation on it, then the pipeline's shutdown."""
     config: Config                      # the run's configuration, resolved (parallel: a number)
     cfg: GenConfig                      # resolved: draft max, n_batch, n_ctx, p_recovery
-    comm: object
-    engine: object
-    transport: object
-    pipe: object
+    comm: MPI.Comm
+    engine: StageEngine
+    transport: Transport | None         # None on one rank
+    pipe: Pipeline
     pool: PartitionPool | None
-    drafter_for: object                 # callable(prompt tokens, prompt text, chat) -> Drafter, or None
-    tok: object
+    drafter_for: Callable[[list[int], str | None, bool], Drafter] | None
+    tok: Tokenizer
     eos: set[int]
     ranges: list[LayerRange]
     exact_per_rank: list[int | None]
     n_seq_max: int
     probe_ms: list[float] | None = None
-    live: object = None                 # liveness.Liveness (several ranks)
-    beside: object = None               # the drafter beside the pipeline (ThreadDrafter, or the draft rank's client)
+    live: Liveness | None = None        # several ranks
+    beside: ThreadDrafter | DraftClient | None = None  # the drafter beside the pipeline (a thread, or the draft rank's)
     threads: list[int] | None = None    # each target rank's --threads, as start-up planned them (the web page)
     last_tokens: list[int] = field(default_factory=list)
     n_generations: int = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..core.config import Config
 from ..core.errors import UserError
@@ -35,6 +35,14 @@ from .head import GenConfig, auto_p_recovery, gen_config
 from .draft_rank import draft_thread_count, serve_draft_rank
 from .scheduler import default_parallel
 from .session import HeadSession, RunResult, peak_rss_mb
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from ..engine.stage import StageEngine
+    from ..engine.stagefile import ModelInfo
+    from ..wire.liveness import Liveness
+    from ..wire.transport import Transport
 
 
 def run(config: Config, prompt: list[int] | Callable[[], list[int]] | None = None, comm=None,
@@ -80,17 +88,17 @@ def open_session(config: Config, comm=None) -> HeadSession | None:
 @dataclass
 class _Ranks:
     """Where this rank stands once every rank runs the same protocol and build (_join)."""
-    world: object                 # every rank started
-    comm: object                  # the target's stages: the world, less the draft rank with --draft-at rank
-    draft_comm: object = None     # --draft-at rank: a duplicate of the world, the head's link to the draft rank
-    live: object = None           # liveness.Liveness (several ranks)
+    world: MPI.Comm               # every rank started
+    comm: MPI.Comm                # the target's stages: the world, less the draft rank with --draft-at rank
+    draft_comm: MPI.Comm | None = None  # --draft-at rank: a duplicate of the world, the head's link to the draft rank
+    live: Liveness | None = None  # several ranks
     is_draft: bool = False        # this rank is the draft rank
 
 
 @dataclass
 class _LayerPlan:
     """Every rank's threads and layers, agreed by all (_split_layers)."""
-    info: object                  # the target's GGUF summary (stagefile.read_info)
+    info: ModelInfo               # the target's GGUF summary (stagefile.read_info)
     threads: list[int]            # --threads, one per rank
     threads_b: list[int]          # --threads-batch, one per rank
     ranges: list[LayerRange]
@@ -101,12 +109,12 @@ class _LayerPlan:
 class _Stage:
     """This rank's loaded stage and the settings resolved on it (_load_stage)."""
     topo: Topology
-    engine: object
+    engine: StageEngine
     cfg: GenConfig                # resolved: draft max, n_batch, n_ctx, p_recovery, stage costs
     exact_per_rank: list[int | None]
     n_part: int                   # KV partitions for speculative runs (kvplan.py)
     n_seq_max: int
-    transport: object             # None on one rank
+    transport: Transport | None   # None on one rank
     limits: Limits
 
 

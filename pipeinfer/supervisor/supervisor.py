@@ -231,7 +231,7 @@ class StageTotals:
         self._lock = threading.Lock()
         self._earlier: dict[tuple[int, str], dict] = {}  # (rank, host) -> counters of the jobs before this one
         self._current: list[dict] = []                    # this job's stages, as its rank 0 last sent them
-        self._job: object = None                          # this job's link: a late Stages of the last job is ignored
+        self._job: link.Link | None = None                # this job's link: a late Stages of the last job is ignored
 
     def new_job(self, job) -> None:
         with self._lock:
