@@ -97,22 +97,6 @@ def test_sampled_completion_follows_the_seed(server, models):
         assert got == generate_text(models, 16, "--temp", "2.0", "--top-p", "0.95", "--seed", str(seed))
 
 
-def test_a_sampled_request_without_a_seed_is_a_new_draw_that_its_seed_reproduces(server):
-    """The real openai client: four sampled chat requests without a seed each get their own seed (X-Seed) and not
-    all the same answer; each seed, sent back, gives its answer again."""
-    c = client(server)
-    ask = dict(model="synthetic", messages=[{"role": "user", "content": "Name a random animal."}], max_tokens=12,
-               temperature=2.0)
-    drawn = []
-    for _ in range(4):
-        raw = c.chat.completions.with_raw_response.create(**ask)
-        drawn.append((int(raw.headers["x-seed"]), raw.parse().choices[0].message.content))
-    assert len({seed for seed, _ in drawn}) == 4
-    assert len({text for _, text in drawn}) > 1, drawn
-    for seed, text in drawn[:2]:
-        assert c.chat.completions.create(**ask, seed=seed).choices[0].message.content == text
-
-
 def test_chat_streaming_and_not(server):
     c = client(server)
     msgs = [{"role": "user", "content": PROMPT}]
@@ -149,11 +133,12 @@ def test_a_list_of_prompts_is_one_choice_each_equal_to_its_single_request(server
     assert r.usage.completion_tokens == 42
 
 
-@pytest.fixture
-def flat_server(tmp_path):
+@pytest.fixture(scope="module")
+def flat_server(tmp_path_factory):
     """A server of a synthetic model whose next-token distribution is flat enough that sampled answers differ by
     seed (the shared models put almost all the mass on one token, even at temperature 2)."""
     from synth import make_llama_gguf
+    tmp_path = tmp_path_factory.mktemp("flat")
     model = make_llama_gguf(tmp_path / "flat.gguf", n_layer=4, qtype="q8_0", logit_scale=1.0)
     srv = Server(["-m", str(model), "--mode", "pipeinfer", "--drafter", "ngram", "-c", "1024", "--alias", "flat"], 2,
                  tmp_path / "server.log")
@@ -174,6 +159,22 @@ def test_n_choices_each_equal_the_single_request_with_its_seed(flat_server):
     for chunk in c.completions.create(n=3, seed=4, stream=True, **ask):
         texts[chunk.choices[0].index] += chunk.choices[0].text
     assert texts == singles
+
+
+def test_a_sampled_request_without_a_seed_is_a_new_draw_that_its_seed_reproduces(flat_server):
+    """The real openai client: four sampled chat requests without a seed each get their own seed (X-Seed) and not
+    all the same answer; each seed, sent back, gives its answer again."""
+    c = client(flat_server)
+    ask = dict(model="flat", messages=[{"role": "user", "content": "Name a random animal."}], max_tokens=12,
+               temperature=2.0)
+    drawn = []
+    for _ in range(4):
+        raw = c.chat.completions.with_raw_response.create(**ask)
+        drawn.append((int(raw.headers["x-seed"]), raw.parse().choices[0].message.content))
+    assert len({seed for seed, _ in drawn}) == 4
+    assert len({text for _, text in drawn}) > 1, drawn
+    for seed, text in drawn[:2]:
+        assert c.chat.completions.create(**ask, seed=seed).choices[0].message.content == text
 
 
 def tokenize(srv, text: str) -> list[int]:
