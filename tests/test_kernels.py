@@ -3,38 +3,61 @@ import numpy as np
 import pytest
 
 from pipeinfer.engine import kernels
-from pipeinfer.engine.kernels import largest_draft, probe_exact_batch, resolve_draft_max
+from pipeinfer.core.protocol import KvOp
+from pipeinfer.engine.kernels import largest_draft, probe_exact_batch, probe_rows_across_sequences, resolve_draft_max
 
 
 class FakeEngine:
-    """Outputs row i as f(input i), rounded differently when it sits in a batch of more than `exact` rows
-    (like a gemm that takes over from the one-row kernel)."""
+    """Outputs row i as f(input i), rounded differently when it sits in a batch of more than `exact` rows of one
+    sequence, or of more than `across` rows of several (like a gemm that takes over from the one-row kernel)."""
 
-    def __init__(self, exact: int, embd_input: bool = True, n_batch: int = 512):
+    def __init__(self, exact: int, embd_input: bool = True, n_batch: int = 512, across: int | None = None,
+                 n_seq_max: int = 16):
         self.exact, self.embd_input, self.n_batch, self.n_ctx = exact, embd_input, n_batch, 4096
-        self.n_embd, self.n_vocab, self.capture_hidden = 3, 50, True
-        self.cells: list[int] = []
+        self.across = exact if across is None else across
+        self.n_embd, self.n_vocab, self.capture_hidden, self.n_seq_max = 3, 50, True, n_seq_max
+        self.cells: dict[int, list[int]] = {}  # sequence -> its positions
         self.batch_sizes: list[int] = []
 
     def clear_kv(self):
         self.cells.clear()
 
+    def apply_kv_ops(self, ops):
+        for op, src, _dst, p0, p1 in np.asarray(ops).reshape(-1, 5).tolist():
+            assert op == KvOp.RM
+            self.cells[src] = [p for p in self.cells.get(src, []) if p < p0 or (p1 >= 0 and p >= p1)]
+
     def decode(self, batch, embd=None):
         n = batch.n_tokens
-        assert list(batch.pos) == list(range(len(self.cells), len(self.cells) + n)), "positions follow the cache"
-        self.cells += list(batch.pos)
+        for p, (s,) in zip(batch.pos.tolist(), batch.seq_ids):
+            assert p == len(self.cells.setdefault(s, [])), "positions follow each sequence's cells"
+            self.cells[s].append(p)
         self.batch_sizes.append(n)
         x = embd.sum(axis=1, keepdims=True) if self.embd_input else batch.tokens[:, None].astype(np.float32)
         out = np.repeat(x, self.n_embd, axis=1) * np.float32(1.1)
-        return out + np.float32(1e-3) if n > self.exact else out
+        n_seqs = len({s for (s,) in batch.seq_ids})
+        return out + np.float32(1e-3) if n > (self.exact if n_seqs == 1 else self.across) else out
 
 
 @pytest.mark.parametrize("exact", [1, 3, 7, 8])
 def test_probe_finds_the_largest_exact_batch(exact):
     eng = FakeEngine(exact)
     assert probe_exact_batch(eng) == exact
-    assert eng.cells == [], "the probe leaves the cache empty"
-    assert max(eng.batch_sizes) == min(exact + 1, 8), "stops at the first batch size that differs"
+    assert eng.cells == {}, "the probe leaves the cache empty"
+    assert max(eng.batch_sizes) >= min(exact + 1, 8), "tries the first batch size that differs"
+
+
+@pytest.mark.parametrize("exact, across, limit", [(3, 3, 3), (7, 5, 5), (7, 1, 1), (8, 8, 8)])
+def test_the_limit_holds_for_rows_of_several_sequences_too(exact, across, limit):
+    """Users batched in one decode: each row the next token of its own sequence must get its bits alone too."""
+    eng = FakeEngine(exact, across=across)
+    assert probe_exact_batch(eng) == limit
+    assert probe_rows_across_sequences(FakeEngine(8, across=across), [2, across, across + 1]) == {
+        2: across >= 2, across: True, across + 1: False}
+
+
+def test_rows_across_sequences_are_probed_only_as_far_as_the_engine_holds_sequences():
+    assert probe_exact_batch(FakeEngine(7, across=5, n_seq_max=4)) == 7  # 5 rows untried: not known to differ
 
 
 def test_probe_stays_within_the_engines_batch_and_uses_tokens_without_embedding_input():

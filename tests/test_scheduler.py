@@ -47,7 +47,7 @@ def assert_exact(results):
 
 
 def assert_all_free(sched, pipe, pool):
-    assert not sched.gens and not sched.waiting and not pipe.in_flight and not sched.executor.owner
+    assert not sched.gens and not sched.waiting and not pipe.in_flight and not sched.executor.members
     if pool is not None:
         assert pool.n_free == pool.n_partitions
     pipe.finish() if hasattr(pipe, "finish") else None
@@ -191,7 +191,7 @@ def test_a_long_prompt_goes_out_between_the_running_generations_tokens_shortest_
     def logged(run_id, batch, speculative, parent_id=-1, rules=None):
         launch(run_id, batch, speculative, parent_id, rules)
         chunk = not speculative and len(batch.tokens) > 1
-        log.append((name[tuple(sched.executor.owner[run_id].req.prompt)], chunk))
+        log.append((name[tuple(sched.executor.members[run_id][0].owner.req.prompt)], chunk))
         if chunk:
             chunk_runs.add(run_id)
         most[0] = max(most[0], sum(r in chunk_runs for r in pipe.in_flight))

@@ -1,5 +1,6 @@
 """Kernel settings and the exact batch limit: how many rows a decode may carry and still give each row
-bit-for-bit the output it gets when decoded alone.
+bit-for-bit the output it gets when decoded alone, whether the rows are consecutive tokens of one sequence (a
+micro-batch of drafts) or the next tokens of as many sequences (users served in one decode, ranks/actions.py).
 
 Verification decodes micro-batches of drafted tokens while the target alone decodes one token at a
 time, so greedy output is exact only where both give identical logits. Which batch sizes do depends on
@@ -16,7 +17,9 @@ the repacked gemv pays, and on an AVX2 host where it does not, launch/bench_kern
 The repacked gemm takes rows in blocks of 4 (rows outside a block go through the one-row gemv), and
 from 8 rows on ggml multiplies K-quants with its tiled kernel; non-flash attention runs f16 matmuls
 through llamafile's sgemm from 2 rows on. None of that is assumed here: `exact_batch_limit` measures the
-limit of an engine when it loads and caches it beside the stage files.
+limit of an engine when it loads and caches it beside the stage files. Rows of different sequences measured the
+same limits as one sequence's on Qwen2.5-Coder-1.5B Q4_K_M here (repack 1-3, no-repack 1-7, on 2 to 64 rows:
+docs/benchmarks.md); on an AVX-512 host no-repack kept 1-5 across sequences: the probe checks both.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import numpy as np
 from ..core.config import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, KERNELS  # noqa: F401 (declared with the options)
 
 PROBE_MAX_BATCH = 8   # batch sizes probed: 1..8 (micro-batches on CPUs are 1-4 tokens; 8 shows the tiled kernel)
-PROBE_FORMAT = 2      # bump when the probe changes: invalidates cached limits (2: no weights in the AMX buffer)
+PROBE_FORMAT = 3      # bump when the probe changes: invalidates cached limits (3: rows of several sequences too)
 
 
 # Extra buffer types of ggml's CPU backend that pipeinfer never loads weights into. "AMX": a build of llama.cpp
@@ -127,6 +130,16 @@ def cpu_flags_line() -> str:
 
 
 def probe_exact_batch(engine, max_batch: int = PROBE_MAX_BATCH) -> int:
+    """Largest b such that a decode of any 1..b rows gives every row the bits it gets alone (1 when even 2 rows
+    differ): b consecutive tokens of one sequence (probe_chain), and the next tokens of b sequences
+    (probe_rows_across_sequences, as many as the engine holds)."""
+    limit = probe_chain(engine, max_batch)
+    sizes = list(range(2, limit + 1))
+    across = probe_rows_across_sequences(engine, sizes) if sizes else {}
+    return next((b - 1 for b in sizes if not across.get(b, True)), limit)
+
+
+def probe_chain(engine, max_batch: int = PROBE_MAX_BATCH) -> int:
     """Largest b such that decoding a probe in batches of every size 1..b gives outputs identical to
     decoding it one row at a time (1 when even 2 rows differ).
 
@@ -160,6 +173,47 @@ def probe_exact_batch(engine, max_batch: int = PROBE_MAX_BATCH) -> int:
                 break
             limit = b
         return limit
+    finally:
+        engine.clear_kv()
+
+
+def probe_rows_across_sequences(engine, sizes: list[int], n_prefix: int = 8) -> dict[int, bool]:
+    """Whether a decode of B rows, each the next token of its own sequence (serving many users in one batch),
+    gives every row bit for bit what that row gives decoded alone: {B: exact} for each B in `sizes`.
+
+    max(sizes) sequences each first get a distinct prefix of n_prefix rows (fixed pseudo-random tokens or hidden
+    states, decoded sequence by sequence, the same cells in both conditions); then each sequence's next row is
+    decoded alone, and the first B sequences' next rows together. The engine's cache is cleared before and after.
+    """
+    from ..core.protocol import Batch, kv_ops, rm
+    n_seqs = min(max(sizes), engine.n_seq_max, engine.n_batch)
+    sizes = [b for b in sizes if b <= n_seqs]
+    rng = np.random.default_rng(4321)
+    shape = (n_seqs, n_prefix + 1)
+    if engine.embd_input:
+        inputs = rng.standard_normal((*shape, engine.n_embd), dtype=np.float32)
+        tokens = np.zeros(shape, dtype=np.int32)
+    else:
+        inputs = None
+        tokens = rng.integers(0, engine.n_vocab, shape, dtype=np.int32)
+
+    def rows(seqs: list[int], at: int, n: int = 1) -> tuple[Batch, np.ndarray | None]:
+        toks = np.concatenate([tokens[s, at:at + n] for s in seqs])
+        pos = np.concatenate([np.arange(at, at + n, dtype=np.int32) for _ in seqs])
+        b = Batch(toks, pos, [[s] for s in seqs for _ in range(n)], np.ones(len(toks), dtype=np.int32), kv_ops())
+        return b, None if inputs is None else np.concatenate([inputs[s, at:at + n] for s in seqs])
+
+    def next_rows(seqs: list[int]) -> np.ndarray:
+        out = engine.decode(*rows(seqs, n_prefix))
+        engine.apply_kv_ops(kv_ops(*[rm(s, n_prefix, -1) for s in seqs]))
+        return out
+
+    engine.clear_kv()
+    try:
+        for s in range(n_seqs):
+            engine.decode(*rows([s], 0, n_prefix))
+        alone = np.concatenate([next_rows([s]) for s in range(n_seqs)])
+        return {b: bool(np.array_equal(next_rows(list(range(b))), alone[:b])) for b in sizes}
     finally:
         engine.clear_kv()
 

@@ -8,7 +8,7 @@ next launches before any is sent.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, TypeVar, Union
 
 import numpy as np
@@ -49,24 +49,76 @@ Action = Union[Launch, Cancel, EditKv]
 Owner = TypeVar("Owner")
 
 
+@dataclass(frozen=True)
+class Member:
+    """One owner's run inside a run in flight: the run id it knows and its output rows in the run's result."""
+    owner: object
+    run_id: int
+    n_outputs: int
+
+
+def mergeable(a: Action) -> bool:
+    """A next-token run (one row, not speculative, no KV edits before it, no logit rules): the runs of different
+    generations that may share one decode, each row in its own sequence."""
+    return (isinstance(a, Launch) and not a.speculative and a.rules is None and a.batch.n_tokens == 1
+            and len(a.batch.prefix_ops) == 0)
+
+
+def merge(launches: list[Launch]) -> Launch:
+    """One run of several generations' next-token runs (mergeable, one sampling): their rows in order, under the
+    newest run id (every stage takes run ids in launch order, and the others were drawn before it)."""
+    first = launches[0]
+    rows = [x.batch for x in launches]
+    batch = Batch(np.concatenate([b.tokens for b in rows]), np.concatenate([b.pos for b in rows]),
+                  [ids for b in rows for ids in b.seq_ids], np.concatenate([b.output for b in rows]), first.batch.prefix_ops)
+    return Launch(max(x.run_id for x in launches), batch, False, first.parent_id, first.sampling)
+
+
+def split(res, members: list[Member]) -> list:
+    """A merged run's result as each member's own (its run id, its rows' tokens and log-probabilities)."""
+    out, at = [], 0
+    for m in members:
+        rows = slice(at, at + m.n_outputs)
+        at += m.n_outputs
+        out.append(replace(res, run_id=m.run_id, tokens=None if res.tokens is None else res.tokens[rows],
+                           logprobs=None if res.logprobs is None else tuple(x[rows] for x in res.logprobs)))
+    return out
+
+
 class Executor(Generic[Owner]):
     """Drives the pipeline (ranks/pipeline.Pipeline, or the twin's SimPipeline): each owner's actions applied in
-    the order it decided them; the owner of every run in flight remembered (results come back in launch order and
-    go to it); a run's sampling parameters sent down the pipeline, in order with the runs, only when they change."""
+    the order it decided them; the owners of every run in flight remembered (results come back in launch order and
+    go to them); a run's sampling parameters sent down the pipeline, in order with the runs, only when they change.
 
-    def __init__(self, pipe):
+    Batching users: next-token runs of different owners (mergeable) are held, up to `batch_rows` rows of one
+    sampling, and go out as one run when the scheduler says so (flush), or before any other action (so the stages
+    still see every owner's actions in its order). A row's bits do not depend on the other rows of its decode up to
+    the stages' exact batch limit (engine/kernels.py), which is what batch_rows defaults to: every answer stays what
+    it is alone."""
+
+    def __init__(self, pipe, batch_rows: int = 1):
         self.pipe = pipe
-        self.owner: dict[int, Owner] = {}   # run id -> who launched it
+        self.batch_rows = batch_rows
+        self.members: dict[int, list[Member]] = {}   # run id in flight -> whose rows it carries, in row order
+        self._held: list[tuple[Owner, Launch]] = []
         self._sampling_sent: Sampling | None = None
+        self.n_merged_runs = 0                         # runs that carried more than one owner's row
+        self.n_merged_rows = 0                         # rows those runs carried
+
+    @property
+    def n_held(self) -> int:
+        return len(self._held)
 
     def apply(self, owner: Owner, actions: list[Action]) -> None:
         for a in actions:
+            if self.batch_rows > 1 and mergeable(a):
+                if self._held and (self._held[0][1].sampling != a.sampling or len(self._held) >= self.batch_rows):
+                    self.flush()
+                self._held.append((owner, a))
+                continue
+            self.flush()
             if isinstance(a, Launch):
-                if a.sampling != self._sampling_sent:  # the last stage draws this generation's tokens by these
-                    self.pipe.set_sampling(*a.sampling)
-                    self._sampling_sent = a.sampling
-                self.owner[a.run_id] = owner
-                self.pipe.launch(a.run_id, a.batch, a.speculative, a.parent_id, a.rules)
+                self._launch(a, [Member(owner, a.run_id, a.batch.n_outputs)])
             elif isinstance(a, Cancel):
                 self.pipe.cancel(list(a.run_ids))
             elif isinstance(a, EditKv):
@@ -74,7 +126,38 @@ class Executor(Generic[Owner]):
             else:
                 raise TypeError(f"internal: unknown action {a!r}")
 
-    def next_result(self):
-        """The oldest run's result (waiting for it) and who launched it: (owner, pipeline.Result)."""
+    def flush(self) -> None:
+        """Send the held next-token runs, as one run."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        launches = [a for _, a in held]
+        members = [Member(o, a.run_id, a.batch.n_outputs) for o, a in held]
+        if len(held) > 1:
+            self.n_merged_runs += 1
+            self.n_merged_rows += len(held)
+        self._launch(merge(launches) if len(held) > 1 else launches[0], members)
+
+    def _launch(self, a: Launch, members: list[Member]) -> None:
+        if a.sampling != self._sampling_sent:  # the last stage draws this run's tokens by these
+            self.pipe.set_sampling(*a.sampling)
+            self._sampling_sent = a.sampling
+        self.members[a.run_id] = members
+        self.pipe.launch(a.run_id, a.batch, a.speculative, a.parent_id, a.rules)
+
+    def row_owners(self, run_id: int) -> list:
+        """The owner of each output row of a run in flight (the twin answers each row from its owner's reference)."""
+        return [m.owner for m in self.members[run_id] for _ in range(m.n_outputs)]
+
+    def next_result(self, flush: bool = True) -> list[tuple[Owner, object]]:
+        """The oldest run's result (waiting for it), as (owner, its own pipeline.Result) for each owner it carried
+        (several when it was merged), in row order. Held runs go out first (a result may be what they wait for),
+        unless the caller holds them on purpose while other runs are in flight (flush=False: to merge them with
+        the rows this result frees)."""
+        if flush or not self.pipe.in_flight:
+            self.flush()
         res = self.pipe.next_result()
-        return self.owner.pop(res.run_id), res
+        members = self.members.pop(res.run_id)
+        if len(members) == 1:
+            return [(members[0].owner, replace(res, run_id=members[0].run_id))]
+        return [(m.owner, r) for m, r in zip(members, split(res, members))]

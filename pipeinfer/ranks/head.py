@@ -81,6 +81,7 @@ class GenConfig:
     cancel: bool = True       # --no-cancel: never send cancellation signals
     continuous: bool = True   # --no-continuous: at most one speculative run in flight
     n_batch: int = 512        # largest batch a stage decodes
+    batch_rows: int = 1       # next tokens of different generations one decode may carry (the stages' exact limit)
     prompt_chunk: int = PROMPT_CHUNK  # prompt tokens per run, at positions 0, C, 2C, ... (core/prefixcache.py)
     cache_prompt: bool = True  # keep finished prompts on the stages for later requests (scheduler.py)
     n_ctx: int = 4096

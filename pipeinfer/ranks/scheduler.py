@@ -157,7 +157,7 @@ class Scheduler:
         self.reserve = cells_reserve(pool.n_partitions, cfg.cut.n_max) if pool is not None else 0
         self.waiting: deque[tuple[int, Request, object]] = deque()  # (number, request, its RunRules or None)
         self.gens: list[_Gen] = []            # admission order
-        self.executor: Executor[_Gen] = Executor(pipe)  # the one place the pipeline is driven
+        self.executor: Executor[_Gen] = Executor(pipe, cfg.batch_rows)  # the one place the pipeline is driven
         self.holder: _Gen | None = None       # the generation the drafter is lent to
         self._run_id = first_run_id
         self._n_requests = 0
@@ -223,7 +223,7 @@ class Scheduler:
                 if not self.pipe.result_ready():
                     return
         if self.pipe.in_flight:
-            self._take(*self.executor.next_result())
+            self._take(self.executor.next_result(flush=not self._holding()))
         for g in [g for g in self.gens if g.head.done and not g.head.flights]:
             self._finish(g)
 
@@ -291,8 +291,8 @@ class Scheduler:
         """Collect every run in flight, then have every stage keep only the canonical sequences of the generations
         still here, repacked (one that ended while its runs were collected keeps its cells: it is finished after)."""
         while self.pipe.in_flight:
-            g, res = self.executor.next_result()
-            self.executor.apply(g, g.head.handle(res))
+            for g, res in self.executor.next_result():
+                self.executor.apply(g, g.head.handle(res))
         live = [self._canon[g.lane] for g in self.gens]
         kept: list[Entry] = []
         if self.cache is not None:  # the entries that fit beside what the generations here and the next may need
@@ -398,8 +398,19 @@ class Scheduler:
     def last_run_id(self) -> int:
         return self._run_id
 
-    def _take(self, g: _Gen, res) -> None:
-        self.executor.apply(g, g.head.handle(res) if g.head.done else g.head.take(res))
+    def _take(self, results: list) -> None:
+        """A result, for each generation whose rows it carried: their next tokens go out together (held in the
+        executor), now, or with the next result's while the stages are busy anyway (_holding)."""
+        for g, res in results:
+            self.executor.apply(g, g.head.handle(res) if g.head.done else g.head.take(res))
+        if not self._holding():
+            self.executor.flush()
+
+    def _holding(self) -> bool:
+        """Whether the next tokens held in the executor wait for the next result's to join them: while they do
+        not fill a decode and enough runs are in flight to keep every stage busy without them."""
+        n = self.executor.n_held
+        return 0 < n < self.executor.batch_rows and len(self.pipe.in_flight) >= self.depth
 
     def _finish(self, g: _Gen) -> None:
         """Every run of a finished generation is back: deliver its answer; its slot holds its prompt as a cache

@@ -75,7 +75,7 @@ class Txn:
     output_pos: np.ndarray | None = None
     n_meta: int = 0
     cancelled: bool = False
-    reference: list[int] | None = None   # the launching generation's tokens (None: the pipeline's one reference)
+    references: list[list[int]] | None = None  # each output row's generation's tokens (None: the one reference)
 
     def wire_bytes(self, n_embd: int, to_head: bool) -> int:
         """Bytes of this transaction on the wire, as protocol.py lays it out."""
@@ -133,9 +133,10 @@ class SimPipeline:
         self._machine = cluster.machine_of or [f"host{r}" for r in range(cluster.n_ranks)]
         # compute in progress, by rank (0: the head's thread): [work left in seconds alone, slowdown, since]
         self._active: dict[int, list[float]] = {}
-        # several generations at once (simulate_clients): run id -> the reference of the generation that launched
-        # it, asked at launch (the scheduler knows the run's owner then); None: every run answers from `reference`
-        self.reference_of: Callable[[int], list[int]] | None = None
+        # several generations at once (simulate_clients): run id -> the reference of the generation of each of its
+        # output rows (a run may carry several generations' next tokens), asked at launch (the scheduler knows the
+        # run's owners then); None: every run answers from `reference`
+        self.reference_of: Callable[[int], list[list[int]]] | None = None
 
     # ---- the event queue
     def _post(self, t_s: float, fn, *args) -> None:
@@ -222,8 +223,9 @@ class SimPipeline:
     def _result(self, t_s: float, txn: Txn) -> None:
         tokens = None
         if not txn.cancelled:  # the target's token after each output row: the reference's next token
-            ref = self.ref if txn.reference is None else txn.reference
-            tokens = np.array([ref[p + 1] if p + 1 < len(ref) else 0 for p in txn.output_pos], dtype=np.int32)
+            refs = txn.references or [self.ref] * len(txn.output_pos)
+            tokens = np.array([ref[p + 1] if p + 1 < len(ref) else 0 for ref, p in zip(refs, txn.output_pos)],
+                              dtype=np.int32)
         self._arrived.append(Result(txn.run_id, txn.cancelled, tokens))
 
     # ---- compute that shares a machine (processor sharing: every rank of a machine that computes slows down)
@@ -293,7 +295,7 @@ class SimPipeline:
         self.stages[0].trace.n_decoded += 1
         self.stages[0].trace.n_tokens += batch.n_tokens
         txn = Txn(Kind.DECODE, run_id, parent_id, speculative, batch.n_tokens, batch.n_outputs, batch.output_pos,
-                  len(batch.pack_meta()), reference=self.reference_of(run_id) if self.reference_of else None)
+                  len(batch.pack_meta()), references=self.reference_of(run_id) if self.reference_of else None)
         self._sent_from_head(txn)
         self.in_flight.append(run_id)
 
@@ -706,7 +708,8 @@ def _serve(cluster: Cluster, gen: GenConfig, clients: _Clients, clock: VirtualCl
         n_ctx = _roomy_ctx(gen, n_parallel, max(clients.n_prompts), n_part, n_lanes)
     sched = Scheduler(pipe, replace(gen, n_ctx=n_ctx), n_stages=cluster.n_ranks, n_parallel=n_parallel, pool=pool,
                       drafter_for=drafter_for, clock=clock)
-    pipe.reference_of = lambda run_id: clients.reference_of_prompt(sched.executor.owner[run_id].req.prompt)
+    pipe.reference_of = lambda run_id: [clients.reference_of_prompt(g.req.prompt)
+                                        for g in sched.executor.row_owners(run_id)]
     clients.drive(sched)
     n_requests = len(clients.refs)
     if len(clients.results) != n_requests:
