@@ -80,7 +80,7 @@ class LanePipeline(FakePipeline):
 
 def make(mode: str, *, n_parallel: int, n_ctx: int = 4096, max_in_flight: int = 4, n_max: int = 3,
          logits_fn=logits_greedy, n_stages: int = 2, error_rate: float = 0.2, poll_every: int = 3,
-         p_recovery: float = 0.5, cache_prompt: bool = True, prompt_chunk: int = 63):
+         p_recovery: float = 0.5, cache_prompt: bool = True, prompt_chunk: int = 63, batch_rows: int = 1):
     n_lanes = lane_count(n_parallel, cache_prompt)
     n_part, n_seq = plan_partitions(1, max_in_flight, n_lanes=n_lanes)
     if mode == "iterative":  # no partitions: the slots' canonical sequences follow sequence 0 (as startup plans it)
@@ -92,7 +92,7 @@ def make(mode: str, *, n_parallel: int, n_ctx: int = 4096, max_in_flight: int = 
     pool = PartitionPool(n_part, 1, n_seq, n_lanes=n_lanes) if mode == "pipeinfer" else None
     lent = iter(range(1 << 30))
     cfg = GenConfig(mode=mode, n_ctx=n_ctx, cut=Cutoffs(0.5, 0.1, n_max, 1), p_recovery=p_recovery,
-                    cache_prompt=cache_prompt, prompt_chunk=prompt_chunk)
+                    cache_prompt=cache_prompt, prompt_chunk=prompt_chunk, batch_rows=batch_rows)
     sched = Scheduler(pipe, cfg, n_stages=n_stages, n_parallel=n_parallel, pool=pool,
                       drafter_for=lambda p, t, c: ToyDrafter(error_rate, next(lent), 0.9))  # one per lease
     return sched, pipe, pool

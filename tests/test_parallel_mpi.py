@@ -52,7 +52,7 @@ def test_batch_answers_equal_single_answers(models, references, tmp_path, n_rank
     for i, ref in enumerate(references):
         assert answers[i]["tokens"] == ref, (i, JOBS[i])
         assert answers[i]["n_generated"] == JOBS[i][1]
-    want = f"{len(JOBS)} prompts, {parallel or default_parallel(n_ranks)} at once"
+    want = f"{len(JOBS)} prompts, {parallel or default_parallel(n_ranks, batching=True)} at once"
     assert want in p.stderr, p.stderr[-2000:]
     from pipeinfer.core.results import read_results
     rows = read_results(results)

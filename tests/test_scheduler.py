@@ -66,6 +66,50 @@ def test_concurrent_answers_equal_single(mode, n_parallel):
     assert sched.stats.max_active == min(n_parallel, len(PROMPTS))
 
 
+def decodes_of_several(pipe) -> list[int]:
+    """Wraps pipe.launch: the rows of each run that carries the next tokens of several generations."""
+    rows: list[int] = []
+    launch = pipe.launch
+
+    def watched(run_id, batch, *a):
+        seqs = {s for ids in batch.seq_ids for s in ids}
+        if len(seqs) > 1 and not batch.prefix_ops.size:
+            rows.append(batch.n_tokens)
+        launch(run_id, batch, *a)
+    pipe.launch = watched
+    return rows
+
+
+@pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])
+@pytest.mark.parametrize("batch_rows", [2, 3])
+def test_generations_share_decodes_and_each_answer_equals_its_own(mode, batch_rows):
+    """Batching users: the next tokens of several generations go out as one run of up to batch_rows rows, each in
+    its own sequence (the toy stages check every cell a row sees); every answer equals its prompt's alone, stops
+    and all."""
+    sched, pipe, pool = make(mode, n_parallel=6, batch_rows=batch_rows)
+    rows = decodes_of_several(pipe)
+    jobs = [(p, 14 + 3 * i, SamplingParams(), 5 if i == 2 else 0) for i, p in enumerate(PROMPTS)]
+    assert_exact(submit_all(sched, jobs))
+    assert_all_free(sched, pipe, pool)
+    assert rows and max(rows) == batch_rows and sched.executor.n_merged_runs == len(rows)
+    assert sum(rows) == sched.executor.n_merged_rows
+
+
+def test_only_rows_sampled_alike_share_a_decode():
+    """The last stage draws a run's rows by one set of sampling parameters: generations that sample differently
+    never share a run, and each answer is still its own seed's."""
+    sched, pipe, pool = make("iterative", n_parallel=4, batch_rows=3, logits_fn=logits_flat)
+    rows = decodes_of_several(pipe)
+    jobs = [(p, 15, SamplingParams(temp=0.9, seed=i), 0) for i, p in enumerate(PROMPTS[:4])]
+    assert_exact(submit_all(sched, jobs, logits_flat))
+    assert not rows
+    sched, pipe, pool = make("iterative", n_parallel=4, batch_rows=3, logits_fn=logits_flat)
+    rows = decodes_of_several(pipe)
+    jobs = [(p, 15, SamplingParams(temp=0.9, seed=7), 0) for p in PROMPTS[:4]]
+    assert_exact(submit_all(sched, jobs, logits_flat))
+    assert rows
+
+
 def test_seeded_sampling_per_generation():
     """Each generation's tokens are drawn with its own seed and temperature, whatever shares the pipeline."""
     sched, pipe, pool = make("pipeinfer", n_parallel=3, logits_fn=logits_flat)

@@ -295,10 +295,10 @@ def test_concurrent_requests_equal_their_single_answers(server, models):
         health = server.health()
         return health if health["generating"] == 0 and health["runs_in_flight"] == 0 else None
     health = wait_until(idle, 30, lambda: f"still busy: {server.health()}")
-    assert health["parallel"] == default_parallel(2) and health["queued"] == 0 and health["generating"] == 0, health
+    assert health["parallel"] == default_parallel(2, batching=True) and health["queued"] == 0 and health["generating"] == 0, health
     assert health["most_generating"] >= 3, health  # answers were generated at once
     assert health["runs_in_flight"] == 0 and health["partitions_free"] == health["partitions"] > 0, health
-    assert f"{default_parallel(2)} request(s) at once" in server.text()
+    assert f"{default_parallel(2, batching=True)} request(s) at once" in server.text()
 
 
 def test_full_queue_gets_503_with_retry_after(models, tmp_path):

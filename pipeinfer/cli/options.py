@@ -118,6 +118,10 @@ PIPELINE_OPTIONS = [
     click.option("--quiet-first/--no-quiet-first", default=True,
                  help="with the draft in a thread of rank 0, leave it idle while the first token after the prompt is "
                       "computed (docs/speculation.md)"),
+    click.option("--batch-rows", default="auto", show_default=True, callback=lambda c, p, v: _auto_or_int(v, p),
+                 help="next tokens of different requests one decode may carry (many users at once); auto: the most "
+                      "the stages' kernels keep exact, measured at load (each answer stays what it is alone); more is "
+                      "refused unless --kernels fast, which gives exactness up for speed"),
     click.option("--kernels", type=click.Choice(KERNELS), default=DEFAULT_KERNELS, show_default=True,
                  help="repack: repacked weights + flash attention (exact to the batch limit measured at load); "
                       "no-repack: exact to larger batches, slower; fast: llama.cpp's defaults, batch-dependent logits "
@@ -203,7 +207,7 @@ def config_from_options(kw: dict, *, n_predict: int, sampling: SamplingParams, s
         p_accept=kw["p_accept"], p_split=kw["p_split"], p_recovery=kw["p_recovery"], p_decay=kw["p_decay"],
         max_branches=kw["max_branches"], max_in_flight=kw["max_in_flight"], cancel=kw["cancel"],
         continuous=kw["continuous"], quiet_first=kw["quiet_first"], n_predict=n_predict, sampling=sampling,
-        stop_at_eos=stop_at_eos, parallel=parallel, poll_s=kw["poll_us"] / 1e6, stall_timeout=kw["stall_timeout"],
+        stop_at_eos=stop_at_eos, parallel=parallel, batch_rows=kw["batch_rows"], poll_s=kw["poll_us"] / 1e6, stall_timeout=kw["stall_timeout"],
         set_by_user=set_by_user)
 
 

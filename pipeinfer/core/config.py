@@ -74,7 +74,8 @@ class Config:
     n_predict: int = 128                    # tokens per answer unless a request says otherwise
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_at_eos: bool = True
-    parallel: int | None = 1                # generations at once (None: 2 per stage, resolved at start-up)
+    parallel: int | None = 1                # generations at once (None: per stage, resolved at start-up)
+    batch_rows: int | None = None           # next tokens of different generations per decode (None: the exact limit)
     # ---- the wire
     poll_s: float = 0.0005                  # sleep between message probes while waiting
     stall_timeout: float = 60.0             # wire/liveness.py: a rank silent this long ends the job (0: only losses)

@@ -1,6 +1,6 @@
 """`pipeinfer generate --prompts FILE`: an offline batch, every prompt of a file through one pipeline, several
-at once (ranks/scheduler.py; --parallel, default 2 per stage), one JSON line per answer on stdout and one
---results row per prompt.
+at once (ranks/scheduler.py; --parallel, default 4 per stage when requests share decodes: --batch-rows), one
+JSON line per answer on stdout and one --results row per prompt.
 
 FILE has one prompt per line, or JSON lines: {"prompt": "...", "n_predict": 64, "seed": 1, "temp": 0.7,
 "chat": false, "replay": [token ids], "cache_prompt": false} (every key but "prompt" optional; the command line's values are the
@@ -124,5 +124,6 @@ def run_batch(args, stop) -> None:
         st = sched.stats
         print(f"[pipeinfer] {len(prompts)} prompts, {session.parallel} at once: {n_tokens} tokens in {wall_s:.1f} s, "
               f"{n_tokens / wall_s:.2f} tokens/s; at most {st.max_active} generating, {st.waits_for_cells} rounds "
-              f"waiting for KV cells, {st.n_compactions} compactions"
+              f"waiting for KV cells, {st.n_compactions} compactions, {sched.executor.n_merged_runs} decodes carrying "
+              f"{sched.executor.n_merged_rows} requests' next tokens (up to {sched.executor.batch_rows} per decode)"
               + (f", {sched.cache.n_tokens_reused} prompt tokens from the cache" if sched.cache else ""), file=sys.stderr)

@@ -99,6 +99,7 @@ class Executor(Generic[Owner]):
     def __init__(self, pipe, batch_rows: int = 1):
         self.pipe = pipe
         self.batch_rows = batch_rows
+        self.row_cap = batch_rows                      # rows per merged run now (the scheduler lowers it: split_rows)
         self.members: dict[int, list[Member]] = {}   # run id in flight -> whose rows it carries, in row order
         self._held: list[tuple[Owner, Launch]] = []
         self._sampling_sent: Sampling | None = None
@@ -112,7 +113,7 @@ class Executor(Generic[Owner]):
     def apply(self, owner: Owner, actions: list[Action]) -> None:
         for a in actions:
             if self.batch_rows > 1 and mergeable(a):
-                if self._held and (self._held[0][1].sampling != a.sampling or len(self._held) >= self.batch_rows):
+                if self._held and (self._held[0][1].sampling != a.sampling or len(self._held) >= self.row_cap):
                     self.flush()
                 self._held.append((owner, a))
                 continue

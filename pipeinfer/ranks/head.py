@@ -93,12 +93,13 @@ class GenConfig:
     quiet_first: bool = True     # a drafter in a thread of rank 0 waits while the first token after the prompt is computed
 
 
-def gen_config(config: Config, *, n_batch: int, p_recovery: float) -> GenConfig:
-    """The head's parameters from the run's configuration (n_batch and p_recovery as start-up resolved them)."""
+def gen_config(config: Config, *, n_batch: int, p_recovery: float, batch_rows: int = 1) -> GenConfig:
+    """The head's parameters from the run's configuration (n_batch, p_recovery and batch_rows as start-up resolved
+    them)."""
     return GenConfig(mode=config.mode, n_predict=config.n_predict, sampling=config.sampling,
                      cut=Cutoffs(config.p_accept, config.p_split, config.draft_max, config.max_branches),
                      p_recovery=p_recovery, p_decay=config.p_decay, cancel=config.cancel, continuous=config.continuous,
-                     n_batch=n_batch, prompt_chunk=min(config.prompt_chunk, n_batch),
+                     n_batch=n_batch, batch_rows=batch_rows, prompt_chunk=min(config.prompt_chunk, n_batch),
                      cache_prompt=config.cache_prompt, n_ctx=config.n_ctx, stop_at_eos=config.stop_at_eos,
                      adaptive_draft=config.adaptive_draft, quiet_first=config.quiet_first)
 

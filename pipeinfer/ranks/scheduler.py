@@ -65,8 +65,14 @@ PARALLEL_PER_STAGE = 2
 MAX_PARALLEL = 64
 
 
-def default_parallel(n_stages: int) -> int:
-    return max(1, min(MAX_PARALLEL, PARALLEL_PER_STAGE * n_stages))
+# per stage when several generations' next tokens share a decode (--batch-rows): each stage then carries a batch,
+# and the scheduler needs as many generations decoding as the batches in flight hold
+PARALLEL_PER_STAGE_BATCHED = 4
+
+
+def default_parallel(n_stages: int, batching: bool = False) -> int:
+    per_stage = PARALLEL_PER_STAGE_BATCHED if batching else PARALLEL_PER_STAGE
+    return max(1, min(MAX_PARALLEL, per_stage * n_stages))
 
 
 def pipeline_depth(n_stages: int, stage_ms: tuple[tuple[float, ...], ...] | None) -> int:
@@ -401,6 +407,7 @@ class Scheduler:
     def _take(self, results: list) -> None:
         """A result, for each generation whose rows it carried: their next tokens go out together (held in the
         executor), now, or with the next result's while the stages are busy anyway (_holding)."""
+        self.executor.row_cap = self._row_cap()
         for g, res in results:
             self.executor.apply(g, g.head.handle(res) if g.head.done else g.head.take(res))
         if not self._holding():
@@ -410,7 +417,13 @@ class Scheduler:
         """Whether the next tokens held in the executor wait for the next result's to join them: while they do
         not fill a decode and enough runs are in flight to keep every stage busy without them."""
         n = self.executor.n_held
-        return 0 < n < self.executor.batch_rows and len(self.pipe.in_flight) >= self.depth
+        return 0 < n < self.executor.row_cap and len(self.pipe.in_flight) >= self.depth
+
+    def _row_cap(self) -> int:
+        """Rows per merged run: --batch-rows, but no more than the decoding generations spread over the pipeline's
+        depth (one batch of every generation would leave all stages but one idle)."""
+        n_decoding = sum(1 for g in self.gens if not g.head.done and not g.head.pending)
+        return max(1, min(self.executor.batch_rows, math.ceil(n_decoding / self.depth)))
 
     def _finish(self, g: _Gen) -> None:
         """Every run of a finished generation is back: deliver its answer; its slot holds its prompt as a cache

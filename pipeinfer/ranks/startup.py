@@ -144,11 +144,11 @@ def _join(config: Config, comm) -> _Ranks:
 
 
 def resolved_parallel(config: Config, n_stages: int) -> int:
-    """Generations at once: --parallel, else 2 per stage (scheduler.default_parallel); the synchronous
-    speculative baseline runs one at a time."""
+    """Generations at once: --parallel, else per stage (scheduler.default_parallel: more when rows of several share a
+    decode); the synchronous speculative baseline runs one at a time."""
     if config.mode == "speculative":
         return 1
-    return config.parallel or default_parallel(n_stages)
+    return config.parallel or default_parallel(n_stages, batching=config.batch_rows != 1)
 
 
 def check_world_size(world_size: int, library_version: str) -> None:
@@ -307,7 +307,8 @@ def _resolve_gen(config: Config, comm, engine, n_batch: int, exact_per_rank: lis
     """The head's GenConfig: the run's configuration with the draft max, n_batch and p_recovery resolved, and
     with --micro-batch auto every stage's decode costs (stage_costs: every rank times its stage in turn)."""
     cfg = gen_config(config, n_batch=n_batch,
-                     p_recovery=auto_p_recovery(comm.Get_size()) if config.p_recovery is None else config.p_recovery)
+                     p_recovery=auto_p_recovery(comm.Get_size()) if config.p_recovery is None else config.p_recovery,
+                     batch_rows=_batch_rows(config, exact_per_rank))
     cfg = replace(cfg, cut=replace(cfg.cut, n_max=_draft_max(cfg, exact_per_rank)))
     if cfg.mode == "pipeinfer" and cfg.adaptive_draft and cfg.cut.n_max > 1:
         cfg = replace(cfg, stage_ms=stage_costs(comm, engine, cfg.cut.n_max, config.poll_s))
@@ -400,6 +401,28 @@ def _agree(comm, live, mine, what: str) -> None:
     msg = first_disagreement(comm.allgather(mine), what, live.who)
     if msg:
         raise UserError(msg)
+
+
+# --batch-rows auto with --kernels fast (no exactness to keep): 16 rows, from where llama.cpp's tiled matrix multiply
+# costs about what 8 rows do (docs/benchmarks.md)
+FAST_BATCH_ROWS = 16
+
+
+def _batch_rows(config: Config, exact_per_rank: list[int | None]) -> int:
+    """Next tokens of different generations per decode: --batch-rows, or the smallest exact batch limit of the stages
+    (kernels.py: their rows keep the bits they get alone); more than that only with --kernels fast."""
+    known = [x for x in exact_per_rank if x is not None]
+    if not known:  # --kernels fast: no limit, no exactness
+        return config.batch_rows or FAST_BATCH_ROWS
+    limit = min(known)
+    if config.batch_rows is None:
+        return limit
+    if config.batch_rows > limit:
+        raise UserError(f"--batch-rows {config.batch_rows} is more than the exact batch limit of {limit} measured on "
+                        f"rank {exact_per_rank.index(limit)}: rows of a larger decode would not keep the bits they get "
+                        f"alone (--kernels fast allows it and gives exactness up; --kernels no-repack is exact to larger "
+                        f"batches on some hosts)")
+    return config.batch_rows
 
 
 def _draft_max(cfg: GenConfig, exact_per_rank: list[int | None]) -> int | None:
