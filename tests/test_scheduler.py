@@ -95,6 +95,22 @@ def test_generations_share_decodes_and_each_answer_equals_its_own(mode, batch_ro
     assert sum(rows) == sched.executor.n_merged_rows
 
 
+@pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])
+def test_a_lone_one_token_run_is_never_held_back(mode):
+    """A prompt's last chunk of one token (and any next token) may share a decode; alone, with nothing in flight to
+    share it with, it goes out at once: the generation ends, exact."""
+    for prompt in ([5, 17, 2, 9, 11], [7], [3, 1, 4, 1, 5, 9, 2, 6, 5]):
+        sched, pipe, pool = make(mode, n_parallel=4, batch_rows=3, prompt_chunk=4)
+        got: list = []
+        sched.submit(Request(list(prompt), 9, on_done=lambda tokens, stats: got.append(tokens)))
+        for _ in range(500):  # a held run would leave the scheduler stepping for ever
+            if not sched.busy:
+                break
+            sched.step()
+        assert got == [target_alone(prompt, 9)[len(prompt):]]
+        assert_all_free(sched, pipe, pool)
+
+
 def test_only_rows_sampled_alike_share_a_decode():
     """The last stage draws a run's rows by one set of sampling parameters: generations that sample differently
     never share a run, and each answer is still its own seed's."""

@@ -210,8 +210,15 @@ class Scheduler:
         return answer[0]
 
     def step(self) -> None:
-        """One round: admit (while no result waits), compact if needed, feed prompt chunks, speculate where there
-        is room, take a result."""
+        """One round (_round); then the next tokens held to share a decode go out, unless the runs in flight keep
+        every stage busy without them (_holding)."""
+        self._round()
+        if not self._holding():
+            self.executor.flush()
+
+    def _round(self) -> None:
+        """Admit (while no result waits), compact if needed, feed prompt chunks, speculate where there is room,
+        take a result."""
         ready = bool(self.gens) and self.pipe.result_ready()
         if not ready:
             self._admit()
@@ -296,6 +303,7 @@ class Scheduler:
     def _compact(self) -> None:
         """Collect every run in flight, then have every stage keep only the canonical sequences of the generations
         still here, repacked (one that ended while its runs were collected keeps its cells: it is finished after)."""
+        self.executor.flush()
         while self.pipe.in_flight:
             for g, res in self.executor.next_result():
                 self.executor.apply(g, g.head.handle(res))
