@@ -62,9 +62,12 @@ SAMPLE = re.compile(r"sampling time =\s*([0-9.]+) ms")
 
 
 # ------------------------------------------------------------------------------------------------ the build
-def llama_bin() -> Path:
-    """The directory holding ggml-rpc-server and llama-completion built from the installed llama-cpp-python's
-    vendored llama.cpp (built once, cached by version)."""
+PEER_TARGETS = ("ggml-rpc-server", "llama-completion", "llama-server")
+
+
+def llama_bin(targets: tuple[str, ...] = PEER_TARGETS) -> Path:
+    """The directory holding the llama.cpp programs `targets` (ggml-rpc-server, llama-completion, llama-server)
+    built from the installed llama-cpp-python's vendored llama.cpp (built once, cached by version)."""
     version = metadata.version("llama_cpp_python")
     home = Path(os.environ.get("PIPEINFER_CACHE", Path.home() / ".cache" / "pipeinfer")) / "peers"
     src = home / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
@@ -75,7 +78,7 @@ def llama_bin() -> Path:
     no_amx = "amx_int8" in cpu_flags_line().split()
     build = src / ("build-noamx" if no_amx else "build")
     out = build / "bin"
-    if (out / "ggml-rpc-server").exists() and (out / "llama-completion").exists():
+    if all((out / t).exists() for t in targets):
         return out
     home.mkdir(parents=True, exist_ok=True)
     if not src.is_dir():
@@ -85,17 +88,17 @@ def llama_bin() -> Path:
                             f"llama-cpp-python=={version}", "-d", tmp], check=True, capture_output=True)
             sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
             subprocess.run(["tar", "xzf", str(sdist), "-C", str(home)], check=True)
-    print(f"building ggml-rpc-server and llama-completion in {build}{' without AMX' if no_amx else ''} (once; "
-          f"~10 min on 2 cores) ...", flush=True)
+    print(f"building {', '.join(targets)} in {build}{' without AMX' if no_amx else ''} (once; ~10 min on 2 cores) ...",
+          flush=True)
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     amx = [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"] if no_amx else []
     subprocess.run(["cmake", "-S", str(src), "-B", str(build), *gen, "-DCMAKE_BUILD_TYPE=Release",
                     "-DGGML_RPC=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                    "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_APP=OFF",
+                    "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_APP=OFF",
                     *amx], check=True, capture_output=True)
     subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2),
-                    "--target", "ggml-rpc-server", "llama-completion"], check=True, capture_output=True)
+                    "--target", *targets], check=True, capture_output=True)
     return out
 
 

@@ -101,7 +101,10 @@ class HeadSession:
                 "runs_in_flight": len(self.pipe.in_flight),
                 "partitions_free": self.pool.n_free if self.pool else 0,
                 "partitions": self.pool.n_partitions if self.pool else 0,
-                "prompt_cache": sched.cache_load() if sched else None, "stages": self.stages()}
+                "prompt_cache": sched.cache_load() if sched else None, "stages": self.stages(),
+                "batching": {"batch_rows": self.cfg.batch_rows,
+                             "shared_decodes": sched.executor.n_merged_runs if sched else 0,
+                             "shared_rows": sched.executor.n_merged_rows if sched else 0}}
 
     def poll_stages(self, waited_s: float = 0.0) -> None:
         """On the generation thread, between steps (feeders/pump.py): take the stages' reports that came, and count
