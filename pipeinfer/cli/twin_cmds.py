@@ -193,12 +193,13 @@ def plan_cmd(profile_path: str, agreement: float | None, propose: float, n_predi
     confidence = (prof.get("draft") or {}).get("confidence") if agreement is None else None
     if clients is not None and conversations is not None:
         raise click.UsageError("--clients or --conversations, not both (each conversation is a client)")
+    parallel = parallel or default_parallel(len(prof["ranks"]), batching=True)  # as serve's default
     if conversations is not None:
-        _plan_chat(prof, conversations, turns, user_tokens, n_prompt, parallel or default_parallel(len(prof["ranks"])),
+        _plan_chat(prof, conversations, turns, user_tokens, n_prompt, parallel,
                    n_predict, 0.7 if agreement is None else agreement, propose, confidence, draft_host, think_s, n_ctx)
         return
     if clients is not None:
-        _plan_clients(prof, clients, parallel or default_parallel(len(prof["ranks"])), n_predict, n_prompt,
+        _plan_clients(prof, clients, parallel, n_predict, n_prompt,
                       0.7 if agreement is None else agreement, propose, confidence, draft_host)
         return
     t0 = time.perf_counter()

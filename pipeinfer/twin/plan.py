@@ -197,15 +197,17 @@ def serve_load(prof: dict, *, n_clients: int, n_parallel: int, n_predict: int, n
                draft_on: str = "head", requests_per_client: int = 4) -> list[LoadRow]:
     """`n_clients` closed-loop clients on the profiled cluster, served three ways: one generation at a time with
     PipeInfer (--parallel 1: a request's fastest answer, the others queue), interleaving (iterative, n_parallel
-    generations, nothing speculative) and the default (pipeinfer with n_parallel: interleaving, the drafter lent
-    where a stage would idle). PipeInfer's micro-batches are capped at the profile's exact batch limit."""
+    generations, nothing speculative) and the default (pipeinfer with n_parallel: interleaving, the generations'
+    next tokens sharing decodes up to the profile's exact batch limit, the drafter lent where a stage would idle).
+    PipeInfer's micro-batches are capped at the profile's exact batch limit."""
     cluster = build_cluster(prof, Shape(draft_on=draft_on))
     cap = int(prof.get("exact_batch", 3))
     rows = []
     for label, mode, parallel in (("pipeinfer", "pipeinfer", 1), ("interleaving", "iterative", n_parallel),
                                   ("default", "pipeinfer", n_parallel)):
         gen = replace(base, mode=mode, n_predict=n_predict, p_recovery=None if mode == "pipeinfer" else 0.0,
-                      cut=replace(base.cut, n_max=cap if mode == "pipeinfer" else 1))
+                      cut=replace(base.cut, n_max=cap if mode == "pipeinfer" else 1),
+                      batch_rows=cap if label == "default" else 1)
         res = simulate_clients(cluster, gen, n_clients=n_clients, n_requests=max(4, requests_per_client * n_clients),
                                n_prompt=n_prompt, n_parallel=parallel, agreement=agreement, propose=propose,
                                confidence=confidence)
