@@ -19,7 +19,10 @@ every stage is busy on work that is certain to be used, and no speculation beats
             alone, exactly PipeInfer; beside others, only while fewer runs are in flight than that depth); in
             synchronous speculative mode the one generation holds it and drafts a tree whenever its next token
             needs covering (Head.cover)
-        take the oldest result and hand it to the generation that launched it (results come in launch order)
+        take the oldest result and hand it to the generations whose rows it carried (results come in launch
+            order); their next tokens go out together as one run, each row in its own sequence (users batched,
+            up to the stages' exact batch limit: actions.Executor), or wait for the next result's to join them
+            while the runs in flight keep every stage busy
         a finished generation (length, end of generation, stop string, disconnect) cancels its runs; once
             the last of them is collected its answer is delivered and its slot waits for the next COMPACT
 
