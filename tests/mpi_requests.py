@@ -18,7 +18,7 @@ from pipeinfer.ranks.startup import open_session
 
 arg = sys.argv[1]
 spec = json.loads(open(arg[1:]).read() if arg.startswith("@") else arg)
-config = Config.from_json(json.dumps({**asdict(Config(spec["config"]["model"])), **spec["config"]}))
+config = Config.from_json(json.dumps({**json.loads(Config(spec["config"]["model"]).to_json()), **spec["config"]}))
 session = open_session(config)
 
 
