@@ -33,6 +33,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -166,8 +167,8 @@ def run_one(system: str, n_clients: int, bins: Path | None, model: str, work: Pa
             server.stop()
     else:
         port = free_port()
-        proc = start_server(port, ["-t", "1", "-c", str(N_CTX), "--ignore-eos", *PIPEINFER_ARGS[system]], log,
-                            new_tag())
+        args = ["-t", "1", "-c", str(N_CTX), "--ignore-eos", "--alias", "m", *PIPEINFER_ARGS[system]]
+        proc = start_server(port, args, log, new_tag())
         try:
             complete(port, "def warm_up():")
             answers, wall_s = closed_loop(port, n_clients, prompts)
@@ -192,8 +193,8 @@ def main() -> None:
     model = str(resolve_model(DEFAULT_TARGET))
     systems = a.systems.split(",")
     bins = llama_bin() if any(s.startswith("llama") for s in systems) else None
-    work = Path(a.out).parent / "bench_serving_logs"
-    work.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="pipeinfer-bench-serving-"))  # the servers' logs
+    print(f"servers' logs in {work}", file=sys.stderr)
     rows: list[dict] = []
     for r in range(a.rounds):
         order = systems[r % len(systems):] + systems[:r % len(systems)]

@@ -18,8 +18,8 @@ The repacked gemm takes rows in blocks of 4 (rows outside a block go through the
 from 8 rows on ggml multiplies K-quants with its tiled kernel; non-flash attention runs f16 matmuls
 through llamafile's sgemm from 2 rows on. None of that is assumed here: `exact_batch_limit` measures the
 limit of an engine when it loads and caches it beside the stage files. Rows of different sequences measured the
-same limits as one sequence's on Qwen2.5-Coder-1.5B Q4_K_M here (repack 1-3, no-repack 1-7, on 2 to 64 rows:
-docs/benchmarks.md); on an AVX-512 host no-repack kept 1-5 across sequences: the probe checks both.
+same limits as one sequence's on Qwen2.5-Coder-1.5B Q4_K_M on a 2-core AMD EPYC (repack 1-3, no-repack 1-7, 2 to
+64 rows tried: docs/benchmarks.md); on an Intel Xeon no-repack kept only 1-5 across sequences: the probe checks both.
 """
 from __future__ import annotations
 
