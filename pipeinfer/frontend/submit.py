@@ -15,6 +15,7 @@ from ..core.decoding import Constraint
 from ..core.verify import SamplingParams
 from ..serving.job import DoneEvent, ErrorEvent, Job, Prompt, RequestError, Settings, TextEvent, bad
 
+
 @dataclass
 class ServeConfig:
     model_id: str

@@ -99,7 +99,7 @@ class Executor(Generic[Owner]):
     def __init__(self, pipe, batch_rows: int = 1):
         self.pipe = pipe
         self.batch_rows = batch_rows
-        self.row_cap = batch_rows                      # rows per merged run now (the scheduler lowers it: split_rows)
+        self.row_cap = batch_rows                      # rows per merged run now (the scheduler lowers it: _row_cap)
         self.members: dict[int, list[Member]] = {}   # run id in flight -> whose rows it carries, in row order
         self._held: list[tuple[Owner, Launch]] = []
         self._sampling_sent: Sampling | None = None
@@ -159,6 +159,6 @@ class Executor(Generic[Owner]):
             self.flush()
         res = self.pipe.next_result()
         members = self.members.pop(res.run_id)
-        if len(members) == 1:
-            return [(members[0].owner, replace(res, run_id=members[0].run_id))]
+        if len(members) == 1:  # a run of one owner: the result is its own as it came
+            return [(members[0].owner, res)]
         return [(m.owner, r) for m, r in zip(members, split(res, members))]

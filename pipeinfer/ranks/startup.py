@@ -408,13 +408,18 @@ def _agree(comm, live, mine, what: str) -> None:
 FAST_BATCH_ROWS = 16
 
 
+def _smallest_limit(exact_per_rank: list[int | None]) -> int | None:
+    """The smallest exact batch limit of the stages (None with --kernels fast, which measures none)."""
+    known = [x for x in exact_per_rank if x is not None]
+    return min(known) if known else None
+
+
 def _batch_rows(config: Config, exact_per_rank: list[int | None]) -> int:
     """Next tokens of different generations per decode: --batch-rows, or the smallest exact batch limit of the stages
     (kernels.py: their rows keep the bits they get alone); more than that only with --kernels fast."""
-    known = [x for x in exact_per_rank if x is not None]
-    if not known:  # --kernels fast: no limit, no exactness
+    limit = _smallest_limit(exact_per_rank)
+    if limit is None:  # --kernels fast: no limit, no exactness
         return config.batch_rows or FAST_BATCH_ROWS
-    limit = min(known)
     if config.batch_rows is None:
         return limit
     if config.batch_rows > limit:
@@ -430,10 +435,9 @@ def _draft_max(cfg: GenConfig, exact_per_rank: list[int | None]) -> int | None:
     verification batches within its exact batch limit (kernels.py); None in iterative mode."""
     if cfg.mode == "iterative":
         return cfg.cut.n_max
-    known = [x for x in exact_per_rank if x is not None]
-    if not known:  # --kernels fast: no limit, no exactness
+    limit = _smallest_limit(exact_per_rank)
+    if limit is None:  # --kernels fast: no limit, no exactness
         return cfg.cut.n_max or DEFAULT_DRAFT_MAX
-    limit = min(known)
     try:
         return resolve_draft_max(cfg.cut.n_max, limit, lead=cfg.mode == "speculative")
     except ValueError as e:
