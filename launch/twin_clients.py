@@ -36,7 +36,6 @@ from twin_scaling import BPW_Q4_K_M, LLAMA_70B  # noqa: E402
 
 from pipeinfer.ranks.head import GenConfig  # noqa: E402
 from pipeinfer.ranks.scheduler import default_parallel  # noqa: E402
-from pipeinfer.drafters.drafter import Cutoffs  # noqa: E402
 from pipeinfer.twin.cluster import Cluster, Link  # noqa: E402
 from pipeinfer.twin.plan import Shape, build_cluster, load_profile  # noqa: E402
 from pipeinfer.twin.sim import simulate_clients  # noqa: E402
@@ -71,7 +70,7 @@ def run_one(cluster: Cluster, n_stages: int, schedule: str, n_clients: int, args
     mode = "iterative" if schedule == "interleave" else "pipeinfer"
     parallel = n_parallel or (1 if schedule == "pipeinfer-1" else default_parallel(n_stages))
     draft_max = 1 if mode == "iterative" else args.draft_max
-    gen = GenConfig(mode=mode, n_predict=n_predict, cut=Cutoffs(0.5, 0.1, draft_max, 1), p_recovery=None,
+    gen = GenConfig(mode=mode, n_predict=n_predict, draft_max=draft_max, p_recovery=None,
                     stop_at_eos=False)
     t0 = time.perf_counter()
     res = simulate_clients(cluster, gen, n_clients=n_clients, n_requests=max(4, args.waves * n_clients),

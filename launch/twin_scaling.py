@@ -36,7 +36,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeinfer.drafters.drafter import Cutoffs  # noqa: E402
 from pipeinfer.ranks.head import GenConfig  # noqa: E402
 from pipeinfer.twin.plan import Shape, build_cluster, load_profile, stage_table  # noqa: E402
 from pipeinfer.twin.cluster import Link, moe_params_per_layer  # noqa: E402
@@ -109,7 +108,7 @@ def scale_to(prof: dict, model: ModelShape, profiled: tuple[float, float], n_pre
             speeds = {}
             for mode in MODES:
                 draft_max = {"iterative": 1, "speculative": max(1, limit - 1), "pipeinfer": limit}[mode]
-                gen = GenConfig(mode=mode, n_predict=n_predict, cut=Cutoffs(0.5, 0.1, draft_max, 1), p_recovery=None,
+                gen = GenConfig(mode=mode, n_predict=n_predict, draft_max=draft_max, p_recovery=None,
                                 stop_at_eos=False)
                 t1 = time.perf_counter()
                 res = simulate(build_cluster(prof, shape), gen, agreement=agreement)

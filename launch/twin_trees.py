@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "launch"))
 
-from pipeinfer.drafters.drafter import Cutoffs  # noqa: E402
 from pipeinfer.ranks.head import GenConfig  # noqa: E402
 from pipeinfer.twin.cluster import Link  # noqa: E402
 from pipeinfer.twin.plan import Shape, build_cluster, load_profile  # noqa: E402
@@ -47,10 +46,10 @@ VARIANTS = ("chain, in-flight 8", "chain", "trees allowed", "trees forced", "cha
 def gen_for(variant: str, limit: int, n: int) -> tuple[GenConfig, int | None]:
     """(the head's settings, --max-in-flight) of a variant."""
     if variant == "trees forced":
-        return GenConfig(mode="pipeinfer", n_predict=n, cut=Cutoffs(0.5, 0.0, 2, 2), p_recovery=None,
+        return GenConfig(mode="pipeinfer", n_predict=n, p_split=0.0, draft_max=2, max_branches=2, p_recovery=None,
                          stop_at_eos=False, adaptive_draft=False), None
     branches = 4 if variant == "trees allowed" else 1
-    return GenConfig(mode="pipeinfer", n_predict=n, cut=Cutoffs(0.5, 0.1, limit, branches), p_recovery=None,
+    return GenConfig(mode="pipeinfer", n_predict=n, draft_max=limit, max_branches=branches, p_recovery=None,
                      stop_at_eos=False, prompt_chunk=16 if "16-row" in variant else 63), \
         8 if variant == "chain, in-flight 8" else None
 
@@ -76,7 +75,7 @@ def main() -> None:
         cluster = build_cluster(prof, Shape(hosts=hosts, n_layer=m.n_layer, n_embd=m.n_embd, layer_scale=layer_scale,
                                             out_scale=out_scale, link=Link(100e-6, 1e9 / 8), draft_on="own"))
         for clients in (1, *many):
-            base = GenConfig(mode="iterative", n_predict=args.n, cut=Cutoffs(0.5, 0.1, 1, 1), p_recovery=None,
+            base = GenConfig(mode="iterative", n_predict=args.n, draft_max=1, p_recovery=None,
                              stop_at_eos=False)
             it = rate(cluster, base, None, clients, 0.9, args.n)
             for agreement in AGREEMENTS:

@@ -28,7 +28,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "launch"))
 BIN = Path(sys.executable).parent
 
-from pipeinfer.drafters.drafter import Cutoffs  # noqa: E402
 from pipeinfer.ranks.head import GenConfig  # noqa: E402
 from pipeinfer.twin.plan import Shape, build_cluster, load_profile  # noqa: E402
 from pipeinfer.twin.sim import simulate  # noqa: E402
@@ -36,8 +35,9 @@ from quiet import run_quietly  # noqa: E402
 
 AGREEMENT, RUNNER_UP = 0.7, 0.6
 VARIANTS = {  # label: (generate arguments, the twin's GenConfig fields)
-    "chain": ([], dict(cut=Cutoffs(0.5, 0.1, 2, 1), adaptive_draft=False)),
-    "trees": (["--max-branches", "2", "-ps", "0"], dict(cut=Cutoffs(0.5, 0.0, 2, 2), adaptive_draft=False)),
+    "chain": ([], dict(draft_max=2, adaptive_draft=False)),
+    "trees": (["--max-branches", "2", "-ps", "0"], dict(p_split=0.0, draft_max=2, max_branches=2,
+                                                       adaptive_draft=False)),
 }
 
 
@@ -67,7 +67,7 @@ def main() -> None:
         it = json.loads(ref.read_text())
         reference = list(it["prompt_tokens"]) + list(it["tokens"])
         cluster = build_cluster(prof, Shape(draft_ms=prof["draft"]["ms_per_token"]))
-        gen_it = GenConfig(mode="iterative", n_predict=args.n, cut=Cutoffs(0.5, 0.1, 1, 1), p_recovery=None,
+        gen_it = GenConfig(mode="iterative", n_predict=args.n, draft_max=1, p_recovery=None,
                            stop_at_eos=False)
         pred_it = simulate(cluster, gen_it, reference=reference, n_prompt=len(it["prompt_tokens"])).stats
         rows.append(row("iterative", it["stats"], pred_it, foreign, True))

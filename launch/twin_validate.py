@@ -32,7 +32,6 @@ BIN = Path(sys.executable).parent
 MPIEXEC = str(BIN / "mpiexec")
 PI = [sys.executable, "-m", "mpi4py", "-m", "pipeinfer"]
 
-from pipeinfer.drafters.drafter import Cutoffs  # noqa: E402
 from pipeinfer.ranks.head import GenConfig  # noqa: E402
 from pipeinfer.twin.plan import Shape, build_cluster, launch_line, load_profile, search  # noqa: E402
 from pipeinfer.twin.sim import simulate  # noqa: E402
@@ -110,7 +109,7 @@ def predict(prof_path: Path, meas_path: Path, log) -> list[dict]:
         agree = agreement if agreement is not None else st["acceptance_rate"]
         # the replay instrument burns the draft model's plain decodes; the Gemma draft runs translated
         cluster = build_cluster(prof, Shape(draft_ms=prof["draft"]["ms_per_token"] if drafter == "replay" else None))
-        gen = GenConfig(mode=mode, n_predict=data["n"], cut=Cutoffs(0.5, 0.1, draft_max, 1), p_recovery=None,
+        gen = GenConfig(mode=mode, n_predict=data["n"], draft_max=draft_max, p_recovery=None,
                         stop_at_eos=False)
         # the replay drafter always proposes; the Gemma draft as the profile measured it (its confidence and
         # agreement along the target's output: nothing taken from the run predicted), else the run's own rates

@@ -8,7 +8,6 @@ from toy import FakePipeline, KvError, ToyDrafter, ToyStage, logits_greedy
 from pipeinfer.core.kvplan import PartitionPool, lane_canonical, lane_count, lane_seq_max, plan_partitions
 from pipeinfer.core.protocol import KvOp
 from pipeinfer.core.verify import SamplingParams
-from pipeinfer.drafters.drafter import Cutoffs
 from pipeinfer.ranks.head import GenConfig
 from pipeinfer.ranks.scheduler import Scheduler
 
@@ -91,7 +90,7 @@ def make(mode: str, *, n_parallel: int, n_ctx: int = 4096, max_in_flight: int = 
         stage.n_cells = n_ctx
     pool = PartitionPool(n_part, 1, n_seq, n_lanes=n_lanes) if mode == "pipeinfer" else None
     lent = iter(range(1 << 30))
-    cfg = GenConfig(mode=mode, n_ctx=n_ctx, cut=Cutoffs(0.5, 0.1, n_max, 1), p_recovery=p_recovery,
+    cfg = GenConfig(mode=mode, n_ctx=n_ctx, draft_max=n_max, p_recovery=p_recovery,
                     cache_prompt=cache_prompt, prompt_chunk=prompt_chunk, batch_rows=batch_rows)
     sched = Scheduler(pipe, cfg, n_stages=n_stages, n_parallel=n_parallel, pool=pool,
                       drafter_for=lambda p, t, c: ToyDrafter(error_rate, next(lent), 0.9))  # one per lease

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeinfer.drafters.drafter import Cutoffs, NgramDrafter
+from pipeinfer.drafters.drafter import NgramDrafter
 from pipeinfer.ranks.head import GenConfig, Head, auto_p_recovery
 from pipeinfer.ranks.scheduler import Request, Scheduler
 from pipeinfer.core.kvplan import PartitionPool
@@ -366,10 +366,10 @@ def test_twin_sizes_micro_batches_by_its_costs():
     from pipeinfer.twin.sim import simulate
     costly = Cluster([StageCost([38.0, 73.0, 104.0], 20.0), StageCost([52.0, 100.0, 129.0], 25.0)], [Link()] * 2, 64,
                      20.0)
-    res = simulate(costly, GenConfig(mode="pipeinfer", n_predict=96, cut=Cutoffs(0.5, 0.1, 3, 1), p_recovery=None,
+    res = simulate(costly, GenConfig(mode="pipeinfer", n_predict=96, draft_max=3, p_recovery=None,
                                      stop_at_eos=False), agreement=0.6)
     assert set(res.stats.draft_len_hist) == {1}  # (a streak of right drafts, near 0.95, would make it 3)
-    fixed = simulate(costly, GenConfig(mode="pipeinfer", n_predict=96, cut=Cutoffs(0.5, 0.1, 3, 1), p_recovery=None,
+    fixed = simulate(costly, GenConfig(mode="pipeinfer", n_predict=96, draft_max=3, p_recovery=None,
                                        stop_at_eos=False, adaptive_draft=False), agreement=0.6)
     assert not fixed.stats.draft_len_hist and fixed.stats.n_drafted > res.stats.n_drafted
 

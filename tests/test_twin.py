@@ -190,7 +190,7 @@ def test_plan_tries_token_trees_where_the_draft_names_runner_ups(tmp_path):
     from pipeinfer.twin.plan import launch_line, load_profile, search
     prof = load_profile(str(hand_profile(tmp_path, slow=1.0)))
     kw = dict(agreement=0.3, n_predict=64, exact_limit=3, draft_own_host=False,
-              base=GenConfig(stop_at_eos=False, cut=Cutoffs(0.1, 0.1, 3, 1)))
+              base=GenConfig(stop_at_eos=False, p_accept=0.1, draft_max=3))
     trees, chain = search(prof, runner_up=1.0, **kw), search(prof, **kw)
     assert trees["pipeinfer"].branches == 4 and chain["pipeinfer"].branches == 1
     assert trees["pipeinfer"].tokens_per_s > 1.03 * chain["pipeinfer"].tokens_per_s

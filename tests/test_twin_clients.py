@@ -60,7 +60,7 @@ def test_the_twin_plans_the_sequences_of_the_schedulers_slots(monkeypatch, mode,
         assert sched.n_lanes == lane_count(n_parallel, cache_prompt)
         if mode == "pipeinfer":
             n_part = sched.pool.n_partitions
-            assert sched.pool.garbage_seq == garbage_seq(lane_seq_max(n_part, sched.cfg.cut.max_branches, sched.n_lanes))
+            assert sched.pool.garbage_seq == garbage_seq(lane_seq_max(n_part, sched.cfg.max_branches, sched.n_lanes))
             assert sched.pool.garbage_seq > max(sched._canon)
 
 

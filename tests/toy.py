@@ -370,7 +370,7 @@ def run_head(mode: str, *, n_predict: int = 40, error_rate: float = 0.0, seed: i
     if drafter is None and mode != "iterative":
         drafter = ToyDrafter(error_rate, seed, drafter_prob)
     cfg = GenConfig(mode=mode, n_predict=n_predict, sampling=sampling,
-                    cut=Cutoffs(p_accept=0.5, p_split=0.1, n_max=n_max, max_branches=max_branches), **cfg_kw)
+                    draft_max=n_max, max_branches=max_branches, **cfg_kw)
     streamed: list[int] = []
     sched = Scheduler(pipe, cfg, n_stages=2, pool=pool, drafter_for=lambda *_: drafter, eos=set(eos))
     heads = []  # the generation's Head, kept for the invariants at its end

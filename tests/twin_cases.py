@@ -1,7 +1,6 @@
 """Clusters, generation settings and a hand-written profile for the digital twin's tests."""
 import json
 
-from pipeinfer.drafters.drafter import Cutoffs
 from pipeinfer.ranks.head import GenConfig
 from pipeinfer.twin.cluster import Cluster, Link, StageCost
 
@@ -14,7 +13,7 @@ def equal_stages(n: int, ms: float = 10.0, latency_s: float = 0.0, bandwidth_Bps
 
 
 def gen(mode: str, n: int = 64, draft_max: int = 1, p_recovery=0.0, p_accept=0.5) -> GenConfig:
-    return GenConfig(mode=mode, n_predict=n, cut=Cutoffs(p_accept, 0.1, draft_max, 1), p_recovery=p_recovery,
+    return GenConfig(mode=mode, n_predict=n, p_accept=p_accept, draft_max=draft_max, p_recovery=p_recovery,
                      stop_at_eos=False)
 
 

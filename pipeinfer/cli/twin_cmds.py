@@ -22,7 +22,6 @@ from ..core.results import append_result, stats_row
 from ..engine.kernels import DEFAULT_KERNELS, KERNELS
 from ..ranks.head import MODES, GenConfig
 from ..ranks.scheduler import default_parallel
-from ..drafters.drafter import Cutoffs
 from ..twin.plan import (
     Shape,
     build_cluster,
@@ -45,7 +44,8 @@ from .options import speculation_options
 def _gen_config(kw, mode: str) -> GenConfig:
     """The head's parameters from the speculation options (cli/options.SPECULATION_OPTIONS, as generate's)."""
     return GenConfig(mode=mode, n_predict=kw["n_predict"],
-                     cut=Cutoffs(kw["p_accept"], kw["p_split"], kw["draft_max"] or 1, kw["max_branches"]),
+                     p_accept=kw["p_accept"], p_split=kw["p_split"], draft_max=kw["draft_max"] or 1,
+                     max_branches=kw["max_branches"],
                      p_recovery=kw["p_recovery"], p_decay=kw["p_decay"], cancel=kw["cancel"],
                      continuous=kw["continuous"], adaptive_draft=kw["micro_batch"] == "auto", stop_at_eos=False)
 

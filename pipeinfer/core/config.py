@@ -5,8 +5,9 @@ handed whole to every rank (ranks/startup.py). A supervised job gets it as JSON 
 values of its hosts (`for_places`, a hostfile's settings) put in by `dataclasses.replace`.
 
 The ranks derive what they run from it: the head's GenConfig (ranks/startup.py, with what start-up measured),
-the drafter (drafters/factory.make_drafter), the stage engines. Adding an option: a field here, a click option
-in cli/options.py, and the code that reads it.
+the drafter (drafters/factory.make_drafter), the stage engines. Config is made of sections (StageOptions,
+DraftOptions, SpeculationOptions, ServingOptions, WireOptions); adding an option: a field in its section, a click
+option in cli/options.py, and the code that reads it.
 """
 from __future__ import annotations
 
@@ -32,13 +33,9 @@ PROMPT_CHUNK = 63
 CONFIG_ENV = "PIPEINFER_CONFIG"  # a supervised job's configuration, as JSON (Config.to_json)
 
 
-@dataclass(frozen=True)
-class Config:
-    """Every option of a pipeline run, resolved: file paths, not registry names; the drafter and where it runs
-    decided (never "auto")."""
-    model: str                              # the target GGUF's path
-    mode: str = "pipeinfer"                 # iterative | speculative | pipeinfer
-    # ---- the stages
+@dataclass(frozen=True, kw_only=True)
+class StageOptions:
+    """How each stage loads and decodes its layers."""
     layer_split: str | None = None          # balanced | even | auto | fractions (core/topology.plan_layers)
     threads: str | None = None              # per rank: one value or a,b,c (None: cores / ranks)
     threads_batch: str | None = None        # per rank, batch decodes (None: threads)
@@ -47,7 +44,11 @@ class Config:
     prompt_chunk: int = PROMPT_CHUNK        # prompt tokens per decode (at most n_batch), at positions 0, C, 2C, ...
     cache_prompt: bool = True               # keep finished prompts on every stage for later requests (prefixcache.py)
     kernels: str = DEFAULT_KERNELS          # engine/kernels.py: repack | no-repack | fast
-    # ---- the draft
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftOptions:
+    """Which drafter proposes tokens, and where it runs."""
     draft: str | None = None                # the draft GGUF's path (None: no draft model)
     drafter: str = "ngram"                  # model | ngram | replay
     drafter_asked: bool = True              # False: chosen for the user (the statistics say how to give a better one)
@@ -55,31 +56,53 @@ class Config:
     draft_at: str = "head"                  # head (in series) | thread (beside, rank 0) | rank (its own, the last)
     draft_threads: int | None = None        # None: ranks/draft_rank.draft_thread_count
     draft_head: int | None = DRAFT_HEAD_AUTO  # tokens the draft's output head keeps (None: all)
-    draft_max: int | None = None            # draft tokens per micro-batch (None: within the exact batch limit)
-    adaptive_draft: bool = True             # --micro-batch auto: size micro-batches by measured stage costs
     replay_ref: str | None = None           # replay drafter: JSON of an earlier --json run
     replay_accuracy: float = 0.8            # replay drafter: probability each proposal is right
     replay_runner_up: float = 0.0           # replay drafter: probability a wrong proposal's runner-up is right
-    # ---- speculation
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculationOptions:
+    """The head's speculation (the paper's section IV): the confidence cutoffs, how they move, the runs in flight."""
     p_accept: float = 0.5
     p_split: float = 0.1
-    p_recovery: float | None = None         # None: auto_p_recovery(ranks), resolved at start-up
-    p_decay: float = 0.0
+    p_recovery: float | None = None         # cutoff rise per micro-batch launched since the last acceptance
+                                            # (None: ranks/head.auto_p_recovery(ranks), resolved at start-up)
+    p_decay: float = 0.0                    # cutoff fall per failed draft while no result is waiting
     max_branches: int = 1
     max_in_flight: int | None = None        # None: kvplan.in_flight_limit(stages)
-    cancel: bool = True
-    continuous: bool = True
-    quiet_first: bool = True
-    # ---- generations
+    draft_max: int | None = None            # draft tokens per micro-batch (None: within the exact batch limit)
+    adaptive_draft: bool = True             # --micro-batch auto: size micro-batches by measured stage costs
+    cancel: bool = True                     # False: never send cancellation signals
+    continuous: bool = True                 # False: at most one speculative run in flight
+    quiet_first: bool = True                # a drafter in a thread of rank 0 waits while the first token is computed
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingOptions:
+    """The generations: their defaults, and how many share the pipeline."""
     n_predict: int = 128                    # tokens per answer unless a request says otherwise
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_at_eos: bool = True
     parallel: int | None = 1                # generations at once (None: per stage, resolved at start-up)
     batch_rows: int | None = None           # next tokens of different generations per decode (None: the exact limit)
-    # ---- the wire
+
+
+@dataclass(frozen=True, kw_only=True)
+class WireOptions:
+    """How the ranks wait for each other."""
     poll_s: float = 0.0005                  # sleep between message probes while waiting
     stall_timeout: float = 60.0             # wire/liveness.py: a rank silent this long ends the job (0: only losses)
-    # ---- where the values came from
+
+
+@dataclass(frozen=True)
+class Config(StageOptions, DraftOptions, SpeculationOptions, ServingOptions, WireOptions):
+    """Every option of a pipeline run, resolved: file paths, not registry names; the drafter and where it runs
+    decided (never "auto"). Its sections are the classes it is made of: a part of the code that needs one section
+    takes that type (the head's GenConfig is the stage, speculation and serving sections as start-up resolved
+    them); every option keeps its command-line name as a field of the one Config."""
+    model: str                              # the target GGUF's path
+    mode: str = "pipeinfer"                 # iterative | speculative | pipeinfer
     set_by_user: frozenset[str] = frozenset()  # options the command line set (click's names, as the fields'): a
                                                # hostfile's settings do not override them
 

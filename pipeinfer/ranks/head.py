@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import numpy as np
 
-from ..core.config import MODES, PROMPT_CHUNK, Config
+from ..core.config import DEFAULT_DRAFT_MAX, MODES, Config, ServingOptions, SpeculationOptions, StageOptions
 from ..core.decoding import TokenLogprob
 from ..core.kvplan import (
     CANONICAL,
@@ -42,7 +42,6 @@ from ..core.metrics import Stats, rss_mb
 from ..core.protocol import NO_RUN, Batch, cp, kv_ops
 from ..core.verify import (
     Node,
-    SamplingParams,
     TreeRun,
     chain_checks,
     consistent,
@@ -69,39 +68,30 @@ def auto_p_recovery(n_ranks: int) -> float:
     return 0.5 / max(1, n_ranks - 1)
 
 
-@dataclass(frozen=True)
-class GenConfig:
+@dataclass(frozen=True, kw_only=True)
+class GenConfig(StageOptions, SpeculationOptions, ServingOptions):
+    """The head's parameters: the run's stage, speculation and serving sections (core/config.py) as start-up
+    resolved them (n_batch, prompt_chunk, draft_max, p_recovery, batch_rows), and what it measured."""
     mode: str = "iterative"
-    n_predict: int = 128
-    sampling: SamplingParams = SamplingParams()
-    cut: Cutoffs = Cutoffs()
-    p_recovery: float | None = 0.0  # cutoff rise per micro-batch launched since the last acceptance;
-                                    # None: auto_p_recovery(number of ranks), resolved at start-up
-    p_decay: float = 0.0      # cutoff falls by this per failed draft while no result is waiting
-    cancel: bool = True       # --no-cancel: never send cancellation signals
-    continuous: bool = True   # --no-continuous: at most one speculative run in flight
-    n_batch: int = 512        # largest batch a stage decodes
-    batch_rows: int = 1       # next tokens of different generations one decode may carry (the stages' exact limit)
-    prompt_chunk: int = PROMPT_CHUNK  # prompt tokens per run, at positions 0, C, 2C, ... (core/prefixcache.py)
-    cache_prompt: bool = True  # keep finished prompts on the stages for later requests (scheduler.py)
-    n_ctx: int = 4096
-    stop_at_eos: bool = True
+    p_recovery: float | None = 0.0   # None until resolved: auto_p_recovery(number of ranks)
+    draft_max: int | None = DEFAULT_DRAFT_MAX
+    batch_rows: int = 1              # next tokens of different generations one decode may carry (the exact limit)
     # each stage's decode time (ms) for 1..limit tokens, rank 0 first (startup.py measures it):
-    # with it PipeInfer sizes each micro-batch by choose_draft_len (cut.n_max is then the cap)
+    # with it PipeInfer sizes each micro-batch by choose_draft_len (draft_max is then the cap)
     stage_ms: tuple[tuple[float, ...], ...] | None = None
-    adaptive_draft: bool = True  # --micro-batch auto: measure stage_ms at start-up and size micro-batches by it
-    quiet_first: bool = True     # a drafter in a thread of rank 0 waits while the first token after the prompt is computed
+
+    @property
+    def cut(self) -> Cutoffs:
+        """What the drafter is asked for, before the head moves the cutoffs."""
+        return Cutoffs(self.p_accept, self.p_split, self.draft_max, self.max_branches)
 
 
 def gen_config(config: Config, *, n_batch: int, p_recovery: float, batch_rows: int = 1) -> GenConfig:
     """The head's parameters from the run's configuration (n_batch, p_recovery and batch_rows as start-up resolved
-    them)."""
-    return GenConfig(mode=config.mode, n_predict=config.n_predict, sampling=config.sampling,
-                     cut=Cutoffs(config.p_accept, config.p_split, config.draft_max, config.max_branches),
-                     p_recovery=p_recovery, p_decay=config.p_decay, cancel=config.cancel, continuous=config.continuous,
-                     n_batch=n_batch, batch_rows=batch_rows, prompt_chunk=min(config.prompt_chunk, n_batch),
-                     cache_prompt=config.cache_prompt, n_ctx=config.n_ctx, stop_at_eos=config.stop_at_eos,
-                     adaptive_draft=config.adaptive_draft, quiet_first=config.quiet_first)
+    them; draft_max, None for auto, is resolved by start-up after)."""
+    own = {f.name: getattr(config, f.name) for f in fields(GenConfig) if hasattr(config, f.name)}
+    return GenConfig(**{**own, "n_batch": n_batch, "prompt_chunk": min(config.prompt_chunk, n_batch),
+                        "p_recovery": p_recovery, "batch_rows": batch_rows})
 
 
 def check_gen_config(cfg: GenConfig) -> None:
@@ -210,7 +200,7 @@ class Head:
         self._sib_promised = 0.0             # runner-up probabilities of the siblings verification reached (shape.py)
         # a drafter beside the pipeline (draftahead.DraftClient) drafts ahead by itself: the head only reads it
         self.asynchronous = False
-        self._n_draft = cfg.cut.n_max                # the last micro-batch size asked for
+        self._n_draft = cfg.draft_max                # the last micro-batch size asked for
         self._lent_at = DrafterCounts()              # the drafter's counters when it was lent
 
     # ================================================================ the drafter lent and given back (scheduler.py)
@@ -387,7 +377,7 @@ class Head:
         target = context if len(context) >= len(self.accepted) else self.accepted
         # the drafter stops at the cutoff's floor, not at today's raised one: the recovery adjustment falls back
         # to 0 at the next acceptance, and the tokens drafted meanwhile are then ready to launch
-        p_min = min(1.0, max(0.0, self.cfg.cut.p_accept + min(0.0, self.adjust)))
+        p_min = min(1.0, max(0.0, self.cfg.p_accept + min(0.0, self.adjust)))
         self.drafter.steer(target, len(context) + self._n_draft * max(1, self.pool.n_free), p_min, self._n_draft)
         return self.drafter
 

@@ -156,14 +156,14 @@ class Scheduler:
         n_part = pool.n_partitions if pool is not None else 0
         self.n_stages, self.n_parallel, self.eos, self.clock = n_stages, n_parallel, set(eos), clock
         self.depth = pipeline_depth(n_stages, cfg.stage_ms)  # runs in flight that fill the slowest stage
-        size = cfg.cut.max_branches
+        size = cfg.max_branches
         self.n_lanes = lane_count(n_parallel, cfg.cache_prompt)
         self.cache = PrefixCache(cfg.prompt_chunk, CACHE_ENTRIES) if cfg.cache_prompt else None
         self._canon = [lane_canonical(k, n_part, size) for k in range(self.n_lanes)]
         self._clean = deque(range(self.n_lanes))
         self._dirty: list[int] = []
         self.n_cells_dead = 0                 # cells of finished generations, until the next COMPACT
-        self.reserve = cells_reserve(pool.n_partitions, cfg.cut.n_max) if pool is not None else 0
+        self.reserve = cells_reserve(pool.n_partitions, cfg.draft_max) if pool is not None else 0
         self.waiting: deque[tuple[int, Request, object]] = deque()  # (number, request, its RunRules or None)
         self.gens: list[_Gen] = []            # admission order
         self.executor: Executor[_Gen] = Executor(pipe, cfg.batch_rows)  # the one place the pipeline is driven

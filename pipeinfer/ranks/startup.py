@@ -309,9 +309,9 @@ def _resolve_gen(config: Config, comm, engine, n_batch: int, exact_per_rank: lis
     cfg = gen_config(config, n_batch=n_batch,
                      p_recovery=auto_p_recovery(comm.Get_size()) if config.p_recovery is None else config.p_recovery,
                      batch_rows=_batch_rows(config, exact_per_rank))
-    cfg = replace(cfg, cut=replace(cfg.cut, n_max=_draft_max(cfg, exact_per_rank)))
-    if cfg.mode == "pipeinfer" and cfg.adaptive_draft and cfg.cut.n_max > 1:
-        cfg = replace(cfg, stage_ms=stage_costs(comm, engine, cfg.cut.n_max, config.poll_s))
+    cfg = replace(cfg, draft_max=_draft_max(cfg, exact_per_rank))
+    if cfg.mode == "pipeinfer" and cfg.adaptive_draft and cfg.draft_max > 1:
+        cfg = replace(cfg, stage_ms=stage_costs(comm, engine, cfg.draft_max, config.poll_s))
     return cfg
 
 
@@ -352,7 +352,8 @@ def _open_head(config: Config, ranks: _Ranks, plan: _LayerPlan, stage: _Stage, i
     pipe = Pipeline(stage.topo, stage.engine, embedder=embedder, transport=stage.transport, limits=stage.limits)
     pool = None
     if cfg.mode != "iterative":
-        pool = PartitionPool(stage.n_part, cfg.cut.max_branches, stage.n_seq_max, lane_count(config.parallel, config.cache_prompt))
+        pool = PartitionPool(stage.n_part, cfg.max_branches, stage.n_seq_max,
+                             lane_count(config.parallel, config.cache_prompt))
     drafter_for, beside = _head_drafter(config, ranks, plan, stage)
     eos = set() if not cfg.stop_at_eos else {t for t in tok.eos}
     if ranks.live is not None:
@@ -434,12 +435,12 @@ def _draft_max(cfg: GenConfig, exact_per_rank: list[int | None]) -> int | None:
     """The run's draft tokens per micro-batch: --draft-max, or the largest that keeps every stage's
     verification batches within its exact batch limit (kernels.py); None in iterative mode."""
     if cfg.mode == "iterative":
-        return cfg.cut.n_max
+        return cfg.draft_max
     limit = _smallest_limit(exact_per_rank)
     if limit is None:  # --kernels fast: no limit, no exactness
-        return cfg.cut.n_max or DEFAULT_DRAFT_MAX
+        return cfg.draft_max or DEFAULT_DRAFT_MAX
     try:
-        return resolve_draft_max(cfg.cut.n_max, limit, lead=cfg.mode == "speculative")
+        return resolve_draft_max(cfg.draft_max, limit, lead=cfg.mode == "speculative")
     except ValueError as e:
         raise UserError(f"{e} [limit measured on rank {exact_per_rank.index(limit)}]") from None
 

@@ -135,8 +135,7 @@ def search(prof: dict, *, agreement: float, n_predict: int, exact_limit: int, dr
 
     def run(cand: Candidate) -> float:
         gen = replace(base, mode=cand.mode, n_predict=n_predict, p_recovery=cand.p_recovery,
-                      cut=replace(base.cut, n_max=cand.draft_max or 1, p_accept=cand.p_accept,
-                                  max_branches=cand.branches))
+                      draft_max=cand.draft_max or 1, p_accept=cand.p_accept, max_branches=cand.branches)
         cl = build_cluster(prof, Shape(fractions=cand.fractions, link=link, draft_on=cand.draft_on))
         return simulate(cl, gen, agreement=agreement, propose=propose, confidence=confidence,
                         runner_up=runner_up).stats.gen_tokens_per_s
@@ -155,7 +154,7 @@ def search(prof: dict, *, agreement: float, n_predict: int, exact_limit: int, dr
         p_recs = PLAN_P_RECOVERY if mode == "pipeinfer" else (0.0,)
         # -pa: searched where the draft's measured confidence says what a cutoff does to the acceptance; with a
         # draft that agrees with a fixed probability it stays the user's
-        p_accepts = PLAN_P_ACCEPT if confidence else (base.cut.p_accept,)
+        p_accepts = PLAN_P_ACCEPT if confidence else (base.p_accept,)
         trees = (1, TREE_BRANCHES) if mode == "pipeinfer" and names_runner_ups(confidence, runner_up) else (1,)
         for fr, place, cap, pr, pa, br in itertools.product(fr_splits, places, caps, p_recs, p_accepts, trees):
             cand = Candidate(mode, list(fr) if fr else None, place, cap, pa, pr, br)
@@ -206,7 +205,7 @@ def serve_load(prof: dict, *, n_clients: int, n_parallel: int, n_predict: int, n
     for label, mode, parallel in (("pipeinfer", "pipeinfer", 1), ("interleaving", "iterative", n_parallel),
                                   ("default", "pipeinfer", n_parallel)):
         gen = replace(base, mode=mode, n_predict=n_predict, p_recovery=None if mode == "pipeinfer" else 0.0,
-                      cut=replace(base.cut, n_max=cap if mode == "pipeinfer" else 1),
+                      draft_max=cap if mode == "pipeinfer" else 1,
                       batch_rows=cap if label == "default" else 1)
         res = simulate_clients(cluster, gen, n_clients=n_clients, n_requests=max(4, requests_per_client * n_clients),
                                n_prompt=n_prompt, n_parallel=parallel, agreement=agreement, propose=propose,
@@ -248,7 +247,7 @@ def chat_load(prof: dict, *, n_conversations: int, n_turns: int, n_user: int, n_
     rows = []
     for label, mode in (("interleaving", "iterative"), ("default", "pipeinfer")):
         gen = replace(base, mode=mode, n_predict=n_predict, p_recovery=None if mode == "pipeinfer" else 0.0,
-                      cut=replace(base.cut, n_max=cap if mode == "pipeinfer" else 1))
+                      draft_max=cap if mode == "pipeinfer" else 1)
         cmp = compare_prompt_cache(cluster, gen, n_parallel=n_parallel,
                                    n_ctx=n_ctx, n_conversations=n_conversations, n_turns=n_turns, n_user=n_user,
                                    n_first=n_first, think_s=think_s, agreement=agreement, propose=propose,

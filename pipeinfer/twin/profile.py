@@ -217,11 +217,10 @@ def measure_head_overhead_ms() -> float:
     """The head's scheduling per launch or result: the real Head on a twin whose compute costs nothing,
     timed in wall-clock (the twin's own bookkeeping included, so a slight overestimate)."""
     from ..ranks.head import GenConfig
-    from ..drafters.drafter import Cutoffs
     from .cluster import Cluster, Link, StageCost
     from .sim import simulate
     zero = Cluster([StageCost([0.0] * 4, 0.0)] * 2, [Link(0.0, 1e15)] * 2, 1536)
-    gen = GenConfig(mode="pipeinfer", n_predict=128, cut=Cutoffs(n_max=3), p_recovery=0.5)
+    gen = GenConfig(mode="pipeinfer", n_predict=128, draft_max=3, p_recovery=0.5)
     t0 = time.perf_counter()
     res = simulate(zero, gen, agreement=0.7)
     wall_ms = (time.perf_counter() - t0) * 1e3

@@ -474,9 +474,10 @@ def _resolved(cluster: Cluster, gen: GenConfig) -> GenConfig:
     its micro-batches by them)."""
     if gen.p_recovery is None:
         gen = replace(gen, p_recovery=auto_p_recovery(cluster.n_ranks))
-    if gen.mode == "pipeinfer" and gen.adaptive_draft and gen.stage_ms is None and gen.cut.n_max > 1:
+    if gen.mode == "pipeinfer" and gen.adaptive_draft and gen.stage_ms is None and gen.draft_max > 1:
         # what runner.stage_costs measures at start-up: each stage's decode time for 1..cap tokens
-        gen = replace(gen, stage_ms=tuple(tuple(st.ms(b) for b in range(1, gen.cut.n_max + 1)) for st in cluster.stages))
+        gen = replace(gen, stage_ms=tuple(tuple(st.ms(b) for b in range(1, gen.draft_max + 1))
+                                          for st in cluster.stages))
     return gen
 
 
@@ -506,8 +507,8 @@ def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prom
     if gen.mode != "iterative":
         n_lanes = lane_count(1, gen.cache_prompt)   # the Scheduler's slots (sequence ids as startup.py plans them)
         limit = in_flight_limit(max_in_flight, cluster.n_ranks)
-        n_part, n_seq_max = plan_partitions(gen.cut.max_branches, limit, n_lanes=n_lanes)
-        pool = PartitionPool(n_part, gen.cut.max_branches, n_seq_max, n_lanes=n_lanes)
+        n_part, n_seq_max = plan_partitions(gen.max_branches, limit, n_lanes=n_lanes)
+        pool = PartitionPool(n_part, gen.max_branches, n_seq_max, n_lanes=n_lanes)
         drafter = _replay_drafter(ref, seed, SimDraftCost(cluster, clock, pipe), agreement, propose, confidence,
                                   runner_up)
     sched = Scheduler(pipe, gen, n_stages=cluster.n_ranks, pool=pool, drafter_for=lambda *_: drafter, clock=clock)
@@ -684,7 +685,7 @@ def _roomy_ctx(gen: GenConfig, n_parallel: int, longest_prompt: int, n_part: int
     """A context with room for every slot's longest request at once and a round of speculation per slot."""
     longest = longest_prompt + gen.n_predict
     need = 2 * n_parallel * longest if n_parallel > 1 else longest
-    return max(gen.n_ctx, need + cells_reserve(n_part, gen.cut.n_max) * (1 + n_lanes))
+    return max(gen.n_ctx, need + cells_reserve(n_part, gen.draft_max) * (1 + n_lanes))
 
 
 def _serve(cluster: Cluster, gen: GenConfig, clients: _Clients, clock: VirtualClock, *, n_parallel: int,
@@ -694,7 +695,7 @@ def _serve(cluster: Cluster, gen: GenConfig, clients: _Clients, clock: VirtualCl
     n_ctx (None): room for every slot's longest request at once (so the context never makes a request wait)."""
     gen = replace(_resolved(cluster, gen), stop_at_eos=False)
     pipe = SimPipeline(cluster, [], clock)
-    n_lanes, size = lane_count(n_parallel, gen.cache_prompt), gen.cut.max_branches   # as the Scheduler counts them
+    n_lanes, size = lane_count(n_parallel, gen.cache_prompt), gen.max_branches   # as the Scheduler counts them
     pool, n_part, drafter_for = None, 0, None
     if gen.mode == "pipeinfer":
         n_part, n_seq_max = plan_partitions(size, in_flight_limit(max_in_flight, cluster.n_ranks), n_lanes=n_lanes)
@@ -796,7 +797,7 @@ def compare_prompt_cache(cluster: Cluster, gen: GenConfig, *, n_parallel: int = 
     if n_ctx is None:
         n_lanes = lane_count(n_parallel, True)
         limit = in_flight_limit(max_in_flight, cluster.n_ranks)
-        n_part = plan_partitions(gen.cut.max_branches, limit, n_lanes=n_lanes)[0] if gen.mode == "pipeinfer" else 0
+        n_part = plan_partitions(gen.max_branches, limit, n_lanes=n_lanes)[0] if gen.mode == "pipeinfer" else 0
         longest = conversation_prompts(workload.get("n_first", 64), workload["n_turns"], gen.n_predict,
                                        workload["n_user"])[-1]
         n_ctx = _roomy_ctx(gen, n_parallel, longest, n_part, n_lanes)
