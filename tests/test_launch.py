@@ -475,3 +475,45 @@ def test_a_process_alone_in_its_world_ends_with_one_line_from_rank_0(models, ran
     assert len(lines) == 1, p.stderr
     assert lines[0].startswith("pipeinfer: error: the launcher started 2 processes (PMI_SIZE=2) but MPI sees 1: "
                                "mpiexec/mpirun is not of the MPI that mpi4py loads (MPICH "), lines[0]
+
+
+DOCS_HOSTS = ("head # pipeinfer: threads=4 threads_batch=8 weight=0.5\nxeon:2 # pipeinfer: threads=16 weight=2\n"
+              "laptop # pipeinfer: role=draft threads=2\n")
+
+
+def test_launch_passes_only_the_options_the_command_takes(tmp_path, monkeypatch):
+    """A hostfile's settings become options only of a command that has them: `profile` takes --threads and
+    --layer-split, not --draft-at, --draft-threads or --threads-batch (it would stop at "No such option")."""
+    hf = tmp_path / "hosts"
+    hf.write_text(DOCS_HOSTS)
+    monkeypatch.setattr(launch, "detect_mpi", lambda mpiexec: "mpich")
+    res = CliRunner().invoke(launch_cmd, ["--hostfile", str(hf), "--mpiexec", "mympiexec", "--dry-run", "--",
+                                          "profile"])
+    assert res.exit_code == 0, res.output
+    args = res.output.splitlines()[0].split(" -m pipeinfer ")[1].split()
+    assert args == ["profile", "--threads", "4,16,16", "--layer-split", "0.111111,0.444444,0.444444"]
+
+
+@pytest.mark.parametrize("command, why", [
+    (["generate", "-p", "hi"], "generate: --draft-at rank (or a hostfile's role=draft host): the draft rank has no "
+                               "draft model: give --draft SMALL.gguf"),
+    (["serve"], "serve: --hostfile {hf}: laptop has role=draft but this run has no draft model: give --draft "
+                "SMALL.gguf"),
+    (["generate", "--bogus"], "generate: No such option '--bogus'"),
+    (["frobnicate"], "launch runs a pipeinfer command (attach, generate, "),
+    ([], "launch: which pipeinfer command to run?"),
+])
+def test_dry_run_refuses_what_would_not_run(tmp_path, monkeypatch, command, why):
+    """`launch --dry-run` checks the command it would run as that command would (options, models, configuration,
+    placement): a model with no known draft and a role=draft host is one line naming what to pass."""
+    hf = tmp_path / "hosts"
+    hf.write_text(DOCS_HOSTS)
+    model = tmp_path / "llama3.gguf"   # not a model pipeinfer knows a draft for
+    model.write_bytes(b"x" * 1000)
+    monkeypatch.setattr(launch.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(launch, "detect_mpi", lambda mpiexec: "mpich")
+    args = command + (["-m", str(model)] if command[:1] in (["generate"], ["serve"]) else [])
+    res = CliRunner().invoke(launch_cmd, ["--hostfile", str(hf), "--mpiexec", "mympiexec", "--dry-run", "--", *args])
+    assert res.exit_code == 1 and res.output.count("\n") == 1, res.output
+    assert why.format(hf=hf) in res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hosts", "llama3.gguf"]  # no translated hostfile left

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from ..core.errors import UserError
 from ..wire.launcher import (HOW_TO_LOAD, MPI_KINDS, MPI_NAMES, build_command, choose_launcher, mpi4py_library, parse_hostfile,
                              signal_to_pass_on)
 
@@ -38,8 +39,11 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
 
     Example: pipeinfer launch --hostfile hosts.txt -- generate --model m.gguf
     """
+    command = _subcommand(pipeinfer_args)
     if pipeinfer_args[:1] == ("serve",):
-        return _launch_supervised_serve(hostfile_path, np_, mpi_args, dry_run, list(pipeinfer_args[1:]))
+        serve_args = ["--hostfile", hostfile_path] + (["--np", str(np_)] if np_ else []) + list(pipeinfer_args[1:])
+        _check(command, serve_args, resolve=dry_run)
+        return _launch_supervised_serve(mpi_args, dry_run, serve_args)
     try:
         hosts = parse_hostfile(hostfile_path)
         library = mpi4py_library()
@@ -52,10 +56,16 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
         extra = ["--allow-run-as-root"] if mpi == "openmpi" and os.geteuid() == 0 else []
         extra += list(mpi_args)
         cmd = build_command(hosts, np_, mpi, pipeinfer_args, mpiexec=mpiexec,
-                            extra=extra, hostfile=out_hostfile)
+                            extra=extra, hostfile=out_hostfile, accepts={p.name for p in command.params})
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     hostfile = cmd[cmd.index("-f" if mpi == "mpich" else "--hostfile") + 1]
+    try:
+        _check(command, cmd[cmd.index("pipeinfer", cmd.index("mpi4py")) + 1:], resolve=dry_run)
+    except click.ClickException:
+        if out_hostfile is None:
+            Path(hostfile).unlink(missing_ok=True)
+        raise
     click.echo(shlex.join(cmd), err=True)  # stdout is the job's: the answer alone
     if dry_run:
         click.echo(f"# hostfile {hostfile}:\n" + Path(hostfile).read_text().rstrip(), err=True)
@@ -70,12 +80,41 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
     sys.exit(rc if rc >= 0 else 128 - rc)
 
 
-def _launch_supervised_serve(hostfile: str, np: int | None, mpi_args, dry_run: bool, serve_args: list[str]) -> None:
+def _subcommand(pipeinfer_args) -> click.Command:
+    """The pipeinfer command that `launch` runs (a one-line error for none, or one pipeinfer does not have)."""
+    from .main import main
+    name = pipeinfer_args[0] if pipeinfer_args else None
+    command = main.commands.get(name) if name else None
+    if command is None or name == "launch":
+        runnable = ", ".join(n for n in sorted(main.commands) if n != "launch")
+        raise click.ClickException(f"launch runs a pipeinfer command ({runnable}), not {name!r}: "
+                                   "pipeinfer launch --hostfile HOSTS -- generate ..." if name else
+                                   f"launch: which pipeinfer command to run? ({runnable}) e.g. "
+                                   "pipeinfer launch --hostfile HOSTS -- generate ...")
+    return command
+
+
+def _check(command: click.Command, args: list[str], *, resolve: bool) -> None:
+    """The command line `launch` would run on every rank, checked here first: its options as click parses them
+    (always: one line here rather than one per rank), and with `resolve` (--dry-run) what the command makes of
+    them before it starts MPI (models resolved, the configuration built and checked), so that a dry run that
+    exits 0 names a command that runs."""
+    from .main import OPTION_CHECKS
+    try:
+        with command.make_context(command.name, list(args[1:] if args[:1] == [command.name] else args)) as ctx:
+            if resolve and command.name in OPTION_CHECKS:
+                OPTION_CHECKS[command.name](ctx.params)
+    except click.ClickException as e:
+        raise click.ClickException(f"{command.name}: {e.format_message()}") from None
+    except UserError as e:
+        raise click.ClickException(f"{command.name}: {e}") from None
+
+
+def _launch_supervised_serve(mpi_args, dry_run: bool, serve_args: list[str]) -> None:
     """`launch --hostfile H -- serve ARGS` is the supervised server, `serve --hostfile H ARGS` (no mpiexec: it
     starts the pipeline's job itself and re-forms it when a host is lost); --mpi-arg options reach its
     launcher through PIPEINFER_MPI_ARGS."""
-    cmd = [sys.executable, "-m", "pipeinfer", "serve", "--hostfile", hostfile] + (["--np", str(np)] if np else [])
-    cmd += serve_args
+    cmd = [sys.executable, "-m", "pipeinfer", "serve"] + serve_args
     env = dict(os.environ)
     if mpi_args:
         env["PIPEINFER_MPI_ARGS"] = shlex.join([*shlex.split(env.get("PIPEINFER_MPI_ARGS", "")), *mpi_args])

@@ -564,6 +564,17 @@ def entry() -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
+def _check_serve(kw: dict) -> None:
+    args = ServeArgs.of(kw)
+    if args.np or args.hostfile:
+        from ..supervisor.supervisor import placement
+        placement(args.np, args.hostfile, args.config)
+
+
+# what a command makes of its options before it starts MPI (`launch --dry-run` runs it: cli/launch.py)
+OPTION_CHECKS = {"generate": GenerateArgs.of, "serve": _check_serve}
+
+
 def _register() -> None:
     from .launch import launch_cmd
     from .models_cmd import models_group

@@ -182,7 +182,8 @@ def placement(np: int | None, hostfile: str | None, config: Config) -> Placement
             ordered, draft_settings = with_draft_last(hosts, n, config.set_by_user)
             if ordered and ordered[-1].role == "draft":
                 if not config.draft:
-                    raise ValueError(f"{ordered[-1].name} has role=draft but this run has no draft model")
+                    raise ValueError(f"{ordered[-1].name} has role=draft but this run has no draft model: give "
+                                     "--draft SMALL.gguf (a small model of the target's family), or drop role=draft")
                 draft, ordered, n = DraftHost(ordered[-1].name, draft_settings, draft_bytes), ordered[:-1], n - 1
             slots = [h.name for h in rank_hosts(ordered, n)]
             settings = host_settings(ordered, n, config.set_by_user)

@@ -462,8 +462,12 @@ def build_command(
     extra: Sequence[str] = (),
     hostfile: str | os.PathLike | None = None,
     environ: Mapping[str, str] | None = None,
+    accepts: Collection[str] | None = None,
 ) -> list[str]:
     """argv that runs ``python -m mpi4py -m pipeinfer ARGS`` on ``np`` ranks.
+
+    The hostfile's settings become options of ARGS where its command takes them (``accepts``: the option names,
+    as Config's fields, of that command; None: all).
 
     Writes the translated hostfile to ``hostfile`` (a new temporary file when
     None; the caller removes it). ``env_forward`` names (or glob patterns) of
@@ -475,7 +479,8 @@ def build_command(
     args = list(pipeinfer_args)
     given = options_given(args)
     hosts, draft_settings = with_draft_last(group_hosts(hosts), np, given)
-    added = option_args(draft_settings) + settings_args(hosts, np - (hosts[-1].role == "draft"), given)
+    settings = {**draft_settings, **host_settings(hosts, np - (hosts[-1].role == "draft"), given)}
+    added = option_args({k: v for k, v in settings.items() if accepts is None or k in accepts})
     if added:  # options must come before a literal "--" in the user's args
         cut = args.index("--") if "--" in args else len(args)
         args[cut:cut] = added
