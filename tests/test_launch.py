@@ -10,7 +10,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from pipeinfer.cli.launch import launch_cmd
+from pipeinfer.cli.main import main
 from pipeinfer.wire import launcher as launch
 from pipeinfer.core.errors import UserError
 from pipeinfer.wire.launcher import (Host, build_command, format_hostfile, mpi_from_version,
@@ -175,7 +175,7 @@ def test_launch_cmd_dry_run(tmp_path, monkeypatch):
     hf.write_text("x:2 # pipeinfer: threads=3\ny slots=1 # pipeinfer: threads=5\n")
     out = tmp_path / "translated"
     monkeypatch.setattr(launch, "detect_mpi", lambda mpiexec: "mpich")
-    res = CliRunner().invoke(launch_cmd, [
+    res = CliRunner().invoke(main, ["launch", 
         "--hostfile", str(hf), "--mpiexec", "mympiexec", "--write-hostfile", str(out),
         "--dry-run", "--", "generate", "--n-predict", "8"])
     assert res.exit_code == 0, res.output
@@ -190,7 +190,7 @@ def test_launch_serve_is_the_supervised_server(tmp_path):
     to the supervisor's launcher through PIPEINFER_MPI_ARGS."""
     hf = tmp_path / "hosts"
     hf.write_text("x:2\ny\n")
-    res = CliRunner().invoke(launch_cmd, ["--hostfile", str(hf), "--np", "2", "--mpi-arg=-iface",
+    res = CliRunner().invoke(main, ["launch", "--hostfile", str(hf), "--np", "2", "--mpi-arg=-iface",
                                                  "--mpi-arg=eth1", "--dry-run", "--", "serve", "--port", "9000"])
     assert res.exit_code == 0, res.output
     assert res.output.strip() == (f"PIPEINFER_MPI_ARGS='-iface eth1' {sys.executable} -m pipeinfer serve "
@@ -254,7 +254,7 @@ def test_dry_run_leaves_no_temporary_hostfile(tmp_path, monkeypatch):
     hf.write_text("x:1\ny:1\n")
     monkeypatch.setattr(launch, "detect_mpi", lambda mpiexec: "mpich")
     monkeypatch.setattr(launch.tempfile, "tempdir", str(tmp_path))  # mkstemp writes here
-    res = CliRunner().invoke(launch_cmd, ["--hostfile", str(hf), "--mpiexec", "mympiexec",
+    res = CliRunner().invoke(main, ["launch", "--hostfile", str(hf), "--mpiexec", "mympiexec",
                                                  "--dry-run", "--", "generate"])
     assert res.exit_code == 0, res.output
     assert "# hostfile" in res.output
@@ -264,7 +264,7 @@ def test_dry_run_leaves_no_temporary_hostfile(tmp_path, monkeypatch):
 def test_launch_cmd_bad_hostfile(tmp_path):
     hf = tmp_path / "hosts"
     hf.write_text("x:y\n")
-    res = CliRunner().invoke(launch_cmd, ["--hostfile", str(hf), "--mpi", "mpich",
+    res = CliRunner().invoke(main, ["launch", "--hostfile", str(hf), "--mpi", "mpich",
                                                  "--dry-run", "--", "generate"])
     assert res.exit_code != 0
     assert ":1: bad host" in res.output
@@ -430,7 +430,7 @@ def test_a_launcher_of_another_mpi_is_refused_in_one_line(tmp_path):
 def test_launch_refuses_an_mpi_other_than_the_one_mpi4py_loads(tmp_path):
     hf = tmp_path / "hosts"
     hf.write_text("x:1\n")
-    res = CliRunner().invoke(launch_cmd, ["--hostfile", str(hf), "--mpi", "openmpi", "--dry-run",
+    res = CliRunner().invoke(main, ["launch", "--hostfile", str(hf), "--mpi", "openmpi", "--dry-run",
                                                  "--", "generate"])
     assert res.exit_code == 1 and res.output.count("\n") == 1, res.output
     assert "--mpi openmpi, but mpi4py loads MPICH" in res.output
@@ -487,7 +487,7 @@ def test_launch_passes_only_the_options_the_command_takes(tmp_path, monkeypatch)
     hf = tmp_path / "hosts"
     hf.write_text(DOCS_HOSTS)
     monkeypatch.setattr(launch, "detect_mpi", lambda mpiexec: "mpich")
-    res = CliRunner().invoke(launch_cmd, ["--hostfile", str(hf), "--mpiexec", "mympiexec", "--dry-run", "--",
+    res = CliRunner().invoke(main, ["launch", "--hostfile", str(hf), "--mpiexec", "mympiexec", "--dry-run", "--",
                                           "profile"])
     assert res.exit_code == 0, res.output
     args = res.output.splitlines()[0].split(" -m pipeinfer ")[1].split()
@@ -513,7 +513,7 @@ def test_dry_run_refuses_what_would_not_run(tmp_path, monkeypatch, command, why)
     monkeypatch.setattr(launch.tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(launch, "detect_mpi", lambda mpiexec: "mpich")
     args = command + (["-m", str(model)] if command[:1] in (["generate"], ["serve"]) else [])
-    res = CliRunner().invoke(launch_cmd, ["--hostfile", str(hf), "--mpiexec", "mympiexec", "--dry-run", "--", *args])
+    res = CliRunner().invoke(main, ["launch", "--hostfile", str(hf), "--mpiexec", "mympiexec", "--dry-run", "--", *args])
     assert res.exit_code == 1 and res.output.count("\n") == 1, res.output
     assert why.format(hf=hf) in res.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hosts", "llama3.gguf"]  # no translated hostfile left

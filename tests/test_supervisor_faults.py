@@ -98,11 +98,11 @@ class FakeLauncher:
         self.n_jobs = 0
         self.launching = threading.Event()  # the faulty launch has begun
 
-    def __call__(self, slots: list[str], args: list[str], hostfile: str, environ=None) -> list[str]:
+    def __call__(self, slots: list[str], args: list[str], hostfile: str, environ=None) -> tuple[list[str], dict]:
         if args == ["--version"]:
             if self.probe_fault is not None:
                 raise self.probe_fault
-            return ["true"]
+            return ["true"], {}
         self.n_jobs += 1
         fault = self.faults.get(self.n_jobs)
         if fault is not None:
@@ -112,7 +112,7 @@ class FakeLauncher:
             raise fault
         fail_after = self.fail_after if self.n_jobs == 1 else None
         return [sys.executable, __file__, "rank0", args[args.index("attach") + 1], ",".join(slots),
-                str(fail_after or 0), str(self.n_jobs_first), "garble" if self.garble else "clean"]
+                str(fail_after or 0), str(self.n_jobs_first), "garble" if self.garble else "clean"], {}
 
     @classmethod
     def from_json(cls, text: str) -> FakeLauncher:

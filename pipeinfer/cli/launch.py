@@ -1,88 +1,126 @@
-"""`pipeinfer launch`: run `pipeinfer ARGS...` on every slot of a hostfile through the right mpiexec/mpirun
-(wire/launcher.py builds the command line; the hostfile format is described there)."""
+"""`pipeinfer launch`: run `pipeinfer ARGS...` on every slot of a hostfile through the right mpiexec/mpirun, or on
+the tasks of the Slurm allocation it runs in through srun (wire/launcher.py and wire/slurm.py build the command
+line; the hostfile format is described in launcher.py)."""
 from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 from pathlib import Path
 
 import click
 
 from ..core.errors import UserError
-from ..wire.launcher import (HOW_TO_LOAD, MPI_KINDS, MPI_NAMES, build_command, choose_launcher, mpi4py_library, parse_hostfile,
-                             signal_to_pass_on)
+from ..wire.launcher import (HOW_TO_LOAD, MPI_KINDS, MPI_NAMES, build_command, choose_launcher, hostfile_text,
+                             mpi4py_library, parse_hostfile, signal_to_pass_on)
+from ..wire.slurm import TASK_FILE_ENV, allocation, allocation_hosts, srun_command
+from .options import CheckedCommand
 
 
 @click.command("launch", context_settings={"ignore_unknown_options": True,
                                            "allow_interspersed_args": False})
-@click.option("--hostfile", "hostfile_path", required=True,
-              type=click.Path(exists=True, dir_okay=False), help="Hostfile (see module docs).")
+@click.option("--hostfile", "hostfile_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Hostfile (see module docs); inside a Slurm allocation: settings for its nodes (optional).")
 @click.option("--np", "np_", type=click.IntRange(min=1), default=None,
               help="Number of ranks [default: total slots].")
 @click.option("--mpi", type=click.Choice(["auto", *MPI_KINDS]), default="auto", show_default=True,
               help="The MPI to run on; auto: the one whose library mpi4py loads (another is refused).")
 @click.option("--mpiexec", default=None,
-              help="mpiexec/mpirun to use [default: the launcher of the MPI library mpi4py loads].")
+              help="mpiexec/mpirun to use [default: the launcher of the MPI library mpi4py loads; srun inside a "
+                   "Slurm allocation].")
 @click.option("--write-hostfile", "out_hostfile", type=click.Path(dir_okay=False), default=None,
               help="Where to write the translated hostfile [default: a temporary file].")
 @click.option("--mpi-arg", "mpi_args", multiple=True, metavar="ARG",
-              help="Extra option for mpiexec, repeatable (e.g. --mpi-arg=-iface --mpi-arg=eth1).")
-@click.option("--dry-run", is_flag=True, help="Print the command and do not run it.")
+              help="Extra option for mpiexec (srun in an allocation), repeatable (e.g. --mpi-arg=-iface "
+                   "--mpi-arg=eth1).")
+@click.option("--dry-run", is_flag=True, help="Check and print the command and do not run it.")
 @click.argument("pipeinfer_args", nargs=-1, type=click.UNPROCESSED)
 def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run,
                pipeinfer_args):
-    """Run `pipeinfer ARGS...` on every slot of HOSTFILE via mpiexec.
+    """Run `pipeinfer ARGS...` on every slot of HOSTFILE via mpiexec, or on a Slurm allocation's tasks via srun.
 
     Example: pipeinfer launch --hostfile hosts.txt -- generate --model m.gguf
     """
     command = _subcommand(pipeinfer_args)
-    if pipeinfer_args[:1] == ("serve",):
-        serve_args = ["--hostfile", hostfile_path] + (["--np", str(np_)] if np_ else []) + list(pipeinfer_args[1:])
-        _check(command, serve_args, resolve=dry_run)
-        return _launch_supervised_serve(mpi_args, dry_run, serve_args)
     try:
-        hosts = parse_hostfile(hostfile_path)
+        slurm = allocation(os.environ) if mpiexec is None else None
+        if slurm is None and hostfile_path is None:
+            raise ValueError("--hostfile HOSTS is needed outside a Slurm allocation (SLURM_JOB_ID is not set)")
+        hosts = parse_hostfile(hostfile_path) if hostfile_path else []
+        if slurm is not None:
+            hosts = allocation_hosts(slurm, hosts)
+        if pipeinfer_args[:1] == ("serve",):
+            if slurm is not None:  # the supervisor starts its job steps with srun (supervisor.py)
+                hostfile_path = out_hostfile or os.path.join(tempfile.mkdtemp(prefix="pipeinfer-"), "hosts")
+                Path(hostfile_path).write_text(hostfile_text(hosts))
+            serve_args = ["--hostfile", hostfile_path] + (["--np", str(np_)] if np_ else []) + list(pipeinfer_args[1:])
+            _check(command, serve_args, resolve=dry_run)
+            return _launch_supervised_serve(mpi_args, dry_run, serve_args)
         library = mpi4py_library()
         if mpi != "auto" and mpi != library.kind:
             raise RuntimeError(f"--mpi {mpi}, but mpi4py loads {library.name}: every rank would run as a separate "
                                f"one-process job (make mpi4py load {MPI_NAMES[mpi]}: {HOW_TO_LOAD[mpi]})")
-        mpiexec = choose_launcher(library, mpiexec)
         mpi = library.kind
         np_ = np_ or sum(h.slots for h in hosts)
-        extra = ["--allow-run-as-root"] if mpi == "openmpi" and os.geteuid() == 0 else []
-        extra += list(mpi_args)
-        cmd = build_command(hosts, np_, mpi, pipeinfer_args, mpiexec=mpiexec,
-                            extra=extra, hostfile=out_hostfile, accepts={p.name for p in command.params})
+        accepts = {p.name for p in command.params}
+        if slurm is not None:
+            task_file = out_hostfile or _temporary("pipeinfer-tasks-")
+            cmd, env = srun_command(hosts, np_, mpi, pipeinfer_args, task_file=task_file, srun=_srun(),
+                                    extra=mpi_args, accepts=accepts)
+            hostfile = env[TASK_FILE_ENV]
+        else:
+            mpiexec = choose_launcher(library, mpiexec)
+            extra = ["--allow-run-as-root"] if mpi == "openmpi" and os.geteuid() == 0 else []
+            extra += list(mpi_args)
+            cmd, env = build_command(hosts, np_, mpi, pipeinfer_args, mpiexec=mpiexec, extra=extra,
+                                     hostfile=out_hostfile, accepts=accepts), {}
+            hostfile = cmd[cmd.index("-f" if mpi == "mpich" else "--hostfile") + 1]
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
-    hostfile = cmd[cmd.index("-f" if mpi == "mpich" else "--hostfile") + 1]
     try:
         _check(command, cmd[cmd.index("pipeinfer", cmd.index("mpi4py")) + 1:], resolve=dry_run)
     except click.ClickException:
         if out_hostfile is None:
             Path(hostfile).unlink(missing_ok=True)
         raise
-    click.echo(shlex.join(cmd), err=True)  # stdout is the job's: the answer alone
+    prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())
+    click.echo(prefix + shlex.join(cmd), err=True)  # stdout is the job's: the answer alone
     if dry_run:
-        click.echo(f"# hostfile {hostfile}:\n" + Path(hostfile).read_text().rstrip(), err=True)
+        what = "tasks (one node per rank)" if slurm is not None else "hostfile"
+        click.echo(f"# {what} {hostfile}:\n" + Path(hostfile).read_text().rstrip(), err=True)
         if out_hostfile is None:  # nothing will run it: leave no temporary file behind
             Path(hostfile).unlink(missing_ok=True)
         return
     try:
-        rc = _run_forwarding_signals(cmd, mpi)
+        rc = _run_forwarding_signals(cmd, "slurm" if slurm is not None else mpi, {**os.environ, **env})
     finally:
         if out_hostfile is None:
             Path(hostfile).unlink(missing_ok=True)
     sys.exit(rc if rc >= 0 else 128 - rc)
 
 
+def _temporary(prefix: str) -> str:
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".txt")
+    os.close(fd)
+    return path
+
+
+def _srun() -> str:
+    srun = shutil.which("srun")
+    if srun is None:
+        raise RuntimeError(f"SLURM_JOB_ID={os.environ['SLURM_JOB_ID']} is set but srun is not on PATH")
+    return srun
+
+
 def _subcommand(pipeinfer_args) -> click.Command:
     """The pipeinfer command that `launch` runs (a one-line error for none, or one pipeinfer does not have)."""
-    from .main import main
+    main = click.get_current_context().find_root().command
+    assert isinstance(main, click.Group), "launch runs as a command of `pipeinfer`"
     name = pipeinfer_args[0] if pipeinfer_args else None
     command = main.commands.get(name) if name else None
     if command is None or name == "launch":
@@ -99,11 +137,10 @@ def _check(command: click.Command, args: list[str], *, resolve: bool) -> None:
     (always: one line here rather than one per rank), and with `resolve` (--dry-run) what the command makes of
     them before it starts MPI (models resolved, the configuration built and checked), so that a dry run that
     exits 0 names a command that runs."""
-    from .main import OPTION_CHECKS
     try:
         with command.make_context(command.name, list(args[1:] if args[:1] == [command.name] else args)) as ctx:
-            if resolve and command.name in OPTION_CHECKS:
-                OPTION_CHECKS[command.name](ctx.params)
+            if resolve and isinstance(command, CheckedCommand) and command.check is not None:
+                command.check(ctx.params)
     except click.ClickException as e:
         raise click.ClickException(f"{command.name}: {e.format_message()}") from None
     except UserError as e:
@@ -131,7 +168,7 @@ def _launch_supervised_serve(mpi_args, dry_run: bool, serve_args: list[str]) -> 
             continue
 
 
-def _run_forwarding_signals(cmd: list[str], mpi: str) -> int:
+def _run_forwarding_signals(cmd: list[str], mpi: str, env: dict) -> int:
     """Run cmd (the MPI's launcher) and return its status. It runs in a session of its own, with no stdin (no rank
     reads it), so a Ctrl-C in the terminal reaches only this process, which passes on one signal for each
     SIGINT/SIGTERM/SIGHUP it gets (signal_to_pass_on), never SIGKILL: the launcher stops the ranks on every host."""
@@ -147,7 +184,7 @@ def _run_forwarding_signals(cmd: list[str], mpi: str) -> int:
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     old = {s: signal.signal(s, pass_on) for s in sigs}
     try:
-        started.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True))
+        started.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, env=env))
         if got:
             started[0].send_signal(signal_to_pass_on(mpi, got[0], first=True))
         return started[0].wait()

@@ -22,7 +22,7 @@ from ..core.results import results_row, write_row
 from ..core.verify import SamplingParams
 from .guard import StopSignals, die, mpi_rank, mpi_size, run_guarded
 from ..core.config import CONFIG_ENV, Config, cells_reserve, check_fits
-from .options import (config_from_options, drafter_note, n_target_ranks, own_fields,
+from .options import (CheckedCommand, config_from_options, drafter_note, n_target_ranks, own_fields,
                       pipeline_options, supervision_options)
 from .status import StatusLine
 
@@ -37,7 +37,7 @@ def main() -> None:
     """pipeinfer: PipeInfer (asynchronous pipelined speculation) for GGUF models on CPU clusters over MPI."""
 
 
-@main.command()
+@main.command(cls=CheckedCommand)
 @pipeline_options
 @click.option("-p", "--prompt", default=None, help="prompt text")
 @click.option("-f", "--file", "prompt_file", default=None, help="prompt file (first line may be '# chat: true|false')")
@@ -297,7 +297,7 @@ def _print_report(config: Config, res) -> None:
     print(res.stats.report(), file=sys.stderr)
 
 
-@main.command()
+@main.command(cls=CheckedCommand)
 @pipeline_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (0.0.0.0: every interface)")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
@@ -571,8 +571,8 @@ def _check_serve(kw: dict) -> None:
         placement(args.np, args.hostfile, args.config)
 
 
-# what a command makes of its options before it starts MPI (`launch --dry-run` runs it: cli/launch.py)
-OPTION_CHECKS = {"generate": GenerateArgs.of, "serve": _check_serve}
+generate.check = GenerateArgs.of
+serve.check = _check_serve
 
 
 def _register() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 from pathlib import Path
+from typing import Callable
 
 import click
 from click.core import ParameterSource
@@ -157,6 +158,12 @@ def supervision_options(what: str):
             f = option(f)
         return f
     return decorate
+
+
+class CheckedCommand(click.Command):
+    """A command whose options can be checked without running it (`launch --dry-run`, cli/launch.py): `check`
+    makes of click's parameters what the command makes of them before it starts MPI, raising what it would."""
+    check: Callable[[dict], object] | None = None
 
 
 def own_fields(cls, kw: dict, skip: tuple[str, ...] = ()) -> dict:

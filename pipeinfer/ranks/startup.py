@@ -27,6 +27,7 @@ from ..core.topology import (
 )
 from ..engine.kernels import DEFAULT_DRAFT_MAX, exact_table, record_exact, resolve_draft_max
 from ..wire.launcher import mpi_library, world_size_mismatch
+from ..wire.slurm import srun_world_mismatch
 from ..engine.stagefile import StageFileError, check_splittable, ensure_stage_file, layer_costs, read_info, vocab_bound
 from ..drafters.factory import make_drafter
 from ..wire.transport import polite_barrier
@@ -153,8 +154,10 @@ def resolved_parallel(config: Config, n_stages: int) -> int:
 
 def check_world_size(world_size: int, library_version: str) -> None:
     """Every rank, first: MPI's world is the job the launcher started. A launcher of another MPI than the library
-    mpi4py loads starts N processes that each see a world of one: N separate jobs would each generate the text."""
-    msg = world_size_mismatch(world_size, mpi_library(library_version)[1], os.environ)
+    mpi4py loads starts N processes that each see a world of one: N separate jobs would each generate the text; so
+    does srun with a PMI plugin the library does not speak (wire/slurm.py)."""
+    library = mpi_library(library_version)[1]
+    msg = srun_world_mismatch(world_size, library, os.environ) or world_size_mismatch(world_size, library, os.environ)
     if msg:
         raise UserError(msg)
 

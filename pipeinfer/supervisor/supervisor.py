@@ -117,18 +117,23 @@ def split_fractions(config, n_ranks: int) -> list[float] | None:
         return None
 
 
-def _launch_command(slots: list[str], pipeinfer_args: list[str], hostfile: str, environ=None) -> list[str]:
-    """The launcher's command line that runs `pipeinfer ARGS` with one rank per slot (the MPI mpi4py loads, the
-    hostfile as `launch` writes it, PIPEINFER_MPI_ARGS: the launcher's own options, docs/cluster.md); the PIPEINFER_*
-    variables of `environ` (default: this process's) go to every rank."""
+def _launch_command(slots: list[str], pipeinfer_args: list[str], hostfile: str,
+                    environ=None) -> tuple[list[str], dict[str, str]]:
+    """(the launcher's command line that runs `pipeinfer ARGS` with one rank per slot, the variables it needs): the
+    MPI mpi4py loads, the hostfile as `launch` writes it, PIPEINFER_MPI_ARGS (the launcher's own options,
+    docs/cluster.md); the PIPEINFER_* variables of `environ` (default: this process's) go to every rank. Inside a
+    Slurm allocation the job is a job step: srun on the slots' nodes, a lost one left out of the task file."""
     from ..wire.launcher import Host, build_command, choose_launcher, mpi4py_library
+    from ..wire.slurm import in_allocation, srun_command
     library = mpi4py_library()
     mpi = library.kind
     hosts = [Host(name) for name in slots]  # one slot each; the hostfile merges a host's lines
-    extra = ["--allow-run-as-root"] if mpi == "openmpi" and os.geteuid() == 0 else []
-    extra += shlex.split(os.environ.get("PIPEINFER_MPI_ARGS", ""))
+    extra = shlex.split(os.environ.get("PIPEINFER_MPI_ARGS", ""))
+    if in_allocation(os.environ):
+        return srun_command(hosts, len(slots), mpi, pipeinfer_args, task_file=hostfile, extra=extra)
+    extra = (["--allow-run-as-root"] if mpi == "openmpi" and os.geteuid() == 0 else []) + extra
     return build_command(hosts, len(slots), mpi, pipeinfer_args, mpiexec=choose_launcher(library, None),
-                         extra=extra, hostfile=hostfile, environ=environ)
+                         extra=extra, hostfile=hostfile, environ=environ), {}
 
 
 def _answers(host: str, work_dir: str) -> bool:
@@ -136,9 +141,11 @@ def _answers(host: str, work_dir: str) -> bool:
     (this machine always does)."""
     if _on_this_machine(host):
         return True
-    cmd = _launch_command([host], ["--version"], os.path.join(work_dir, "probe-hosts.txt"))
+    from ..wire.slurm import in_allocation, srun_probe
+    cmd, env = (srun_probe(host), {}) if in_allocation(os.environ) else \
+        _launch_command([host], ["--version"], os.path.join(work_dir, "probe-hosts.txt"))
     probe = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+                             start_new_session=True, env={**os.environ, **env})
     try:
         return probe.wait(timeout=PROBE_TIMEOUT_S) == 0
     except subprocess.TimeoutExpired:
@@ -350,8 +357,9 @@ class Supervisor:
     def _command(self) -> tuple[list[str], dict]:
         """The launcher's command line of the job and its environment: every rank reads the configuration from it."""
         env = {**os.environ, CONFIG_ENV: self._job_config().to_json()}
-        return _launch_command(self._job_hosts(), ["attach", self._sock_path], os.path.join(self._dir, "hosts.txt"),
-                               env), env
+        command, more = _launch_command(self._job_hosts(), ["attach", self._sock_path],
+                                        os.path.join(self._dir, "hosts.txt"), env)
+        return command, {**env, **more}
 
     def _check_room(self) -> None:
         """UserError where the slots left cannot run the pipeline: none left, or too little memory on them."""

@@ -195,6 +195,16 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
     return hosts
 
 
+def hostfile_text(hosts: Sequence[Host]) -> str:
+    """Hosts as a hostfile of this format, their settings kept (what parse_hostfile_text reads back)."""
+    def line(h: Host) -> str:
+        settings = [f"{k}={_fmt_weight(v) if isinstance(v, float) else v}"
+                    for k, v in (("threads", h.threads), ("threads_batch", h.threads_batch), ("weight", h.weight),
+                                 ("mem", h.mem), ("role", None if h.role == "stage" else h.role)) if v is not None]
+        return f"{h.name}:{h.slots}" + (" # pipeinfer: " + " ".join(settings) if settings else "") + "\n"
+    return "".join(line(h) for h in hosts)
+
+
 def parse_hostfile(path: str | os.PathLike) -> list[Host]:
     """Read and parse a hostfile (see ``parse_hostfile_text``)."""
     return parse_hostfile_text(Path(path).read_text(), source=str(path))
@@ -450,6 +460,22 @@ def _forwarded(env_forward: Iterable[str], environ: Mapping[str, str]) -> list[s
     return names
 
 
+def job_plan(hosts: Sequence[Host], np: int, pipeinfer_args: Sequence[str],
+             accepts: Collection[str] | None = None) -> tuple[list[Host], list[str]]:
+    """(the hosts in rank order, the pipeinfer arguments with the hostfile's settings added) of a job of np ranks: a
+    host's lines together, the draft host last; its settings become options of the command where it takes them
+    (``accepts``: the command's option names, as Config's fields; None: all) and the user did not set them."""
+    args = list(pipeinfer_args)
+    given = options_given(args)
+    hosts, draft_settings = with_draft_last(group_hosts(hosts), np, given)
+    settings = {**draft_settings, **host_settings(hosts, np - (hosts[-1].role == "draft"), given)}
+    added = option_args({k: v for k, v in settings.items() if accepts is None or k in accepts})
+    if added:  # options must come before a literal "--" in the user's args
+        cut = args.index("--") if "--" in args else len(args)
+        args[cut:cut] = added
+    return hosts, args
+
+
 def build_command(
     hosts: Sequence[Host],
     np: int,
@@ -476,14 +502,7 @@ def build_command(
     """
     if mpi not in MPI_KINDS:
         raise ValueError(f"unknown MPI {mpi!r} (expected one of {MPI_KINDS})")
-    args = list(pipeinfer_args)
-    given = options_given(args)
-    hosts, draft_settings = with_draft_last(group_hosts(hosts), np, given)
-    settings = {**draft_settings, **host_settings(hosts, np - (hosts[-1].role == "draft"), given)}
-    added = option_args({k: v for k, v in settings.items() if accepts is None or k in accepts})
-    if added:  # options must come before a literal "--" in the user's args
-        cut = args.index("--") if "--" in args else len(args)
-        args[cut:cut] = added
+    hosts, args = job_plan(hosts, np, pipeinfer_args, accepts)
     if hostfile is None:
         fd, hostfile = tempfile.mkstemp(prefix="pipeinfer-hosts-", suffix=".txt")
         os.close(fd)
@@ -568,7 +587,10 @@ def signal_to_pass_on(mpi: str, signum: int, first: bool) -> int:
     """The signal the MPI's launcher gets when this process gets `signum`. The first asks the job to stop cleanly:
     MPICH's mpiexec forwards SIGINT and SIGTERM to every rank; Open MPI's mpirun answers them by killing the ranks
     (SIGTERM, then SIGKILL 1 s later) but forwards SIGUSR1 as it is, which the ranks take as a stop
-    (cli/guard.StopSignals). A later one ends the job the MPI's own way."""
+    (cli/guard.StopSignals). A later one ends the job the MPI's own way. srun ("slurm") forwards SIGTERM to every
+    task (a single SIGINT only makes it report the tasks' states)."""
+    if mpi == "slurm":
+        return signal.SIGTERM
     if mpi == "openmpi":
         return signal.SIGUSR1 if first else signal.SIGTERM
     return signum
