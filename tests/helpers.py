@@ -130,11 +130,13 @@ class Server:
     """`pipeinfer serve ARGS` on a free loopback port, under `mpiexec -n RANKS` (RANKS None: no mpiexec, a
     supervised server, whose ARGS say --np or --hostfile); stderr and stdout kept in a file; its processes tagged."""
 
-    def __init__(self, args: list[str], ranks: int | None, log_path, timeout: float = 120, env: dict | None = None):
+    def __init__(self, args: list[str], ranks: int | None, log_path, timeout: float = 120, env: dict | None = None,
+                 command: list[str] | None = None):
+        """`command`: what runs `serve` instead of `python -m pipeinfer serve` (e.g. a Slurm allocation's launch)."""
         self.port, self.log_path, self.tag = free_port(), log_path, new_tag()
         self.supervised = ranks is None
         launch = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "mpi4py"] if ranks else [sys.executable]
-        cmd = launch + ["-m", "pipeinfer", "serve", "--port", str(self.port)] + args
+        cmd = (command or launch + ["-m", "pipeinfer", "serve"]) + ["--port", str(self.port)] + args
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env=tagged_env(self.tag, env))

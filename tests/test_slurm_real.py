@@ -1,0 +1,214 @@
+"""A real Slurm (Debian's slurm-wlm 22.05 and munge) whose nodes are the emulated cluster's hosts: launch/slurm-netns.sh
+runs slurmctld and one slurmd per network namespace (h0, h1, h2, each behind its own 1 Gbit/s link), so that srun
+places ranks on "hosts" as on a cluster. Without root or the packages these tests skip; CI installs the packages
+(.ci/run), and there none skips.
+
+MPI traffic crosses the links: UCX_TLS=tcp (the mpich wheel's UCX would otherwise see one kernel and use shared
+memory between the namespaces, as netns-cluster.sh explains) and UCX_NET_DEVICES=eth0 (each host's link; with the
+loopback device too, a rank's address makes PMI-1 lines that Slurm's pmi2 plugin reads in pieces now and then:
+"mpi/pmi2: value not properly terminated in client request", and the job hangs in MPI_Init; docs/cluster.md)."""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from helpers import (JOBS, PROMPT_TEXT, ROOT, Server, free_port, job_references, netns_unavailable, stream_jobs,
+                     tagged_pids, universal_newlines, wait_until)
+
+pytestmark = pytest.mark.mpi
+
+SCRIPT = str(ROOT / "launch" / "slurm-netns.sh")
+DAEMONS = ("slurmctld", "slurmd", "sinfo", "srun", "salloc", "sbatch", "scontrol", "munged", "nsenter")
+PIPEINFER = [sys.executable, "-m", "pipeinfer"]
+
+
+def _unavailable() -> str | None:
+    missing = [c for c in DAEMONS if shutil.which(c) is None]
+    if missing:
+        return f"needs Slurm and munge ({', '.join(missing)} missing: apt-get install slurmctld slurmd slurm-client " \
+               f"munge libpmix-dev)"
+    return netns_unavailable()
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """The emulated 3-node Slurm cluster, up for this module; the environment to reach it (SLURM_CONF). Its state
+    lives in a folder of its own under /tmp that everyone may enter (munged refuses a socket below a private one,
+    such as pytest's)."""
+    why = _unavailable()
+    if why:
+        pytest.skip(why)
+    state = Path(tempfile.mkdtemp(prefix="pipeinfer-slurm-")) / "s"
+    os.chmod(state.parent, 0o755)
+    env = dict(os.environ, SLURM_NETNS_DIR=str(state), UCX_TLS="tcp", UCX_NET_DEVICES="eth0", FI_PROVIDER="tcp",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    up = subprocess.run(["bash", SCRIPT, "up", "3"], capture_output=True, text=True, env=env, timeout=300)
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        yield dict(env, SLURM_CONF=str(state / "slurm.conf"))
+    finally:
+        subprocess.run(["bash", SCRIPT, "down"], capture_output=True, env=env, timeout=120)
+        shutil.rmtree(state.parent, ignore_errors=True)
+        assert "h0" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+
+
+def _run(cmd: list[str], env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def _generate_args(models, n: int = 48) -> list[str]:
+    return ["generate", "-m", str(models["q8"]), "-p", PROMPT_TEXT, "--no-chat", "-n", str(n), "-t", "1", "-q",
+            "--mode", "pipeinfer", "--draft", str(models["draft60"]), "--drafter", "model"]
+
+
+def test_slurm_srun_generate_equals_one_process(slurm, models):
+    """`srun --mpi=pmi2 -N 3` starts one 3-rank job (PMI from srun, the mpich wheel's MPI) whose ranks run on h0, h1
+    and h2 (the hidden states cross h1's and h2's links); PipeInfer's text is the one process's, token for token."""
+    one = _run(PIPEINFER + _generate_args(models), slurm)
+    assert one.returncode == 0, one.stderr[-2000:]
+    before = {h: _link_bytes(h) for h in ("h1", "h2")}
+    three = _run(["srun", "--mpi=pmi2", "-N", "3", "-n", "3", sys.executable, "-m", "mpi4py", "-m", "pipeinfer",
+                  *_generate_args(models), "--json"], slurm)
+    assert three.returncode == 0, three.stderr[-3000:]
+    out = json.loads(three.stdout)
+    assert out["text"] == one.stdout[:-1] and len(out["ranges"]) == 3
+    crossed = {h: _link_bytes(h) - before[h] for h in before}
+    assert all(n > 48 * 256 for n in crossed.values()), crossed   # at least a hidden state per token each way
+
+
+def _link_bytes(host: str) -> int:
+    """Bytes through host's link, both ways (its root-side end, pi-HOST)."""
+    stats = f"/sys/class/net/pi-{host}/statistics"
+    return sum(int(open(f"{stats}/{d}_bytes").read()) for d in ("rx", "tx"))
+
+
+def test_slurm_launch_in_an_allocation_runs_one_job(slurm, models):
+    """`pipeinfer launch` inside `salloc -N 3`: no hostfile, the allocation's nodes; it runs srun (with the PMI-2
+    plugin), one job whose text is on stdout."""
+    one = _run(PIPEINFER + _generate_args(models), slurm)
+    p = _run(["salloc", "-N", "3", *PIPEINFER, "launch", "--", *_generate_args(models)], slurm)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout == one.stdout
+    assert re.search(r"^SLURM_HOSTFILE=\S+ \S*srun --mpi=pmi2 --distribution=arbitrary --ntasks=3 ", p.stderr, re.M), \
+        p.stderr[-2000:]
+
+
+def test_slurm_tasks_started_alone_say_which_plugin(slurm, models):
+    """srun with a PMI plugin the mpich wheel does not speak (--mpi=none) starts three one-rank jobs: each says so
+    in one line naming --mpi=pmi2, and exits non-zero, before any model loads."""
+    p = _run(["srun", "--mpi=none", "-N", "3", "-n", "3", sys.executable, "-m", "mpi4py", "-m", "pipeinfer",
+              *_generate_args(models, n=8)], slurm, timeout=120)
+    assert p.returncode != 0
+    lines = [line for line in p.stderr.splitlines() if "srun started 3 tasks but MPI" in line]
+    assert len(lines) == 3 and all("srun --mpi=pmi2" in line for line in lines), p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and not p.stdout
+
+
+def test_slurm_supervised_server_loses_a_node(slurm, models, tmp_path):
+    """`pipeinfer launch -- serve` in `salloc -N 3`: the supervised server's job is a job step on h0, h1, h2. h2's
+    link goes down while three answers stream; the supervisor re-forms the job as a step on h0 and h1, and every
+    answer equals its no-failure answer."""
+    refs = job_references(models["q8"])
+    srv = Server(["-m", str(models["q8"]), "--mode", "iterative", "-c", "2048", "--stall-timeout", "3"], None,
+                 tmp_path / "sup.log", timeout=180, env=slurm,
+                 command=["salloc", "-N", "3", *PIPEINFER, "launch", "--", "serve"])
+    cut = threading.Event()
+
+    def on_piece(k: int) -> None:
+        if k == 20 and not cut.is_set():
+            cut.set()
+            subprocess.run(["ip", "link", "set", "pi-h2", "down"], check=True)
+    try:
+        got = stream_jobs(srv, JOBS, on_piece)
+        assert cut.is_set()
+        for i, ref in enumerate(refs):
+            assert universal_newlines(got[i]) == ref, (i, srv.text()[-2000:])
+        health = srv.health()
+        assert health["status"] == "degraded" and health["lost"] == ["rank 2 (host h2)"], health
+        assert "re-forming the pipeline without rank 2 (host h2)" in srv.text()
+    finally:
+        code = _interrupt(srv)
+        subprocess.run(["ip", "link", "set", "pi-h2", "up"], check=True)
+    assert code == 0, srv.text()[-3000:]
+    wait_until(lambda: "idle" in _run(["sinfo", "-h", "-n", "h2", "-o", "%t"], slurm).stdout, 90,
+               "h2 did not come back to idle")
+
+
+def test_slurm_end_of_allocation_drains_and_exits_0(slurm, models, tmp_path):
+    """An sbatch job serving on its first node (h0) gets Slurm's end-of-allocation signal (the batch shell's
+    SIGTERM, as `--signal=B:TERM@SECONDS` sends it; here on demand with `scancel --batch --signal=TERM`): the answer
+    in flight completes, the server stops admitting, and the job ends with exit code 0."""
+    refs = job_references(models["q8"])
+    port = free_port()
+    script = tmp_path / "serve.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH -N 3\n#SBATCH --signal=B:TERM@60\n"
+                      f"exec {' '.join(PIPEINFER)} launch -- serve --host 0.0.0.0 --port {port} "
+                      f"-m {models['q8']} --mode iterative -c 2048\n")
+    out = tmp_path / "serve.out"
+    sub = _run(["sbatch", "--parsable", "-o", str(out), str(script)], slurm)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    base = f"http://10.77.0.1:{port}"   # h0's address: the batch script runs on the first node
+    try:
+        wait_until(lambda: _get(base + "/health") is not None, 180, lambda: out.read_text()[-3000:], every=1)
+        answer: dict = {}
+
+        def ask() -> None:
+            body = json.dumps({"model": "t-q8", "prompt": PROMPT_TEXT, "max_tokens": 600, "temperature": 0.0,
+                               "top_p": 0.95, "seed": 0}).encode()
+            req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+            answer.update(json.loads(urllib.request.urlopen(req, timeout=300).read()))
+        asking = threading.Thread(target=ask)
+        asking.start()
+        wait_until(lambda: (h := _get(base + "/health")) and h["generating"], 60, "the request never started")
+        assert _run(["scancel", "--batch", "--signal=TERM", job], slurm).returncode == 0
+        asking.join(300)
+        assert answer["choices"][0]["finish_reason"] == "length", answer
+        state = wait_until(lambda: _job_state(job, slurm) in ("COMPLETED", "FAILED", "CANCELLED") and
+                           _job_record(job, slurm), 120, lambda: out.read_text()[-3000:], every=1)
+        assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, (state, out.read_text()[-3000:])
+    finally:
+        _run(["scancel", job], slurm)
+    assert universal_newlines(answer["choices"][0]["text"]) == refs[0]
+
+
+def _interrupt(srv: Server) -> int:
+    """Ctrl-C in the allocation's shell: SIGINT to `pipeinfer launch` and the server it runs, not to salloc (whose
+    own SIGINT gives the allocation up under the server's feet); salloc's status once they are done."""
+    for pid in tagged_pids(srv.tag):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"pipeinfer" in cmd and (b"launch" in cmd or b"serve" in cmd):
+            os.kill(pid, signal.SIGINT)
+    try:
+        return srv.proc.wait(timeout=90)
+    finally:
+        srv.stop()
+
+
+def _get(url: str) -> dict | None:
+    try:
+        return json.loads(urllib.request.urlopen(url, timeout=5).read())
+    except OSError:
+        return None
+
+
+def _job_record(job: str, env: dict) -> str:
+    return _run(["scontrol", "show", "job", "-o", job], env, timeout=30).stdout
+
+
+def _job_state(job: str, env: dict) -> str:
+    m = re.search(r"JobState=(\w+)", _job_record(job, env))
+    return m.group(1) if m else ""
+
