@@ -24,12 +24,20 @@ QUIET_PCT = 5.0        # foreign CPU, in % of one core averaged over a run, that
 MAX_WAIT_S = 900.0     # give up waiting for a quiet machine after this (then measure anyway, and say so)
 
 
+OWN_ROOTS: set[int] = set()  # more processes whose trees are the runs' own (a benchmark's Slurm daemons: its ranks)
+
+
 def _ours() -> set[int]:
-    """This process, its children, and the kernel's threads (kthreadd, pid 2, and its children): these do the
-    runs' own network work (softirqs of the emulated cluster's shaped links), not other users'."""
+    """This process, its children, the trees of OWN_ROOTS, and the kernel's threads (kthreadd, pid 2, and its
+    children): these do the runs' own network work (softirqs of the emulated cluster's shaped links), not other
+    users'."""
     me = psutil.Process(os.getpid())
     kernel = {2} | {p.pid for p in psutil.Process(2).children()} if psutil.pid_exists(2) else set()
-    return {me.pid} | {p.pid for p in me.children(recursive=True)} | kernel
+    ours = {me.pid} | {p.pid for p in me.children(recursive=True)} | kernel
+    for pid in OWN_ROOTS:
+        with contextlib.suppress(psutil.Error):
+            ours |= {pid} | {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    return ours
 
 
 def _foreign_cpu_s() -> float:

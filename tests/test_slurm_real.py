@@ -144,17 +144,14 @@ def test_slurm_supervised_server_loses_a_node(slurm, models, tmp_path):
 
 
 def test_slurm_end_of_allocation_drains_and_exits_0(slurm, models, tmp_path):
-    """An sbatch job serving on its first node (h0) gets Slurm's end-of-allocation signal (the batch shell's
-    SIGTERM, as `--signal=B:TERM@SECONDS` sends it; here on demand with `scancel --batch --signal=TERM`): the answer
-    in flight completes, the server stops admitting, and the job ends with exit code 0."""
+    """launch/slurm-serve.sbatch serves on the allocation's first node (h0) and says how to reach it; it gets
+    Slurm's end-of-allocation signal (the batch shell's SIGTERM, as its `--signal=B:TERM@300` sends it; here on
+    demand with `scancel --batch --signal=TERM`): the answer in flight completes, and the job ends with exit code 0."""
     refs = job_references(models["q8"])
     port = free_port()
-    script = tmp_path / "serve.sbatch"
-    script.write_text("#!/bin/bash\n#SBATCH -N 3\n#SBATCH --signal=B:TERM@60\n"
-                      f"exec {' '.join(PIPEINFER)} launch -- serve --host 0.0.0.0 --port {port} "
-                      f"-m {models['q8']} --mode iterative -c 2048\n")
     out = tmp_path / "serve.out"
-    sub = _run(["sbatch", "--parsable", "-o", str(out), str(script)], slurm)
+    sub = _run(["sbatch", "--parsable", "-N", "3", "-o", str(out), str(ROOT / "launch" / "slurm-serve.sbatch"),
+                "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048"], dict(slurm, PIPEINFER_PORT=str(port)))
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip().split(";")[0]
     base = f"http://10.77.0.1:{port}"   # h0's address: the batch script runs on the first node
@@ -176,6 +173,7 @@ def test_slurm_end_of_allocation_drains_and_exits_0(slurm, models, tmp_path):
         state = wait_until(lambda: _job_state(job, slurm) in ("COMPLETED", "FAILED", "CANCELLED") and
                            _job_record(job, slurm), 120, lambda: out.read_text()[-3000:], every=1)
         assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, (state, out.read_text()[-3000:])
+        assert f"pipeinfer: serving on h0:{port}; from your machine: ssh -N -L {port}:h0:{port} " in out.read_text()
     finally:
         _run(["scancel", job], slurm)
     assert universal_newlines(answer["choices"][0]["text"]) == refs[0]
@@ -212,3 +210,33 @@ def _job_state(job: str, env: dict) -> str:
     m = re.search(r"JobState=(\w+)", _job_record(job, env))
     return m.group(1) if m else ""
 
+
+
+def test_slurm_batch_script_writes_every_answer(slurm, models, tmp_path):
+    """launch/slurm-batch.sbatch: a file of prompts through a 3-node allocation, each answer the one process's, a
+    JSON line on the job's output and a row in the results CSV."""
+    prompts = ["ba ki lo", "lo ki ba", "ki ki"]
+    (tmp_path / "prompts.txt").write_text("".join(json.dumps({"prompt": p, "n_predict": 24}) + "\n" for p in prompts))
+    out, results = tmp_path / "batch.out", tmp_path / "results.csv"
+    sub = _run(["sbatch", "--wait", "-N", "3", "-o", str(out), str(ROOT / "launch" / "slurm-batch.sbatch"),
+                str(tmp_path / "prompts.txt"), str(results), "-m", str(models["q8"]), "--mode", "iterative",
+                "--no-chat", "-t", "1", "-q"], slurm, timeout=600)
+    assert sub.returncode == 0, out.read_text()[-3000:]
+    answers = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+    for p in prompts:
+        alone = _run(PIPEINFER + ["generate", "-m", str(models["q8"]), "-p", p, "--no-chat", "-n", "24", "-q",
+                                  "--mode", "iterative"], slurm)
+        assert [a["text"] for a in answers if a["prompt"] == p] == [alone.stdout[:-1]], (p, answers)
+    assert len(results.read_text().splitlines()) == 1 + len(prompts)
+
+
+def test_slurm_open_mpi_under_pmix(slurm, models):
+    """With mpi4py loading Open MPI (MPI4PY_MPIABI=openmpi), `pipeinfer launch` in an allocation passes srun
+    --mpi=pmix (Open MPI speaks PMIx, not PMI-1): one 3-rank job, the one process's text."""
+    if shutil.which("ompi_info") is None:
+        pytest.skip("needs Open MPI (apt-get install openmpi-bin)")
+    env = dict(slurm, MPI4PY_MPIABI="openmpi")
+    one = _run(PIPEINFER + _generate_args(models), env)
+    p = _run(["salloc", "-N", "3", *PIPEINFER, "launch", "--", *_generate_args(models)], env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout == one.stdout and " --mpi=pmix " in p.stderr
