@@ -101,3 +101,17 @@ def prune_cmd(max_size: str | None, model: str | None) -> None:
     gone = stagecache.prune(bound, model)
     click.echo(f"deleted {len(gone)} file(s), {stagecache.fmt_bytes(sum(s for _, s in gone))}, from "
                f"{stagecache.weights_dir()}")
+
+
+@models_group.command("drafts")
+@click.argument("target", required=False)
+def drafts_cmd(target: str | None) -> None:
+    """Which small model drafts for a target: the table, or the line for TARGET (a GGUF or a registry name)."""
+    from ..engine.drafts import draft_hint, table
+    if target:
+        click.echo(draft_hint(resolve_model(target)))
+        return
+    rows = [("target family", "architecture (tokenizer)", "draft", "where"), *table()]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])

@@ -11,6 +11,7 @@ from typing import Callable
 import click
 from click.core import ParameterSource
 
+from ..core.errors import UserError
 from ..core.verify import SamplingParams
 from ..engine.kernels import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, KERNELS
 from ..core.config import DRAFT_HEAD_AUTO, MODES, PROMPT_CHUNK, Config, draft_label
@@ -97,7 +98,8 @@ PIPELINE_OPTIONS = [
     click.option("--cache-prompt", type=click.Choice(["on", "off"]), default="on", show_default=True,
                  help="keep each finished request's prompt on every stage and reuse its longest common prefix "
                       "(exact: the answer is the cold one's)"),
-    click.option("--draft", default=None, help="draft GGUF (same vocabulary as the target)"),
+    click.option("--draft", default=None, help="draft GGUF or registry name: a small model, of the target's tokenizer at best (another is translated "
+                      "through text); `pipeinfer models drafts TARGET` says which"),
     click.option("--drafter", type=click.Choice(["model", "ngram", "replay"]), default=None,
                  help="[default: model if --draft (on the default target: gemma3-270m when installed) else ngram]; "
                       "replay is a benchmark instrument (docs/speculation.md)"),
@@ -198,6 +200,10 @@ def config_from_options(kw: dict, *, n_predict: int, sampling: SamplingParams, s
         draft_at = "thread" if beside else "head"
     if mode == "speculative" and parallel is None:
         parallel = 1
+    if draft_at == "rank" and drafter == "ngram" and mode != "iterative":
+        from ..engine.drafts import draft_hint
+        raise UserError(f"--draft-at rank (or a hostfile's role=draft host): the draft rank has no draft model: give "
+                        f"{draft_hint(model)}, or drop role=draft (the n-gram drafter runs on the head)")
     ctx = click.get_current_context(silent=True)
     set_by_user = frozenset() if ctx is None else frozenset(
         name for name in ctx.params
@@ -229,6 +235,6 @@ def drafter_note(config: Config) -> str:
         return "drafter: none (iterative)"
     note = f"drafter: {draft_label(config)}"
     if config.drafter == "ngram" and not config.drafter_asked:
-        note += (f" (no draft model is known for {Path(config.model).name}: give --draft SMALL.gguf, a small model "
-                 "of the same family or vocabulary, for more accepted tokens)")
+        from ..engine.drafts import draft_hint
+        note += f" (for more accepted tokens with {Path(config.model).name}, give {draft_hint(config.model)})"
     return note

@@ -116,9 +116,7 @@ class Config(StageOptions, DraftOptions, SpeculationOptions, ServingOptions, Wir
         if self.mode == "speculative" and self.parallel not in (None, 1):
             raise UserError("--mode speculative runs one request at a time (--parallel 1)")
         if self.draft_at == "rank" and self.drafter == "ngram" and self.mode != "iterative":
-            raise UserError("--draft-at rank (or a hostfile's role=draft host): the draft rank has no draft model: "
-                            "give --draft SMALL.gguf (a small model of the target's family), or drop role=draft (the "
-                            "n-gram drafter costs nothing and runs on the head)")
+            raise UserError("--draft-at rank: the draft rank has no draft model (give --draft SMALL.gguf)")
         if self.prompt_chunk < 1:
             raise UserError(f"--prompt-chunk {self.prompt_chunk}: at least 1 token")
         if self.drafter == "replay" and not self.replay_ref:

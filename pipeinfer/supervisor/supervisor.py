@@ -35,6 +35,7 @@ from ..core.config import CONFIG_ENV, Config
 from ..core.errors import UserError
 from ..core.metrics import Stats
 from ..core.protocol import STAGE_COUNTERS
+from ..engine.drafts import draft_hint
 from ..serving import link
 from ..serving.answer import Answer
 from ..serving.job import ErrorEvent, Generation, RequestError
@@ -190,7 +191,7 @@ def placement(np: int | None, hostfile: str | None, config: Config) -> Placement
             if ordered and ordered[-1].role == "draft":
                 if not config.draft:
                     raise ValueError(f"{ordered[-1].name} has role=draft but this run has no draft model: give "
-                                     "--draft SMALL.gguf (a small model of the target's family), or drop role=draft")
+                                     f"{draft_hint(config.model)}, or drop role=draft")
                 draft, ordered, n = DraftHost(ordered[-1].name, draft_settings, draft_bytes), ordered[:-1], n - 1
             slots = [h.name for h in rank_hosts(ordered, n)]
             settings = host_settings(ordered, n, config.set_by_user)
