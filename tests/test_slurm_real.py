@@ -114,13 +114,14 @@ def test_slurm_tasks_started_alone_say_which_plugin(slurm, models):
 
 
 def test_slurm_supervised_server_loses_a_node(slurm, models, tmp_path):
-    """`pipeinfer launch -- serve` in `salloc -N 3`: the supervised server's job is a job step on h0, h1, h2. h2's
-    link goes down while three answers stream; the supervisor re-forms the job as a step on h0 and h1, and every
-    answer equals its no-failure answer."""
+    """`pipeinfer launch -- serve` in `salloc --no-kill -N 3`: the supervised server's job is a job step on h0, h1,
+    h2. h2's link goes down while three answers stream; the supervisor re-forms the job as a step on h0 and h1, and
+    every answer equals its no-failure answer. Slurm then marks h2 down and keeps the job (--no-kill): the server
+    still answers."""
     refs = job_references(models["q8"])
     srv = Server(["-m", str(models["q8"]), "--mode", "iterative", "-c", "2048", "--stall-timeout", "3"], None,
                  tmp_path / "sup.log", timeout=180, env=slurm,
-                 command=["salloc", "-N", "3", *PIPEINFER, "launch", "--", "serve"])
+                 command=["salloc", "--no-kill", "-N", "3", *PIPEINFER, "launch", "--", "serve"])
     cut = threading.Event()
 
     def on_piece(k: int) -> None:
@@ -135,6 +136,10 @@ def test_slurm_supervised_server_loses_a_node(slurm, models, tmp_path):
         health = srv.health()
         assert health["status"] == "degraded" and health["lost"] == ["rank 2 (host h2)"], health
         assert "re-forming the pipeline without rank 2 (host h2)" in srv.text()
+        wait_until(lambda: "down" in _run(["sinfo", "-h", "-n", "h2", "-o", "%t"], slurm).stdout, 120,
+                   "Slurm never marked h2 down")
+        after = srv.stream({"model": "t-q8", "prompt": JOBS[0][0], "max_tokens": JOBS[0][1], "temperature": 0.0})
+        assert universal_newlines(after) == refs[0], srv.text()[-2000:]
     finally:
         code = _interrupt(srv)
         subprocess.run(["ip", "link", "set", "pi-h2", "up"], check=True)

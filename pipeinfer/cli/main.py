@@ -315,7 +315,8 @@ def _print_report(config: Config, res) -> None:
 @click.option("--webui/--no-webui", default=True, show_default=True,
               help="the cluster's live page (and a chat) at / (GET /state: its JSON)")
 @click.option("--api-key", "api_key", multiple=True, metavar="KEY", help="require `Authorization: Bearer KEY` (or "
-              "x-api-key) on every route but /health (repeatable; --api-key-file keeps keys out of `ps`)")
+              "x-api-key) on every route but /health and the page (/, /static/*: no data; it sends the key typed "
+              "into it) (repeatable; --api-key-file keeps keys out of `ps`)")
 @click.option("--api-key-file", default=None, metavar="FILE", help="API keys, one a line (# comments)")
 @click.option("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
 @click.option("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
