@@ -7,8 +7,11 @@ a renamed or removed option, a wrong choice or a subcommand that no longer exist
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -142,3 +145,10 @@ def test_extraction_of_shell_lines():
     assert got == [["generate", "-n", "8"], ["models", "list"]]
     launch = pipeinfer_commands("pipeinfer launch --hostfile H -- serve --port 8080")
     assert launch == [["launch", "--hostfile", "H"], ["serve", "--port", "8080"]]
+
+
+def test_the_command_reference_is_the_codes():
+    """docs/cli.md is what launch/cli_reference.py writes from the click definitions today."""
+    p = subprocess.run([sys.executable, str(ROOT / "launch" / "cli_reference.py"), "--check"], capture_output=True,
+                       text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 0, p.stderr
