@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (JOBS, PROMPT_TEXT, ROOT, Server, free_port, job_references, netns_unavailable, stream_jobs,
-                     tagged_pids, universal_newlines, wait_until)
+from helpers import (JOBS, PROMPT_TEXT, ROOT, Server, free_port, job_references, netns_unavailable, reference,
+                     stream_jobs, tagged_pids, universal_newlines, wait_until)
 
 pytestmark = pytest.mark.mpi
 
@@ -147,6 +147,31 @@ def test_slurm_supervised_server_loses_a_node(slurm, models, tmp_path):
     wait_until(lambda: "idle" in _run(["sinfo", "-h", "-n", "h2", "-o", "%t"], slurm).stdout, 90,
                "h2 did not come back to idle")
 
+
+def test_slurm_rejoin_after_a_short_outage(slurm, models, tmp_path):
+    """`--rejoin` in an allocation: h2's link is down for a few seconds (less than Slurm takes to mark it down);
+    the job re-forms on h0 and h1, then a one-task srun step on h2 (its probe) succeeds and the job is re-planned
+    on all three nodes, whose next answer is the no-failure one."""
+    from pipeinfer.supervisor.supervisor import PROBE_TIMEOUT_S, REJOIN_CHECK_S
+    ref = reference(models["q8"], 100)
+    srv = Server(["-m", str(models["q8"]), "--mode", "iterative", "-c", "2048", "--stall-timeout", "3", "--rejoin"],
+                 None, tmp_path / "sup.log", timeout=180, env=slurm,
+                 command=["salloc", "--no-kill", "-N", "3", *PIPEINFER, "launch", "--", "serve"])
+    try:
+        subprocess.run(["ip", "link", "set", "pi-h2", "down"], check=True)
+        got = srv.stream({"model": "t-q8", "prompt": PROMPT_TEXT, "max_tokens": 100, "temperature": 0.0})
+        assert universal_newlines(got) == ref, srv.text()[-2000:]
+        assert srv.health()["lost"] == ["rank 2 (host h2)"]
+        subprocess.run(["ip", "link", "set", "pi-h2", "up"], check=True)
+        wait_until(lambda: (h := srv.health())["ranks"] == 3 and h["phase"] == "serving", REJOIN_CHECK_S +
+                   PROBE_TIMEOUT_S + 60, lambda: srv.text()[-3000:], every=1)
+        assert "h2 answer(s) again: re-planning the pipeline on 3 slot(s) (was 2)" in srv.text()
+        again = srv.stream({"model": "t-q8", "prompt": PROMPT_TEXT, "max_tokens": 100, "temperature": 0.0})
+        assert universal_newlines(again) == ref, srv.text()[-2000:]
+    finally:
+        subprocess.run(["ip", "link", "set", "pi-h2", "up"], check=True)
+        code = _interrupt(srv)
+    assert code == 0, srv.text()[-3000:]
 
 def test_slurm_end_of_allocation_drains_and_exits_0(slurm, models, tmp_path):
     """launch/slurm-serve.sbatch serves on the allocation's first node (h0) and says how to reach it; it gets
