@@ -577,6 +577,7 @@ serve.check = _check_serve
 
 
 def _register() -> None:
+    from .doctor_cmd import doctor_cmd
     from .launch import launch_cmd
     from .models_cmd import models_group
     from .plot import plot_cmd
@@ -586,6 +587,7 @@ def _register() -> None:
     main.add_command(profile_cmd)
     main.add_command(models_group)
     main.add_command(launch_cmd)
+    main.add_command(doctor_cmd)
     main.add_command(plot_cmd)
 
 

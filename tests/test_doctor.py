@@ -1,0 +1,85 @@
+"""`pipeinfer doctor`: the checks as pure functions, and on the emulated cluster a healthy one passes while a host
+cut off, a host whose disk is too small and a host with another pipeinfer are each found in one line."""
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from pipeinfer.wire.doctor import GiB, HostFacts, Need, facts, problems
+from helpers import NETNS_MPI_ARGS, ROOT, netns_unavailable
+
+HERE = HostFacts("h0", "0.1.0", "/opt/pipeinfer", "0.3.36", "3.11.7", 20 * GiB, 50 * GiB, 1000.0, 16)
+
+
+def test_a_healthy_host_has_no_problem():
+    assert problems("h1", replace(HERE, host="h1"), None, HERE, Need(10 * GiB, 10 * GiB), rtt_s=0.1) == []
+
+
+@pytest.mark.parametrize("change, need, mem, line", [
+    (dict(pipeinfer="0.0.9"), None, None, "h1: another pipeinfer: 0.0.9 at /opt/pipeinfer (here 0.1.0 at /opt/pipeinfer"),
+    (dict(where="/home/x/pipeinfer"), None, None, "h1: another pipeinfer: 0.1.0 at /home/x/pipeinfer"),
+    (dict(llama_cpp="0.3.20"), None, None, "h1: another llama-cpp-python: 0.3.20 (here 0.3.36)"),
+    (dict(mem_available=4 * GiB), Need(6 * GiB, 1), None, "h1: not enough memory: its share needs 6.0 GiB, it has 4.0"),
+    ({}, Need(6 * GiB, 1), 5.0, "h1: not enough memory: its share needs 6.0 GiB, it has 5.0 GiB"),   # hostfile mem=
+    (dict(disk_free=GiB), Need(1, 2 * GiB), None, "h1: not enough disk for its stage files: 2.0 GiB needed, 1.0"),
+    (dict(clock=1010.0), None, None, "h1: its clock is 10.0 s off this host's"),
+])
+def test_each_problem_is_one_line(change, need, mem, line):
+    found = problems("h1", replace(HERE, host="h1", **change), None, HERE, need, mem)
+    assert len(found) == 1 and found[0].startswith(line), found
+
+
+def test_an_unreachable_host_says_why():
+    assert problems("h2", None, "ssh: connect to host h2 port 22: No route to host", HERE, None) == [
+        "h2: unreachable: ssh: connect to host h2 port 22: No route to host"]
+
+
+def test_this_hosts_facts():
+    f = facts()
+    assert f.pipeinfer and f.llama_cpp != "missing" and f.mem_available > 0 and f.disk_free > 0 and f.cpus >= 1
+
+
+@pytest.mark.mpi
+def test_doctor_on_the_emulated_cluster(tmp_path, models):
+    """A healthy 3-host cluster passes (exit 0, each link measured); then h1 with another pipeinfer (its install
+    folder holds another version), h2 with a 16 KiB disk for its stage files, and h3 cut off: one line each, exit 1."""
+    why = netns_unavailable()
+    if why:
+        pytest.skip(why)
+    script = str(ROOT / "launch" / "netns-cluster.sh")
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+               PIPEINFER_MPI_ARGS=NETNS_MPI_ARGS, NETNS_DISKS=str(tmp_path / "disks"), NETNS_HIDE="")
+    up = subprocess.run(["bash", script, "up", "4"], capture_output=True, text=True, env=env, timeout=180)
+    other = tmp_path / "other" / "pipeinfer"
+    try:
+        assert up.returncode == 0, up.stderr[-2000:]
+        hosts = tmp_path / "hosts"
+        hosts.write_text("h0\nh1\nh2\nh3\n")
+        doctor = [sys.executable, "-m", "pipeinfer", "doctor", "--hostfile", str(hosts), "-m", str(models["q8"])]
+        healthy = subprocess.run(doctor, capture_output=True, text=True, env=env, timeout=300)
+        assert healthy.returncode == 0, healthy.stdout + healthy.stderr[-2000:]
+        assert "doctor: 4 host(s), no problem found" in healthy.stdout
+        assert sum(line.startswith("link h0 -> h") for line in healthy.stdout.splitlines()) == 3, healthy.stdout
+
+        shutil.copytree(ROOT / "pipeinfer", other, ignore=shutil.ignore_patterns("__pycache__"))
+        init = other / "__init__.py"
+        init.write_text(init.read_text().replace('__version__ = "', '__version__ = "0.0.9+'))
+        (tmp_path / "disks" / "h2").mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "pipeinfer-tiny", str(tmp_path / "disks" / "h2")],
+                       check=True)
+        subprocess.run(["ip", "link", "set", "pi-h3", "down"], check=True)
+        faulty = subprocess.run(doctor, capture_output=True, text=True, timeout=300,
+                                env=dict(env, NETNS_BIND=f"h1:{other}:{ROOT / 'pipeinfer'}"))
+        assert faulty.returncode == 1, faulty.stdout + faulty.stderr[-2000:]
+        lines = [line for line in faulty.stdout.splitlines() if line.startswith("problem: ")]
+        assert len(lines) == 3, faulty.stdout
+        assert lines[0].startswith("problem: h1: another pipeinfer: 0.0.9+")
+        assert lines[1].startswith("problem: h2: not enough disk for its stage files")
+        assert lines[2].startswith("problem: h3: unreachable: ")
+        assert "a job on these hosts would fail" in faulty.stderr
+    finally:
+        subprocess.run(["umount", str(tmp_path / "disks" / "h2")], capture_output=True)
+        subprocess.run(["bash", script, "down", "4"], capture_output=True, env=env, timeout=120)
