@@ -11,7 +11,8 @@ import pytest
 from pipeinfer.wire.doctor import GiB, HostFacts, Need, facts, problems
 from helpers import NETNS_MPI_ARGS, ROOT, netns_unavailable
 
-HERE = HostFacts("h0", "0.1.0", "/opt/pipeinfer", "0.3.36", "3.11.7", 20 * GiB, 50 * GiB, 1000.0, 16)
+BUILD = "pipeinfer 0.1.0 (protocol 7, sources 06f0fe87f1ef), llama-cpp-python 0.3.36"
+HERE = HostFacts("h0", "0.1.0", BUILD, "/opt/pipeinfer", "0.3.36", "3.11.7", 20 * GiB, 50 * GiB, 1000.0, 16)
 
 
 def test_a_healthy_host_has_no_problem():
@@ -19,9 +20,9 @@ def test_a_healthy_host_has_no_problem():
 
 
 @pytest.mark.parametrize("change, need, mem, line", [
-    (dict(pipeinfer="0.0.9"), None, None, "h1: another pipeinfer: 0.0.9 at /opt/pipeinfer (here 0.1.0 at /opt/pipeinfer"),
-    (dict(where="/home/x/pipeinfer"), None, None, "h1: another pipeinfer: 0.1.0 at /home/x/pipeinfer"),
-    (dict(llama_cpp="0.3.20"), None, None, "h1: another llama-cpp-python: 0.3.20 (here 0.3.36)"),
+    (dict(build=BUILD.replace("06f0", "1582")), None, None,
+     "h1: another build: pipeinfer 0.1.0 (protocol 7, sources 1582fe87f1ef), llama-cpp-python 0.3.36 (here pipeinfer"),
+    (dict(where="/home/x/pipeinfer"), None, None, "h1: pipeinfer is at /home/x/pipeinfer (here /opt/pipeinfer;"),
     (dict(mem_available=4 * GiB), Need(6 * GiB, 1), None, "h1: not enough memory: its share needs 6.0 GiB, it has 4.0"),
     ({}, Need(6 * GiB, 1), 5.0, "h1: not enough memory: its share needs 6.0 GiB, it has 5.0 GiB"),   # hostfile mem=
     (dict(disk_free=GiB), Need(1, 2 * GiB), None, "h1: not enough disk for its stage files: 2.0 GiB needed, 1.0"),
@@ -38,7 +39,8 @@ def test_an_unreachable_host_says_why():
 
 
 def test_this_hosts_facts():
-    f = facts()
+    from pipeinfer.ranks.handshake import build_id
+    f = facts(build_id())
     assert f.pipeinfer and f.llama_cpp != "missing" and f.mem_available > 0 and f.disk_free > 0 and f.cpus >= 1
 
 
@@ -76,7 +78,7 @@ def test_doctor_on_the_emulated_cluster(tmp_path, models):
         assert faulty.returncode == 1, faulty.stdout + faulty.stderr[-2000:]
         lines = [line for line in faulty.stdout.splitlines() if line.startswith("problem: ")]
         assert len(lines) == 3, faulty.stdout
-        assert lines[0].startswith("problem: h1: another pipeinfer: 0.0.9+")
+        assert lines[0].startswith("problem: h1: another build: pipeinfer 0.0.9+0.1.0 (protocol")
         assert lines[1].startswith("problem: h2: not enough disk for its stage files")
         assert lines[2].startswith("problem: h3: unreachable: ")
         assert "a job on these hosts would fail" in faulty.stderr

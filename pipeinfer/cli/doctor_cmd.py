@@ -32,8 +32,9 @@ def doctor_cmd(hostfile_path, model, mpi_args, probe, links) -> None:
     """Check every host of HOSTFILE before a job: reachable, the same pipeinfer and llama.cpp build, memory and
     disk for its share of MODEL, its clock, and MPI across all of them with each link's speed. One line per
     problem; exit 1 when a job would fail."""
+    from ..ranks.handshake import build_id
     if probe:
-        return probe_main()
+        return probe_main(build_id())
     if links:
         return links_main()
     if hostfile_path is None:
@@ -47,7 +48,7 @@ def doctor_cmd(hostfile_path, model, mpi_args, probe, links) -> None:
     extra = (["--allow-run-as-root"] if library.kind == "openmpi" and os.geteuid() == 0 else []) + [
         *shlex.split(os.environ.get("PIPEINFER_MPI_ARGS", "")), *mpi_args]
     names = [name for name, _ in merged_slots(hosts)]
-    here = facts()
+    here = facts(build_id())
     with ThreadPoolExecutor(max_workers=min(16, len(names))) as pool:
         probed = dict(zip(names, pool.map(lambda n: _probe(n, library.kind, mpiexec, extra), names)))
     needs = _needs(hosts, model) if model else {}

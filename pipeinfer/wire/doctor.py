@@ -29,6 +29,7 @@ MEM_MARGIN = 1.15         # a stage's weights plus its KV cache and buffers, rou
 class HostFacts:
     host: str
     pipeinfer: str          # version
+    build: str              # ranks/handshake.build_id: version, protocol, a hash of the sources, llama-cpp-python's
     where: str              # the package's folder
     llama_cpp: str          # llama-cpp-python's version (each host builds llama.cpp for its own CPU)
     python: str
@@ -38,8 +39,8 @@ class HostFacts:
     cpus: int
 
 
-def facts() -> HostFacts:
-    """This host's facts (the probe)."""
+def facts(build: str) -> HostFacts:
+    """This host's facts (the probe); `build` as ranks/handshake.build_id gives it."""
     from .. import __version__
     from .hosts import host_name
     mem = 0
@@ -57,13 +58,13 @@ def facts() -> HostFacts:
         llama = metadata.version("llama_cpp_python")
     except metadata.PackageNotFoundError:
         llama = "missing"
-    return HostFacts(host_name(), __version__, os.path.dirname(os.path.dirname(os.path.abspath(__file__))), llama,
+    return HostFacts(host_name(), __version__, build, os.path.dirname(os.path.dirname(os.path.abspath(__file__))), llama,
                      platform.python_version(), mem, min(free(stage_cache_dir()), free(weights_dir())), time.time(),
                      os.cpu_count() or 1)
 
 
-def probe_main() -> None:
-    print(json.dumps(asdict(facts())), flush=True)
+def probe_main(build: str) -> None:
+    print(json.dumps(asdict(facts(build))), flush=True)
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,10 @@ def problems(host: str, got: HostFacts | None, why_not: str | None, here: HostFa
     if got is None:
         return [f"{host}: unreachable: {why_not}"]
     out = []
-    if (got.pipeinfer, got.where) != (here.pipeinfer, here.where):
-        out.append(f"{host}: another pipeinfer: {got.pipeinfer} at {got.where} (here {here.pipeinfer} at {here.where}; "
-                   f"install the same version at the same path on every host)")
-    if got.llama_cpp != here.llama_cpp:
-        out.append(f"{host}: another llama-cpp-python: {got.llama_cpp} (here {here.llama_cpp})")
+    if got.build != here.build:
+        out.append(f"{host}: another build: {got.build} (here {here.build}; install the same on every host)")
+    if got.where != here.where:
+        out.append(f"{host}: pipeinfer is at {got.where} (here {here.where}; every host needs it at the same path)")
     if got.python.rsplit(".", 1)[0] != here.python.rsplit(".", 1)[0]:
         out.append(f"{host}: Python {got.python} (here {here.python})")
     if need is not None:
