@@ -20,13 +20,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch"))
 import quiet  # noqa: E402
-from quiet import run_quietly  # noqa: E402
+from quiet import elapsed, run_quietly, timed  # noqa: E402
+from harness import JOB_TAG, new_tag  # noqa: E402
 
 BIN = Path(sys.executable).parent
 PROMPT = "Write a Python function that checks whether a number is prime."
@@ -43,23 +43,10 @@ def slurm(state: Path, *args: str) -> None:
         raise SystemExit(f"slurm-netns.sh {' '.join(args)}: {p.stderr[-2000:]}")
 
 
-def daemon_pids(state: Path) -> set[int]:
-    """slurmctld's and the slurmds' pids: srun's ranks are their children, the runs' own CPU (quiet.OWN_ROOTS)."""
-    conf = f"SLURM_CONF={state / 'slurm.conf'}"
-    pids = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if conf in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0"):
-                pids.add(int(pid))
-        except OSError:
-            continue
-    return pids
-
-
 def job(launcher: str, n_hosts: int, args: list[str], state: Path) -> dict:
     generate = [str(BIN / "python"), "-m", "mpi4py", "-m", "pipeinfer", "generate", *args, "--json"]
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", SLURM_CONF=str(state / "slurm.conf"),
-               **LINK_ENV)
+               **LINK_ENV, **quiet.OWN_ENV)
     hostfile = None
     if launcher == "srun":
         cmd = ["srun", "--mpi=pmi2", "-N", str(n_hosts), "-n", str(n_hosts), "--cpu-bind=none", *generate]
@@ -70,9 +57,8 @@ def job(launcher: str, n_hosts: int, args: list[str], state: Path) -> dict:
                str(ROOT / "launch" / "netns-exec"), *[a for k, v in LINK_ENV.items() for a in ("-genv", k, v)],
                "-n", str(n_hosts), *generate]
     try:
-        t0 = time.monotonic()
-        proc, pct = run_quietly(cmd, env=env)
-        wall = time.monotonic() - t0
+        proc, pct = run_quietly(timed(cmd), env=env)
+        wall = elapsed(proc)
     finally:
         if hostfile:
             hostfile.unlink()
@@ -99,7 +85,7 @@ def main() -> None:
     slurm(state / "s", "up", str(a.hosts))
     rows = []
     try:
-        quiet.OWN_ROOTS = daemon_pids(state / "s")
+        quiet.OWN_ENV = {JOB_TAG: new_tag()}  # srun's ranks are not this process's children: their tag marks them
         job("srun", a.hosts, args, state / "s")  # warm-up: stage files, exact batch limits, page cache
         for r in range(a.rounds):
             order = ["srun", "mpiexec"] if r % 2 == 0 else ["mpiexec", "srun"]

@@ -39,7 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch"))
-from quiet import run_quietly  # noqa: E402
+from quiet import elapsed, run_quietly, timed  # noqa: E402
 
 BIN = Path(sys.executable).parent
 MPIEXEC = str(BIN / "mpiexec")
@@ -115,16 +115,6 @@ def _lacked(model: str, held: list[tuple[int, int, bool]], new: tuple[int, int, 
     layout = stage_layout(model, *new)
     kept = sum(p.nbytes for p in layout.pieces if p.src_offset >= 0 and size[p.src_offset][0] in have)
     return layout.size - kept
-
-
-def timed(cmd: list[str]) -> list[str]:
-    """cmd, its wall time printed on stderr at the end (run_quietly waits for a quiet machine before it starts)."""
-    return [sys.executable, "-c", "import subprocess, sys, time; t = time.monotonic(); r = subprocess.run(sys.argv[1:]); "
-            "print(f'ELAPSED {time.monotonic() - t:.3f}', file=sys.stderr); sys.exit(r.returncode)", *cmd]
-
-
-def elapsed(proc) -> float:
-    return float(re.findall(r"ELAPSED ([\d.]+)", proc.stderr)[-1])
 
 
 def copy_whole(n: int, model: str, disks: Path) -> float:

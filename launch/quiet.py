@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 
@@ -24,20 +27,27 @@ QUIET_PCT = 5.0        # foreign CPU, in % of one core averaged over a run, that
 MAX_WAIT_S = 900.0     # give up waiting for a quiet machine after this (then measure anyway, and say so)
 
 
-OWN_ROOTS: set[int] = set()  # more processes whose trees are the runs' own (a benchmark's Slurm daemons: its ranks)
+OWN_ENV: dict[str, str] = {}  # a process whose environment has these values is the runs' own (ranks srun started)
+
+
+def _tagged(pid: int) -> bool:
+    if not OWN_ENV:
+        return False
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return all(f"{k}={v}".encode() in env for k, v in OWN_ENV.items())
 
 
 def _ours() -> set[int]:
-    """This process, its children, the trees of OWN_ROOTS, and the kernel's threads (kthreadd, pid 2, and its
+    """This process, its children, those OWN_ENV marks, and the kernel's threads (kthreadd, pid 2, and its
     children): these do the runs' own network work (softirqs of the emulated cluster's shaped links), not other
     users'."""
     me = psutil.Process(os.getpid())
     kernel = {2} | {p.pid for p in psutil.Process(2).children()} if psutil.pid_exists(2) else set()
-    ours = {me.pid} | {p.pid for p in me.children(recursive=True)} | kernel
-    for pid in OWN_ROOTS:
-        with contextlib.suppress(psutil.Error):
-            ours |= {pid} | {p.pid for p in psutil.Process(pid).children(recursive=True)}
-    return ours
+    tagged = {p.pid for p in psutil.process_iter(["pid"]) if _tagged(p.info["pid"])}
+    return {me.pid} | {p.pid for p in me.children(recursive=True)} | kernel | tagged
 
 
 def _foreign_cpu_s() -> float:
@@ -164,3 +174,14 @@ def run_quietly(cmd: list[str], tries: int = 6, log=print, **kw) -> tuple[subpro
             return proc, pct
         log(f"  (other work used {pct:.0f}% of a core during the run: measuring again)")
     raise AssertionError("unreachable")
+
+
+def timed(cmd: list[str]) -> list[str]:
+    """cmd, its wall time printed on stderr at the end (run_quietly waits for a quiet machine before it starts, and
+    may run it again: time the run itself, `elapsed(proc)`)."""
+    return [sys.executable, "-c", "import subprocess, sys, time; t = time.monotonic(); r = subprocess.run(sys.argv[1:]); "
+            "print(f'ELAPSED {time.monotonic() - t:.3f}', file=sys.stderr); sys.exit(r.returncode)", *cmd]
+
+
+def elapsed(proc) -> float:
+    return float(re.findall(r"ELAPSED ([\d.]+)", proc.stderr)[-1])
