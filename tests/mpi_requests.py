@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pipeinfer.core.config import Config
 from pipeinfer.core.decoding import Decoding
 from pipeinfer.core.verify import SamplingParams
+from pipeinfer.ranks.scheduler import generate
 from pipeinfer.ranks.startup import open_session
 
 arg = sys.argv[1]
@@ -49,7 +50,7 @@ if session is not None:
         else:
             for req in spec["requests"]:
                 out: list = []
-                sched.generate(request(req, lambda t, s, lp: out.append(answer(t, s, lp))))
+                generate(sched, request(req, lambda t, s, lp: out.append(answer(t, s, lp))))
                 print(out[0], flush=True)
     finally:
         session.close()

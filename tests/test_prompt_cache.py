@@ -9,7 +9,7 @@ from pipeinfer.core.kvplan import CACHE_ENTRIES
 from pipeinfer.core.prefixcache import PrefixCache, common_prefix, reusable, whole_chunks
 from pipeinfer.core.protocol import KvOp
 from pipeinfer.core.verify import SamplingParams
-from pipeinfer.ranks.scheduler import Request
+from pipeinfer.ranks.scheduler import Request, generate
 from lanes import make
 from toy import target_alone
 
@@ -53,7 +53,7 @@ def test_a_running_prompt_is_a_source_too_and_compaction_keeps_the_recent_within
 # ---------------------------------------------------------------- the scheduler with the cache
 def run_one(sched, prompt, n, **kw):
     stats = {}
-    tokens, st = sched.generate(Request(list(prompt), n, SamplingParams(), **kw))
+    tokens, st = generate(sched, Request(list(prompt), n, SamplingParams(), **kw))
     stats.update(vars(st))
     return tokens, st
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from pipeinfer.drafters.drafter import Cutoffs, DraftNode
 from pipeinfer.ranks.head import GenConfig
-from pipeinfer.ranks.scheduler import Request, Scheduler
+from pipeinfer.ranks.scheduler import Request, Scheduler, generate
 from pipeinfer.core.kvplan import PartitionPool, plan_partitions
 from pipeinfer.ranks.pipeline import Result
 from pipeinfer.core.protocol import NO_RUN, Batch, KvOp
@@ -376,7 +376,7 @@ def run_head(mode: str, *, n_predict: int = 40, error_rate: float = 0.0, seed: i
     heads = []  # the generation's Head, kept for the invariants at its end
     finish = sched._finish
     sched._finish = lambda g: (heads.append(g.head), finish(g))[1]
-    out, stats = sched.generate(Request(list(PROMPT), n_predict, sampling, on_tokens=streamed.extend))
+    out, stats = generate(sched, Request(list(PROMPT), n_predict, sampling, on_tokens=streamed.extend))
     pipe.finish()
     return SimpleNamespace(head=heads[0], pipe=pipe, pool=pool, drafter=drafter, n_part=n_part, out=out,
                            streamed=streamed, expected=reference[len(PROMPT):len(PROMPT) + n_predict], stats=stats)

@@ -154,3 +154,11 @@ class PrefixCache:
     def n_cells(self) -> int:
         """Cells counted against the context for the entries."""
         return sum(e.cells for e in self.entries)
+
+
+def cache_load(cache: PrefixCache | None) -> dict:
+    """A prompt cache's counters, as /health has them (`enabled` False and zeros without one)."""
+    if cache is None:
+        return {"enabled": False, "entries": 0, "tokens": 0, "hits": 0, "tokens_reused": 0}
+    return {"enabled": True, "entries": len(cache.entries), "tokens": cache.n_tokens, "hits": cache.n_hits,
+            "tokens_reused": cache.n_tokens_reused}

@@ -8,6 +8,8 @@ next launches before any is sent.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar, Union
 
@@ -99,7 +101,7 @@ class Executor(Generic[Owner]):
     def __init__(self, pipe, batch_rows: int = 1):
         self.pipe = pipe
         self.batch_rows = batch_rows
-        self.row_cap = batch_rows                      # rows per merged run now (the scheduler lowers it: _row_cap)
+        self.row_cap = batch_rows                      # rows per merged run now (pace lowers it)
         self.members: dict[int, list[Member]] = {}   # run id in flight -> whose rows it carries, in row order
         self._held: list[tuple[Owner, Launch]] = []
         self._sampling_sent: Sampling | None = None
@@ -109,6 +111,16 @@ class Executor(Generic[Owner]):
     @property
     def n_held(self) -> int:
         return len(self._held)
+
+    def pace(self, n_decoding: int, depth: int) -> None:
+        """Rows per merged run: batch_rows, but no more than the decoding generations spread over the pipeline's
+        depth (one batch of every generation would leave all stages but one idle)."""
+        self.row_cap = max(1, min(self.batch_rows, math.ceil(n_decoding / depth)))
+
+    def holding(self, n_in_flight: int, depth: int) -> bool:
+        """Whether the next tokens held here wait for the next result's to join them: while they do not fill a
+        decode and enough runs are in flight to keep every stage busy without them."""
+        return 0 < len(self._held) < self.row_cap and n_in_flight >= depth
 
     def apply(self, owner: Owner, actions: list[Action]) -> None:
         for a in actions:

@@ -51,7 +51,7 @@ from typing import Callable
 from ..core.decoding import Decoding, TokenLogprob
 from ..core.kvplan import CACHE_ENTRIES, PartitionPool, cells_reserve, lane_canonical, lane_count
 from ..core.metrics import Stats
-from ..core.prefixcache import Entry, PrefixCache, whole_chunks
+from ..core.prefixcache import Entry, PrefixCache, cache_load, whole_chunks
 from ..core.protocol import compact, kv_ops, rm
 from ..core.verify import SamplingParams
 from .actions import EditKv, Executor
@@ -197,20 +197,6 @@ class Scheduler:
         """Until every submitted request is answered."""
         while self.busy:
             self.step()
-
-    def generate(self, req: Request) -> tuple[list[int], Stats]:
-        """One request to its end (with whatever else was submitted): its tokens and statistics."""
-        answer: list = []
-        on_done = req.on_done
-
-        def done(tokens: list[int], stats: Stats) -> None:
-            answer.append((tokens, stats))
-            if on_done is not None:
-                on_done(tokens, stats)
-        self.submit(replace(req, on_done=done))
-        while not answer:
-            self.step()
-        return answer[0]
 
     def step(self) -> None:
         """One round (_round); then the next tokens held to share a decode go out, unless the runs in flight keep
@@ -361,11 +347,7 @@ class Scheduler:
 
     def cache_load(self) -> dict:
         """The prompt cache and the cells, for /health (a snapshot read from another thread)."""
-        cache = self.cache
-        return {"enabled": cache is not None, "entries": len(cache.entries) if cache else 0,
-                "tokens": cache.n_tokens if cache else 0, "hits": cache.n_hits if cache else 0,
-                "tokens_reused": cache.n_tokens_reused if cache else 0,
-                "cells_used": min(self._cells_bound(), self.cfg.n_ctx), "cells": self.cfg.n_ctx}
+        return {**cache_load(self.cache), "cells_used": min(self._cells_bound(), self.cfg.n_ctx), "cells": self.cfg.n_ctx}
 
     # ================================================================ the drafter's lease
     def _lease(self) -> _Gen | None:
@@ -418,23 +400,14 @@ class Scheduler:
     def _take(self, results: list) -> None:
         """A result, for each generation whose rows it carried: their next tokens go out together (held in the
         executor), now, or with the next result's while the stages are busy anyway (_holding)."""
-        self.executor.row_cap = self._row_cap()
+        self.executor.pace(sum(1 for g in self.gens if not g.head.done and not g.head.pending), self.depth)
         for g, res in results:
             self.executor.apply(g, g.head.handle(res) if g.head.done else g.head.take(res))
         if not self._holding():
             self.executor.flush()
 
     def _holding(self) -> bool:
-        """Whether the next tokens held in the executor wait for the next result's to join them: while they do
-        not fill a decode and enough runs are in flight to keep every stage busy without them."""
-        n = self.executor.n_held
-        return 0 < n < self.executor.row_cap and len(self.pipe.in_flight) >= self.depth
-
-    def _row_cap(self) -> int:
-        """Rows per merged run: --batch-rows, but no more than the decoding generations spread over the pipeline's
-        depth (one batch of every generation would leave all stages but one idle)."""
-        n_decoding = sum(1 for g in self.gens if not g.head.done and not g.head.pending)
-        return max(1, min(self.executor.batch_rows, math.ceil(n_decoding / self.depth)))
+        return self.executor.holding(len(self.pipe.in_flight), self.depth)  # (Executor.holding says when)
 
     def _finish(self, g: _Gen) -> None:
         """Every run of a finished generation is back: deliver its answer; its slot holds its prompt as a cache
@@ -458,3 +431,18 @@ class Scheduler:
         g.head.stats.n_kv0 = g.head.n_kv0
         if g.req.on_done is not None:
             g.req.on_done(tokens, g.head.stats)
+
+
+def generate(sched: Scheduler, req: Request) -> tuple[list[int], Stats]:
+    """One request to its end on `sched` (with whatever else was submitted): its tokens and statistics."""
+    answer: list = []
+    on_done = req.on_done
+
+    def done(tokens: list[int], stats: Stats) -> None:
+        answer.append((tokens, stats))
+        if on_done is not None:
+            on_done(tokens, stats)
+    sched.submit(replace(req, on_done=done))
+    while not answer:
+        sched.step()
+    return answer[0]

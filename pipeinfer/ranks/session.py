@@ -17,7 +17,7 @@ from ..wire.hosts import host_name
 from ..wire.transport import polite_barrier
 from .head import GenConfig
 from .rules import RunRules
-from .scheduler import Request, Scheduler
+from .scheduler import Request, Scheduler, generate
 
 if TYPE_CHECKING:  # MPI and llama.cpp stay unimported where only the interface is read
     from mpi4py import MPI
@@ -135,7 +135,7 @@ class HeadSession:
 
     def generate(self, prompt: list[int], **request) -> Stats:
         """One generation to its end (keyword arguments as `request`); its tokens are in `last_tokens`."""
-        self.last_tokens, stats = self.scheduler().generate(self.request(prompt, **request))
+        self.last_tokens, stats = generate(self.scheduler(), self.request(prompt, **request))
         return stats
 
     def close(self) -> tuple[list[dict], list[float]]:

@@ -42,7 +42,7 @@ from ..core.metrics import Stats
 from ..core.protocol import HEADER_LEN, NO_RUN, Batch, Kind, kv_ops
 from ..ranks.head import GenConfig, auto_p_recovery
 from ..ranks.pipeline import Result
-from ..ranks.scheduler import Request, Scheduler, SchedulerStats
+from ..ranks.scheduler import Request, Scheduler, SchedulerStats, generate
 from ..drafters.drafter import Cutoffs, DraftNode, ReplayDrafter
 from .cluster import Cluster, StageCost
 
@@ -512,7 +512,7 @@ def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prom
         drafter = _replay_drafter(ref, seed, SimDraftCost(cluster, clock, pipe), agreement, propose, confidence,
                                   runner_up)
     sched = Scheduler(pipe, gen, n_stages=cluster.n_ranks, pool=pool, drafter_for=lambda *_: drafter, clock=clock)
-    tokens, stats = sched.generate(Request(ref[:n_prompt], gen.n_predict, gen.sampling))
+    tokens, stats = generate(sched, Request(ref[:n_prompt], gen.n_predict, gen.sampling))
     expect = ref[n_prompt:n_prompt + len(tokens)]
     if tokens != expect:
         raise RuntimeError("internal: the twin's output differs from its reference")
