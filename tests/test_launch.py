@@ -193,8 +193,13 @@ def test_launch_serve_is_the_supervised_server(tmp_path):
     res = CliRunner().invoke(main, ["launch", "--hostfile", str(hf), "--np", "2", "--mpi-arg=-iface",
                                                  "--mpi-arg=eth1", "--dry-run", "--", "serve", "--port", "9000"])
     assert res.exit_code == 0, res.output
-    assert res.output.strip() == (f"PIPEINFER_MPI_ARGS='-iface eth1' {sys.executable} -m pipeinfer serve "
-                                  f"--hostfile {hf} --np 2 --port 9000")
+    lines = res.output.splitlines()
+    assert lines[0] == (f"PIPEINFER_MPI_ARGS='-iface eth1' {sys.executable} -m pipeinfer serve "
+                        f"--hostfile {hf} --np 2 --port 9000")
+    # the dry run also shows the server's first job as it would start it: its launcher with --mpi-arg's options
+    assert lines[1] == "# the pipeline's first job, as the server starts it:"
+    assert " -n 2 " in lines[2] and " -iface eth1 " in lines[2] and lines[2].endswith("rank0.sock")
+    assert lines[3:] == ["# its hostfile:", "# x:2"]
 
 
 def test_supervised_placement_takes_the_hostfiles_settings(tmp_path):
@@ -500,7 +505,7 @@ def test_launch_passes_only_the_options_the_command_takes(tmp_path, monkeypatch)
     (["serve"], "serve: --hostfile {hf}: laptop has role=draft but this run has no draft model: give --draft "
                 "SMALL.gguf"),
     (["generate", "--bogus"], "generate: No such option '--bogus'"),
-    (["frobnicate"], "launch runs a pipeinfer command (attach, generate, "),
+    (["frobnicate"], "launch runs a pipeinfer command (attach, doctor, generate, "),
     ([], "launch: which pipeinfer command to run?"),
 ])
 def test_dry_run_refuses_what_would_not_run(tmp_path, monkeypatch, command, why):

@@ -99,8 +99,11 @@ def test_launch_serve_in_an_allocation_hands_its_nodes_to_the_supervisor(in_allo
     hosts = tmp_path / "hosts"
     res = CliRunner().invoke(main, ["launch", "--write-hostfile", str(hosts), "--dry-run", "--", "serve", "--port", "9"])
     assert res.exit_code == 0, res.output
-    assert res.output.strip().endswith(f"-m pipeinfer serve --hostfile {hosts} --port 9")
+    lines = res.output.splitlines()
+    assert lines[0].endswith(f"-m pipeinfer serve --hostfile {hosts} --port 9")
     assert hosts.read_text() == "h0:1\nh1:1\nh2:1\n"
+    assert " srun --mpi=pmi2 --distribution=arbitrary --ntasks=3 " in lines[2]  # its first job: a job step
+    assert lines[3:] == ["# its hostfile:", "# h0", "# h1", "# h2"]
 
 
 def test_launch_outside_an_allocation_needs_a_hostfile(monkeypatch):

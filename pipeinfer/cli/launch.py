@@ -59,8 +59,8 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
                 hostfile_path = out_hostfile or os.path.join(tempfile.mkdtemp(prefix="pipeinfer-"), "hosts")
                 Path(hostfile_path).write_text(hostfile_text(hosts))
             serve_args = ["--hostfile", hostfile_path] + (["--np", str(np_)] if np_ else []) + list(pipeinfer_args[1:])
-            _check(command, serve_args, resolve=dry_run)
-            return _launch_supervised_serve(mpi_args, dry_run, serve_args)
+            where = _check(command, serve_args, resolve=dry_run)
+            return _launch_supervised_serve(mpi_args, dry_run, serve_args, where)
         library = mpi4py_library()
         if mpi != "auto" and mpi != library.kind:
             raise RuntimeError(f"--mpi {mpi}, but mpi4py loads {library.name}: every rank would run as a separate "
@@ -132,25 +132,26 @@ def _subcommand(pipeinfer_args) -> click.Command:
     return command
 
 
-def _check(command: click.Command, args: list[str], *, resolve: bool) -> None:
+def _check(command: click.Command, args: list[str], *, resolve: bool):
     """The command line `launch` would run on every rank, checked here first: its options as click parses them
     (always: one line here rather than one per rank), and with `resolve` (--dry-run) what the command makes of
     them before it starts MPI (models resolved, the configuration built and checked), so that a dry run that
-    exits 0 names a command that runs."""
+    exits 0 names a command that runs. What the check made of them (None without one)."""
     try:
         with command.make_context(command.name, list(args[1:] if args[:1] == [command.name] else args)) as ctx:
             if resolve and isinstance(command, CheckedCommand) and command.check is not None:
-                command.check(ctx.params)
+                return command.check(ctx.params)
+            return None
     except click.ClickException as e:
         raise click.ClickException(f"{command.name}: {e.format_message()}") from None
     except UserError as e:
         raise click.ClickException(f"{command.name}: {e}") from None
 
 
-def _launch_supervised_serve(mpi_args, dry_run: bool, serve_args: list[str]) -> None:
+def _launch_supervised_serve(mpi_args, dry_run: bool, serve_args: list[str], where=None) -> None:
     """`launch --hostfile H -- serve ARGS` is the supervised server, `serve --hostfile H ARGS` (no mpiexec: it
     starts the pipeline's job itself and re-forms it when a host is lost); --mpi-arg options reach its
-    launcher through PIPEINFER_MPI_ARGS."""
+    launcher through PIPEINFER_MPI_ARGS. A dry run also shows the server's first job (`where` it runs)."""
     cmd = [sys.executable, "-m", "pipeinfer", "serve"] + serve_args
     env = dict(os.environ)
     if mpi_args:
@@ -158,6 +159,8 @@ def _launch_supervised_serve(mpi_args, dry_run: bool, serve_args: list[str]) -> 
     prefix = f"PIPEINFER_MPI_ARGS={shlex.quote(env['PIPEINFER_MPI_ARGS'])} " if mpi_args else ""
     click.echo(prefix + shlex.join(cmd))
     if dry_run:
+        if where is not None:
+            _show_first_job(where, env)
         return
     proc = subprocess.Popen(cmd, env=env)
     signal.signal(signal.SIGTERM, lambda signum, _frame: proc.send_signal(signum))  # the server's own stop
@@ -166,6 +169,22 @@ def _launch_supervised_serve(mpi_args, dry_run: bool, serve_args: list[str]) -> 
             sys.exit(proc.wait())
         except KeyboardInterrupt:  # the server stops on it too (same terminal, same signal): wait for its end
             continue
+
+
+def _show_first_job(where, env: dict) -> None:
+    """The launcher line of the supervised server's first job and its hostfile, as the server would start it."""
+    from ..supervisor.supervisor import first_job_command
+    if "PIPEINFER_MPI_ARGS" in env:  # the server's launcher reads it (this process ends after the dry run)
+        os.environ["PIPEINFER_MPI_ARGS"] = env["PIPEINFER_MPI_ARGS"]
+    with tempfile.TemporaryDirectory(prefix="pipeinfer-") as work:
+        try:
+            job, more = first_job_command(where, work)
+        except (ValueError, RuntimeError, OSError) as e:
+            raise click.ClickException(str(e)) from None
+        click.echo("# the pipeline's first job, as the server starts it:\n# " +
+                   "".join(f"{k}={shlex.quote(v)} " for k, v in more.items()) + shlex.join(job))
+        hosts = Path(work, "hosts.txt")
+        click.echo("# its hostfile:\n" + "\n".join("# " + line for line in hosts.read_text().splitlines()))
 
 
 def _run_forwarding_signals(cmd: list[str], mpi: str, env: dict) -> int:

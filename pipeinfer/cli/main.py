@@ -565,11 +565,13 @@ def entry() -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-def _check_serve(kw: dict) -> None:
+def _check_serve(kw: dict):
+    """ServeArgs.of, and for a supervised server where its job would run (supervisor.Placement, else None)."""
     args = ServeArgs.of(kw)
     if args.np or args.hostfile:
         from ..supervisor.supervisor import placement
-        placement(args.np, args.hostfile, args.config)
+        return placement(args.np, args.hostfile, args.config)
+    return None
 
 
 generate.check = GenerateArgs.of

@@ -137,6 +137,13 @@ def _launch_command(slots: list[str], pipeinfer_args: list[str], hostfile: str,
                          extra=extra, hostfile=hostfile, environ=environ), {}
 
 
+def first_job_command(where: "Placement", work_dir: str) -> tuple[list[str], dict[str, str]]:
+    """The launcher's command line of the server's first job on `where` (its hostfile written in work_dir): what
+    `launch --dry-run -- serve` shows."""
+    hosts = where.slots + ([where.draft.name] if where.draft else [])
+    return _launch_command(hosts, ["attach", os.path.join(work_dir, "rank0.sock")], os.path.join(work_dir, "hosts.txt"))
+
+
 def _answers(host: str, work_dir: str) -> bool:
     """Whether `host` runs pipeinfer again: a one-rank launch of `pipeinfer --version` there succeeds in time
     (this machine always does)."""
