@@ -190,6 +190,7 @@ def test_launch_serve_is_the_supervised_server(tmp_path):
     to the supervisor's launcher through PIPEINFER_MPI_ARGS."""
     hf = tmp_path / "hosts"
     hf.write_text("x:2\ny\n")
+    before = os.environ.get("PIPEINFER_MPI_ARGS")
     res = CliRunner().invoke(main, ["launch", "--hostfile", str(hf), "--np", "2", "--mpi-arg=-iface",
                                                  "--mpi-arg=eth1", "--dry-run", "--", "serve", "--port", "9000"])
     assert res.exit_code == 0, res.output
@@ -200,6 +201,7 @@ def test_launch_serve_is_the_supervised_server(tmp_path):
     assert lines[1] == "# the pipeline's first job, as the server starts it:"
     assert " -n 2 " in lines[2] and " -iface eth1 " in lines[2] and lines[2].endswith("rank0.sock")
     assert lines[3:] == ["# its hostfile:", "# x:2"]
+    assert os.environ.get("PIPEINFER_MPI_ARGS") == before   # the options went to the job's command, not this process
 
 
 def test_supervised_placement_takes_the_hostfiles_settings(tmp_path):

@@ -174,11 +174,9 @@ def _launch_supervised_serve(mpi_args, dry_run: bool, serve_args: list[str], whe
 def _show_first_job(where, env: dict) -> None:
     """The launcher line of the supervised server's first job and its hostfile, as the server would start it."""
     from ..supervisor.supervisor import first_job_command
-    if "PIPEINFER_MPI_ARGS" in env:  # the server's launcher reads it (this process ends after the dry run)
-        os.environ["PIPEINFER_MPI_ARGS"] = env["PIPEINFER_MPI_ARGS"]
     with tempfile.TemporaryDirectory(prefix="pipeinfer-") as work:
         try:
-            job, more = first_job_command(where, work)
+            job, more = first_job_command(where, work, env)
         except (ValueError, RuntimeError, OSError) as e:
             raise click.ClickException(str(e)) from None
         click.echo("# the pipeline's first job, as the server starts it:\n# " +

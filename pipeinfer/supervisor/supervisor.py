@@ -122,14 +122,14 @@ def _launch_command(slots: list[str], pipeinfer_args: list[str], hostfile: str,
                     environ=None) -> tuple[list[str], dict[str, str]]:
     """(the launcher's command line that runs `pipeinfer ARGS` with one rank per slot, the variables it needs): the
     MPI mpi4py loads, the hostfile as `launch` writes it, PIPEINFER_MPI_ARGS (the launcher's own options,
-    docs/cluster.md); the PIPEINFER_* variables of `environ` (default: this process's) go to every rank. Inside a
-    Slurm allocation the job is a job step: srun on the slots' nodes, a lost one left out of the task file."""
+    docs/cluster.md) from `environ` (default: this process's), whose PIPEINFER_* variables go to every rank. Inside
+    a Slurm allocation the job is a job step: srun on the slots' nodes, a lost one left out of the task file."""
     from ..wire.launcher import Host, build_command, choose_launcher, mpi4py_library
     from ..wire.slurm import in_allocation, srun_command
     library = mpi4py_library()
     mpi = library.kind
     hosts = [Host(name) for name in slots]  # one slot each; the hostfile merges a host's lines
-    extra = shlex.split(os.environ.get("PIPEINFER_MPI_ARGS", ""))
+    extra = shlex.split((os.environ if environ is None else environ).get("PIPEINFER_MPI_ARGS", ""))
     if in_allocation(os.environ):
         return srun_command(hosts, len(slots), mpi, pipeinfer_args, task_file=hostfile, extra=extra)
     extra = (["--allow-run-as-root"] if mpi == "openmpi" and os.geteuid() == 0 else []) + extra
@@ -137,11 +137,12 @@ def _launch_command(slots: list[str], pipeinfer_args: list[str], hostfile: str,
                          extra=extra, hostfile=hostfile, environ=environ), {}
 
 
-def first_job_command(where: "Placement", work_dir: str) -> tuple[list[str], dict[str, str]]:
-    """The launcher's command line of the server's first job on `where` (its hostfile written in work_dir): what
-    `launch --dry-run -- serve` shows."""
+def first_job_command(where: "Placement", work_dir: str, environ) -> tuple[list[str], dict[str, str]]:
+    """The launcher's command line of the server's first job on `where` (its hostfile written in work_dir) in the
+    server's environment: what `launch --dry-run -- serve` shows."""
     hosts = where.slots + ([where.draft.name] if where.draft else [])
-    return _launch_command(hosts, ["attach", os.path.join(work_dir, "rank0.sock")], os.path.join(work_dir, "hosts.txt"))
+    return _launch_command(hosts, ["attach", os.path.join(work_dir, "rank0.sock")], os.path.join(work_dir, "hosts.txt"),
+                           environ)
 
 
 def _answers(host: str, work_dir: str) -> bool:
