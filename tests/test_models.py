@@ -472,8 +472,8 @@ def test_the_default_target_gets_the_default_draft_by_what_it_is_not_by_its_name
     for model in (same_size, other):
         setup = _pipeline_for("-m", str(model), "-p", "hi")
         assert (setup.draft, setup.drafter) == (None, "ngram"), model   # no draft model known: n-grams
-        assert drafter_note(setup).startswith(f"drafter: ngram (no draft model is known for {model.name}: "
-                                               "give --draft SMALL.gguf")
+        assert drafter_note(setup).startswith(f"drafter: ngram (for more accepted tokens with {model.name}, "
+                                               "give --draft SMALL.gguf (a small model of the target's family")
     assert drafter_note(_pipeline_for("-m", str(other), "-p", "hi", "--drafter", "ngram")) == "drafter: ngram"
     assert _pipeline_for("-m", str(target), "-p", "hi", "--mode", "iterative").draft is None
 

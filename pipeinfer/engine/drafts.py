@@ -64,6 +64,8 @@ def draft_hint(path: str | os.PathLike) -> str:
     try:
         tok = tokenizer_of(path)
     except Exception:  # noqa: BLE001 (an unreadable target: the run says so itself; the hint stays general)
+        tok = None
+    if tok is None or not tok.arch:
         return "--draft SMALL.gguf (a small model of the target's family; `pipeinfer models drafts` lists them)"
     p = pairing_for(tok)
     if p is TRANSLATED:
