@@ -28,11 +28,13 @@ import quiet  # noqa: E402
 from quiet import elapsed, run_quietly, timed  # noqa: E402
 from harness import JOB_TAG, new_tag  # noqa: E402
 
+sys.path.insert(0, str(ROOT))
+from pipeinfer.wire.slurm import SRUN_ENV  # noqa: E402
+
 BIN = Path(sys.executable).parent
 PROMPT = "Write a Python function that checks whether a number is prime."
-# MPI over the links (netns-cluster.sh: UCX would take shared memory between namespaces of one kernel); eth0 only:
-# short PMI lines for Slurm's pmi2 plugin (docs/cluster.md)
-LINK_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "FI_PROVIDER": "tcp"}
+# MPI over the links (netns-cluster.sh: UCX would take shared memory between namespaces of one kernel)
+LINK_ENV = {"UCX_TLS": "tcp", "FI_PROVIDER": "tcp"}
 
 
 def slurm(state: Path, *args: str) -> None:
@@ -48,7 +50,8 @@ def job(launcher: str, n_hosts: int, args: list[str], state: Path) -> dict:
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", SLURM_CONF=str(state / "slurm.conf"),
                **LINK_ENV, **quiet.OWN_ENV)
     hostfile = None
-    if launcher == "srun":
+    if launcher == "srun":  # as `pipeinfer launch` runs it: the mpich wheel on its OFI netmod (wire/slurm.SRUN_ENV)
+        env.update(SRUN_ENV["mpich"])
         cmd = ["srun", "--mpi=pmi2", "-N", str(n_hosts), "-n", str(n_hosts), "--cpu-bind=none", *generate]
     else:
         hostfile = Path(tempfile.mkstemp(suffix=".hosts")[1])

@@ -112,10 +112,10 @@ EOF
     echo "PartitionName=emu Nodes=h[0-$((n - 1))] Default=YES MaxTime=INFINITE State=UP" >>"$CONF"
     printf '#!/bin/sh\necho "export PIPEINFER_HOST=$SLURMD_NODENAME"\n' >"$DIR/task-prolog.sh"
     chmod 755 "$DIR/task-prolog.sh"
-    # MPI over the links: UCX_TLS=tcp as netns-cluster.sh; UCX_NET_DEVICES=eth0 keeps a rank's UCX address short
-    # (with lo too, the mpich wheel's PMI-1 lines are long enough that the pmi2 plugin now and then reads one in
-    # pieces: "mpi/pmi2: value not properly terminated in client request", and MPI_Init hangs)
-    printf 'export SLURM_CONF=%s UCX_TLS=tcp UCX_NET_DEVICES=eth0 FI_PROVIDER=tcp\n' "$CONF" >"$DIR/env.sh"
+    # MPI over the links: UCX_TLS=tcp, FI_PROVIDER=tcp as netns-cluster.sh; under srun the mpich wheel on its OFI
+    # netmod, as `pipeinfer launch` runs it (a UCX address makes PMI-1 lines the pmi2 plugin reads in pieces:
+    # "mpi/pmi2: value not properly terminated in client request", and MPI_Init fails; pipeinfer/wire/slurm.py)
+    printf 'export SLURM_CONF=%s UCX_TLS=tcp FI_PROVIDER=tcp MPIR_CVAR_CH4_NETMOD=ofi\n' "$CONF" >"$DIR/env.sh"
 }
 
 up() {

@@ -49,11 +49,14 @@ def test_the_srun_line_places_the_ranks_as_mpiexec_would(tmp_path):
     hosts = [Host("h2", 1, threads=1, role="draft"), Host("h0", 2, threads=2), Host("h1", 1, threads=4)]
     tasks = tmp_path / "tasks"
     cmd, env = srun_command(hosts, 4, "mpich", ["generate", "-n", "8"], task_file=str(tasks), srun="srun",
-                            python="py")
+                            python="py", environ={})
     assert cmd == ["srun", "--mpi=pmi2", "--distribution=arbitrary", "--ntasks=4", "--nodes=3", "--kill-on-bad-exit=1",
                    "--cpu-bind=none", "--overlap", "py", "-m", "mpi4py", "-m", "pipeinfer", "generate", "-n", "8",
                    "--draft-at", "rank", "--draft-threads", "1", "--threads", "2,2,4"]
-    assert env == {"SLURM_HOSTFILE": str(tasks)} and tasks.read_text() == "h0\nh0\nh1\nh2\n"
+    assert env == {"SLURM_HOSTFILE": str(tasks), "MPIR_CVAR_CH4_NETMOD": "ofi"}  # MPICH on OFI: short PMI lines
+    assert tasks.read_text() == "h0\nh0\nh1\nh2\n"
+    mine = {"MPIR_CVAR_CH4_NETMOD": "ucx"}   # the user's choice stays
+    assert srun_command(hosts, 4, "mpich", [], task_file=str(tasks), environ=mine)[1] == {"SLURM_HOSTFILE": str(tasks)}
     assert srun_command(hosts[1:], 2, "openmpi", ["profile"], task_file=str(tasks), accepts={"threads"},
                         python="py")[0][:2] == ["srun", "--mpi=pmix"]
 

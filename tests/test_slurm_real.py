@@ -3,10 +3,9 @@ runs slurmctld and one slurmd per network namespace (h0, h1, h2, each behind its
 places ranks on "hosts" as on a cluster. Without root or the packages these tests skip; CI installs the packages
 (.ci/run), and there none skips.
 
-MPI traffic crosses the links: UCX_TLS=tcp (the mpich wheel's UCX would otherwise see one kernel and use shared
-memory between the namespaces, as netns-cluster.sh explains) and UCX_NET_DEVICES=eth0 (each host's link; with the
-loopback device too, a rank's address makes PMI-1 lines that Slurm's pmi2 plugin reads in pieces now and then:
-"mpi/pmi2: value not properly terminated in client request", and the job hangs in MPI_Init; docs/cluster.md)."""
+MPI traffic crosses the links: UCX_TLS=tcp and FI_PROVIDER=tcp (the mpich wheel would otherwise see one kernel and
+use shared memory between the namespaces, as netns-cluster.sh explains). Under srun the mpich wheel runs on its OFI
+netmod, as `pipeinfer launch` starts it (wire/slurm.SRUN_ENV; srun by hand: MPIR_CVAR_CH4_NETMOD=ofi)."""
 import json
 import os
 import re
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeinfer.wire.slurm import SRUN_ENV
 from helpers import (JOBS, PROMPT_TEXT, ROOT, Server, free_port, job_references, netns_unavailable, reference,
                      stream_jobs, tagged_pids, universal_newlines, wait_until)
 
@@ -49,7 +49,7 @@ def slurm():
         pytest.skip(why)
     state = Path(tempfile.mkdtemp(prefix="pipeinfer-slurm-")) / "s"
     os.chmod(state.parent, 0o755)
-    env = dict(os.environ, SLURM_NETNS_DIR=str(state), UCX_TLS="tcp", UCX_NET_DEVICES="eth0", FI_PROVIDER="tcp",
+    env = dict(os.environ, SLURM_NETNS_DIR=str(state), UCX_TLS="tcp", FI_PROVIDER="tcp",
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     up = subprocess.run(["bash", SCRIPT, "up", "3"], capture_output=True, text=True, env=env, timeout=300)
     try:
@@ -77,7 +77,7 @@ def test_slurm_srun_generate_equals_one_process(slurm, models):
     assert one.returncode == 0, one.stderr[-2000:]
     before = {h: _link_bytes(h) for h in ("h1", "h2")}
     three = _run(["srun", "--mpi=pmi2", "-N", "3", "-n", "3", sys.executable, "-m", "mpi4py", "-m", "pipeinfer",
-                  *_generate_args(models), "--json"], slurm)
+                  *_generate_args(models), "--json"], dict(slurm, **SRUN_ENV["mpich"]))
     assert three.returncode == 0, three.stderr[-3000:]
     out = json.loads(three.stdout)
     assert out["text"] == one.stdout[:-1] and len(out["ranges"]) == 3
@@ -98,7 +98,8 @@ def test_slurm_launch_in_an_allocation_runs_one_job(slurm, models):
     p = _run(["salloc", "-N", "3", *PIPEINFER, "launch", "--", *_generate_args(models)], slurm)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout == one.stdout
-    assert re.search(r"^SLURM_HOSTFILE=\S+ \S*srun --mpi=pmi2 --distribution=arbitrary --ntasks=3 ", p.stderr, re.M), \
+    assert re.search(r"^SLURM_HOSTFILE=\S+ MPIR_CVAR_CH4_NETMOD=ofi \S*srun --mpi=pmi2 --distribution=arbitrary "
+                     r"--ntasks=3 ", p.stderr, re.M), \
         p.stderr[-2000:]
 
 
@@ -106,7 +107,7 @@ def test_slurm_tasks_started_alone_say_which_plugin(slurm, models):
     """srun with a PMI plugin the mpich wheel does not speak (--mpi=none) starts three one-rank jobs: each says so
     in one line naming --mpi=pmi2, and exits non-zero, before any model loads."""
     p = _run(["srun", "--mpi=none", "-N", "3", "-n", "3", sys.executable, "-m", "mpi4py", "-m", "pipeinfer",
-              *_generate_args(models, n=8)], slurm, timeout=120)
+              *_generate_args(models, n=8)], dict(slurm, **SRUN_ENV["mpich"]), timeout=120)
     assert p.returncode != 0
     lines = [line for line in p.stderr.splitlines() if "srun started 3 tasks but MPI" in line]
     assert len(lines) == 3 and all("srun --mpi=pmi2" in line for line in lines), p.stderr[-2000:]

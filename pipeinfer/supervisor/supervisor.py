@@ -131,7 +131,7 @@ def _launch_command(slots: list[str], pipeinfer_args: list[str], hostfile: str,
     hosts = [Host(name) for name in slots]  # one slot each; the hostfile merges a host's lines
     extra = shlex.split((os.environ if environ is None else environ).get("PIPEINFER_MPI_ARGS", ""))
     if in_allocation(os.environ):
-        return srun_command(hosts, len(slots), mpi, pipeinfer_args, task_file=hostfile, extra=extra)
+        return srun_command(hosts, len(slots), mpi, pipeinfer_args, task_file=hostfile, extra=extra, environ=environ)
     extra = (["--allow-run-as-root"] if mpi == "openmpi" and os.geteuid() == 0 else []) + extra
     return build_command(hosts, len(slots), mpi, pipeinfer_args, mpiexec=choose_launcher(library, None),
                          extra=extra, hostfile=hostfile, environ=environ), {}

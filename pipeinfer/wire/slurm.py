@@ -14,6 +14,7 @@ one process; each rank says so in one line (launcher.world_size_mismatch), namin
 """
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -24,6 +25,11 @@ from typing import Collection, Mapping, Sequence
 from .launcher import Host, job_plan, rank_hosts
 
 SRUN_MPI = {"mpich": "pmi2", "openmpi": "pmix"}   # the srun --mpi plugin each MPI's library speaks
+# The mpich wheel under srun runs on its OFI netmod: a UCX address makes PMI-1 lines long enough that Slurm's pmi2
+# plugin reads them in pieces ("mpi/pmi2: value not properly terminated in client request") and MPI_Init fails;
+# OFI's addresses are short (measured on the emulated cluster: UCX 0 of 6 starts, OFI 6 of 6). A value the user
+# set stays.
+SRUN_ENV = {"mpich": {"MPIR_CVAR_CH4_NETMOD": "ofi"}, "openmpi": {}}
 TASK_FILE_ENV = "SLURM_HOSTFILE"                   # srun --distribution=arbitrary: one node per task, rank order
 
 
@@ -95,12 +101,14 @@ def allocation_hosts(alloc: Allocation, overlay: Sequence[Host] = ()) -> list[Ho
 
 def srun_command(hosts: Sequence[Host], np: int, mpi: str, pipeinfer_args: Sequence[str], *, task_file: str,
                  srun: str = "srun", python: str = sys.executable, extra: Sequence[str] = (),
-                 accepts: Collection[str] | None = None) -> tuple[list[str], dict[str, str]]:
+                 accepts: Collection[str] | None = None,
+                 environ: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """(argv, environment to add) of a job step that runs ``python -m mpi4py -m pipeinfer ARGS`` on np ranks of
     `hosts`, placed as launcher.build_command places them: one node per task written to `task_file`, in rank order.
     Each rank gets the allocation's CPUs per task (salloc/sbatch --cpus-per-task, which srun reads from the
     environment) unbound, so its threads spread over them; the step may overlap a step still ending (a job the
-    supervisor re-forms, a probe of a lost node)."""
+    supervisor re-forms, a probe of a lost node). The environment to add: the task file, and SRUN_ENV's values
+    that `environ` (default: this process's) does not set."""
     if mpi not in SRUN_MPI:
         raise ValueError(f"unknown MPI {mpi!r} (expected one of {tuple(SRUN_MPI)})")
     hosts, args = job_plan(hosts, np, pipeinfer_args, accepts)
@@ -108,7 +116,9 @@ def srun_command(hosts: Sequence[Host], np: int, mpi: str, pipeinfer_args: Seque
     Path(task_file).write_text("".join(h.name + "\n" for h in order))
     cmd = [srun, f"--mpi={SRUN_MPI[mpi]}", "--distribution=arbitrary", f"--ntasks={np}",
            f"--nodes={len({h.name for h in order})}", "--kill-on-bad-exit=1", "--cpu-bind=none", "--overlap"]
-    return cmd + list(extra) + [python, "-m", "mpi4py", "-m", "pipeinfer"] + args, {TASK_FILE_ENV: str(task_file)}
+    environ = os.environ if environ is None else environ
+    env = {TASK_FILE_ENV: str(task_file), **{k: v for k, v in SRUN_ENV[mpi].items() if k not in environ}}
+    return cmd + list(extra) + [python, "-m", "mpi4py", "-m", "pipeinfer"] + args, env
 
 
 def srun_probe(host: str, python: str = sys.executable, srun: str = "srun") -> list[str]:
