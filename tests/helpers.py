@@ -243,6 +243,23 @@ def stream_jobs(srv: Server, jobs, on_first_piece) -> dict[int, str]:
     return got
 
 
+
+def stream_through_a_cut(srv: Server, refs: list[str]) -> None:
+    """JOBS streamed at once while h2's link (the emulated cluster's) goes down at the first job's 20th piece: every
+    answer equals its no-failure reference, and the server is degraded, rank 2 (host h2) lost."""
+    cut = threading.Event()
+
+    def on_piece(k: int) -> None:
+        if k == 20 and not cut.is_set():
+            cut.set()
+            subprocess.run(["ip", "link", "set", "pi-h2", "down"], check=True)
+    got = stream_jobs(srv, JOBS, on_piece)
+    assert cut.is_set()
+    for i, ref in enumerate(refs):
+        assert universal_newlines(got[i]) == ref, (i, srv.text()[-2000:])
+    health = srv.health()
+    assert health["status"] == "degraded" and health["lost"] == ["rank 2 (host h2)"], health
+
 # ---------------------------------------------------------------- Open MPI and the emulated cluster
 # what makes a job run on Open MPI: mpi4py's MPI ABI switch, and mpirun's consent to run as root (CI is root)
 OPENMPI_ENV = {"MPI4PY_MPIABI": "openmpi", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}

@@ -22,7 +22,7 @@ import pytest
 
 from pipeinfer.wire.slurm import SRUN_ENV
 from helpers import (JOBS, PROMPT_TEXT, ROOT, Server, free_port, job_references, netns_unavailable, reference,
-                     stream_jobs, tagged_pids, universal_newlines, wait_until)
+                     stream_through_a_cut, tagged_pids, universal_newlines, wait_until)
 
 pytestmark = pytest.mark.mpi
 
@@ -123,19 +123,8 @@ def test_slurm_supervised_server_loses_a_node(slurm, models, tmp_path):
     srv = Server(["-m", str(models["q8"]), "--mode", "iterative", "-c", "2048", "--stall-timeout", "3"], None,
                  tmp_path / "sup.log", timeout=180, env=slurm,
                  command=["salloc", "--no-kill", "-N", "3", *PIPEINFER, "launch", "--", "serve"])
-    cut = threading.Event()
-
-    def on_piece(k: int) -> None:
-        if k == 20 and not cut.is_set():
-            cut.set()
-            subprocess.run(["ip", "link", "set", "pi-h2", "down"], check=True)
     try:
-        got = stream_jobs(srv, JOBS, on_piece)
-        assert cut.is_set()
-        for i, ref in enumerate(refs):
-            assert universal_newlines(got[i]) == ref, (i, srv.text()[-2000:])
-        health = srv.health()
-        assert health["status"] == "degraded" and health["lost"] == ["rank 2 (host h2)"], health
+        stream_through_a_cut(srv, refs)
         assert "re-forming the pipeline without rank 2 (host h2)" in srv.text()
         wait_until(lambda: "down" in _run(["sinfo", "-h", "-n", "h2", "-o", "%t"], slurm).stdout, 120,
                    "Slurm never marked h2 down")

@@ -74,43 +74,40 @@ def doctor_cmd(hostfile_path, model, mpi_args, probe, links) -> None:
     click.echo(f"doctor: {len(names)} host(s), no problem found")
 
 
-def _probe(name: str, mpi: str, mpiexec: str, extra: list[str]) -> tuple[HostFacts | None, str | None, float]:
-    """(the host's facts, None, round trip) or (None, why not, 0)."""
+def _job(names: list[str], args: list[str], mpi: str, mpiexec: str, extra: list[str],
+         timeout: float) -> tuple[list[dict], str | None, float]:
+    """`pipeinfer ARGS` on one rank per host through the launcher: (its JSON lines, why it failed or None, seconds)."""
     fd, hostfile = tempfile.mkstemp(prefix="pipeinfer-doctor-", suffix=".txt")
     os.close(fd)
     try:
-        cmd = build_command([Host(name)], 1, mpi, ["doctor", "--probe"], mpiexec=mpiexec, extra=extra,
+        cmd = build_command([Host(n) for n in names], len(names), mpi, args, mpiexec=mpiexec, extra=extra,
                             hostfile=hostfile)
         t0 = time.time()
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
-        rtt = time.time() - t0
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        return None, f"no answer in {PROBE_TIMEOUT_S:.0f} s (ssh, or the host is down)", 0.0
+        return [], f"no answer in {timeout:.0f} s (ssh, or a host is down)", 0.0
     finally:
         Path(hostfile).unlink(missing_ok=True)
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("{")), None)
-    if p.returncode != 0 or line is None:
-        tail = [ln.strip() for ln in (p.stderr + p.stdout).splitlines() if ln.strip()]
-        return None, (tail[-1] if tail else f"the launcher exited with {p.returncode}"), 0.0
-    return HostFacts(**json.loads(line)), None, rtt
+    lines = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0:
+        tail = [ln.strip() for ln in (p.stderr + p.stdout).splitlines() if ln.strip() and not ln.startswith("{")]
+        return lines, tail[-1] if tail else f"the launcher exited with {p.returncode}", 0.0
+    return lines, None, time.time() - t0
+
+
+def _probe(name: str, mpi: str, mpiexec: str, extra: list[str]) -> tuple[HostFacts | None, str | None, float]:
+    """(the host's facts, None, round trip) or (None, why not, 0)."""
+    lines, why, rtt = _job([name], ["doctor", "--probe"], mpi, mpiexec, extra, PROBE_TIMEOUT_S)
+    if why is None and not lines:
+        why = "the probe printed nothing"
+    return (None, why, 0.0) if why else (HostFacts(**lines[0]), None, rtt)
 
 
 def _links(names: list[str], mpi: str, mpiexec: str, extra: list[str]) -> tuple[list[dict], str | None]:
-    fd, hostfile = tempfile.mkstemp(prefix="pipeinfer-doctor-", suffix=".txt")
-    os.close(fd)
-    try:
-        cmd = build_command([Host(n) for n in names], len(names), mpi, ["doctor", "--links"], mpiexec=mpiexec,
-                            extra=extra, hostfile=hostfile)
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=LINKS_TIMEOUT_S, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return [], f"no result in {LINKS_TIMEOUT_S:.0f} s"
-    finally:
-        Path(hostfile).unlink(missing_ok=True)
-    links = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or len(links) != len(names) - 1:
-        tail = [ln.strip() for ln in p.stderr.splitlines() if ln.strip()]
-        return links, tail[-1] if tail else f"the job exited with {p.returncode}"
-    return links, None
+    links, why, _ = _job(names, ["doctor", "--links"], mpi, mpiexec, extra, LINKS_TIMEOUT_S)
+    if why is None and len(links) != len(names) - 1:
+        why = f"{len(links)} of {len(names) - 1} links measured"
+    return links, why
 
 
 def _needs(hosts: list[Host], model: str) -> dict[str, Need]:
