@@ -13,6 +13,7 @@ plan:     searches layer split, draft placement, micro-batch cap and -pr on a pr
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -22,11 +23,23 @@ from ..core.results import append_result, stats_row
 from ..engine.kernels import DEFAULT_KERNELS, KERNELS
 from ..ranks.head import MODES, GenConfig
 from ..ranks.scheduler import default_parallel
+from ..twin.cluster import Link
+from ..twin.machines import (
+    GIB,
+    LAN_LATENCY_US,
+    N_CTX,
+    NAMED_TARGETS,
+    PROFILED_DRAFT_BYTES,
+    target_from_gguf,
+)
 from ..twin.plan import (
+    REFERENCE_PROFILE,
     Shape,
     build_cluster,
     chat_load,
     chat_table,
+    describe,
+    fit_table,
     launch_line,
     load_profile,
     load_table,
@@ -35,7 +48,6 @@ from ..twin.plan import (
     stage_table,
 )
 from ..twin.profile import ProfileOptions, run_profile
-from ..twin.cluster import Link
 from ..twin.sim import simulate
 from .guard import installed, run_guarded
 from .options import speculation_options
@@ -152,7 +164,22 @@ def simulate_cmd(**kw) -> None:
 
 
 @click.command("plan")
-@click.option("--profile", "profile_path", required=True, help="a profile JSON written by `pipeinfer profile`")
+@click.option("--profile", "profile_path", default=None,
+              help="a profile JSON written by `pipeinfer profile` [with --machines: the calibration shipped with "
+                   "pipeinfer, measured on a 2-core AMD EPYC VM; give your own host's profile to calibrate on it]")
+@click.option("--machines", default=None, metavar="HOSTFILE",
+              help="price hosts you describe instead of a profiled cluster: a hostfile whose '# pipeinfer:' comments "
+                   "give cores=, mem= (GiB RAM), mem_bw= (GB/s), disk= (GiB free), link= (Mbit/s) and optionally speed= "
+                   "(a core's speed relative to the profiled host's); prints what fits, the split and the command")
+@click.option("-m", "--model", default=None,
+              help="with --machines: the target GGUF (only its header is read) or a registry name")
+@click.option("--model-size", type=click.Choice(sorted(NAMED_TARGETS)), default=None,
+              help="with --machines: a target named by size, when you do not have its file yet")
+@click.option("--draft", "draft_model", default=None,
+              help="with --machines: the draft GGUF, for its size [default: the size of the target's usual draft "
+                   "where --model-size names it, else the profiled draft's]")
+@click.option("--latency-us", default=LAN_LATENCY_US, show_default=True, type=click.FloatRange(0),
+              help="with --machines: one-way latency between two hosts")
 @click.option("--agreement", default=None, type=click.FloatRange(0, 1),
               help="probability that each draft token is right [default: the profiled draft's measured confidence "
                    "and agreement, which lets plan choose -pa too; else 0.7]")
@@ -183,12 +210,32 @@ def simulate_cmd(**kw) -> None:
 @click.option("--think-s", default=0.0, show_default=True, type=click.FloatRange(0),
               help="with --conversations: seconds a client waits after an answer before its next turn")
 @click.option("--n-ctx", default=None, type=click.IntRange(1),
-              help="with --conversations: the context's cells [default: room for every slot's longest turn]")
-def plan_cmd(profile_path: str, agreement: float | None, propose: float, n_predict: int, runner_up: float,
+              help="with --conversations: the context's cells [default: room for every slot's longest turn]; with "
+                   f"--machines: the KV cache each host sizes for [default: {N_CTX}]")
+def plan_cmd(profile_path: str | None, machines: str | None, model: str | None, model_size: str | None,
+             draft_model: str | None, latency_us: float, agreement: float | None, propose: float, n_predict: int, runner_up: float,
              draft_host: bool, hostfile: str, clients: int | None, parallel: int | None, n_prompt: int,
              conversations: int | None, turns: int, user_tokens: int, think_s: float, n_ctx: int | None) -> None:
-    """Search the fastest configuration for a profiled cluster and print the command that runs it."""
-    prof = load_profile(profile_path)
+    """Search the fastest configuration for a profiled cluster, or for hosts you describe (--machines), and print
+    the command that runs it."""
+    if machines is None and profile_path is None:
+        raise click.UsageError("give --profile (a profiled cluster) or --machines (hosts you describe)")
+    if machines is None and (model or model_size):
+        raise click.UsageError("-m and --model-size describe the target of --machines")
+    prof = load_profile(profile_path or str(REFERENCE_PROFILE))
+    target_path, places, split_ok = None, None, None
+    if machines is not None:
+        prof, target_path, draft_rank, split_ok = _described(prof, machines, model, model_size, draft_model,
+                                                             n_ctx or N_CTX, latency_us)
+        hostfile = machines if hostfile == "hosts.txt" else hostfile
+        places = ("own",) if draft_rank else ("head",)  # the hostfile decides: a role=draft host, or none
+        draft_host = draft_rank
+        if len(prof["ranks"]) == 1:
+            ms = prof["ranks"][0]["ms_by_batch"][0] + prof.get("head_overhead_ms", 0.0)
+            click.echo(f"one host: {1e3 / ms:.2f} tokens/s predicted ({ms:.0f} ms per token); the twin's modes need "
+                       f"2 or more ranks")
+            click.echo(f"pipeinfer generate -m {target_path} -t {prof['ranks'][0]['threads']}")
+            return
     limit = int(prof.get("exact_batch", 3))
     confidence = (prof.get("draft") or {}).get("confidence") if agreement is None else None
     if clients is not None and conversations is not None:
@@ -201,11 +248,15 @@ def plan_cmd(profile_path: str, agreement: float | None, propose: float, n_predi
     if clients is not None:
         _plan_clients(prof, clients, parallel, n_predict, n_prompt,
                       0.7 if agreement is None else agreement, propose, confidence, draft_host)
+        if machines is not None:
+            click.echo(f"run: pipeinfer launch --hostfile {hostfile} -- serve"
+                       + (f" -m {target_path}" if target_path else "") + f" --parallel {parallel}")
         return
     t0 = time.perf_counter()
     try:
         best = search(prof, agreement=0.7 if agreement is None else agreement, n_predict=n_predict, exact_limit=limit,
-                      draft_own_host=draft_host, base=GenConfig(stop_at_eos=False), propose=propose,
+                      draft_own_host=draft_host, base=GenConfig(stop_at_eos=False), propose=propose, places=places,
+                      split_ok=split_ok,
                       confidence=confidence, runner_up=runner_up)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
@@ -215,13 +266,72 @@ def plan_cmd(profile_path: str, agreement: float | None, propose: float, n_predi
                f"({time.perf_counter() - t0:.1f} s of simulation)")
     for mode in MODES:
         c = best[mode]
-        click.echo(f"  {mode:<12} {c.tokens_per_s:6.2f} tokens/s   {launch_line(prof, c, hostfile)}")
+        click.echo(f"  {mode:<12} {c.tokens_per_s:6.2f} tokens/s   {launch_line(prof, c, hostfile, target_path)}")
     win = max(best.values(), key=lambda c: c.tokens_per_s)
     click.echo(f"fastest: {win.mode}, {win.tokens_per_s:.2f} tokens/s predicted "
                f"({win.tokens_per_s / best['iterative'].tokens_per_s:.2f}x iterative)")
-    click.echo(launch_line(prof, win, hostfile))
-    if win.draft_on == "own":
+    if machines is not None:
+        ttft = _ttft_s(prof, win, n_prompt)
+        click.echo(f"time to first token: {ttft:.2f} s for a {n_prompt}-token prompt (--n-prompt)")
+    click.echo(launch_line(prof, win, hostfile, target_path))
+    if win.draft_on == "own" and machines is None:
         click.echo(f"note: the draft runs on a host of its own: give it a line '# pipeinfer: role=draft' in {hostfile}")
+
+
+def _described(prof: dict, machines: str, model: str | None, model_size: str | None, draft_model: str | None,
+               n_ctx: int, latency_us: float):
+    """plan --machines: the described cluster's profile, the target's path (None: named by size), whether a
+    host has role=draft and which other splits fit, after printing what fits (exit 1 when it does not)."""
+    from ..engine.models import resolve_model
+    if (model is None) == (model_size is None):
+        raise click.UsageError("--machines needs the target: -m MODEL.gguf or --model-size SIZE (one of them)")
+    target_path = None
+    if model is not None:
+        try:
+            target_path = str(resolve_model(model))
+            target = target_from_gguf(target_path)
+        except (OSError, KeyError, ValueError) as e:
+            raise click.ClickException(f"-m {model}: cannot read its GGUF header ({e})") from None
+    else:
+        target = NAMED_TARGETS[model_size]
+        target_path = "MODEL.gguf"  # the command names the file the user will have
+    draft_bytes = target.draft_bytes or float((prof.get("draft") or {}).get("file_bytes", PROFILED_DRAFT_BYTES))
+    if draft_model is not None:
+        try:
+            draft_bytes = float(os.path.getsize(resolve_model(draft_model)))
+        except (OSError, KeyError, ValueError) as e:
+            raise click.ClickException(f"--draft {draft_model}: {e}") from None
+    try:
+        d = describe(machines, target, prof, n_ctx=n_ctx, latency_us=latency_us, draft_bytes=draft_bytes)
+    except OSError as e:
+        raise click.ClickException(f"--machines {machines}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    cal = d.calibration
+    click.echo(f"target: {target.name}, {target.arch}, {target.n_layer} layers, {target.file_bytes / 1e9:.1f} GB "
+               f"({target.active_layer_bytes * target.n_layer / 1e9:.1f} GB read per token); host model calibrated "
+               f"at {cal.bytes_per_ms_per_core / 1e6:.1f} GB/s per core, {100 * cal.bw_efficiency:.0f}% of mem_bw, "
+               f"serial share {cal.serial_share:.2f}")
+    click.echo(fit_table(d))
+    head = d.ranks[0].machine
+    click.echo(f"first start: {sum(f.disk_gib for f in d.fits if f.machine.name != head.name) * GIB / 1e9:.1f} GB leave "
+               f"{head.name} one host at a time: about {d.first_start_s / 60:.1f} min")
+    if d.problems:
+        for p in d.problems:
+            click.echo(f"does not fit: {p}", err=True)
+        raise click.ClickException(f"{target.name} does not fit on the hosts of {machines} "
+                                   f"({len(d.problems)} problem{'s' * (len(d.problems) > 1)} above)")
+    click.echo("fits: every host has the RAM and disk for its share")
+    return d.profile, target_path, any(r.draft for r in d.ranks), d.split_ok
+
+
+def _ttft_s(prof: dict, cand, n_prompt: int) -> float:
+    """The twin's time to first token of one generation in the chosen configuration."""
+    from dataclasses import replace
+    gen = replace(GenConfig(stop_at_eos=False), mode=cand.mode, n_predict=8, draft_max=cand.draft_max or 1,
+                  p_accept=cand.p_accept, p_recovery=cand.p_recovery)
+    cl = build_cluster(prof, Shape(fractions=cand.fractions, draft_on=cand.draft_on))
+    return simulate(cl, gen, n_prompt=n_prompt, agreement=0.7).stats.ttft_s
 
 
 def _plan_clients(prof: dict, clients: int, parallel: int, n_predict: int, n_prompt: int, agreement: float,

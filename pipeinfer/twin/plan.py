@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from ..core.topology import layer_ranges
 from ..ranks.head import GenConfig
 from .cluster import (
     Cluster,
@@ -28,10 +29,20 @@ from .cluster import (
     speed_factor,
     stage_cost_from_model,
 )
-from .sim import ClientsResult, PromptSpeed, SimResult, compare_prompt_cache, prompt_speed, simulate, simulate_clients
+from .sim import (
+    ClientsResult,
+    PromptSpeed,
+    SimResult,
+    compare_prompt_cache,
+    prompt_speed,
+    simulate,
+    simulate_clients,
+)
 
 PLAN_P_RECOVERY = (None, 0.1, 0.25, 0.5)   # None: auto (0.5 / (ranks - 1))
 PLAN_P_ACCEPT = (0.1, 0.3, 0.5, 0.7)
+REFERENCE_PROFILE = Path(__file__).with_name("reference_profile.json")  # plan --machines' default calibration
+TIE = 0.005          # a configuration tried later must be this much faster to win (the even split, then simpler ones)
 TREE_BRANCHES = 4                          # --max-branches plan tries beside the chain (1)
 
 
@@ -124,12 +135,15 @@ def _splits(n_ranks: int, step: float = 0.05) -> list[list[float] | None]:
 
 def search(prof: dict, *, agreement: float, n_predict: int, exact_limit: int, draft_own_host: bool,
            base: GenConfig, link: Link | None = None, propose: float = 1.0,
-           confidence: list | None = None, runner_up: float = 0.0) -> dict[str, Candidate]:
+           confidence: list | None = None, runner_up: float = 0.0,
+           places: tuple[str, ...] | None = None, split_ok=None) -> dict[str, Candidate]:
     """The fastest simulated configuration of each mode (iterative: the split only). The draft: right with
     probability `agreement`, proposing at `propose` of its calls (a model draft below its cutoff proposes
     nothing, and costs its time), its runner-up right in `runner_up` of its misses, or, given the profile's
     measured `confidence` pairs, as they and the cutoff decide; then -pa is searched too. Where the draft names
-    runner-ups, PipeInfer is tried with token trees too (--max-branches TREE_BRANCHES)."""
+    runner-ups, PipeInfer is tried with token trees too (--max-branches TREE_BRANCHES). `places`: where the draft
+    may run (default: the head, and a host of its own with draft_own_host); `split_ok(fractions)`: whether a
+    split other than the profiled one fits the hosts (described hosts: their RAM)."""
     n_ranks = len(prof["ranks"])
     best: dict[str, Candidate] = {}
 
@@ -140,14 +154,14 @@ def search(prof: dict, *, agreement: float, n_predict: int, exact_limit: int, dr
         return simulate(cl, gen, agreement=agreement, propose=propose, confidence=confidence,
                         runner_up=runner_up).stats.gen_tokens_per_s
 
-    splits = _splits(n_ranks)
+    splits = [fr for fr in _splits(n_ranks) if fr is None or split_ok is None or split_ok(fr)]
     for fr in splits:  # the split first, on iterative (the split that balances stages)
         cand = Candidate("iterative", fr, "head", None, 0.5, 0.0)
         cand.tokens_per_s = run(cand)
-        if "iterative" not in best or cand.tokens_per_s > best["iterative"].tokens_per_s:
+        if "iterative" not in best or cand.tokens_per_s > best["iterative"].tokens_per_s * (1 + TIE):
             best["iterative"] = cand
     fr_splits = list({tuple(c) if c else None for c in [None, best["iterative"].fractions]})
-    places = ["head", "own"] if draft_own_host else ["head"]
+    places = places or (("head", "own") if draft_own_host else ("head",))
     for mode in ("speculative", "pipeinfer"):
         lead = mode == "speculative"
         caps = range(1, max(1, exact_limit - lead) + 1)
@@ -159,13 +173,15 @@ def search(prof: dict, *, agreement: float, n_predict: int, exact_limit: int, dr
         for fr, place, cap, pr, pa, br in itertools.product(fr_splits, places, caps, p_recs, p_accepts, trees):
             cand = Candidate(mode, list(fr) if fr else None, place, cap, pa, pr, br)
             cand.tokens_per_s = run(cand)
-            if mode not in best or cand.tokens_per_s > best[mode].tokens_per_s:
+            if mode not in best or cand.tokens_per_s > best[mode].tokens_per_s * (1 + TIE):
                 best[mode] = cand
     return best
 
 
-def launch_line(prof: dict, cand: Candidate, hostfile: str = "hosts.txt") -> str:
+def launch_line(prof: dict, cand: Candidate, hostfile: str = "hosts.txt", model: str | None = None) -> str:
     parts = [f"pipeinfer launch --hostfile {hostfile} -- generate --mode {cand.mode}"]
+    if model:
+        parts.append(f"-m {model}")
     if cand.fractions:
         parts.append("--layer-split " + ",".join(f"{f:g}" for f in cand.fractions))
     threads = [r["threads"] for r in prof["ranks"]]
@@ -179,6 +195,68 @@ def launch_line(prof: dict, cand: Candidate, hostfile: str = "hosts.txt") -> str
         # the twin's placements: in series on the head, or a host of its own (a hostfile line with role=draft)
         parts.append("--draft-at rank" if cand.draft_on == "own" else "--draft-at head")
     return " ".join(parts)
+
+
+# ==================================================================== plan --machines: hosts you describe
+@dataclass
+class Described:
+    """A cluster described in a hostfile, with a target: the profile the twin runs on, and what it must hold."""
+    profile: dict
+    ranks: list          # machines.RankPlan
+    fits: list           # machines.HostFit
+    first_start_s: float
+    target: object       # machines.Target
+    calibration: object  # machines.Calibration
+    n_ctx: int
+
+    def split_ok(self, fractions: list[float]) -> bool:
+        """Whether another split of the stage ranks fits each one's RAM (plan's search tries such splits)."""
+        from .machines import capacity_layers
+        stages = [r for r in self.ranks if not r.draft]
+        sharing = {r.machine.name: sum(s.machine.name == r.machine.name for s in stages) for r in stages}
+        ranges = layer_ranges(self.target.n_layer, fractions)
+        return all(rr.n_layers <= capacity_layers(r, self.target, self.n_ctx, sharing[r.machine.name])
+                   for r, rr in zip(stages, ranges))
+
+    @property
+    def problems(self) -> list[str]:
+        return [p for f in self.fits for p in f.problems]
+
+
+def describe(hostfile: str, target, prof: dict, *, n_ctx: int, latency_us: float, draft_bytes: float) -> Described:
+    """The described hosts of `hostfile` (wire.launcher's format with cores=, mem=, mem_bw=, disk=, link=,
+    speed=) running `target` (machines.Target) with a draft of draft_bytes, priced by the host model calibrated
+    on `prof`."""
+    from ..wire.launcher import parse_hostfile
+    from .machines import (
+        Calibration,
+        described_profile,
+        first_start_s,
+        fit,
+        machines_from_hosts,
+    )
+    machines = machines_from_hosts(parse_hostfile(hostfile))
+    cal = Calibration.of(prof)
+    dprof, ranks = described_profile(machines, target, cal, prof, n_ctx=n_ctx, latency_us=latency_us,
+                                     draft_bytes=draft_bytes)
+    return Described(dprof, ranks, fit(ranks, target, n_ctx, draft_bytes), first_start_s(ranks, target, draft_bytes),
+                     target, cal, n_ctx)
+
+
+def fit_table(d: Described) -> str:
+    """A line per rank: host, threads, layers, its decode of one row; a line per host: RAM and disk."""
+    lines = [f"{'rank':<5}{'host':<16}{'threads':>8}  {'layers':<10}{'one row':>10}"]
+    by_rank = {r["rank"]: r for r in d.profile["ranks"]}
+    for r in d.ranks:
+        what = "the draft" if r.draft else f"{r.layers[0]}-{r.layers[1]}" + (" +out" if r.last else "")
+        ms = f"{by_rank[r.rank]['ms_by_batch'][0]:8.1f} ms" if r.rank in by_rank else ""
+        lines.append(f"{r.rank:<5}{r.machine.name:<16}{r.threads:>8}  {what:<10}{ms:>10}")
+    lines.append(f"{'host':<16}{'RAM need/has (GiB)':>22}{'disk need/has (GiB)':>22}")
+    for f in d.fits:
+        has = lambda x: "?" if x is None else f"{x:g}"  # noqa: E731
+        lines.append(f"{f.machine.name:<16}{f'{f.ram_gib:.1f} / {has(f.machine.mem_gib)}':>22}"
+                     f"{f'{f.disk_gib:.1f} / {has(f.machine.disk_gib)}':>22}")
+    return "\n".join(lines)
 
 
 # ==================================================================== plan --clients: a server under load

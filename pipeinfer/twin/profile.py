@@ -31,6 +31,7 @@ PROFILE_FORMAT = 1
 N_CTX_FILL = 128       # KV positions already filled when a decode is timed (a short prompt's worth)
 N_PROMPT_PROBE = PROMPT_PROBE_ROWS   # tokens in the prompt-sized probe batch (the twin interpolates to it)
 N_REPEAT = 5           # timings per batch size; the median is kept
+MAX_THREADS_TIMED = 8  # the thread scaling is timed at 1..min(this, the host's cores) threads
 RUN_N_CTX, RUN_N_BATCH = 4096, 512   # engines are loaded as `pipeinfer generate` loads them by default
 
 
@@ -130,6 +131,19 @@ def measure_layer_model(model: str, n_layer: int, k: int, threads: int, max_batc
             "prompt_fixed_ms_per_token": round(max(0.0, a["prompt_ms_per_token"] - k * p_layer), 4),
             "prompt_layer_ms_per_token": round(p_layer, 4),
             "prompt_out_ms_per_token": round(max(0.0, c["prompt_ms_per_token"] - a["prompt_ms_per_token"]), 4)}
+
+
+def measure_threads(model: str, n_layer: int, k: int, kernels: str, max_threads: int) -> list[float]:
+    """One-row decode ms of the k-layer probe stage at 1..max_threads threads (how a host's decode speeds up
+    with threads: machines.serial_share_from)."""
+    from ..engine.kernels import time_decodes
+    from ..engine.stagefile import ensure_stage_file
+    path = ensure_stage_file(model, 0, max(1, min(k, n_layer // 2)), with_vocab=False)
+    out = []
+    for t in range(1, max_threads + 1):
+        with _engine(path, embd_input=True, last=False, threads=t, kernels=kernels) as eng:
+            out.append(round(time_decodes(eng, [1], N_CTX_FILL, N_REPEAT)[0], 3))
+    return out
 
 
 def weight_bytes(model: str | os.PathLike) -> tuple[float, float]:
@@ -315,6 +329,22 @@ def calibrate(records: dict[int, dict], in_pipeline: dict) -> None:
         rec["in_pipeline_factor"] = round(f, 3)
 
 
+def measure_on_head(opts: ProfileOptions, n_layer: int, threads: int) -> dict:
+    """What is measured on the head's host only: the layer model, the thread scaling, the draft, the head's
+    overhead."""
+    from .machines import serial_share_from
+    extra: dict = {"layer_model": measure_layer_model(opts.model, n_layer, opts.probe_layers, threads,
+                                                      opts.max_batch, opts.kernels)}
+    extra["ms_by_threads"] = measure_threads(opts.model, n_layer, opts.probe_layers, opts.kernels,
+                                             min(MAX_THREADS_TIMED, os.cpu_count() or 1))
+    extra["serial_share"] = round(serial_share_from(extra["ms_by_threads"]), 4)
+    if opts.draft:
+        extra["draft"] = measure_draft(opts.draft, threads, opts.kernels, target=opts.model)
+        extra["draft"]["file_bytes"] = os.path.getsize(opts.draft)
+    extra["head_overhead_ms"] = measure_head_overhead_ms()
+    return extra
+
+
 def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
     """Measure; rank 0 returns the profile (a dict ready for JSON), other ranks None."""
     from ..core.topology import parse_per_rank_ints, plan_layers
@@ -343,13 +373,7 @@ def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
                             kernels=opts.kernels, exact=True)
         records[r] = {"rank": r, "host": host_name(), "machine": machine_id(), "cores": os.cpu_count() or 1,
                       "threads": threads[r], "layers": [lr.start, lr.end], "last": last, **rec}
-    extra = {}
-    if rank == 0:  # the layer model, the draft and the head's overhead are measured on the head's host
-        extra["layer_model"] = measure_layer_model(opts.model, info.n_layer, opts.probe_layers, threads[0],
-                                                   opts.max_batch, opts.kernels)
-        if opts.draft:
-            extra["draft"] = measure_draft(opts.draft, threads[0], opts.kernels, target=opts.model)
-        extra["head_overhead_ms"] = measure_head_overhead_ms()
+    extra = measure_on_head(opts, info.n_layer, threads[0]) if rank == 0 else {}
     links = []
     if size > 1:
         polite_barrier(comm)
@@ -393,5 +417,6 @@ def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
             "shared_slowdown": round(max(1.0, statistics.median(shared)), 3) if shared else 1.0,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "model": {"path": os.path.basename(opts.model), "n_layer": info.n_layer, "n_embd": info.n_embd,
-                      "n_vocab": info.n_vocab, "file_bytes": os.path.getsize(opts.model)},
+                      "n_vocab": info.n_vocab, "file_bytes": os.path.getsize(opts.model),
+                      **dict(zip(("active_layer_bytes", "out_bytes"), weight_bytes(opts.model)))},
             "ranks": [records[r] for r in range(n_stages)], "links": links, **extra}

@@ -22,7 +22,9 @@ on that host gets), ``mem`` (GiB the host can give pipeinfer: a supervised
 server checks it before re-forming its job on fewer hosts) and ``role`` (``stage``, the default, or ``draft``: the
 host that runs the draft model on a rank of its own, ``--draft-at rank``; at
 most one, with one slot; it becomes the last rank wherever its line is, and
-its ``threads`` become ``--draft-threads``). Blank lines, whole-line comments and trailing comments
+its ``threads`` become ``--draft-threads``). ``cores``, ``mem_bw`` (GB/s),
+``disk`` (GiB), ``link`` (Mbit/s) and ``speed`` describe a machine to
+``pipeinfer plan`` (twin/machines.py); nothing else reads them. Blank lines, whole-line comments and trailing comments
 that do not start with ``pipeinfer:`` are ignored. Any other line is a
 ``ValueError`` naming the line number.
 
@@ -34,7 +36,10 @@ Command lines
 -------------
 MPICH::
 
-    mpiexec -f HOSTFILE -n NP [-genvlist A,B] PYTHON -m mpi4py -m pipeinfer ARGS
+    mpiexec -f HOSTFILE -n NP [-genvlist A,B] -wdir / -genv PIPEINFER_WORKDIR CWD PYTHON -m mpi4py -m pipeinfer ARGS
+
+(Hydra would start every rank in CWD, the folder the job is launched from, and fail on a host without it: the
+ranks start in /, and each goes back to CWD where its host has it, else to its home folder.)
 
 Open MPI (``mpiexec`` and ``mpirun`` are the same program there)::
 
@@ -108,6 +113,14 @@ class Host:
     weight: float | None = None
     mem: float | None = None  # GiB this host can give pipeinfer (the supervisor's check before a re-form)
     role: str = "stage"  # stage | draft
+    # a machine described for `pipeinfer plan` (twin/machines.py); launch and the supervisor ignore these
+    cores: int | None = None      # physical cores
+    mem_bw: float | None = None   # memory bandwidth, GB/s
+    disk: float | None = None     # GiB free where pipeinfer keeps its stage files
+    link: float | None = None     # Mbit/s of its network link
+    speed: float | None = None    # one core's decode speed relative to a core of the profiled host
+
+DESCRIBE_KEYS = ("cores", "mem_bw", "disk", "link", "speed")
 
 
 _COLON = re.compile(r"^([A-Za-z0-9_.\-]+)(?::(\d+))?$")
@@ -130,9 +143,9 @@ def _parse_settings(text: str, where: str) -> dict:
         key, eq, value = item.partition("=")
         if not eq or not value:
             raise ValueError(f"{where}: expected key=value in pipeinfer comment, got {item!r}")
-        if key in ("threads", "threads_batch"):
+        if key in ("threads", "threads_batch", "cores"):
             settings[key] = _positive_int(value, key, where)
-        elif key in ("weight", "mem"):
+        elif key in ("weight", "mem", "mem_bw", "disk", "link", "speed"):
             try:
                 w = float(value)
             except ValueError:
@@ -146,7 +159,7 @@ def _parse_settings(text: str, where: str) -> dict:
             settings[key] = value
         else:
             raise ValueError(f"{where}: unknown pipeinfer setting {key!r} "
-                             "(known: threads, threads_batch, weight, mem, role)")
+                             "(known: threads, threads_batch, weight, mem, role, cores, mem_bw, disk, link, speed)")
     return settings
 
 
@@ -200,7 +213,8 @@ def hostfile_text(hosts: Sequence[Host]) -> str:
     def line(h: Host) -> str:
         settings = [f"{k}={_fmt_weight(v) if isinstance(v, float) else v}"
                     for k, v in (("threads", h.threads), ("threads_batch", h.threads_batch), ("weight", h.weight),
-                                 ("mem", h.mem), ("role", None if h.role == "stage" else h.role)) if v is not None]
+                                 ("mem", h.mem), ("role", None if h.role == "stage" else h.role))
+                    + tuple((k, getattr(h, k)) for k in DESCRIBE_KEYS) if v is not None]
         return f"{h.name}:{h.slots}" + (" # pipeinfer: " + " ".join(settings) if settings else "") + "\n"
     return "".join(line(h) for h in hosts)
 
@@ -512,12 +526,32 @@ def build_command(
         cmd = [mpiexec, "-f", hostfile, "-n", str(np)]
         if names:
             cmd += ["-genvlist", ",".join(names)]
+        # Hydra starts every rank in this folder and fails on a host that lacks it (Open MPI and srun fall back to
+        # another): the ranks start in /, and each goes back to it where its host has it (enter_workdir)
+        pass
     else:
         cmd = [mpiexec, "--hostfile", hostfile, "--np", str(np), "--bind-to", "none",
                "--map-by", "slot"]
         for n in names:
             cmd += ["-x", n]
     return cmd + list(extra) + [python, "-m", "mpi4py", "-m", "pipeinfer"] + args
+
+
+WORKDIR_ENV = "PIPEINFER_WORKDIR"  # the folder `launch` ran in, for the ranks of an MPICH job (build_command)
+
+
+def enter_workdir(environ=os.environ) -> None:
+    """A rank of an MPICH job `launch` started in /: into the folder the launch ran in where this host has it (a
+    relative path means the same as to the user there), else into the home folder."""
+    workdir = environ.pop(WORKDIR_ENV, None)
+    if workdir is None:
+        return
+    for where in (workdir, os.path.expanduser("~")):
+        try:
+            os.chdir(where)
+            return
+        except OSError:
+            continue
 
 
 # ---- the job as its launcher started it, read from the environment (before, or beside, MPI's own view)
