@@ -5,9 +5,9 @@ One ASGI middleware (`Gate`) in front of every route, so a refusal costs no pars
 shape: OpenAI's `{"error": {"message", "type", "param", "code"}}`, Anthropic's `{"type": "error", "error":
 {"type", "message"}}` on /v1/messages*.
 
-    keys         with --api-key/--api-key-file, every route but /health needs `Authorization: Bearer KEY` or
-                 `x-api-key: KEY` (Anthropic's header); compared in constant time; 401 otherwise. A key is never
-                 logged nor echoed.
+    keys         with --api-key/--api-key-file, every route but /health, the page (/) and its /static/* files needs
+                 `Authorization: Bearer KEY` or `x-api-key: KEY` (Anthropic's header); compared in constant time;
+                 401 otherwise. A key is never logged nor echoed.
     body         larger than --max-body-bytes (by its Content-Length, or as it arrives): 413, before the route
                  reads it.
     at once      more than --max-connections requests in progress: 503 with Retry-After (/health and /metrics

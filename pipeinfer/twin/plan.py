@@ -121,16 +121,17 @@ class Candidate:
 
 
 def _splits(n_ranks: int, step: float = 0.05) -> list[list[float] | None]:
-    """The even split (None) and fractions around it in `step`s (2-4 ranks; more: even only)."""
-    out: list[list[float] | None] = [None]
+    """The profiled split (None) and fractions in `step`s (2-4 ranks; more: the profiled only), the most even
+    first (the search keeps the first of splits that tie)."""
     if n_ranks < 2 or n_ranks > 4:
-        return out
+        return [None]
     grid = [round(i * step, 4) for i in range(1, int(1 / step))]
+    out = []
     for head in itertools.product(grid, repeat=n_ranks - 1):
         rest = round(1.0 - sum(head), 4)
         if rest >= step - 1e-9:
             out.append(list(head) + [rest])
-    return out
+    return [None, *sorted(out, key=lambda fr: max(fr) - min(fr))]
 
 
 def search(prof: dict, *, agreement: float, n_predict: int, exact_limit: int, draft_own_host: bool,
