@@ -44,6 +44,45 @@ def test_this_hosts_facts():
     assert f.pipeinfer and f.llama_cpp != "missing" and f.mem_available > 0 and f.disk_free > 0 and f.cpus >= 1
 
 
+@pytest.mark.parametrize("pinned, most", [(None, 3), ("50000:50099", 1)])
+def test_probes_in_a_pinned_port_range_go_one_at_a_time(tmp_path, monkeypatch, pinned, most):
+    """mpiexecs started at once in MPIEXEC_PORT_RANGE (docs/cluster.md, ports) race for its ports, and Hydra's
+    "unable to create PMI port" named a healthy host unreachable (3 runs of 4 here): there the probes go one by one."""
+    import threading
+    import time
+
+    from click.testing import CliRunner
+
+    from pipeinfer.cli import doctor_cmd
+    from pipeinfer.cli.main import main
+    from pipeinfer.wire.launcher import MpiLibrary
+    running, seen, lock = [0], [0], threading.Lock()
+
+    def probe(name, *_):
+        with lock:
+            running[0] += 1
+            seen[0] = max(seen[0], running[0])
+        time.sleep(0.1)
+        with lock:
+            running[0] -= 1
+        return replace(HERE, host=name, clock=time.time()), None, 0.01
+    monkeypatch.setattr(doctor_cmd, "_probe", probe)
+    monkeypatch.setattr(doctor_cmd, "_links", lambda names, *_: (
+        [{"from": "h0", "to": n, "bandwidth_bit_s": 1e9, "latency_s": 1e-5} for n in names[1:]], None))
+    monkeypatch.setattr(doctor_cmd, "facts", lambda build: replace(HERE, clock=time.time()))
+    monkeypatch.setattr(doctor_cmd, "mpi4py_library", lambda: MpiLibrary("mpich", "MPICH 5.0.2", None))
+    monkeypatch.setattr(doctor_cmd, "choose_launcher", lambda library: "mpiexec")
+    for name in doctor_cmd.PORT_RANGE_VARS:
+        monkeypatch.delenv(name, raising=False)
+    if pinned:
+        monkeypatch.setenv("MPIEXEC_PORT_RANGE", pinned)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("h0\nh1\nh2\n")
+    res = CliRunner().invoke(main, ["doctor", "--hostfile", str(hosts)])
+    assert res.exit_code == 0 and "doctor: 3 host(s), no problem found" in res.output, res.output
+    assert seen[0] == most
+
+
 @pytest.mark.mpi
 def test_doctor_on_the_emulated_cluster(tmp_path, models):
     """A healthy 3-host cluster passes (exit 0, each link measured); then h1 with another pipeinfer (its install

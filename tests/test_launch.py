@@ -34,6 +34,7 @@ def _mpi4py_loads_the_mpich_wheel(monkeypatch):
         monkeypatch.delenv(name)
 PY = "/venv/bin/python"
 MOD = [PY, "-m", "mpi4py", "-m", "pipeinfer"]
+WDIR = ["-wdir", "/", "-genv", "PIPEINFER_WORKDIR", os.getcwd()]  # MPICH's ranks start in /, then go back here
 
 
 def test_parse_slot_forms():
@@ -65,7 +66,7 @@ def test_parse_file(tmp_path):
     ("a\n\nb # pipeinfer: threads=two\n", 3, "integer"),
     ("a # pipeinfer: threads=0\n", 1, "positive"),
     ("a # pipeinfer: weight=-1\n", 1, "weight"),
-    ("a # pipeinfer: cores=3\n", 1, "unknown"),
+    ("a # pipeinfer: colour=3\n", 1, "unknown"),
     ("a # pipeinfer: threads\n", 1, "key=value"),
     ("a\nb # pipeinfer: role=drafter\n", 2, "unknown role 'drafter'"),
 ])
@@ -125,7 +126,7 @@ def test_build_command_mpich(tmp_path):
     hf = tmp_path / "h.txt"
     cmd = build_command(hosts, 4, "mpich", ["generate", "-m", "t.gguf"], python=PY,
                         hostfile=hf, environ=ENV)
-    assert cmd == ["mpiexec", "-f", str(hf), "-n", "4", "-genvlist", "PATH,PIPEINFER_CACHE",
+    assert cmd == ["mpiexec", "-f", str(hf), "-n", "4", "-genvlist", "PATH,PIPEINFER_CACHE", *WDIR,
                    *MOD, "generate", "-m", "t.gguf",
                    "--threads", "4,4,2,1", "--threads-batch", "8,8,2,1",
                    "--layer-split", "0.333333,0.333333,0.166667,0.166667"]
@@ -148,7 +149,24 @@ def test_build_command_plain_hosts_adds_nothing(tmp_path):
     hosts = [Host("n0", 1), Host("n1", 3)]
     cmd = build_command(hosts, 4, "mpich", ["generate", "-p", "hi"], python=PY,
                         hostfile=tmp_path / "h", environ={}, env_forward=())
-    assert cmd == ["mpiexec", "-f", str(tmp_path / "h"), "-n", "4", *MOD, "generate", "-p", "hi"]
+    assert cmd == ["mpiexec", "-f", str(tmp_path / "h"), "-n", "4", *WDIR, *MOD, "generate", "-p", "hi"]
+
+
+def test_mpich_ranks_start_in_a_folder_every_host_has(tmp_path, monkeypatch):
+    """Hydra starts every rank in the folder the launch runs in and fails on a host without it ("unable to change
+    wdir"): the ranks start in /, and each goes back into that folder where its host has it, else into its home."""
+    cmd = build_command([Host("n0", 2)], 2, "mpich", ["generate"], python=PY, hostfile=tmp_path / "h", environ={})
+    assert cmd[cmd.index("-wdir"):cmd.index(PY)] == WDIR
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir("/")
+    for workdir, lands in ((tmp_path, tmp_path), (tmp_path / "only-on-the-head", home)):
+        environ = {launch.WORKDIR_ENV: str(workdir)}
+        launch.enter_workdir(environ)
+        assert os.getcwd() == str(lands) and environ == {}  # (and not passed on to what the rank starts)
+    launch.enter_workdir({})  # not a rank of such a job: stays where it is
+    assert os.getcwd() == str(home)
 
 
 def test_user_options_win_and_go_before_double_dash(tmp_path):
@@ -254,6 +272,21 @@ def test_the_options_the_user_set_are_carried_in_the_config(tmp_path):
     assert {"threads", "draft_threads", "model", "mode"} <= given and not given & {"threads_batch", "layer_split"}
     assert Config.from_json(seen[0].to_json()) == seen[0]
     assert options_given(argv + ["--", "--layer-split", "x"]) == frozenset({"threads", "draft_threads"})
+
+
+@pytest.mark.parametrize("args, given", [
+    (["-t", "8"], {"threads"}), (["-t8"], {"threads"}), (["-tb", "8"], {"threads_batch"}),
+    (["-tb8", "-t", "2"], {"threads", "threads_batch"}), (["--", "-t", "8"], set()),
+])
+def test_a_short_option_wins_over_the_hostfile_too(tmp_path, args, given):
+    """`launch -- generate -t 8` keeps the user's threads: the hostfile's threads= are not appended after them (the
+    last --threads would win)."""
+    from pipeinfer.wire.launcher import options_given
+    assert options_given(args) == frozenset(given)
+    cmd = build_command(parse_hostfile_text(HOSTS), 4, "mpich", ["generate", "-t", "8"], python=PY,
+                        hostfile=tmp_path / "h", environ={})
+    assert cmd[cmd.index(PY) + 5:] == ["generate", "-t", "8", "--threads-batch", "8,8,2,1",
+                                       "--layer-split", "0.333333,0.333333,0.166667,0.166667"]
 
 
 def test_dry_run_leaves_no_temporary_hostfile(tmp_path, monkeypatch):
@@ -497,8 +530,26 @@ def test_launch_passes_only_the_options_the_command_takes(tmp_path, monkeypatch)
     res = CliRunner().invoke(main, ["launch", "--hostfile", str(hf), "--mpiexec", "mympiexec", "--dry-run", "--",
                                           "profile"])
     assert res.exit_code == 0, res.output
-    args = res.output.splitlines()[0].split(" -m pipeinfer ")[1].split()
+    lines = res.output.splitlines()
+    args = next(line for line in lines if " -m pipeinfer " in line).split(" -m pipeinfer ")[1].split()
     assert args == ["profile", "--threads", "4,16,16", "--layer-split", "0.111111,0.444444,0.444444"]
+    # and it runs on the stage hosts' 3 slots only: the draft host's would be a 4th stage rank without a fraction
+    assert "[pipeinfer] launch: profile runs no draft rank: laptop (role=draft) is left out" in lines
+    assert " -n 3 " in next(line for line in lines if " -m pipeinfer " in line)
+    assert lines[lines.index(next(line for line in lines if line.startswith("# hostfile "))) + 1:] == ["head:1",
+                                                                                                      "xeon:2"]
+
+
+def test_launch_never_shows_an_api_key(tmp_path):
+    """`launch -- serve --api-key KEY` prints the server's command with the key hidden (keys are never echoed)."""
+    hf = tmp_path / "hosts"
+    hf.write_text("x\n")
+    res = CliRunner().invoke(main, ["launch", "--hostfile", str(hf), "--dry-run", "--", "serve", "--api-key",
+                                    "s3cret", "--api-key=t0ken", "--port", "9000"])
+    assert res.exit_code == 0, res.output
+    assert "s3cret" not in res.output and "t0ken" not in res.output
+    assert res.output.splitlines()[0].endswith("serve --hostfile " + str(hf) +
+                                               " --api-key KEY --api-key=KEY --port 9000")
 
 
 @pytest.mark.parametrize("command, why", [

@@ -18,6 +18,7 @@ from ..wire.launcher import (Host, build_command, choose_launcher, group_hosts, 
                              mpi4py_library, parse_hostfile)
 
 PROBE_TIMEOUT_S = 30.0
+PORT_RANGE_VARS = ("MPIEXEC_PORT_RANGE", "MPICH_PORT_RANGE")  # MPICH's Hydra binds its control port in that range
 LINKS_TIMEOUT_S = 120.0
 
 
@@ -49,7 +50,10 @@ def doctor_cmd(hostfile_path, model, mpi_args, probe, links) -> None:
         *shlex.split(os.environ.get("PIPEINFER_MPI_ARGS", "")), *mpi_args]
     names = [name for name, _ in merged_slots(hosts)]
     here = facts(build_id())
-    with ThreadPoolExecutor(max_workers=min(16, len(names))) as pool:
+    # mpiexecs started at once in a pinned port range (docs/cluster.md, ports) race for its ports: Hydra's "unable
+    # to create PMI port" would name a healthy host unreachable; so there the probes go one at a time
+    pinned = any(os.environ.get(v) for v in PORT_RANGE_VARS)
+    with ThreadPoolExecutor(max_workers=1 if pinned else min(16, len(names))) as pool:
         probed = dict(zip(names, pool.map(lambda n: _probe(n, library.kind, mpiexec, extra), names)))
     needs = _needs(hosts, model) if model else {}
     found: list[str] = []

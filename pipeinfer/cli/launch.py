@@ -66,8 +66,9 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
             raise RuntimeError(f"--mpi {mpi}, but mpi4py loads {library.name}: every rank would run as a separate "
                                f"one-process job (make mpi4py load {MPI_NAMES[mpi]}: {HOW_TO_LOAD[mpi]})")
         mpi = library.kind
-        np_ = np_ or sum(h.slots for h in hosts)
         accepts = {p.name for p in command.params}
+        hosts = _without_draft_host(command.name, hosts, accepts)
+        np_ = np_ or sum(h.slots for h in hosts)
         if slurm is not None:
             task_file = out_hostfile or _temporary("pipeinfer-tasks-")
             cmd, env = srun_command(hosts, np_, mpi, pipeinfer_args, task_file=task_file, srun=_srun(),
@@ -102,6 +103,17 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
         if out_hostfile is None:
             Path(hostfile).unlink(missing_ok=True)
     sys.exit(rc if rc >= 0 else 128 - rc)
+
+
+def _without_draft_host(name: str, hosts: list, accepts) -> list:
+    """The hosts a command runs on: a command with no draft rank (no --draft-at, e.g. `profile`) runs on the stage
+    hosts only, the role=draft host left out, said in one line (its slot would be one more stage rank than the
+    hostfile's --layer-split has fractions for)."""
+    draft = next((h for h in hosts if h.role == "draft"), None)
+    if draft is None or "draft_at" in accepts:
+        return hosts
+    click.echo(f"[pipeinfer] launch: {name} runs no draft rank: {draft.name} (role=draft) is left out", err=True)
+    return [h for h in hosts if h is not draft]
 
 
 def _temporary(prefix: str) -> str:
@@ -157,7 +169,7 @@ def _launch_supervised_serve(mpi_args, dry_run: bool, serve_args: list[str], whe
     if mpi_args:
         env["PIPEINFER_MPI_ARGS"] = shlex.join([*shlex.split(env.get("PIPEINFER_MPI_ARGS", "")), *mpi_args])
     prefix = f"PIPEINFER_MPI_ARGS={shlex.quote(env['PIPEINFER_MPI_ARGS'])} " if mpi_args else ""
-    click.echo(prefix + shlex.join(cmd))
+    click.echo(prefix + shlex.join(_keys_hidden(cmd)))
     if dry_run:
         if where is not None:
             _show_first_job(where, env)
@@ -169,6 +181,17 @@ def _launch_supervised_serve(mpi_args, dry_run: bool, serve_args: list[str], whe
             sys.exit(proc.wait())
         except KeyboardInterrupt:  # the server stops on it too (same terminal, same signal): wait for its end
             continue
+
+
+def _keys_hidden(cmd: list[str]) -> list[str]:
+    """The command as it is shown: an --api-key's value as KEY (keys are never echoed, docs/serving.md)."""
+    shown = list(cmd)
+    for i, a in enumerate(shown):
+        if a.startswith("--api-key="):
+            shown[i] = "--api-key=KEY"
+        elif a == "--api-key" and i + 1 < len(shown):
+            shown[i + 1] = "KEY"
+    return shown
 
 
 def _show_first_job(where, env: dict) -> None:

@@ -21,6 +21,7 @@ from ..core.files import prompt_path, read_prompt_file
 from ..core.results import results_row, write_row
 from ..core.verify import SamplingParams
 from .guard import StopSignals, die, mpi_rank, mpi_size, run_guarded
+from ..wire.launcher import enter_workdir
 from ..core.config import CONFIG_ENV, Config, cells_reserve, check_fits
 from .options import (CheckedCommand, config_from_options, drafter_note, n_target_ranks, own_fields,
                       pipeline_options, supervision_options)
@@ -543,6 +544,7 @@ _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >
 def entry() -> None:
     """The console entry point: click, with a usage error as one line like every other user error
     (printed once, by rank 0; every rank exits with 2)."""
+    enter_workdir()  # a rank `launch` started in / (MPICH): back into the folder the launch ran in
     try:
         _refuse_old_spellings(sys.argv[1:])
         code = main.main(prog_name="pipeinfer", standalone_mode=False)

@@ -223,10 +223,11 @@ def plan_cmd(profile_path: str | None, machines: str | None, model: str | None, 
     if machines is None and (model or model_size):
         raise click.UsageError("-m and --model-size describe the target of --machines")
     prof = load_profile(profile_path or str(REFERENCE_PROFILE))
-    target_path, places, split_ok = None, None, None
+    target_path, places, split_ok, draft_arg = None, None, None, None
     if machines is not None:
         prof, target_path, draft_rank, split_ok = _described(prof, machines, model, model_size, draft_model,
                                                              n_ctx or N_CTX, latency_us)
+        draft_arg = draft_model or _usual_draft(model, model_size)
         hostfile = machines if hostfile == "hosts.txt" else hostfile
         places = ("own",) if draft_rank else ("head",)  # the hostfile decides: a role=draft host, or none
         draft_host = draft_rank
@@ -250,7 +251,7 @@ def plan_cmd(profile_path: str | None, machines: str | None, model: str | None, 
                       0.7 if agreement is None else agreement, propose, confidence, draft_host)
         if machines is not None:
             click.echo(f"run: pipeinfer launch --hostfile {hostfile} -- serve"
-                       + (f" -m {target_path}" if target_path else "") + f" --parallel {parallel}")
+                       + (f" -m {target_path}" if target_path else "") + f" --draft {draft_arg} --parallel {parallel}")
         return
     t0 = time.perf_counter()
     try:
@@ -266,14 +267,14 @@ def plan_cmd(profile_path: str | None, machines: str | None, model: str | None, 
                f"({time.perf_counter() - t0:.1f} s of simulation)")
     for mode in MODES:
         c = best[mode]
-        click.echo(f"  {mode:<12} {c.tokens_per_s:6.2f} tokens/s   {launch_line(prof, c, hostfile, target_path)}")
+        click.echo(f"  {mode:<12} {c.tokens_per_s:6.2f} tokens/s   {launch_line(prof, c, hostfile, target_path, draft_arg)}")
     win = max(best.values(), key=lambda c: c.tokens_per_s)
     click.echo(f"fastest: {win.mode}, {win.tokens_per_s:.2f} tokens/s predicted "
                f"({win.tokens_per_s / best['iterative'].tokens_per_s:.2f}x iterative)")
     if machines is not None:
         ttft = _ttft_s(prof, win, n_prompt)
         click.echo(f"time to first token: {ttft:.2f} s for a {n_prompt}-token prompt (--n-prompt)")
-    click.echo(launch_line(prof, win, hostfile, target_path))
+    click.echo(launch_line(prof, win, hostfile, target_path, draft_arg))
     if win.draft_on == "own" and machines is None:
         click.echo(f"note: the draft runs on a host of its own: give it a line '# pipeinfer: role=draft' in {hostfile}")
 
@@ -323,6 +324,17 @@ def _described(prof: dict, machines: str, model: str | None, model_size: str | N
                                    f"({len(d.problems)} problem{'s' * (len(d.problems) > 1)} above)")
     click.echo("fits: every host has the RAM and disk for its share")
     return d.profile, target_path, any(r.draft for r in d.ranks), d.split_ok
+
+
+def _usual_draft(model: str | None, model_size: str | None) -> str:
+    """The draft a printed command names: the pairing of the target's tokenizer (engine/drafts.py), or of the
+    family a size names."""
+    from ..engine.drafts import PAIRINGS, pairing_for, tokenizer_of
+    from ..engine.models import resolve_model
+    if model is not None:
+        return pairing_for(tokenizer_of(resolve_model(model))).file
+    arch = NAMED_TARGETS[model_size].arch
+    return next(p.file for p in PAIRINGS if arch in p.archs) if any(arch in p.archs for p in PAIRINGS) else "DRAFT.gguf"
 
 
 def _ttft_s(prof: dict, cand, n_prompt: int) -> float:

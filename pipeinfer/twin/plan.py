@@ -179,10 +179,13 @@ def search(prof: dict, *, agreement: float, n_predict: int, exact_limit: int, dr
     return best
 
 
-def launch_line(prof: dict, cand: Candidate, hostfile: str = "hosts.txt", model: str | None = None) -> str:
+def launch_line(prof: dict, cand: Candidate, hostfile: str = "hosts.txt", model: str | None = None,
+                draft: str | None = None) -> str:
     parts = [f"pipeinfer launch --hostfile {hostfile} -- generate --mode {cand.mode}"]
     if model:
         parts.append(f"-m {model}")
+    if draft and cand.mode != "iterative":
+        parts.append(f"--draft {draft}")
     if cand.fractions:
         parts.append("--layer-split " + ",".join(f"{f:g}" for f in cand.fractions))
     threads = [r["threads"] for r in prof["ranks"]]

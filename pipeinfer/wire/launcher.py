@@ -389,18 +389,21 @@ def rank_hosts(hosts: Sequence[Host], np: int) -> list[Host]:
 
 # the options a hostfile's settings may give (core/config field names); an option the user set wins over them
 HOST_SET_OPTIONS = ("threads", "threads_batch", "layer_split", "draft_at", "draft_threads")
+_SHORT = {"threads": "-t", "threads_batch": "-tb"}  # their short spellings (cli/options.py)
 
 
 def options_given(args: Sequence[str]) -> frozenset[str]:
-    """The HOST_SET_OPTIONS a pipeinfer command line sets (before a literal "--"): what `pipeinfer launch` knows of
-    the command it runs; `serve`/`generate --hostfile` know it from click (Config.set_by_user)."""
+    """The HOST_SET_OPTIONS a pipeinfer command line sets (before a literal "--"), long or short (-t 8, -t8): what
+    `pipeinfer launch` knows of the command it runs; `serve`/`generate --hostfile` know it from click
+    (Config.set_by_user)."""
     given = set()
     for a in args:
         if a == "--":
             break
         for name in HOST_SET_OPTIONS:
-            option = "--" + name.replace("_", "-")
-            if a == option or a.startswith(option + "="):
+            option, short = "--" + name.replace("_", "-"), _SHORT.get(name)
+            if a == option or a.startswith(option + "=") or (short and (a == short or (
+                    a.startswith(short) and a[len(short):][:1].isdigit()))):
                 given.add(name)
     return frozenset(given)
 
@@ -528,7 +531,7 @@ def build_command(
             cmd += ["-genvlist", ",".join(names)]
         # Hydra starts every rank in this folder and fails on a host that lacks it (Open MPI and srun fall back to
         # another): the ranks start in /, and each goes back to it where its host has it (enter_workdir)
-        pass
+        cmd += ["-wdir", "/", "-genv", WORKDIR_ENV, os.getcwd()]
     else:
         cmd = [mpiexec, "--hostfile", hostfile, "--np", str(np), "--bind-to", "none",
                "--map-by", "slot"]
