@@ -157,7 +157,9 @@ def test_plan_prints_fit_split_speeds_and_the_command(tmp_path):
     assert "pipeinfer launch --hostfile" in r.output.splitlines()[-1] and "--draft-at rank" in r.output
     clients = _plan(tmp_path, FOUR, "--model-size", "70b-q4_k_m", "-n", "16", "--clients", "4")
     assert clients.exit_code == 0, clients.output
-    assert "-- serve" in clients.output.splitlines()[-1]
+    assert "recommended: --parallel" in clients.output
+    run = clients.output.splitlines()[-1]
+    assert "-- serve" in run and "--parallel" in run and "--batch-rows" in run
 
 
 def test_plan_refuses_in_one_line(tmp_path):

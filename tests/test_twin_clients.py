@@ -123,4 +123,5 @@ def test_plan_clients_reports_three_schedules(tmp_path):
     assert "2 closed-loop clients" in lines[0] and "the stages' limit" in lines[1]
     assert [ln.split()[0] for ln in lines[2:5]] == ["pipeinfer", "interleaving", "default"]
     assert "--parallel 1 " in lines[2] and "--parallel 8 " in lines[3] and "% of the limit" in lines[4]
-    assert "pipeinfer launch" not in out.stdout   # the search is not run
+    assert "fastest:" not in out.stdout   # the one-stream search is not run
+    assert lines[-2].startswith("recommended: --parallel ") and lines[-1].startswith("run: pipeinfer launch ")

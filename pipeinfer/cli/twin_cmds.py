@@ -43,6 +43,7 @@ from ..twin.plan import (
     launch_line,
     load_profile,
     load_table,
+    recommend_serving,
     search,
     serve_load,
     stage_table,
@@ -247,11 +248,11 @@ def plan_cmd(profile_path: str | None, machines: str | None, model: str | None, 
                    n_predict, 0.7 if agreement is None else agreement, propose, confidence, draft_host, think_s, n_ctx)
         return
     if clients is not None:
-        _plan_clients(prof, clients, parallel, n_predict, n_prompt,
-                      0.7 if agreement is None else agreement, propose, confidence, draft_host)
-        if machines is not None:
-            click.echo(f"run: pipeinfer launch --hostfile {hostfile} -- serve"
-                       + (f" -m {target_path}" if target_path else "") + f" --draft {draft_arg} --parallel {parallel}")
+        rec = _plan_clients(prof, clients, parallel, n_predict, n_prompt,
+                            0.7 if agreement is None else agreement, propose, confidence, draft_host)
+        model_args = (f" -m {target_path}" if target_path else "") + (f" --draft {draft_arg}" if draft_arg else "")
+        click.echo(f"run: pipeinfer launch --hostfile {hostfile} -- serve{model_args} --parallel {rec.parallel} "
+                   f"{rec.label}")
         return
     t0 = time.perf_counter()
     try:
@@ -347,13 +348,16 @@ def _ttft_s(prof: dict, cand, n_prompt: int) -> float:
 
 
 def _plan_clients(prof: dict, clients: int, parallel: int, n_predict: int, n_prompt: int, agreement: float,
-                  propose: float, confidence: list | None, draft_host: bool) -> None:
-    """plan --clients: the three schedules under the load, on the profiled cluster (its split and links)."""
+                  propose: float, confidence: list | None, draft_host: bool):
+    """plan --clients: the three schedules under the load, on the profiled cluster (its split and links), and the
+    recommended --parallel and --batch-rows (returned: a LoadRow)."""
     t0 = time.perf_counter()
+    draft_on = "own" if draft_host else "head"
     try:
         rows = serve_load(prof, n_clients=clients, n_parallel=parallel, n_predict=n_predict, n_prompt=n_prompt,
-                          agreement=agreement, propose=propose, confidence=confidence,
-                          draft_on="own" if draft_host else "head")
+                          agreement=agreement, propose=propose, confidence=confidence, draft_on=draft_on)
+        rec = recommend_serving(prof, n_clients=clients, n_predict=n_predict, n_prompt=n_prompt, agreement=agreement,
+                                propose=propose, confidence=confidence, draft_on=draft_on)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     draft = (f"the profiled draft's measured confidence ({len(confidence)} positions)" if confidence else
@@ -363,6 +367,11 @@ def _plan_clients(prof: dict, clients: int, parallel: int, n_predict: int, n_pro
                f"of {n_prompt} + {n_predict} tokens ({time.perf_counter() - t0:.1f} s of simulation)")
     click.echo(f"the stages' limit: {res.limit_tokens_per_s:.2f} tokens/s (every stage busy with single-token decodes)")
     click.echo(load_table(rows))
+    r = rec.result
+    click.echo(f"recommended: --parallel {rec.parallel} {rec.label}: {r.tokens_per_s:.2f} tokens/s, latency p50 "
+               f"{r.p50_latency_s:.2f} s, p95 {r.p95_latency_s:.2f} s (auto: the exact batch limit each host measures, "
+               f"{prof.get('exact_batch', 3)} on the profiled one: every answer stays what it is alone)")
+    return rec
 
 
 def _plan_chat(prof: dict, conversations: int, turns: int, user_tokens: int, n_first: int, parallel: int,

@@ -296,6 +296,33 @@ def serve_load(prof: dict, *, n_clients: int, n_parallel: int, n_predict: int, n
     return rows
 
 
+def recommend_serving(prof: dict, *, n_clients: int, n_predict: int, n_prompt: int, agreement: float,
+                      propose: float = 1.0, confidence: list | None = None, draft_on: str = "head",
+                      requests_per_client: int = 4) -> LoadRow:
+    """The default schedule's --parallel and --batch-rows for this load: --parallel from the stage count up to the
+    clients (1, 2 and 4 per stage, and every client), --batch-rows from 1 to the exact batch limit (the most that
+    keeps every answer what it is alone, which `auto` asks each host for); the fastest, ties (within TIE) to the
+    lower p50 latency."""
+    from ..ranks.scheduler import MAX_PARALLEL
+    cluster = build_cluster(prof, Shape(draft_on=draft_on))
+    n = len(prof["ranks"])
+    cap = int(prof.get("exact_batch", 3))
+    parallels = sorted({min(MAX_PARALLEL, p) for p in (n, 2 * n, 4 * n, n_clients) if p <= max(n, n_clients)})
+    best: LoadRow | None = None
+    for parallel, rows in itertools.product(parallels, sorted({1, cap})):
+        gen = replace(GenConfig(stop_at_eos=False), mode="pipeinfer", n_predict=n_predict, p_recovery=None,
+                      draft_max=cap, batch_rows=rows)
+        res = simulate_clients(cluster, gen, n_clients=n_clients, n_requests=max(4, requests_per_client * n_clients),
+                               n_prompt=n_prompt, n_parallel=parallel, agreement=agreement, propose=propose,
+                               confidence=confidence)
+        row = LoadRow("--batch-rows " + ("auto" if rows == cap > 1 else str(rows)), "pipeinfer", parallel, res)
+        if best is None or res.tokens_per_s > best.result.tokens_per_s * (1 + TIE) or (
+                res.tokens_per_s >= best.result.tokens_per_s * (1 - TIE)
+                and res.p50_latency_s < best.result.p50_latency_s):
+            best = row
+    return best
+
+
 def load_table(rows: list[LoadRow]) -> str:
     lines = []
     for row in rows:
