@@ -8,6 +8,8 @@
     python launch/serve_load.py --netns 3 --config '--hostfile {hosts} --stall-timeout 10' --kill-rank 2 \
                                 --fault cut --out results/serve_netcut.csv
     python launch/serve_load.py --config=--no-webui --config '{watch}' --rounds 2 --out results/serve_page.csv
+    python launch/serve_load.py --config '--np 3' --clients 16 --duration 1200 --kill-rank 1 --kill-after 400 \
+        --kill-after 800 --rss-every 10 --max-tokens 32 --out results/soak.csv     # a 20-minute soak
     python launch/serve_load.py --netns 3 --config '--hostfile {hosts} --stall-timeout 10 {own-disks}' \
         --config '--hostfile {hosts} --stall-timeout 10 {model-on-h0}' --kill-rank 2 --fault cut \
         --out results/serve_lost_weights.csv
@@ -16,6 +18,9 @@
 server's page, which polls /state every second, and /metrics is scraped every second: what watching the server
 costs, against a config without it (the browser shares the machine's cores). `{poll}`: the same requests (/state
 and /metrics each second) from a thread, without a browser: what the server itself pays.
+
+--duration S keeps the clients asking for S seconds; --rss-every samples the server's and rank 0's resident memory
+and fails the run when rank 0's grew 5% or more over a process's life after --warmup (a soak).
 
 A config with --np or --hostfile starts a supervised server (no mpiexec: it runs the pipeline's job itself);
 --kill-rank R injects --fault into rank R of that job --kill-after seconds into each load: `kill` (SIGKILL),
@@ -211,11 +216,58 @@ def watching(port: int, how: str | None):
         browser.quit()
 
 
+def rss_mb(pid: int | None) -> float | None:
+    try:
+        line = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("VmRSS:"))
+        return int(line.split()[1]) / 1024
+    except (OSError, StopIteration, TypeError):
+        return None
+
+
+@contextlib.contextmanager
+def rss_sampler(server_pid: int, tag: str, every_s: float | None, samples: list):
+    """While the block runs, every `every_s` seconds: (time, server's RSS, rank 0's pid and RSS) into samples."""
+    if not every_s:
+        yield
+        return
+    stop, t0 = threading.Event(), time.monotonic()
+
+    def sample() -> None:
+        while not stop.wait(every_s):
+            rank0 = rank_pids(tag, attached=True).get(0)
+            samples.append((time.monotonic() - t0, rss_mb(server_pid), rank0, rss_mb(rank0)))
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join()
+
+
+def rss_growth(samples: list, warmup_s: float) -> dict:
+    """After warm-up: the server's RSS growth (last / first sample), and rank 0's over the life of each of its
+    processes (a re-formed job has a new rank 0; its own warm-up is the first warmup_s of its life), the largest."""
+    after = [s for s in samples if s[0] >= warmup_s and s[1]]
+    out = {"server_rss_growth": round(after[-1][1] / after[0][1] - 1, 4) if len(after) > 1 else None}
+    growth = []
+    for pid in dict.fromkeys(s[2] for s in samples if s[2]):
+        mine = [s for s in samples if s[2] == pid and s[3]]
+        life = [s for s in mine if s[0] - mine[0][0] >= warmup_s]
+        if len(life) > 1:
+            growth.append(life[-1][3] / life[0][3] - 1)
+    out["rank0_rss_growth"] = round(max(growth), 4) if growth else None
+    out["rank0_processes"] = len({s[2] for s in samples if s[2]})
+    return out
+
+
 def run_load(serve_args: list[str], log_path: Path, loads: list[tuple[int, int]], max_tokens: int,
-             kinds: tuple[str, ...], reference: dict | None, kill: tuple[int, float, str] | None = None,
-             watch: str | None = None) -> tuple[list[dict], list[dict], dict]:
-    """One server with these options; for each (clients, requests) in `loads` a burst of requests.
-    Returns the per-request rows, one summary per load, and the reference answers (asked alone, first)."""
+             kinds: tuple[str, ...], reference: dict | None, kill: tuple[int, list[float], str] | None = None,
+             watch: str | None = None, duration_s: float | None = None, rss_every_s: float | None = None,
+             warmup_s: float = 120.0) -> tuple[list[dict], list[dict], dict]:
+    """One server with these options; for each (clients, requests) in `loads` a burst of requests (with duration_s:
+    the clients keep asking until then). Returns the per-request rows, one summary per load, and the reference
+    answers (asked alone, first)."""
     port, tag = free_port(), new_tag()
     proc = start_server(port, serve_args, log_path, tag)
     from openai import OpenAI
@@ -230,7 +282,11 @@ def run_load(serve_args: list[str], log_path: Path, loads: list[tuple[int, int]]
             jobs = [(MIX[i % len(MIX)], kinds[i % len(kinds)]) for i in range(n_requests)]
             burst: list[dict] = []
 
+            deadline = time.monotonic() + duration_s if duration_s else None
+
             def one(i: int) -> None:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return
                 (prompt, temp, seed), how = jobs[i]
                 try:
                     r = ask(client, model, port, prompt, temp, seed, how, max_tokens)
@@ -245,11 +301,14 @@ def run_load(serve_args: list[str], log_path: Path, loads: list[tuple[int, int]]
 
             t0 = time.perf_counter()
             fault: dict = {}
-            timer = kill_later(tag, kill[0], kill[1], fault, kill[2]) if kill and supervised(serve_args) else None
-            with watching(port, watch), ThreadPoolExecutor(n_clients) as pool:
+            timers = [kill_later(tag, kill[0], after, fault, kill[2]) for after in kill[1]] \
+                if kill and supervised(serve_args) else []
+            samples: list = []
+            with watching(port, watch), rss_sampler(proc.pid, tag, rss_every_s, samples), \
+                    ThreadPoolExecutor(n_clients) as pool:
                 list(pool.map(one, range(n_requests)))
             wall = time.perf_counter() - t0
-            if timer is not None:
+            for timer in timers:
                 timer.cancel()
             burst.sort(key=lambda r: r["request"])
             rows += burst
@@ -257,8 +316,17 @@ def run_load(serve_args: list[str], log_path: Path, loads: list[tuple[int, int]]
             if "t_kill" in fault:  # the longest pause of the streams from the kill on (pieces already sent still
                 times = [fault["t_kill"]] + sorted(t for t in PIECES_AT if t > fault["t_kill"])  # arrive first)
                 summaries[-1]["stall_s"] = round(max(b - a for a, b in zip(times, times[1:])), 2) if times[1:] else None
-                summaries[-1]["line"] += (f"; rank {kill[0]} {kill[2]} {kill[1]:.0f} s in: the streams paused "
-                                          f"{summaries[-1]['stall_s']} s at most")
+                summaries[-1]["line"] += (f"; rank {kill[0]} {kill[2]} at {', '.join(f'{k:.0f}' for k in kill[1])} s: "
+                                          f"the streams paused {summaries[-1]['stall_s']} s at most (after the last)")
+            if samples:
+                summaries[-1].update(rss_growth(samples, warmup_s))
+                summaries[-1]["line"] += (f"; after {warmup_s:.0f} s of warm-up the server's RSS grew "
+                                          f"{summaries[-1]['server_rss_growth']}, rank 0's "
+                                          f"{summaries[-1]['rank0_rss_growth']} "
+                                          f"({summaries[-1]['rank0_processes']} rank-0 processes)")
+                log_path.with_suffix(".rss.csv").write_text("t_s,server_rss_mb,rank0_pid,rank0_rss_mb\n" + "".join(
+                    ",".join("" if x is None else f"{x:.1f}" if isinstance(x, float) else str(x) for x in smp) + "\n"
+                    for smp in samples))
             if fault.get("stopped"):  # the frozen rank, if the failed job's teardown left it behind
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(fault["stopped"], signal.SIGKILL)
@@ -326,7 +394,14 @@ def main() -> None:
     ap.add_argument("--replot", action="store_true", help="only redraw the sweep's PNG from OUT's summary CSV")
     ap.add_argument("--kill-rank", type=int, default=None,
                     help="supervised configs (--np): SIGKILL this rank of the pipeline's job during each load")
-    ap.add_argument("--kill-after", type=float, default=10.0, help="seconds into the load [default: 10]")
+    ap.add_argument("--kill-after", type=float, action="append", default=None,
+                    help="seconds into the load (repeat for more kills) [default: 10]")
+    ap.add_argument("--duration", type=float, default=None,
+                    help="with --clients: the clients keep asking for this many seconds (a soak) instead of --requests")
+    ap.add_argument("--rss-every", type=float, default=None,
+                    help="sample the server's and rank 0's resident memory this often (s); the summary says how much "
+                         "each grew after --warmup")
+    ap.add_argument("--warmup", type=float, default=120.0, help="with --rss-every: seconds before growth is counted")
     ap.add_argument("--fault", choices=["kill", "stop", "cut"], default="kill", help="what --kill-rank does")
     ap.add_argument("--rounds", type=int, default=1, help="run every config this many times, the order rotating; "
                     "ratios are medians over the rounds")
@@ -339,7 +414,8 @@ def main() -> None:
         loads = [(int(c), int(c) * args.requests_per_client) for c in args.sweep.split(",")]
         kinds: tuple[str, ...] = ("plain", "stream")
     else:
-        loads, kinds = [(args.clients, args.requests)], ("plain", "stream", "disconnect")
+        n_requests = 1_000_000 if args.duration else args.requests  # with --duration the clients stop by the clock
+        loads, kinds = [(args.clients, n_requests)], ("plain", "stream", "disconnect")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.replot:
@@ -349,7 +425,7 @@ def main() -> None:
     rows, summaries, reference = [], [], None
     runs = [(rnd, configs[(rnd + i) % len(configs)]) for rnd in range(args.rounds) for i in range(len(configs))]
     for k, (rnd, config) in enumerate(runs):  # each round starts one config later: none always runs first
-        kill = (args.kill_rank, args.kill_after, args.fault) if args.kill_rank is not None else None
+        kill = (args.kill_rank, args.kill_after or [10.0], args.fault) if args.kill_rank is not None else None
         disks = "h0" if "{model-on-h0}" in config else "own" if "{own-disks}" in config else None
         with emulated_hosts(args.netns, out.with_suffix(".hosts"), disks) as hosts:
             watch = "browser" if "{watch}" in config else "poll" if "{poll}" in config else None
@@ -358,7 +434,7 @@ def main() -> None:
                 text = text.replace(mark, "")
             serve_args = common + text.split()
             r, s, reference = run_load(serve_args, out.with_suffix(f".server{k}.log"), loads, args.max_tokens, kinds,
-                                       reference, kill, watch)
+                                       reference, kill, watch, args.duration, args.rss_every, args.warmup)
         for x in r + s:
             x.update(round=rnd, config=config)
         rows += r
@@ -391,7 +467,8 @@ def main() -> None:
     if args.sweep:
         plot_sweep(out.with_name(out.stem + "_summary.csv"), out.with_suffix(".png"))
     print(f"wrote {out}, {out.with_name(out.stem + '_summary.csv')}, {out.with_suffix('.txt')}")
-    bad = [s for s in summaries if s["bad"] or s["server_exit"] != 0 or not s.get("queue_empty", True)]
+    bad = [s for s in summaries if s["bad"] or s["server_exit"] != 0 or not s.get("queue_empty", True)
+           or (s.get("rank0_rss_growth") or 0) >= 0.05]
     if bad:
         raise SystemExit(f"FAILED: {bad}")
 
