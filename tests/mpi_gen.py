@@ -6,7 +6,8 @@ Usage: mpiexec -n N python -m mpi4py tests/mpi_gen.py '{"model": ..., "prompt": 
 import json
 import sys
 
-from pipeinfer.core.config import Config
+from pipeinfer.core.config import DEFAULT_KERNELS, Config
+from pipeinfer.core.decoding import Decoding
 from pipeinfer.core.verify import SamplingParams
 from pipeinfer.ranks.startup import run
 
@@ -24,9 +25,13 @@ config = Config(
     drafter=cfg.get("drafter", "model"), replay_ref=cfg.get("replay_ref"),
     replay_accuracy=cfg.get("replay_accuracy", 0.8), draft_vocab=cfg.get("draft_vocab", "auto"),
     max_in_flight=cfg.get("max_in_flight", 8), stall_timeout=cfg.get("stall_timeout", 60.0),
-    draft_at=cfg.get("draft_at", "head"))
-res = run(config, cfg["prompt"], prompt_text=cfg.get("prompt_text"), chat=cfg.get("chat", False))
+    draft_at=cfg.get("draft_at", "head"), kernels=cfg.get("kernels", DEFAULT_KERNELS))
+logprobs = []  # "logprobs": k asks the chosen token's log-probability (and the top k) at every position
+request = {} if cfg.get("logprobs") is None else {"decoding": Decoding(top_logprobs=cfg["logprobs"]),
+                                                   "on_logprobs": logprobs.extend}
+res = run(config, cfg["prompt"], prompt_text=cfg.get("prompt_text"), chat=cfg.get("chat", False), **request)
 if res is not None:
     print("RESULT " + json.dumps({"tokens": res.tokens, "stats": res.stats.to_dict(),
+                                  "logprobs": [x.logprob for x in logprobs],
                                   "ranges": [[r.start, r.end] for r in res.ranges], "rss_mb": res.peak_rss_mb,
                                   "probe_ms": res.probe_ms_per_layer, "p_recovery": res.p_recovery}))

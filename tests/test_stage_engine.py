@@ -13,7 +13,7 @@ from synth import make_llama_gguf
 from synth_arch import make_arch_gguf
 from pipeinfer.core.protocol import Batch, kv_ops
 from pipeinfer.core.verify import SamplingParams, row_tokens
-from pipeinfer.engine.stage import DecodeAborted, StageEngine, TokenEmbedder, anonymous_regions, name_prefix
+from pipeinfer.engine.stage import DecodeAborted, StageEngine, TokenEmbedder, anonymous_regions, name_key
 from pipeinfer.engine.stagefile import ensure_stage_file, read_info
 
 
@@ -34,11 +34,14 @@ class EveryNode(StageEngine):
         return self._on_tensor
 
 
-def test_name_prefix():
-    assert name_prefix(b"l_out-13") == int.from_bytes(b"l_out-13", "little")
-    assert name_prefix(b"l_out-5") == int.from_bytes(b"l_out-5\0", "little")  # 7 characters: the NUL is the 8th byte
-    assert name_prefix(b"inp_scaled") == int.from_bytes(b"inp_scal", "little")
-    assert name_prefix(b"l_out") is None  # too short: bytes after its NUL are not defined
+def test_name_key():
+    full = 2**64 - 1
+    assert name_key(b"l_out-13") == (int.from_bytes(b"l_out-13", "little"), full)
+    assert name_key(b"l_out-5") == (int.from_bytes(b"l_out-5\0", "little"), full)  # 7 characters: the NUL is the 8th byte
+    assert name_key(b"inp_scaled") == (int.from_bytes(b"inp_scal", "little"), full)
+    key, mask = name_key(b"embd")  # short: the name and its NUL decide, not the field's undefined bytes after it
+    assert int.from_bytes(b"embd\0xyz", "little") & mask == key
+    assert int.from_bytes(b"embd-0\0z", "little") & mask != key and int.from_bytes(b"emb\0", "little") & mask != key
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: the capture and the input hook (inp_scaled) both

@@ -228,6 +228,21 @@ def test_balanced_counts_needs_a_layer_per_rank(n_ranks):
         balanced_counts([1.0] * 3, 0.0, [1.0] * n_ranks)
 
 
+def test_balanced_counts_keeps_to_the_allowed_ranges():
+    """An architecture's rule (stagefile.RangeCheck: llama4's stages start at multiples of 4) limits the balanced
+    split to the ranges it allows; with none allowed, plan_layers gives the unconstrained split (the caller's check
+    then says why it is refused); fractions stay as given."""
+    at4 = lambda a, b: a % 4 == 0 and b - a >= 4  # noqa: E731
+    assert balanced_counts([1.0] * 28, 0.0, [1.0, 1.0]) == [14, 14]
+    assert balanced_counts([1.0] * 28, 0.0, [1.0, 1.0], at4) == [12, 16]
+    assert balanced_counts([1.0] * 12, 0.0, [1.0] * 3, at4) == [4, 4, 4]
+    with pytest.raises(SplitError, match="allowed"):
+        balanced_counts([1.0] * 12, 0.0, [1.0] * 4, at4)
+    spans = lambda rs: [(r.start, r.end) for r in rs]  # noqa: E731
+    assert spans(plan_layers(None, 12, 4, allowed=at4)) == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    assert spans(plan_layers("0.5,0.5", 28, 2, allowed=at4)) == [(0, 14), (14, 28)]
+
+
 def test_plan_layers_names_and_fractions():
     cost, tail = [28.0] * 28, 191.0
     spans = lambda rs: [(r.start, r.end) for r in rs]  # noqa: E731

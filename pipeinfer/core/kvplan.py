@@ -2,7 +2,8 @@
 
 Sequence 0 is canonical: exactly the accepted tokens at positions 0..n_kv0-1 on every stage.
 Each in-flight speculative run owns a partition: `max_branches` consecutive sequence ids, one per
-tree branch, taken from a FIFO free list (multibuffering). Before decoding, a stage makes the run's
+tree branch (for a model with recurrent layers one per drafted token: core/recurrent.py), taken from a FIFO free
+list (multibuffering). Before decoding, a stage makes the run's
 sequences see the canonical prefix (seq_cp 0 -> s) and the cells of the run it builds on (seq_cp
 parent -> s over the parent's speculative positions). On acceptance the accepted cells join sequence
 0 with one seq_cp over the accepted positions (O(accepted tokens), never a copy to every sequence),

@@ -6,8 +6,10 @@ Ranks 1..N-1 hold the following target stages in order; the last stage sends its
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 
 class SplitError(ValueError):
@@ -80,28 +82,39 @@ SPLIT_NAMES = ("balanced", "even", "auto")
 
 
 def plan_layers(text: str | None, n_layer: int, n_ranks: int, layer_cost: list[float] | None = None,
-                tail_cost: float = 0.0, speeds: list[float] | None = None) -> list[LayerRange]:
+                tail_cost: float = 0.0, speeds: list[float] | None = None,
+                allowed: Callable[[int, int], bool] | None = None) -> list[LayerRange]:
     """--layer-split TEXT as every rank's layer range, rank 0 first.
 
     balanced (the default, and `auto` once every rank's speed is measured): the split that makes the slowest
     stage as fast as it can be (balanced_counts), counting the last stage's output projection (`tail_cost`) and
-    each layer's own cost (`layer_cost`, in the same unit; None: every layer alike). even: equal layer counts.
-    Numbers: fractions of the layers (parse_split, layer_ranges)."""
+    each layer's own cost (`layer_cost`, in the same unit; None: every layer alike), among the splits whose every
+    range [start, end) is `allowed` (the architecture's rules: stagefile.RangeCheck) when there is one.
+    even: equal layer counts. Numbers: fractions of the layers (parse_split, layer_ranges)."""
     name = (text or "").strip() or "balanced"
     if name in ("balanced", "auto"):
-        counts = balanced_counts(layer_cost or [1.0] * n_layer, tail_cost, speeds or [1.0] * n_ranks)
+        costs, speeds = layer_cost or [1.0] * n_layer, speeds or [1.0] * n_ranks
+        try:
+            counts = balanced_counts(costs, tail_cost, speeds, allowed)
+        except SplitError:
+            if allowed is None:
+                raise
+            counts = balanced_counts(costs, tail_cost, speeds)  # none allowed: the caller's check says why
         starts = [sum(counts[:r]) for r in range(n_ranks)]
         return [LayerRange(a, a + c) for a, c in zip(starts, counts)]
     return layer_ranges(n_layer, parse_split(text, n_ranks))
 
 
-def balanced_counts(layer_cost: list[float], tail_cost: float, speeds: list[float]) -> list[int]:
+def balanced_counts(layer_cost: list[float], tail_cost: float, speeds: list[float],
+                    allowed: Callable[[int, int], bool] | None = None) -> list[int]:
     """Layers per rank, contiguous from layer 0 and at least one each, that minimise the slowest rank's time per
     token: the cost of its layers, plus `tail_cost` on the last rank (the final norm and the vocabulary projection,
     which on a small model weigh several layers: Qwen2.5-1.5B's is 191 MB against 28 MB a layer), over its speed.
     In a pipeline every token passes every stage, so the slowest stage sets the pace; among splits with the same
-    slowest stage, the one with the smaller sum of squared times (the more even) wins."""
+    slowest stage, the one with the smaller sum of squared times (the more even) wins. With `allowed`, only splits
+    whose every range [a, b) it allows (SplitError when there is none)."""
     n_layer, n_ranks = len(layer_cost), len(speeds)
+    ok = functools.cache(allowed) if allowed else (lambda a, b: True)  # each range asked once, not once per rank
     if not 1 <= n_ranks <= n_layer:
         raise SplitError(f"{n_ranks} ranks need layers but the model has only {n_layer} layers")
     prefix = [0.0]
@@ -117,15 +130,19 @@ def balanced_counts(layer_cost: list[float], tail_cost: float, speeds: list[floa
     cut = [[0] * (n_layer + 1) for _ in range(n_ranks)]
     for i in range(1, n_layer + 1):
         t = time(0, 0, i)
-        best[0][i] = (t, t * t)
+        best[0][i] = (t, t * t) if ok(0, i) else inf
     for r in range(1, n_ranks):
         for i in range(r + 1, n_layer + 1):
             for j in range(r, i):
                 prev = best[r - 1][j]
+                if prev == inf or not ok(j, i):
+                    continue
                 t = time(r, j, i)
                 cand = (max(prev[0], t), prev[1] + t * t)
                 if (round(cand[0], 9), cand[1]) < (round(best[r][i][0], 9), best[r][i][1]):
                     best[r][i], cut[r][i] = cand, j
+    if best[n_ranks - 1][n_layer] == inf:
+        raise SplitError(f"no split of {n_layer} layers over {n_ranks} ranks has only allowed stages")
     counts, end = [], n_layer
     for r in range(n_ranks - 1, -1, -1):
         start = cut[r][end] if r > 0 else 0

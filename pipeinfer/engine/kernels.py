@@ -203,15 +203,21 @@ def probe_rows_across_sequences(engine, sizes: list[int], n_prefix: int = 8) -> 
         b = Batch(toks, pos, [[s] for s in seqs for _ in range(n)], np.ones(len(toks), dtype=np.int32), kv_ops())
         return b, None if inputs is None else np.concatenate([inputs[s, at:at + n] for s in seqs])
 
-    def next_rows(seqs: list[int]) -> np.ndarray:
-        out = engine.decode(*rows(seqs, n_prefix))
-        engine.apply_kv_ops(kv_ops(*[rm(s, n_prefix, -1) for s in seqs]))
-        return out
-
-    engine.clear_kv()
-    try:
+    def prefixes() -> None:
+        engine.clear_kv()
         for s in range(n_seqs):
             engine.decode(*rows([s], 0, n_prefix))
+
+    def next_rows(seqs: list[int]) -> np.ndarray:
+        out = engine.decode(*rows(seqs, n_prefix))
+        if getattr(engine, "recurrent", False):  # a recurrent state cannot drop its last token: decode the prefixes
+            prefixes()                             # again (core/recurrent.py)
+        else:
+            engine.apply_kv_ops(kv_ops(*[rm(s, n_prefix, -1) for s in seqs]))
+        return out
+
+    try:
+        prefixes()
         alone = np.concatenate([next_rows([s]) for s in range(n_seqs)])
         return {b: bool(np.array_equal(next_rows(list(range(b))), alone[:b])) for b in sizes}
     finally:
@@ -331,17 +337,35 @@ def time_decodes(engine, sizes: list[int], n_fill: int = 128, n_repeat: int = 3)
     import statistics
     import time
 
-    from ..core.protocol import Batch, kv_ops, rm
+    from ..core.protocol import Batch, cp, kv_ops, rm
+    from ..core.recurrent import chain_seq_ids
     rng = np.random.default_rng(0)
     n_fill = max(0, min(n_fill, engine.n_batch, engine.n_ctx - max(sizes) - 1))
+
+    # a recurrent stage's micro-batch: nested sequences (core/recurrent.py), as many as the engine holds
+    recurrent = getattr(engine, "recurrent", False)
+    nested = recurrent and n_fill > 0 and engine.n_seq_max > max(sizes)
 
     def decode(pos0: int, n: int) -> float:
         toks = rng.integers(0, engine.n_vocab, n).astype(np.int32)  # any valid id (small test vocabularies too)
         b = Batch.chain(toks, pos0)
+        if nested and pos0:  # as a speculative run decodes it: token d in sequences d+1..n, after the fill's copies
+            engine.apply_kv_ops(kv_ops(*[cp(0, s) for s in range(1, n + 1)]))
+            b = Batch(toks, b.pos, chain_seq_ids(list(range(1, n + 1)), n), b.output, b.prefix_ops)
         emb = rng.standard_normal((n, engine.n_embd), dtype=np.float32) * 0.1 if engine.embd_input else None
         t0 = time.perf_counter()
         engine.decode(b, emb)
         return (time.perf_counter() - t0) * 1e3
+
+    def undo(n: int) -> None:
+        if nested:
+            engine.apply_kv_ops(kv_ops(*[rm(s) for s in range(1, n + 1)]))
+        elif recurrent:  # a recurrent state cannot drop tokens: fill again
+            engine.apply_kv_ops(kv_ops(rm(-1)))
+            if n_fill:
+                decode(0, n_fill)
+        else:
+            engine.apply_kv_ops(kv_ops(rm(0, n_fill, -1)))
 
     engine.apply_kv_ops(kv_ops(rm(-1)))
     if n_fill:
@@ -351,7 +375,7 @@ def time_decodes(engine, sizes: list[int], n_fill: int = 128, n_repeat: int = 3)
         times = []
         for k in range(n_repeat + (n == sizes[0])):
             t = decode(n_fill, n)
-            engine.apply_kv_ops(kv_ops(rm(0, n_fill, -1)))
+            undo(n)
             if k or n != sizes[0]:
                 times.append(t)
         out.append(statistics.median(times))

@@ -46,17 +46,31 @@ def _ggml_base():
     return lib
 
 
-def name_prefix(name: bytes) -> int | None:
-    """The first 8 bytes of a NUL-terminated tensor name as the little-endian integer a node's name field starts
-    with; None for a name under 7 characters (its field's bytes after the NUL are not defined)."""
-    return int.from_bytes((name + b"\0")[:8], "little") if len(name) >= 7 else None
+def name_key(name: bytes) -> tuple[int, int]:
+    """(key, mask): a node's name field holds `name` (from 7 characters on: starts with its first 8 bytes) when its
+    first 8 bytes, as a little-endian integer, & mask == key. A shorter name's mask covers the name and its NUL
+    only: the field's bytes after the NUL are not defined."""
+    n = min(len(name) + 1, 8)
+    return int.from_bytes((name + b"\0")[:n], "little"), (1 << 8 * n) - 1
 
 
 # Graphs that scale every input by sqrt(n_embd), hidden states included (models/gemma.cpp, gemma2.cpp; gemma3
 # scales token input only), and the name of the scaled tensor: an engine fed hidden states writes them into
 # that tensor as they came, after the graph computed it and before any layer reads it. (Dividing by sqrt(n_embd)
 # first is not exact: not every float is a product of a float and 48.)
-SCALES_EVERY_INPUT = {"gemma": b"inp_scaled", "gemma2": b"inp_scaled"}
+SCALES_EVERY_INPUT = {"gemma": b"inp_scaled", "gemma2": b"inp_scaled",
+                      "afmoe": b"inp_embd_scaled"}  # models/afmoe.cpp: the MuP scaling, every input too
+
+# Graphs that abort on hidden-state input (models/glm4.cpp, glm4-moe.cpp: `if (ubatch.embd && !use_mrope)
+# GGML_ABORT(...)`, a file without M-RoPE sections), and the tensor their token input becomes: an engine fed hidden
+# states decodes token 0 in every row and writes the hidden states into the looked-up rows (`embd`, what layer 0
+# reads) after the graph computed them. RoPE, positions and the KV cache stay those of token input, the whole
+# model's. (Writing M-RoPE sections instead would turn glm4's adjacent-pair RoPE into NeoX pairs.)
+TOKEN_INPUT_ONLY = {"glm4": b"embd", "glm4moe": b"embd",
+                    # M-RoPE (qwen35.cpp, qwen35moe.cpp): hidden-state input takes 4 positions a token
+                    # (llama-batch.cpp:98), token input 1, expanded to the text positions (llama-graph.cpp:131);
+                    # the graph renames `embd` (models/qwen35.cpp:147)
+                    "qwen35": b"model.input_embed", "qwen35moe": b"model.input_embed"}
 
 
 def model_arch(model) -> str:
@@ -207,6 +221,9 @@ class StageEngine:
         self.capture_hidden = capture_hidden
         self.n_batch = n_batch
         self.n_seq_max = n_seq_max
+        # llama.cpp keeps a recurrent state per sequence (core/recurrent.py): partial removals fail, seq_cp copies states
+        self.recurrent = bool(llama_cpp.llama_model_is_recurrent(self.model)
+                              or llama_cpp.llama_model_is_hybrid(self.model))
 
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
@@ -223,8 +240,10 @@ class StageEngine:
         cparams.flash_attn_type = flash_attn_type(kernels)  # kernels.py: which settings are batch-invariant
         self._captured: list[np.ndarray] = []
         self._capture_name = f"l_out-{self.n_layer - 1}".encode() if capture_hidden else None
-        self._input_name = SCALES_EVERY_INPUT.get(model_arch(self.model)) if embd_input else None
-        self._input_rows = 0  # rows written into the scaled input tensor by the last decode
+        arch = model_arch(self.model)
+        self._input_name = (SCALES_EVERY_INPUT.get(arch) or TOKEN_INPUT_ONLY.get(arch)) if embd_input else None
+        self._token_carrier = embd_input and arch in TOKEN_INPUT_ONLY  # hidden states ride on token 0's rows
+        self._input_rows = 0  # rows written into the input tensor by the last decode
         if capture_hidden or self._input_name:
             if _GGML is None:
                 _GGML = _ggml_base()
@@ -255,8 +274,9 @@ class StageEngine:
               for i in range(n_max)])
         self._row_ptrs = row_ptrs
         b = llama_cpp.llama_batch()
-        b.token = None if self.embd_input else self._tok.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        b.embd = self._embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if self.embd_input else None
+        embd_batch = self.embd_input and not self._token_carrier  # a carrier's token ids stay 0
+        b.token = None if embd_batch else self._tok.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        b.embd = self._embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if embd_batch else None
         b.pos = self._pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         b.n_seq_id = self._n_seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         b.seq_id = ctypes.cast(row_ptrs, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
@@ -269,10 +289,8 @@ class StageEngine:
         hands only the nodes whose name starts like a hooked one to _on_tensor (asking ggml for each name took
         0.47 us a node, this takes 0.16). The capture then costs a half-Qwen2.5-1.5B decode 0.26 ms instead of
         0.39 (launch/bench_overhead.py)."""
-        keys = [name_prefix(n) for n in (self._capture_name, self._input_name) if n]
-        if None in keys:  # a name too short to filter by: every node goes to the full check
-            return self._on_tensor
-        key_a, key_b = (keys + [-1])[:2]  # -1: no second hooked name (a prefix is never negative)
+        keys = [name_key(n) for n in (self._capture_name, self._input_name) if n]
+        (key_a, mask_a), (key_b, mask_b) = (keys + [(-1, 0)])[:2]  # (-1, 0): no second hooked name
         read_u64, name_address, on_tensor = ctypes.c_uint64.from_address, _GGML.name_address, self._on_tensor
         name_offset: list[int] = []  # where ggml_tensor.name lies in the struct, learned from the first node
 
@@ -280,7 +298,7 @@ class StageEngine:
             if not name_offset:
                 name_offset.append(name_address(tensor) - tensor)
             prefix = read_u64(tensor + name_offset[0]).value
-            if prefix != key_a and prefix != key_b:
+            if prefix & mask_a != key_a and prefix & mask_b != key_b:
                 return not ask  # ask: not needed; a node it did not ask for: go on
             return on_tensor(tensor, ask, user_data)
         return on_node
@@ -293,10 +311,13 @@ class StageEngine:
             return True
         nbytes = _GGML.ggml_nbytes(tensor)
         if name == self._input_name:
-            # the graph multiplied the hidden states by sqrt(n_embd): give layer 0 the rows as they came
-            self._input_rows = nbytes // (4 * self.n_embd)
+            # the graph multiplied the hidden states by sqrt(n_embd), or looked up token 0: give layer 0 the rows
+            # as they came; a decode of several ubatches (a hybrid's nested sequences: one token each) gets them
+            # ubatch by ubatch, in batch order as the captured rows
+            at = self._input_rows
+            self._input_rows = at + nbytes // (4 * self.n_embd)
             if self._input_rows <= len(self._embd):
-                _GGML.ggml_backend_tensor_set(tensor, self._embd.ctypes.data, 0, nbytes)
+                _GGML.ggml_backend_tensor_set(tensor, self._embd[at:].ctypes.data, 0, nbytes)
             return True
         rows = np.empty(nbytes // 4, dtype=np.float32)
         _GGML.ggml_backend_tensor_get(tensor, rows.ctypes.data, 0, nbytes)
@@ -377,7 +398,9 @@ class StageEngine:
         if rc == 2:
             # llama.cpp frees an aborted batch's cells by each token's first sequence only, so a tree cell
             # shared by branches survives; free all of them: they are the latest cells, and the next
-            # batch must take their place, above every older cell (kvplan.py: cells stay in order)
+            # batch must take their place, above every older cell (kvplan.py: cells stay in order). With recurrent
+            # layers the removal fails (a state cannot drop tokens) and changes nothing: the aborted run's cells are
+            # retired with its partition instead (core/recurrent.py)
             first: dict[int, int] = {}
             for p, ids in zip(batch.pos.tolist(), batch.seq_ids):
                 for s in ids:
@@ -401,7 +424,9 @@ class StageEngine:
             op, src, dst, p0, p1 = rows[i]
             i += 1
             if op == KvOp.RM:
-                if not llama_cpp.llama_memory_seq_rm(self.mem, src, p0, p1):
+                if src < 0 and self.recurrent and p0 <= 0 and p1 < 0:
+                    llama_cpp.llama_memory_clear(self.mem, False)  # recurrent memory refuses sequence id -1
+                elif not llama_cpp.llama_memory_seq_rm(self.mem, src, p0, p1):
                     raise RuntimeError(f"seq_rm({src}, {p0}, {p1}) failed")
             elif op == KvOp.CP:
                 llama_cpp.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
@@ -467,7 +492,7 @@ class TokenEmbedder:
     of a draft model whose output head is pruned (ModelDrafter)."""
 
     # architectures whose graph scales *token* inputs by sqrt(n_embd) (but not embedding inputs)
-    SCALED = {"gemma", "gemma2", "gemma3"}
+    SCALED = {"gemma", "gemma2", "gemma3", "afmoe"}
 
     def __init__(self, path: str | os.PathLike):
         import gguf

@@ -10,6 +10,7 @@ identity (path, size, mtime) and the range.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import struct
@@ -43,30 +44,33 @@ class SplitRule:
     #                                only the first stage keeps them
     metadata: Callable | None = None  # (fields, start, end, with_vocab) -> {key: (value, type)} to write, or
     #                                StageFileError for a range llama.cpp would misread
+    per_layer_keys: tuple[str, ...] = ()  # per-layer arrays outside the `{arch}.` keys (apertus's `xielu.*`):
+    #                                sliced to the stage's range like the architecture's own
 
 
-def _deepseek2_metadata(fields: dict, start: int, end: int, with_vocab: bool) -> dict:
+def _deepseek2_metadata(fields: dict, start: int, end: int, with_vocab: bool, arch: str = "deepseek2") -> dict:
     """DeepSeek-V2/V3 derive two things from the file's layer count and vocabulary (models/deepseek2.cpp): a
     26/27-layer file is "lite" (no q_lora_rank, q projected directly) and a GLM-4.7-Lite-sized one gates experts
-    with a sigmoid. Write both as the whole model has them, and refuse a range llama.cpp would misread."""
+    with a sigmoid. Write both as the whole model has them, and refuse a range llama.cpp would misread. (mistral4
+    loads through the same code, under its own keys: `arch`.)"""
     import gguf
     u32 = gguf.GGUFValueType.UINT32
-    n_layer = int(fields["deepseek2.block_count"]) - int(fields.get("deepseek2.nextn_predict_layers", 0))
-    n_vocab = int(fields.get("deepseek2.vocab_size", 0))  # _stage_metadata adds it from token_embd if absent
+    n_layer = int(fields[f"{arch}.block_count"]) - int(fields.get(f"{arch}.nextn_predict_layers", 0))
+    n_vocab = int(fields.get(f"{arch}.vocab_size", 0))  # _stage_metadata adds it from token_embd if absent
 
     def lite(n, v):
         return n in (26, 27) or (n == 48 and v == 128256)
     out = {}
-    q_lora = int(fields.get("deepseek2.attention.q_lora_rank", 0))  # absent in a lite model: 0, q projected directly
+    q_lora = int(fields.get(f"{arch}.attention.q_lora_rank", 0))  # absent in a lite model: 0, q projected directly
     if lite(end - start, n_vocab if with_vocab else 4):
         if q_lora > 0:
-            raise StageFileError(f"deepseek2: llama.cpp reads a {end - start}-layer file as DeepSeek-V2-Lite (no "
+            raise StageFileError(f"{arch}: llama.cpp reads a {end - start}-layer file as DeepSeek-V2-Lite (no "
                                  f"q_lora_rank), which this model is not; choose a split without a stage of that size")
     else:
-        out["deepseek2.attention.q_lora_rank"] = (q_lora, u32)  # read (and required) only outside the lite sizes
-    if int(fields.get("deepseek2.expert_gating_func", 0)) == 0:  # 0: unset, llama.cpp guesses from the sizes
+        out[f"{arch}.attention.q_lora_rank"] = (q_lora, u32)  # read (and required) only outside the lite sizes
+    if int(fields.get(f"{arch}.expert_gating_func", 0)) == 0:  # 0: unset, llama.cpp guesses from the sizes
         sigmoid = n_layer in (47, 48) and n_vocab == 154880
-        out["deepseek2.expert_gating_func"] = (2 if sigmoid else 1, u32)
+        out[f"{arch}.expert_gating_func"] = (2 if sigmoid else 1, u32)
     return out
 
 
@@ -77,6 +81,134 @@ def _granite_metadata(fields: dict, start: int, end: int, with_vocab: bool) -> d
         raise StageFileError("granite: deepstack layers (Granite Vision) read the model's input embeddings at "
                              "later layers, which a later stage does not have; run it on 1 rank")
     return {}
+
+
+# ---- dense and MoE families (issue 55)
+def _command_r_metadata(fields: dict, start: int, end: int, with_vocab: bool) -> dict:
+    """Command R+ normalizes q and k, and llama.cpp creates those norms only for a file of 64 layers or more
+    (models/command-r.cpp:28, `if (n_layer >= 64)`): a smaller stage of such a model leaves them unread and does
+    not load."""
+    if int(fields["command-r.block_count"]) >= 64 and end - start < 64:
+        raise StageFileError("command-r: llama.cpp reads the q/k norms of a 64-layer model (Command R+) only from a "
+                             "file of 64 layers or more (models/command-r.cpp:28), which a stage is not; run it on "
+                             "1 rank")
+    return {}
+
+
+def _exaone4_metadata(fields: dict, start: int, end: int, with_vocab: bool) -> dict:
+    """EXAONE 4.0 has windowed attention (3 of every 4 layers, RoPE only there) only where the file has exactly 64
+    layers (models/exaone4.cpp:4, `if (hparams.n_layer() == 64)`, the 32B); any other file runs full attention with
+    RoPE everywhere. No key turns it on or off: a stage must keep the whole model's choice."""
+    n_layer = int(fields["exaone4.block_count"]) - int(fields.get("exaone4.nextn_predict_layers", 0))
+    if (n_layer == 64) != (end - start == 64):
+        raise StageFileError(f"exaone4: llama.cpp turns windowed attention on only for a file of exactly 64 layers "
+                             f"(models/exaone4.cpp:4), so a {end - start}-layer stage of this {n_layer}-layer model "
+                             f"would compute another model; run it on 1 rank")
+    return {}
+
+
+def _ernie4_5_moe_metadata(fields: dict, start: int, end: int, with_vocab: bool) -> dict:
+    """ERNIE 4.5 MoE routes experts in layers il >= leading_dense_block_count with (il + 1) % step == 0
+    (models/ernie4-5-moe.cpp:64); the dense lead is counted from each stage's start (dense_lead), and the step
+    survives renumbering only from a multiple of it (the published models have step 1)."""
+    step = int(fields.get("ernie4_5-moe.interleave_moe_layer_step", 1))
+    if step > 1 and start % step:
+        raise StageFileError(f"ernie4_5-moe: llama.cpp places expert layers by (il + 1) % {step} "
+                             f"(models/ernie4-5-moe.cpp:64), so a stage must start at a multiple of {step}, not "
+                             f"at layer {start}; choose another --layer-split")
+    return {}
+
+
+def _grok_metadata(fields: dict, start: int, end: int, with_vocab: bool) -> dict:
+    """Grok's embedding scale multiplies hidden-state input too (llama-graph.cpp, build_inp_embd), and a file
+    without the key gets 78.38 (models/grok.cpp:7): a later stage is written 0, which llama.cpp reads as no
+    scaling."""
+    import gguf
+    return {"grok.embedding_scale": (0.0, gguf.GGUFValueType.FLOAT32)} if start > 0 else {}
+
+
+def _nope_every_4th(arch: str, line: str) -> Callable:
+    """SmolLM3 and AFMoE run their layers without RoPE where (il + 1) % 4 == 0, the 4 fixed in llama.cpp's source
+    with no key or per-layer array to carry it: that holds in a stage that starts at a multiple of 4."""
+    def metadata(fields: dict, start: int, end: int, with_vocab: bool) -> dict:
+        if start % 4:
+            raise StageFileError(f"{arch}: llama.cpp runs layers without RoPE where (il + 1) % 4 == 0 ({line}, the "
+                                 f"4 fixed in the source with no key to carry it), so a stage must start at a "
+                                 f"multiple of 4; layers {start}-{end - 1} do not (--layer-split balanced, the "
+                                 f"default, keeps to that)")
+        return {}
+    return metadata
+
+
+# ---- glm4, llama4, deepseek32, mistral4 (issue 55)
+def _llama4_metadata(fields: dict, start: int, end: int, with_vocab: bool) -> dict:
+    """Llama 4 derives two kinds of layer from the layer index, with no key or per-layer array to carry either
+    (models/llama4.cpp): no RoPE where (il + 1) % 4 == 0 (line 143; the 4 is llama-hparams.h:258's, read from no key)
+    and experts where (il + 1) % interleave_moe_layer_step == 0 (line 62). Both hold in a stage that starts at a
+    multiple of 4 and of the step. And the graph feeds its attention-temperature input (line 121) only to the
+    layers without RoPE: in a file that has none, llama.cpp aborts setting it (llm_graph_input_attn_temp::set_input,
+    llama-graph.cpp:172, "tensor buffer not set"), so a stage holds at least one such layer (4 layers or more)."""
+    n_layer, n = int(fields["llama4.block_count"]), end - start
+    if (start, end) == (0, n_layer):
+        return {}
+    window = fields.get("llama4.attention.sliding_window")
+    if window is not None and int(window) == 0:  # models/llama4.cpp:9-11: n_no_rope_layer_step = n_layer
+        raise StageFileError("llama4: with attention.sliding_window 0 llama.cpp runs the last layer of each file "
+                             "without RoPE (n_no_rope_layer_step = n_layer, models/llama4.cpp:11), so every stage "
+                             "but the last would lose RoPE in its last layer; run it on 1 rank")
+    step = int(fields["llama4.interleave_moe_layer_step"])
+    if start % 4 or n < 4:
+        raise StageFileError(f"llama4: llama.cpp runs layers without RoPE where (il + 1) % 4 == 0 "
+                             f"(models/llama4.cpp:143, the 4 fixed in llama-hparams.h:258 with no key to carry it) "
+                             f"and aborts on a file without such a layer (llama-graph.cpp:172), so a stage must start at "
+                             f"a multiple of 4 and hold 4 layers or more; layers {start}-{end - 1} do not "
+                             f"(--layer-split balanced, the default, keeps to that)")
+    if step > 0 and start % step:
+        raise StageFileError(f"llama4: llama.cpp places expert layers where (il + 1) % {step} == 0 "
+                             f"(models/llama4.cpp:62, interleave_moe_layer_step), so a stage must start at a multiple "
+                             f"of {step}, not at layer {start} (--layer-split balanced, the default, keeps to that)")
+    return {}
+
+
+_GLM_INPUT = ("the graph aborts on hidden-state input unless the file has M-RoPE sections (models/glm4.cpp:84, "
+              "glm4-moe.cpp:307): a stage decodes token 0 and the engine writes its hidden states over that row "
+              "(`embd`, through cb_eval: stage.TOKEN_INPUT_ONLY), so RoPE and positions stay the whole model's")
+
+
+# ---- hybrid and recurrent families (issue 55)
+def _hybrid_metadata(fields: dict, start: int, end: int, with_vocab: bool, arch: str = "") -> dict:
+    """A hybrid's stage holds an attention layer and a recurrent layer: llama.cpp aborts decoding a hybrid file
+    without one of each (core/recurrent.check_stage names the line). Which layer is which is per-layer metadata
+    (head_count_kv 0: recurrent), sliced with the layers."""
+    from ..core.recurrent import check_stage
+    why = check_stage(arch, fields, start, end)
+    if why:
+        raise StageFileError(why)
+    return {}
+
+
+_HYBRID = ("each layer attention or {kind} by its head_count_kv (0: {kind}), a per-layer array sliced with the "
+           "layers; every stage holds a layer of each kind (llama.cpp aborts on a hybrid file without); speculative "
+           "runs keep each drafted token's recurrent state in a sequence of its own (core/recurrent.py)")
+
+
+def _recurrent_layers_metadata(fields: dict, start: int, end: int, with_vocab: bool, arch: str = "") -> dict:
+    """Qwen3-Next makes a layer a gated delta net unless (il + 1) % full_attention_interval == 0
+    (models/qwen3next.cpp:17-22), from the file's own layer index, but reads the per-layer
+    `attention.recurrent_layers` first (line 17, llama-model-loader.cpp get_key_or_arr): every stage gets the whole
+    model's layer kinds as that array, sliced to its range, so a stage may start anywhere; and, as every hybrid, holds
+    a layer of each kind (_hybrid_metadata)."""
+    import gguf
+
+    from ..core.recurrent import RECR, layer_kinds
+    _hybrid_metadata(fields, start, end, with_vocab, arch)
+    kinds = layer_kinds(arch, fields, end)
+    return {f"{arch}.attention.recurrent_layers": ([k == RECR for k in kinds[start:end]], gguf.GGUFValueType.ARRAY)}
+
+
+_QWEN35_INPUT = ("M-RoPE: hidden-state input would take 4 positions a token (llama-batch.cpp:98), so a stage decodes "
+                 "token 0 and the engine writes its hidden states over that row (`embd`, through cb_eval: "
+                 "stage.TOKEN_INPUT_ONLY), positions the whole model's text positions")
 
 
 # Architectures verified to split exactly (tests/test_architectures.py runs each one's synthetic model whole and
@@ -98,17 +230,86 @@ SPLIT_RULES: dict[str, SplitRule] = {
                            "multi-token-prediction blocks after the trunk stay out of every stage",
                            dense_lead=True, metadata=_deepseek2_metadata),
     "gpt-oss": SplitRule("windowed attention on even layers (il % 2)", swa_period=2),
+    # ---- dense and MoE families (issue 55)
+    "mistral3": SplitRule("none (attention temperature follows the position; experts where the file has them)"),
+    "qwen2moe": SplitRule("none: every layer routes its experts alike, beside a gated shared expert"),
+    "olmoe": SplitRule("none: every layer routes its experts alike"),
+    "granitemoe": SplitRule("embedding_scale multiplies hidden-state input too: only the first stage keeps it",
+                            first_stage_keys=("embedding_scale",)),
+    "cohere2": SplitRule("windowed attention with RoPE on 3 of every 4 layers, full attention without RoPE on the "
+                         "4th (il % 4)", swa_period=4),
+    "command-r": SplitRule("none below 64 layers; llama.cpp reads Command R+'s q/k norms only from a file of 64 "
+                           "layers or more, so its stages are refused", metadata=_command_r_metadata),
+    "gemma": SplitRule("the graph scales every input by sqrt(n_embd), hidden states included "
+                       "(stage.SCALES_EVERY_INPUT)"),
+    "minimax-m2": SplitRule("none: every layer routes its experts alike (sigmoid gating with a bias)"),
+    "ernie4_5": SplitRule("none"),
+    "ernie4_5-moe": SplitRule("leading dense layers; experts where (il + 1) % step == 0, so a stage starts at a "
+                              "multiple of the step (1 in the published models)", dense_lead=True,
+                              metadata=_ernie4_5_moe_metadata),
+    "exaone4": SplitRule("none below 64 layers; llama.cpp turns windowed attention on only for a 64-layer file "
+                         "(EXAONE 4.0 32B), whose stages are refused", metadata=_exaone4_metadata),
+    "seed_oss": SplitRule("none"),
+    "starcoder2": SplitRule("none"),
+    "hunyuan-moe": SplitRule("none: every layer routes its experts alike, beside a shared expert"),
+    "dots1": SplitRule("leading dense layers, then experts", dense_lead=True),
+    "bailingmoe2": SplitRule("leading dense layers, then experts; multi-token-prediction blocks after the trunk "
+                             "stay out of every stage", dense_lead=True),
+    "arcee": SplitRule("none"),
+    "apertus": SplitRule("per-layer xIELU activation parameters under keys without the architecture's prefix "
+                         "(xielu.*): sliced too", per_layer_keys=("xielu.alpha_n", "xielu.alpha_p", "xielu.beta",
+                                                                  "xielu.eps")),
+    "phimoe": SplitRule("none"),
+    "dbrx": SplitRule("none"),
+    "grok": SplitRule("the embedding scale multiplies hidden-state input too and is 78.38 where the file has no "
+                      "key: later stages are written 0", metadata=_grok_metadata),
+    "smollm3": SplitRule("no RoPE where (il + 1) % 4 == 0, the 4 fixed in llama.cpp: a stage starts at a multiple "
+                         "of 4 (others refused, the balanced split keeps to it)",
+                         metadata=_nope_every_4th("smollm3", "models/smollm3.cpp:69")),
+    "afmoe": SplitRule("no RoPE where (il + 1) % 4 == 0, the 4 fixed in llama.cpp: a stage starts at a multiple "
+                       "of 4 (others refused, the balanced split keeps to it); windowed attention on 3 of every 4 "
+                       "layers (il % 4); leading dense layers; the graph scales every input by sqrt(n_embd), hidden "
+                       "states included (stage.SCALES_EVERY_INPUT)", swa_period=4, dense_lead=True,
+                       metadata=_nope_every_4th("afmoe", "models/afmoe.cpp:135")),
+    # ---- glm4, llama4, deepseek32, mistral4 (issue 55)
+    "glm4": SplitRule(_GLM_INPUT),
+    "glm4moe": SplitRule("leading dense layers, then experts; multi-token-prediction blocks after the trunk stay out "
+                         "of every stage; " + _GLM_INPUT, dense_lead=True),
+    "llama4": SplitRule("no RoPE where (il + 1) % 4 == 0 and experts where (il + 1) % interleave_moe_layer_step "
+                        "== 0, neither in a key, and llama.cpp aborts on a file without a RoPE-less layer: a stage "
+                        "starts at a multiple of 4 and of the step and holds 4 layers or more (others refused, the "
+                        "balanced split keeps to it); chunked attention except every 4th layer: the per-layer "
+                        "pattern", swa_period=4, metadata=_llama4_metadata),
+    "deepseek32": SplitRule("leading dense layers (the lightning indexer is per-layer tensors and keys); "
+                            "multi-token-prediction blocks after the trunk stay out of every stage", dense_lead=True),
+    "mistral4": SplitRule("deepseek2's loader: leading dense layers, 'lite' and expert gating guessed from the file's "
+                          "size, so both are written out", dense_lead=True,
+                          metadata=functools.partial(_deepseek2_metadata, arch="mistral4")),
+    # ---- hybrid and recurrent families (issue 55)
+    "lfm2": SplitRule(_HYBRID.format(kind="short convolution"),
+                      metadata=functools.partial(_hybrid_metadata, arch="lfm2")),
+    "granitehybrid": SplitRule(_HYBRID.format(kind="Mamba2") + "; embedding_scale multiplies hidden-state input "
+                               "too: only the first stage keeps it", first_stage_keys=("embedding_scale",),
+                               metadata=functools.partial(_hybrid_metadata, arch="granitehybrid")),
+    "qwen3next": SplitRule("gated delta net layers except where (il + 1) % full_attention_interval == 0: written out "
+                           "as the per-layer attention.recurrent_layers, which llama.cpp reads first; every stage "
+                           "holds a layer of each kind (llama.cpp aborts on a hybrid file without); speculative runs "
+                           "keep each drafted token's recurrent state in a sequence of its own (core/recurrent.py); "
+                           "multi-token-prediction blocks after the trunk stay out of every stage",
+                           metadata=functools.partial(_recurrent_layers_metadata, arch="qwen3next")),
+    "qwen35": SplitRule("qwen3next's layer kinds, written out the same way; " + _QWEN35_INPUT,
+                        metadata=functools.partial(_recurrent_layers_metadata, arch="qwen35")),
+    "qwen35moe": SplitRule("qwen3next's layer kinds, written out the same way; " + _QWEN35_INPUT,
+                           metadata=functools.partial(_recurrent_layers_metadata, arch="qwen35moe")),
 }
 SPLITTABLE = frozenset(SPLIT_RULES)
 
 # Architectures llama.cpp cannot run split, and the rule that stops them (check_splittable names it).
 NOT_SPLITTABLE = {
-    "glm4": "llama.cpp's glm4 graph aborts on hidden-state input unless the file has M-RoPE sections "
-            "(models/glm4.cpp), and a stage after the first takes hidden states",
-    "glm4moe": "llama.cpp's glm4moe graph aborts on hidden-state input unless the file has M-RoPE sections "
-               "(models/glm4-moe.cpp), and a stage after the first takes hidden states",
-    "llama4": "llama.cpp derives Llama 4's expert layers and NoPE layers from (il + 1) % step with no "
-              "per-layer array to carry them (models/llama4.cpp)",
+    # ---- dense and MoE families (issue 55)
+    "gemma3n": "between layers llama.cpp's gemma3n graph carries n_altup streams of n_embd "
+               "(models/gemma3n.cpp:126, [n_embd, n_tokens, n_altup]) and per-layer inputs projected from the first "
+               "layer's input (line 115), while a stage passes on one [n_tokens, n_embd] hidden state",
 }
 
 # Fixed-length arrays that are not per layer, whatever a tiny model's layer count
@@ -182,6 +383,42 @@ def _check_tensor_data(path, tensors) -> None:
 def _field(reader, key):
     f = reader.fields.get(key)
     return None if f is None else f.contents()
+
+
+def _metadata_fields(reader, arch: str) -> dict:
+    """What a SplitRule.metadata function reads: the architecture's keys, `{arch}.vocab_size` from token_embd
+    where the file has no such key."""
+    n_vocab = next((int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight"), 0)
+    fields = {f.name: f.contents() for f in reader.fields.values() if f.name.startswith(f"{arch}.")}
+    return fields | {f"{arch}.vocab_size": fields.get(f"{arch}.vocab_size", n_vocab)}
+
+
+@dataclass(frozen=True)
+class RangeCheck:
+    """Which layer ranges of a model its SplitRule lets a stage hold, decided from the header alone (picklable: rank 0
+    reads the file, every rank plans the split with it, before any stage file is written)."""
+    arch: str
+    n_layer: int
+    fields: dict
+
+    def refusal(self, start: int, end: int) -> str | None:
+        """Why a stage of layers [start, end) would compute another model (the rule's one line), or None."""
+        rule = SPLIT_RULES.get(self.arch)
+        if rule is None or rule.metadata is None:
+            return None
+        try:
+            rule.metadata(self.fields, start, end, end == self.n_layer)
+        except StageFileError as e:
+            return str(e)
+        return None
+
+
+def range_check(src: str | os.PathLike) -> RangeCheck:
+    """src's RangeCheck, from its header (milliseconds: HeaderReader)."""
+    reader = HeaderReader(src)
+    arch = _field(reader, "general.architecture")
+    n_layer = int(_field(reader, f"{arch}.block_count")) - int(_field(reader, f"{arch}.nextn_predict_layers") or 0)
+    return RangeCheck(arch, n_layer, _metadata_fields(reader, arch))
 
 
 def check_splittable(info: ModelInfo, n_stages: int) -> None:
@@ -424,8 +661,9 @@ class HeaderReader:
         from .ggufheader import read_header
         arch = read_header(src).fields["general.architecture"]
         first = read_header(src)
+        own = SPLIT_RULES[arch].per_layer_keys if arch in SPLIT_RULES else ()  # decoded as the arch's own keys
         keep = tuple(k for k, (vt, _, _) in first.spans.items() if vt == gguf.GGUFValueType.ARRAY
-                     and k.startswith(f"{arch}."))
+                     and (k.startswith(f"{arch}.") or k in own))
         header = read_header(src, keep_arrays=keep)
         self.data = np.memmap(src, dtype=np.uint8, mode="r")
         self.fields = {}
@@ -434,7 +672,7 @@ class HeaderReader:
             types = [gguf.GGUFValueType(vtype)]
             if vtype == gguf.GGUFValueType.ARRAY:
                 types.append(gguf.GGUFValueType(int(self.data[a + 4:a + 8].view("<u4")[0])))
-            if key != "general.architecture" and not key.startswith(f"{arch}."):
+            if key != "general.architecture" and not key.startswith(f"{arch}.") and key not in own:
                 value = _RawValue(bytes(self.data[a:b]))
             self.fields[key] = _Field(key, types, value)
         self.tensors = []
@@ -495,6 +733,9 @@ def _stage_writer(src, dst, start: int, end: int, with_vocab: bool, reader=None)
             # [4, n_embd] stand-ins: never used for hidden-state input, projection of 4 rows is free
             tensors.append((name, np.zeros((4, n_embd), dtype=np.float32), gguf.GGMLQuantizationType.F32))
             continue
+        elif not with_vocab and name == "output.bias":  # phimoe's bias per vocabulary entry: for the 4 stand-ins
+            tensors.append((name, np.zeros(4, dtype=np.float32), gguf.GGMLQuantizationType.F32))
+            continue
         tensors.append((name, t.data, t.tensor_type))
     return writer, tensors, reader
 
@@ -511,12 +752,7 @@ def _stage_metadata(reader, arch: str, n_all: int, n_layer: int, start: int, end
         drop.add(swa_key)  # written below as the whole model's per-layer pattern, sliced
     if rule and start > 0:
         drop.update(f"{arch}.{k}" for k in rule.first_stage_keys)
-    extra = {}
-    if rule and rule.metadata:
-        n_vocab = next((int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight"), 0)
-        fields = {f.name: f.contents() for f in reader.fields.values() if f.name.startswith(f"{arch}.")}
-        extra = rule.metadata(fields | {f"{arch}.vocab_size": fields.get(f"{arch}.vocab_size", n_vocab)},
-                              start, end, with_vocab)
+    extra = rule.metadata(_metadata_fields(reader, arch), start, end, with_vocab) if rule and rule.metadata else {}
     per_layer_skip = {f"{arch}.{k}" for k in NOT_PER_LAYER}
     for field in reader.fields.values():
         name, vtype = field.name, field.types[0]
@@ -528,7 +764,8 @@ def _stage_metadata(reader, arch: str, n_all: int, n_layer: int, start: int, end
             value = end - start
         elif name == f"{arch}.leading_dense_block_count" and rule and rule.dense_lead:
             value = min(max(int(value) - start, 0), end - start)  # dense FFN layers counted from the stage's start
-        elif vtype == array and name.startswith(f"{arch}.") and len(value) == n_all and name not in per_layer_skip:
+        elif vtype == array and (name.startswith(f"{arch}.") or (rule and name in rule.per_layer_keys)) \
+                and len(value) == n_all and name not in per_layer_skip:
             value = value[start:end]  # per-layer metadata (head counts, window flags, ...)
         yield name, value, vtype, field.types[-1] if vtype == array else None
     for name, (value, vtype) in extra.items():

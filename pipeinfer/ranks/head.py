@@ -40,6 +40,7 @@ from ..core.kvplan import (
 )
 from ..core.metrics import Stats, rss_mb
 from ..core.protocol import NO_RUN, Batch, cp, kv_ops
+from ..core.recurrent import chain_seq_ids, main_seq, seqs_per_run, state_seq
 from ..core.verify import (
     Node,
     TreeRun,
@@ -79,6 +80,14 @@ class GenConfig(StageOptions, SpeculationOptions, ServingOptions):
     # each stage's decode time (ms) for 1..limit tokens, rank 0 first (startup.py measures it):
     # with it PipeInfer sizes each micro-batch by choose_draft_len (draft_max is then the cap)
     stage_ms: tuple[tuple[float, ...], ...] | None = None
+    # a target with recurrent layers (core/recurrent.py): each drafted token of a run in a sequence of its own
+    # (nested), so a partly accepted run commits the state after its last accepted token
+    state_per_token: bool = False
+
+    @property
+    def seqs_per_run(self) -> int:
+        """Sequence ids in a speculative run's partition (core/recurrent.seqs_per_run)."""
+        return seqs_per_run(self.state_per_token, self.max_branches, self.draft_max or DEFAULT_DRAFT_MAX)
 
     @property
     def cut(self) -> Cutoffs:
@@ -134,6 +143,7 @@ class Flight:
     partition: int | None = None
     seqs: list[int] = field(default_factory=list)  # sequence ids the run's cells carry (partition seqs used)
     parent_id: int = NO_RUN
+    main_seq: int | None = None  # the sequence holding the run's whole main chain (a child run builds on it)
     cancelled: bool = False
     siblings: dict[int, float] = field(default_factory=dict)  # node index -> probability: the draft's runner-ups
 
@@ -406,7 +416,8 @@ class Head:
             branch_seq, end = None, self.n_kv0
             if verdict is not None and verdict.deepest >= 0:
                 node = fl.run.nodes[verdict.deepest]
-                branch_seq = next(s for s in node.seq_ids if s != self.canon) if node.pos >= self.n_kv0 else None
+                # the sequence that ends at the deepest accepted node: its cells, and its recurrent state
+                branch_seq = state_seq(node.seq_ids, self.canon) if node.pos >= self.n_kv0 else None
                 end = max(end, node.pos + 1)
             starts = retire_starts([(n.pos, n.seq_ids) for n in fl.run.nodes], self.canon)
             self._out.append(EditKv(commit_ops(branch_seq, self.n_kv0, end, fl.seqs, starts, self.pool.garbage_seq,
@@ -483,8 +494,16 @@ class Head:
     def _launch_spec(self, tree: list[DraftNode], context: list[int], lead: bool = False) -> None:
         """A speculative run for a draft tree over positions len(context)..; with `lead`, [last token] + tree."""
         k = self.pool.take()
-        n_branches = 1 + max(b for n in tree for b in n.branches)
-        seqs = self.pool.seqs(k)[:n_branches]
+        nested = self.cfg.state_per_token
+        if nested:  # a chain, each drafted token in its own sequence (core/recurrent.py)
+            if any(d.branches != {0} or d.parent != i - 1 for i, d in enumerate(tree)):
+                raise RuntimeError("internal: a model with recurrent layers drafts chains only")
+            seqs = self.pool.seqs(k)[:len(tree)]
+            ids = chain_seq_ids(seqs, len(tree))
+        else:
+            n_branches = 1 + max(b for n in tree for b in n.branches)
+            seqs = self.pool.seqs(k)[:n_branches]
+            ids = [[seqs[b] for b in sorted(d.branches)] for d in tree]
         first_pos = len(context)
         nodes, prefix, parent_id, parent_seq = [], {}, NO_RUN, None
         if lead:  # synchronous mode: the last accepted token joins sequence 0 and every branch
@@ -495,16 +514,15 @@ class Head:
             prefix = {e.pos: e.token for e in self.chain}
             if self.chain:
                 parent_id = self.chain[-1].owner
-                parent_seq = self.flights[parent_id].seqs[0]
+                parent_seq = self.flights[parent_id].main_seq
         off = len(nodes)
         for i, d in enumerate(tree):
             parent = d.parent + off if d.parent >= 0 else (0 if lead else -1)
-            nodes.append(Node(d.token, first_pos + d.depth, parent, [seqs[b] for b in sorted(d.branches)],
-                              off + i, drafted=True))
+            nodes.append(Node(d.token, first_pos + d.depth, parent, ids[i], off + i, drafted=True))
         run = TreeRun(self._new_run_id(), nodes, prefix)
         siblings = {off + i: d.prob for i, d in enumerate(tree)
                     if 0 not in d.branches and (d.parent < 0 or 0 in tree[d.parent].branches)}
-        self._launch(Flight(run, True, k, seqs, parent_id, siblings=siblings),
+        self._launch(Flight(run, True, k, seqs, parent_id, main_seq(seqs, len(tree), nested), siblings=siblings),
                      prefix_ops(seqs, n_kv0, parent_seq, first_pos - lead, self.canon))
         self.stats.n_spec_runs += 1
         self.stats.n_drafted += len(tree)

@@ -156,7 +156,7 @@ class Scheduler:
         n_part = pool.n_partitions if pool is not None else 0
         self.n_stages, self.n_parallel, self.eos, self.clock = n_stages, n_parallel, set(eos), clock
         self.depth = pipeline_depth(n_stages, cfg.stage_ms)  # runs in flight that fill the slowest stage
-        size = cfg.max_branches
+        size = pool.size if pool is not None else 1  # a partition's sequence ids (the other slots' ids follow)
         self.n_lanes = lane_count(n_parallel, cfg.cache_prompt)
         self.cache = PrefixCache(cfg.prompt_chunk, CACHE_ENTRIES) if cfg.cache_prompt else None
         self._canon = [lane_canonical(k, n_part, size) for k in range(self.n_lanes)]

@@ -18,6 +18,7 @@ from ..core.config import Config
 from ..core.errors import UserError
 from ..core.kvplan import PartitionPool, in_flight_limit, lane_count, lane_seq_max, plan_partitions
 from ..core.protocol import PROTOCOL_VERSION, Limits, kv_ops, rm
+from ..core.recurrent import check_recurrent_config, has_recurrent_state, layer_kinds, seqs_per_run, stage_ok
 from ..core.topology import (
     LayerRange,
     Topology,
@@ -28,7 +29,15 @@ from ..core.topology import (
 from ..engine.kernels import DEFAULT_DRAFT_MAX, exact_table, record_exact, resolve_draft_max
 from ..wire.launcher import mpi_library, world_size_mismatch
 from ..wire.slurm import srun_world_mismatch
-from ..engine.stagefile import StageFileError, check_splittable, ensure_stage_file, layer_costs, read_info, vocab_bound
+from ..engine.stagefile import (
+    StageFileError,
+    check_splittable,
+    ensure_stage_file,
+    layer_costs,
+    range_check,
+    read_info,
+    vocab_bound,
+)
 from ..drafters.factory import make_drafter
 from ..wire.transport import polite_barrier
 from .handshake import build_id
@@ -76,6 +85,11 @@ def open_session(config: Config, comm=None) -> HeadSession | None:
         return None
     inputs = _head_inputs_soon(config.model, ranks.comm.Get_size() > 1) if ranks.comm.Get_rank() == 0 else None
     info = _agree_model(config, ranks)          # one target file on every stage
+    if has_recurrent_state(info.arch) and config.cache_prompt:  # no prompt cache for recurrent states
+        if "cache_prompt" in config.set_by_user and ranks.comm.Get_rank() == 0:
+            log(f"[pipeinfer] --cache-prompt off: {info.arch} keeps a recurrent state, which exists only at the end of "
+                f"a cached prompt, not at every prefix a later prompt shares (core/recurrent.py)")
+        config = replace(config, cache_prompt=False)
     plan = _split_layers(config, ranks, info)   # threads and layers per rank
     config = replace(config, parallel=resolved_parallel(config, len(plan.ranges)))
     stage = _load_stage(config, ranks.comm, plan)
@@ -168,8 +182,14 @@ def _agree_model(config: Config, ranks: _Ranks):
     before any model loads."""
     def read():
         info = read_info(config.model)
+        draft_arch = None
         if config.draft and config.mode != "iterative":
-            read_info(config.draft)  # a missing, foreign or truncated draft fails here, before any model loads
+            # a missing, foreign or truncated draft fails here, before any model loads
+            draft_arch = read_info(config.draft).arch
+        try:
+            check_recurrent_config(info.arch, config.mode, config.max_branches, draft_arch)
+        except UserError as e:
+            raise StageFileError(str(e)) from None  # every rank reports it (below)
         return info
     if ranks.comm.Get_size() == 1:
         return read()
@@ -238,11 +258,21 @@ def _split_layers(config: Config, ranks: _Ranks, info) -> _LayerPlan:
         threads_b = parse_per_rank_ints(config.threads_batch, size, "--threads-batch", default=threads[rank])
         probe_ms = None
         if config.layer_split is not None and config.layer_split.strip() == "auto" and size > 1:
+            kinds = None  # a hybrid's probe holds a layer of each kind, as every stage must (core/recurrent.py)
+            if has_recurrent_state(info.arch):
+                kinds = comm.bcast(model_layer_kinds(config.model) if rank == 0 else None, root=0)
             probe_ms = auto_split(comm, info, threads[rank], threads_b[rank],
-                                  stage_file=lambda a, b, v: _stage_file(config, comm, a, b, v))
+                                  stage_file=lambda a, b, v: _stage_file(config, comm, a, b, v), kinds=kinds)
         layer_cost, tail_cost = comm.bcast(layer_costs(config.model) if rank == 0 else None, root=0)
+        # the architecture's rules on where a stage may start and end (stagefile.RangeCheck), from rank 0's header:
+        # the balanced split keeps to them, a split that breaks one ends the job here, on every rank, in one line
+        check = comm.bcast(range_check(config.model) if rank == 0 and size > 1 else None, root=0)
         ranges = plan_layers(config.layer_split, info.n_layer, size, layer_cost, tail_cost,
-                             speeds=split_from_speeds(probe_ms) if probe_ms else None)
+                             speeds=split_from_speeds(probe_ms) if probe_ms else None,
+                             allowed=(lambda a, b: check.refusal(a, b) is None) if check else None)
+        refused = next(filter(None, (check.refusal(r.start, r.end) for r in ranges)), None) if check else None
+        if refused:
+            raise StageFileError(refused)
     except ValueError as e:
         raise UserError(str(e)) from None
     if any(r.n_layers == 0 for r in ranges):
@@ -257,11 +287,16 @@ def _load_stage(config: Config, comm, plan: _LayerPlan) -> _Stage:
     rank, size = comm.Get_rank(), comm.Get_size()
     topo = Topology(rank, size, tuple(plan.ranges))
     n_lanes = lane_count(config.parallel, config.cache_prompt)
+    # a target with recurrent layers keeps each drafted token's state in a sequence of its own (core/recurrent.py):
+    # its partitions hold draft_max sequences, which the exact batch limit does not bound (each token decodes alone)
+    state_per_token = config.mode != "iterative" and has_recurrent_state(plan.info.arch)
+    if state_per_token:
+        config = replace(config, draft_max=config.draft_max or DEFAULT_DRAFT_MAX)
     if config.mode == "iterative":
         n_part, n_seq_max = 0, lane_seq_max(0, 1, n_lanes)
     else:
-        n_part, n_seq_max = plan_partitions(config.max_branches, in_flight_limit(config.max_in_flight, size),
-                                           n_lanes=n_lanes)
+        size_run = seqs_per_run(state_per_token, config.max_branches, config.draft_max or DEFAULT_DRAFT_MAX)
+        n_part, n_seq_max = plan_partitions(size_run, in_flight_limit(config.max_in_flight, size), n_lanes=n_lanes)
     n_batch = min(config.n_batch, config.n_ctx)
     my = topo.my_range
     # rank 0's host's table of kernel keys: a stage like one measured before takes its exact batch limit (kernels.py)
@@ -269,12 +304,15 @@ def _load_stage(config: Config, comm, plan: _LayerPlan) -> _Stage:
     path = _stage_file(config, comm, my.start, my.end, topo.is_last) if size > 1 else None
     engine, exact, key = _load_engine(config, topo, plan.threads[rank], plan.threads_b[rank], n_batch, n_seq_max,
                                       stage_path=path, known=known)
+    if engine.recurrent != has_recurrent_state(plan.info.arch):
+        raise RuntimeError(f"internal: llama.cpp {'keeps' if engine.recurrent else 'keeps no'} recurrent states for "
+                           f"{plan.info.arch}, core/recurrent.py's tables say otherwise")
     polite_barrier(comm, config.poll_s)  # ranks finish loading at different times: the early ones wait without spinning
     exact_per_rank, keys = zip(*comm.allgather((exact, key)))
     exact_per_rank = list(exact_per_rank)
     if rank == 0 and size > 1 and exact is not None:
         record_exact({k: e for e, k in zip(exact_per_rank, keys) if k})  # what the next job's ranks may take
-    cfg = _resolve_gen(config, comm, engine, n_batch, exact_per_rank)
+    cfg = _resolve_gen(config, comm, engine, n_batch, exact_per_rank, state_per_token)
     transport = None
     if size > 1:
         from ..wire.transport import Transport
@@ -306,13 +344,16 @@ def _load_engine(config: Config, topo: Topology, n_threads: int, n_threads_batch
                                      engine.capture_hidden)
 
 
-def _resolve_gen(config: Config, comm, engine, n_batch: int, exact_per_rank: list[int | None]) -> GenConfig:
+def _resolve_gen(config: Config, comm, engine, n_batch: int, exact_per_rank: list[int | None],
+                 state_per_token: bool = False) -> GenConfig:
     """The head's GenConfig: the run's configuration with the draft max, n_batch and p_recovery resolved, and
     with --micro-batch auto every stage's decode costs (stage_costs: every rank times its stage in turn)."""
     cfg = gen_config(config, n_batch=n_batch,
                      p_recovery=auto_p_recovery(comm.Get_size()) if config.p_recovery is None else config.p_recovery,
                      batch_rows=_batch_rows(config, exact_per_rank))
-    cfg = replace(cfg, draft_max=_draft_max(cfg, exact_per_rank))
+    # per-token states: every drafted token decodes alone, so the exact batch limit does not bound a micro-batch
+    cfg = replace(cfg, state_per_token=state_per_token,
+                  draft_max=config.draft_max if state_per_token else _draft_max(cfg, exact_per_rank))
     if cfg.mode == "pipeinfer" and cfg.adaptive_draft and cfg.draft_max > 1:
         cfg = replace(cfg, stage_ms=stage_costs(comm, engine, cfg.draft_max, config.poll_s))
     return cfg
@@ -355,7 +396,7 @@ def _open_head(config: Config, ranks: _Ranks, plan: _LayerPlan, stage: _Stage, i
     pipe = Pipeline(stage.topo, stage.engine, embedder=embedder, transport=stage.transport, limits=stage.limits)
     pool = None
     if cfg.mode != "iterative":
-        pool = PartitionPool(stage.n_part, cfg.max_branches, stage.n_seq_max,
+        pool = PartitionPool(stage.n_part, cfg.seqs_per_run, stage.n_seq_max,
                              lane_count(config.parallel, config.cache_prompt))
     drafter_for, beside = _head_drafter(config, ranks, plan, stage)
     eos = set() if not cfg.stop_at_eos else {t for t in tok.eos}
@@ -460,9 +501,10 @@ def stage_costs(comm, engine, up_to: int, poll_s: float) -> tuple[tuple[float, .
     return tuple(comm.allgather(mine))
 
 
-def auto_split(comm, info, n_threads: int, n_threads_batch: int, stage_file) -> list[float]:
+def auto_split(comm, info, n_threads: int, n_threads_batch: int, stage_file, kinds: list[str] | None = None) -> list[float]:
     """--layer-split auto: each rank times the same probe layers in turn; returns every rank's ms per layer
-    (split_from_speeds turns them into speeds for plan_layers)."""
+    (split_from_speeds turns them into speeds for plan_layers). kinds: a hybrid's layer kinds (the probe's layers
+    then hold one of each, as every stage must: core/recurrent.py)."""
     import time
 
     import numpy as np
@@ -470,6 +512,8 @@ def auto_split(comm, info, n_threads: int, n_threads_batch: int, stage_file) -> 
     from ..core.protocol import Batch
     from ..engine.stage import StageEngine
     n_probe = max(1, info.n_layer // comm.Get_size())
+    while kinds is not None and n_probe < info.n_layer and not stage_ok(kinds, 0, n_probe):
+        n_probe += 1
     probe = stage_file(0, n_probe, False)
     eng = StageEngine(probe, n_ctx=256, n_batch=32, n_seq_max=1, n_threads=n_threads, n_threads_batch=n_threads_batch,
                       embd_input=True, capture_hidden=True)
@@ -495,6 +539,18 @@ def auto_split(comm, info, n_threads: int, n_threads_batch: int, stage_file) -> 
         log("[pipeinfer] --layer-split auto: ms per probe layer " + ", ".join(f"{t:.2f}" for t in all_ms)
             + " (the split balances the stages' times at these speeds, the output projection counted)")
     return all_ms
+
+
+def model_layer_kinds(path) -> list[str] | None:
+    """Each layer's kind (core/recurrent.layer_kinds) from a GGUF's header: None for a model without recurrent
+    layers or whose kinds are not known here."""
+    from ..engine.ggufheader import read_header
+    first = read_header(path)
+    arch = first.fields["general.architecture"]
+    arrays = tuple(k for k, (vtype, _, _) in first.spans.items() if vtype == 9 and k.startswith(f"{arch}."))
+    fields = read_header(path, keep_arrays=arrays).fields if arrays else first.fields
+    n_layer = int(fields[f"{arch}.block_count"]) - int(fields.get(f"{arch}.nextn_predict_layers", 0))
+    return layer_kinds(arch, fields, n_layer)
 
 
 def log(msg: str) -> None:
