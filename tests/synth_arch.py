@@ -428,17 +428,7 @@ def _qwen3next(r, il, n):
     beta and alpha in one projection, a norm per head, out projection); post_attention_norm is the FFN's input norm;
     routed experts beside a shared expert gated by a sigmoid (ffn_gate_inp_shexp); the prediction block after the
     trunk attends."""
-    g_attn, _ = _gains(n)
-    t = _norms("attn_norm", "post_attention_norm") | _moe(r, n) | _shared_expert(r, n, SH) \
-        | {"ffn_gate_inp_shexp.weight": _mat(r, 1, E, 3.0)[0]}
-    if il >= n or (il + 1) % QN_INTERVAL == 0:
-        t |= _attn(r, n, q_out=2 * H * HD) | _qk_norm()
-        t["attn_output.weight"] = _mat(r, E, H * HD, g_attn)
-        if il >= n:
-            t |= {"nextn.eh_proj.weight": _mat(r, E, 2 * E)} | _norms("nextn.enorm", "nextn.hnorm",
-                                                                      "nextn.shared_head_norm")
-        return t
-    return t | _delta_net(r, n, {"ssm_ba.weight": _mat(r, 2 * DN_HEADS, E)})
+    return _qwen35(r, il, n, moe=True, fused_beta_alpha=True)
 
 
 def _delta_net(r, n, beta_alpha):
@@ -453,9 +443,10 @@ def _delta_net(r, n, beta_alpha):
             "ssm_out.weight": _mat(r, E, value_dim, g_attn)} | beta_alpha
 
 
-def _qwen35(r, il, n, moe=False):
+def _qwen35(r, il, n, moe=False, fused_beta_alpha=False):
     """Qwen3.5 (models/qwen35.cpp; qwen35moe.cpp with moe): qwen3next's blocks, beta and alpha in projections of
-    their own, a dense SwiGLU FFN (or qwen3next's experts and gated shared expert), an M-RoPE model."""
+    their own (fused into one, ssm_ba, in qwen3next), a dense SwiGLU FFN (or qwen3next's experts and gated shared
+    expert), an M-RoPE model."""
     g_attn, _ = _gains(n)
     t = _norms("attn_norm", "post_attention_norm")
     t |= (_moe(r, n) | _shared_expert(r, n, SH) | {"ffn_gate_inp_shexp.weight": _mat(r, 1, E, 3.0)[0]}) if moe \
@@ -467,7 +458,9 @@ def _qwen35(r, il, n, moe=False):
             t |= {"nextn.eh_proj.weight": _mat(r, E, 2 * E)} | _norms("nextn.enorm", "nextn.hnorm",
                                                                       "nextn.shared_head_norm")
         return t
-    return t | _delta_net(r, n, {"ssm_beta.weight": _mat(r, DN_HEADS, E), "ssm_alpha.weight": _mat(r, DN_HEADS, E)})
+    beta_alpha = {"ssm_ba.weight": _mat(r, 2 * DN_HEADS, E)} if fused_beta_alpha else \
+        {"ssm_beta.weight": _mat(r, DN_HEADS, E), "ssm_alpha.weight": _mat(r, DN_HEADS, E)}
+    return t | _delta_net(r, n, beta_alpha)
 
 
 def _qwen35moe(r, il, n):
