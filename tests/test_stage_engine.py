@@ -11,7 +11,7 @@ import pytest
 from helpers import PROMPT
 from synth import make_llama_gguf
 from synth_arch import make_arch_gguf
-from pipeinfer.core.protocol import Batch, kv_ops
+from pipeinfer.core.protocol import Batch, cp, kv_ops, rm
 from pipeinfer.core.verify import SamplingParams, row_tokens
 from pipeinfer.engine.stage import DecodeAborted, StageEngine, TokenEmbedder, anonymous_regions, name_key
 from pipeinfer.engine.stagefile import ensure_stage_file, read_info
@@ -171,3 +171,43 @@ def test_where_a_sequence_s_cells_sit_changes_large_batches_only():
         assert not np.array_equal(last_logits(64, 0), last_logits(64, 1))  # another offset: other bits
     finally:
         eng.close()
+
+
+
+def _row_alone_and_in_a_batch(path, n_threads: int, n_cells: int) -> tuple[np.ndarray, np.ndarray]:
+    """Logits of sequence 0's next row decoded alone and beside sequence 1's (which shares its n_cells cells)."""
+    eng = _engine(path, n_ctx=n_cells + 64, n_batch=n_cells, n_seq_max=2, n_threads=n_threads,
+                  n_threads_batch=n_threads, embd_input=False, capture_hidden=False)
+    rng = np.random.default_rng(3)
+    toks = rng.integers(100, 20000, n_cells + 2).astype(np.int32)
+    try:
+        eng.decode(Batch(toks[:n_cells], np.arange(n_cells, dtype=np.int32), [[0]] * n_cells,
+                         np.eye(1, n_cells, n_cells - 1, dtype=np.int32)[0], kv_ops(cp(0, 1))))
+
+        def next_rows(seqs):
+            out = eng.decode(Batch(toks[[n_cells + s for s in seqs]], np.full(len(seqs), n_cells, np.int32),
+                                   [[s] for s in seqs], np.ones(len(seqs), np.int32), kv_ops()))
+            eng.apply_kv_ops(kv_ops(*[rm(s, n_cells, -1) for s in seqs]))
+            return out
+        return next_rows([0]), next_rows([0, 1])[:1]
+    finally:
+        eng.close()
+
+
+@pytest.mark.real
+def test_a_row_alone_is_the_row_in_a_batch_on_two_threads_past_512_cells(monkeypatch):
+    """On 2+ threads ggml's CPU flash attention splits one query row over 512+ cells across the threads when K and V
+    are both f16 (a row alone then gets other bits than the same row in a batch: a verified draft or a batched user
+    against the target one token at a time); the exact settings' q8_0 values keep every row on the one-row kernel
+    (engine/kernels.kv_cache_types). Pinned both ways on the real Qwen2.5-Coder-1.5B (its K-quant matrix multiplies
+    are row by row: the synthetic models' f32/q8_0 ones are not)."""
+    from helpers import real_model
+    from pipeinfer.engine import stage
+    path = real_model("qwen2.5-coder-1.5b")
+    alone, in_batch = _row_alone_and_in_a_batch(path, n_threads=2, n_cells=300)  # 300 used cells: a 512-cell view
+    assert np.array_equal(alone, in_batch)
+    monkeypatch.setattr(stage, "kv_cache_types", lambda kernels, n_threads: (1, 1))  # f16 and f16
+    alone, in_batch = _row_alone_and_in_a_batch(path, n_threads=2, n_cells=300)
+    assert not np.array_equal(alone, in_batch)
+    alone, in_batch = _row_alone_and_in_a_batch(path, n_threads=1, n_cells=300)  # one thread: one part, same bits
+    assert np.array_equal(alone, in_batch)

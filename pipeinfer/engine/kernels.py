@@ -33,7 +33,7 @@ import numpy as np
 from ..core.config import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, KERNELS  # noqa: F401 (declared with the options)
 
 PROBE_MAX_BATCH = 8   # batch sizes probed: 1..8 (micro-batches on CPUs are 1-4 tokens; 8 shows the tiled kernel)
-PROBE_FORMAT = 3      # bump when the probe changes: invalidates cached limits (3: rows of several sequences too)
+PROBE_FORMAT = 4      # bump when the probe or the numerics change: invalidates cached limits (4: q8_0 values on 2+ threads)
 
 
 # Extra buffer types of ggml's CPU backend that pipeinfer never loads weights into. "AMX": a build of llama.cpp
@@ -109,6 +109,21 @@ def flash_attn_type(kernels: str) -> int:
     import llama_cpp
     return (llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED if kernels == "fast"
             else llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+
+
+def kv_cache_types(kernels: str, n_threads: int) -> tuple[int, int]:
+    """(K, V) cache types (ggml_type): llama.cpp's f16 and f16, except f16 keys and q8_0 values for an exact setting
+    whose one-row decodes run on more than one thread.
+
+    ggml's CPU flash attention splits one query row over 512+ cells across the threads when K and V are both f16,
+    and merges the parts: on 2+ threads a row decoded alone then differs from the same row in a batch (0.33 in a
+    logit, Qwen2.5-Coder-1.5B, 2 threads, 600 cells), so a verified draft or a batched user would not get the bits
+    the target gives one token at a time. On one thread the split is one part and the bits are the same. K and V of
+    different types keep every row on the one-row kernel (llama.cpp casts an f32 cache to f16, so the values are
+    q8_0: half the bytes, the quantized V cache llama.cpp users run with -ctv q8_0; about 8% slower per token at 1000
+    cells)."""
+    f16, q8_0 = 1, 8
+    return (f16, q8_0) if kernels != "fast" and n_threads > 1 else (f16, f16)
 
 
 @lru_cache(maxsize=1)

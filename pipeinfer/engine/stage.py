@@ -21,7 +21,7 @@ import numpy as np
 
 from ..core.protocol import Batch, KvOp, RowRules, pack_logprobs
 from ..core.verify import SamplingParams, row_logprobs, row_tokens
-from .kernels import DEFAULT_KERNELS, flash_attn_type, model_params
+from .kernels import DEFAULT_KERNELS, flash_attn_type, kv_cache_types, model_params
 
 LLAMA_MAX_SEQ = 256  # llama.cpp's cap on n_seq_max
 
@@ -238,6 +238,7 @@ class StageEngine:
         cparams.kv_unified = True  # sequences share one cell pool; seq_cp only tags cells
         cparams.no_perf = True
         cparams.flash_attn_type = flash_attn_type(kernels)  # kernels.py: which settings are batch-invariant
+        cparams.type_k, cparams.type_v = kv_cache_types(kernels, n_threads)
         self._captured: list[np.ndarray] = []
         self._capture_name = f"l_out-{self.n_layer - 1}".encode() if capture_hidden else None
         arch = model_arch(self.model)
