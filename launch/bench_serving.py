@@ -17,12 +17,16 @@ Systems (2 cores: every process 1 thread, except the one-process server's 2):
   the stages' exact limit, --batch-rows auto).
 - `pipeinfer-unbatched`: the same with `--batch-rows 1 --parallel 4` (one request's token per decode: the
   scheduler before batching).
-- `pipeinfer-fast`: the same with `--kernels fast` (batches of up to 16 rows; not exact).
+- `pipeinfer-tiled`: the same with `--kernels tiled --parallel 32 --prompt-chunk 16` (every multiply through
+  llama.cpp's tiled kernel, exact to 32 rows; every request admitted at once up to 32 clients; prompt chunks small
+  enough to share decodes with the others' next tokens).
+- `pipeinfer-fast`: the same with `--kernels fast --parallel 32` (batches of up to 16 rows; not exact).
 The llama.cpp programs are built from the llama.cpp that llama-cpp-python vendors (launch/bench_peers.llama_bin).
 Every round runs every (clients, system) once, the systems' order rotating from round to round; medians over rounds
 and the ratios to llama-server and llama-rpc are printed and written to OUT_summary.csv, every load to OUT.csv.
 pipeinfer's answers are checked against each other (each request's text must be the same under every exact
-pipeinfer system and every load).
+pipeinfer system of the same kernels and every load: `tiled` multiplies otherwise than `repack`, so its texts are
+checked among themselves).
 """
 from __future__ import annotations
 
@@ -46,10 +50,12 @@ from serve_load import start_server, stop_server
 ROOT = Path(__file__).resolve().parent.parent
 N_PREDICT = 32
 N_CTX = 8192
-SYSTEMS = ("llama-server", "llama-rpc", "pipeinfer", "pipeinfer-unbatched", "pipeinfer-fast")
-EXACT = ("pipeinfer", "pipeinfer-unbatched")
+SYSTEMS = ("llama-server", "llama-rpc", "pipeinfer", "pipeinfer-unbatched", "pipeinfer-tiled", "pipeinfer-fast")
+# exact systems of the same numerics: each request's answer is one text under every system of a group and every load
+EXACT = {"pipeinfer": "repack", "pipeinfer-unbatched": "repack", "pipeinfer-tiled": "tiled"}
 PIPEINFER_ARGS = {"pipeinfer": [], "pipeinfer-unbatched": ["--batch-rows", "1", "--parallel", "4"],
-                  "pipeinfer-fast": ["--kernels", "fast"]}
+                  "pipeinfer-tiled": ["--kernels", "tiled", "--parallel", "32", "--prompt-chunk", "16"],
+                  "pipeinfer-fast": ["--kernels", "fast", "--parallel", "32"]}
 
 SNIPPETS = [
     "def quicksort(arr):\n    # sort a list of integers in place, using the last element as the pivot",
@@ -167,7 +173,8 @@ def run_one(system: str, n_clients: int, bins: Path | None, model: str, work: Pa
             server.stop()
     else:
         port = free_port()
-        args = ["-t", "1", "-c", str(N_CTX), "--ignore-eos", "--alias", "m", *PIPEINFER_ARGS[system]]
+        args = ["-t", "1", "-c", str(N_CTX), "--ignore-eos", "--alias", "m", "--max-queue", "128",  # as llama-server,
+                *PIPEINFER_ARGS[system]]                                                        # queue every client
         proc = start_server(port, args, log, new_tag())
         try:
             complete(port, "def warm_up():")
@@ -205,11 +212,11 @@ def main() -> None:
                 rows.append(row)
                 print(f"round {r} {system:20s} {n:3d} clients: {row['tokens_per_s']:6.2f} tokens/s, p50 "
                       f"{row['p50_s']:.2f} s, p95 {row['p95_s']:.2f} s", flush=True)
-    texts: dict[tuple[int, int], str] = {}
-    for row in rows:  # every exact pipeinfer answer is the same, whatever the system and the load
+    texts: dict[tuple[int, str], str] = {}
+    for row in rows:  # every exact pipeinfer answer is the same, whatever the system (of its numerics) and the load
         if row["system"] in EXACT:
             for i, t in enumerate(row.pop("texts")):
-                key = (i % len(SNIPPETS), 0)
+                key = (i % len(SNIPPETS), EXACT[row["system"]])
                 if texts.setdefault(key, t) != t:
                     raise SystemExit(f"{row['system']} at {row['clients']} clients answered prompt {key[0]} otherwise")
         else:

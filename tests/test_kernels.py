@@ -1,4 +1,6 @@
 """Kernel settings and the exact batch limit (pipeinfer/engine/kernels.py)."""
+import os
+
 import numpy as np
 import pytest
 
@@ -65,6 +67,22 @@ def test_probe_stays_within_the_engines_batch_and_uses_tokens_without_embedding_
     assert probe_exact_batch(FakeEngine(2, embd_input=False)) == 2
 
 
+@pytest.mark.parametrize("exact, across, limit", [(64, 64, 32), (20, 64, 16), (64, 10, 8), (1, 64, 1), (64, 2, 2)])
+def test_tiled_kernels_probe_their_sizes_up_to_32_rows(exact, across, limit):
+    """--kernels tiled: a row costs what 16 do, so the probe tries 2, 3, 4, 5, 8, 16 and 32 rows (one sequence's
+    and several's) and takes the last size before the first that differs."""
+    eng = FakeEngine(exact, across=across, n_seq_max=32)
+    assert probe_exact_batch(eng, kernels="tiled") == limit
+    assert max(eng.batch_sizes) <= 32 and eng.cells == {}
+
+
+def test_tiled_kernels_force_llamas_tiled_multiply_and_keep_weights_as_stored(monkeypatch):
+    monkeypatch.setenv(kernels.TILED_FORCE_ENV, "0")  # restored (unset) after the test
+    assert kernels.model_params("repack").use_extra_bufts and os.environ[kernels.TILED_FORCE_ENV] == "0"
+    params = kernels.model_params("tiled")
+    assert not params.use_extra_bufts and os.environ[kernels.TILED_FORCE_ENV] == "1"
+
+
 def test_largest_draft_counts_the_lead_token():
     assert largest_draft(3, lead=False) == 3   # a PipeInfer micro-batch is its draft tokens
     assert largest_draft(3, lead=True) == 2    # synchronous speculation adds the last accepted token
@@ -112,7 +130,7 @@ def test_limit_is_measured_once_and_cached(models, monkeypatch, tmp_path):
     monkeypatch.setenv("PIPEINFER_STAGE_CACHE", str(tmp_path))
     calls = []
     real_probe = kernels.probe_exact_batch
-    monkeypatch.setattr(kernels, "probe_exact_batch", lambda eng: calls.append(1) or real_probe(eng))
+    monkeypatch.setattr(kernels, "probe_exact_batch", lambda eng, **kw: calls.append(1) or real_probe(eng, **kw))
     path = str(models["q8"])
     with StageEngine(path, n_ctx=64, n_batch=64, n_seq_max=1, n_threads=1, n_threads_batch=1,
                      embd_input=False, capture_hidden=False) as eng:
@@ -136,7 +154,7 @@ def test_a_stage_with_the_same_kernel_key_takes_the_limit_measured_before(models
     monkeypatch.setenv("PIPEINFER_STAGE_CACHE", str(tmp_path))
     calls = []
     real_probe = kernels.probe_exact_batch
-    monkeypatch.setattr(kernels, "probe_exact_batch", lambda eng: calls.append(1) or real_probe(eng))
+    monkeypatch.setattr(kernels, "probe_exact_batch", lambda eng, **kw: calls.append(1) or real_probe(eng, **kw))
     model = make_llama_gguf(tmp_path / "m.gguf", n_layer=6, qtype="q8_0")
     a, b = ensure_stage_file(model, 0, 2, False), ensure_stage_file(model, 2, 5, False)
     key = kernels.kernel_key(a, "repack", 1, 1, True, True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from lanes import make
@@ -93,6 +94,69 @@ def test_generations_share_decodes_and_each_answer_equals_its_own(mode, batch_ro
     assert_all_free(sched, pipe, pool)
     assert rows and max(rows) == batch_rows and sched.executor.n_merged_runs == len(rows)
     assert sum(rows) == sched.executor.n_merged_rows
+
+
+def runs_of_several(pipe) -> list[tuple[int, int, int]]:
+    """Wraps pipe.launch: (rows, sequences, KV edits) of each run that carries several generations' rows."""
+    runs: list[tuple[int, int, int]] = []
+    launch = pipe.launch
+
+    def watched(run_id, batch, *a):
+        seqs = {s for ids in batch.seq_ids for s in ids}
+        if len(seqs) > 1 and not a[0]:  # not speculative
+            runs.append((batch.n_tokens, len(seqs), len(batch.prefix_ops)))
+        launch(run_id, batch, *a)
+    pipe.launch = watched
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])
+@pytest.mark.parametrize("prompt_chunk", [2, 3])
+def test_prompt_chunks_share_decodes_with_next_tokens(mode, prompt_chunk):
+    """Newcomers' prompt chunks within the row cap join the running generations' next tokens in one decode (each
+    chunk in its own sequence); a cached start's copy goes after every run held before it (with 3-token chunks the
+    copied prompt's last chunks are still held when the newcomer starts); runs with more rows than the cap go alone;
+    every answer equals its prompt's alone, a stopped one included, and the toy stages check every cell a row sees."""
+    sched, pipe, pool = make(mode, n_parallel=7, batch_rows=6, prompt_chunk=prompt_chunk)
+    runs = runs_of_several(pipe)
+    jobs = [(p, 14 + 3 * i, SamplingParams(), 4 if i == 3 else 0) for i, p in enumerate(PROMPTS)]
+    jobs.append((PROMPTS[2][:9] + [1, 1], 12, SamplingParams(), 0))  # a cached start: 9 positions copied
+    assert_exact(submit_all(sched, jobs))
+    assert_all_free(sched, pipe, pool)
+    assert max(rows for rows, _, _ in runs) <= 6
+    if prompt_chunk == 2:
+        assert any(rows > seqs for rows, seqs, _ in runs), "a prompt chunk (rows of one sequence) shared a decode"
+
+
+def test_kv_edits_go_after_every_run_held_before_them():
+    """A cached start copies another generation's cells (its KV edits run before its batch at every stage): held
+    rows of the copied sequence go out first, and the copy opens a new shared decode."""
+    from pipeinfer.core.protocol import Batch, cp, kv_ops
+    from pipeinfer.ranks.actions import Executor
+
+    class Recorder:
+        def __init__(self):
+            self.runs, self.in_flight = [], []
+
+        def set_sampling(self, *a):
+            pass
+
+        def launch(self, run_id, batch, *a):
+            self.runs.append((run_id, batch.tokens.tolist(), batch.prefix_ops.tolist()))
+
+    def chunk(run_id, seq, tokens, pre=kv_ops()):
+        n = len(tokens)
+        return Launch(run_id, Batch(np.array(tokens, np.int32), np.arange(n, dtype=np.int32), [[seq]] * n,
+                                    np.zeros(n, np.int32), pre), False, -1, (SamplingParams(), None))
+    pipe = Recorder()
+    ex = Executor(pipe, batch_rows=8)
+    ex.pace(16, 2)
+    ex.apply("a", [chunk(1, 1, [5, 6, 7])])
+    ex.apply("c", [chunk(2, 3, [9])])
+    ex.apply("b", [chunk(3, 2, [8, 8], kv_ops(cp(1, 2, 0, 3)))])
+    assert pipe.runs == [(2, [5, 6, 7, 9], [])]  # a's chunk and c's row went before b's copy of a's cells
+    ex.flush()
+    assert pipe.runs[1] == (3, [8, 8], [list(cp(1, 2, 0, 3))])
 
 
 @pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])

@@ -198,7 +198,7 @@ def _row_alone_and_in_a_batch(path, n_threads: int, n_cells: int) -> tuple[np.nd
 def test_a_row_alone_is_the_row_in_a_batch_on_two_threads_past_512_cells(monkeypatch):
     """On 2+ threads ggml's CPU flash attention splits one query row over 512+ cells across the threads when K and V
     are both f16 (a row alone then gets other bits than the same row in a batch: a verified draft or a batched user
-    against the target one token at a time); the exact settings' q8_0 values keep every row on the one-row kernel
+    against the target one token at a time); the exact settings' bf16 values keep every row on the one-row kernel
     (engine/kernels.kv_cache_types). Pinned both ways on the real Qwen2.5-Coder-1.5B (its K-quant matrix multiplies
     are row by row: the synthetic models' f32/q8_0 ones are not)."""
     from helpers import real_model

@@ -19,7 +19,7 @@ from .errors import UserError
 from .verify import SamplingParams
 
 MODES = ("iterative", "speculative", "pipeinfer")
-KERNELS = ("repack", "no-repack", "fast")   # engine/kernels.py: what each means
+KERNELS = ("repack", "no-repack", "tiled", "fast")   # engine/kernels.py: what each means
 DEFAULT_KERNELS = "repack"
 # --draft-head auto: the draft's output projection pruned to the most frequent 65,536 tokens (drafters/drafter.py)
 DRAFT_HEAD_AUTO = 65536
@@ -43,7 +43,7 @@ class StageOptions:
     n_batch: int = 512                      # largest batch a stage decodes
     prompt_chunk: int = PROMPT_CHUNK        # prompt tokens per decode (at most n_batch), at positions 0, C, 2C, ...
     cache_prompt: bool = True               # keep finished prompts on every stage for later requests (prefixcache.py)
-    kernels: str = DEFAULT_KERNELS          # engine/kernels.py: repack | no-repack | fast
+    kernels: str = DEFAULT_KERNELS          # engine/kernels.py: repack | no-repack | tiled | fast
 
 
 @dataclass(frozen=True, kw_only=True)

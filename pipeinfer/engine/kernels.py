@@ -12,7 +12,14 @@ the repacked gemv pays, and on an AVX2 host where it does not, launch/bench_kern
 |---|---|---|---|---|
 | `repack` (default) | repacked (llama.cpp's CPU "extra buffer") | flash | 1-3 | 50.9 ms / 90 ms |
 | `no-repack` | as stored | flash | 1-7 | 75.9 ms / 85 ms |
+| `tiled` | as stored, every K-quant multiply tiled | flash | 1-32 | 248 ms (16 rows: 292 ms) |
 | `fast` | repacked | llama.cpp's default (off) | 1 | 61 ms / 85 ms |
+
+`tiled` sends every K-quant matrix multiply, one row or 256, through ggml's tiled kernel (GGML_CPU_TILED_MM_FORCE,
+process-wide: a draft with K-quant weights in the same process goes through it too), which llama.cpp itself takes
+from 8 rows on: each output is a row's own dot products summed block after block whatever the tile's other rows, so
+a row's bits do not depend on its batch, and unpacking the weights once serves every row of the tile. One row costs
+6x a repacked row; 16 rows cost 1.2x one (AMD EPYC, 1 thread, the whole 1.5B).
 
 The repacked gemm takes rows in blocks of 4 (rows outside a block go through the one-row gemv), and
 from 8 rows on ggml multiplies K-quants with its tiled kernel; non-flash attention runs f16 matmuls
@@ -33,7 +40,9 @@ import numpy as np
 from ..core.config import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, KERNELS  # noqa: F401 (declared with the options)
 
 PROBE_MAX_BATCH = 8   # batch sizes probed: 1..8 (micro-batches on CPUs are 1-4 tokens; 8 shows the tiled kernel)
-PROBE_FORMAT = 4      # bump when the probe or the numerics change: invalidates cached limits (4: q8_0 values on 2+ threads)
+TILED_PROBE_SIZES = (2, 3, 4, 5, 8, 16, 32)  # --kernels tiled: users' rows up to 32 (64+ rows tile the attention)
+TILED_FORCE_ENV = "GGML_CPU_TILED_MM_FORCE"   # ggml-cpu/tiled/tiled.cpp, read once per process at the first multiply
+PROBE_FORMAT = 4      # bump when the probe or the numerics change: invalidates cached limits (4: bf16 values on 2+ threads)
 
 
 # Extra buffer types of ggml's CPU backend that pipeinfer never loads weights into. "AMX": a build of llama.cpp
@@ -49,7 +58,9 @@ def model_params(kernels: str):
         raise ValueError(f"unknown kernels {kernels!r} (choose {', '.join(KERNELS)})")
     import llama_cpp
     params = llama_cpp.llama_model_default_params()
-    params.use_extra_bufts = kernels != "no-repack"  # the "extra buffer" holds the repacked weights
+    params.use_extra_bufts = kernels not in ("no-repack", "tiled")  # the "extra buffer" holds the repacked weights
+    if kernels == "tiled":
+        os.environ[TILED_FORCE_ENV] = "1"
     if params.use_extra_bufts:
         drop_extra_buffer_types(UNUSED_EXTRA_BUFFERS)
     return params
@@ -112,18 +123,17 @@ def flash_attn_type(kernels: str) -> int:
 
 
 def kv_cache_types(kernels: str, n_threads: int) -> tuple[int, int]:
-    """(K, V) cache types (ggml_type): llama.cpp's f16 and f16, except f16 keys and q8_0 values for an exact setting
+    """(K, V) cache types (ggml_type): llama.cpp's f16 and f16, except f16 keys and bf16 values for an exact setting
     whose one-row decodes run on more than one thread.
 
     ggml's CPU flash attention splits one query row over 512+ cells across the threads when K and V are both f16,
     and merges the parts: on 2+ threads a row decoded alone then differs from the same row in a batch (0.33 in a
-    logit, Qwen2.5-Coder-1.5B, 2 threads, 600 cells), so a verified draft or a batched user would not get the bits
+    logit, Qwen2.5-Coder-1.5B, 2 threads, 300 cells), so a verified draft or a batched user would not get the bits
     the target gives one token at a time. On one thread the split is one part and the bits are the same. K and V of
-    different types keep every row on the one-row kernel (llama.cpp casts an f32 cache to f16, so the values are
-    q8_0: half the bytes, the quantized V cache llama.cpp users run with -ctv q8_0; about 8% slower per token at 1000
-    cells)."""
-    f16, q8_0 = 1, 8
-    return (f16, q8_0) if kernels != "fast" and n_threads > 1 else (f16, f16)
+    different types keep every row on the one-row kernel (llama.cpp casts an f32 cache to f16; q8_0 would need head
+    sizes that are multiples of 32; bf16 fits any, in f16's bytes, and costs about 8% per token at 1000 cells)."""
+    f16, bf16 = 1, 30
+    return (f16, bf16) if kernels != "fast" and n_threads > 1 else (f16, f16)
 
 
 @lru_cache(maxsize=1)
@@ -144,19 +154,27 @@ def cpu_flags_line() -> str:
         return ""
 
 
-def probe_exact_batch(engine, max_batch: int = PROBE_MAX_BATCH) -> int:
+def probe_exact_batch(engine, max_batch: int = PROBE_MAX_BATCH, kernels: str = DEFAULT_KERNELS) -> int:
     """Largest b such that a decode of any 1..b rows gives every row the bits it gets alone (1 when even 2 rows
     differ): b consecutive tokens of one sequence (probe_chain), and the next tokens of b sequences
-    (probe_rows_across_sequences, as many as the engine holds)."""
+    (probe_rows_across_sequences, as many as the engine holds). `tiled` tries TILED_PROBE_SIZES of both (a decode of
+    one row costs what 16 do there: every size to 32 would take minutes) and takes the last exact size."""
+    if kernels == "tiled":
+        chain = probe_chain(engine, max(TILED_PROBE_SIZES), TILED_PROBE_SIZES)
+        if chain < 2:
+            return 1
+        across = probe_rows_across_sequences(engine, [b for b in TILED_PROBE_SIZES if b <= chain])
+        return max([1] + [b for b in TILED_PROBE_SIZES if b <= chain and all(
+            across.get(c, True) for c in TILED_PROBE_SIZES if c <= b)])
     limit = probe_chain(engine, max_batch)
     sizes = list(range(2, limit + 1))
     across = probe_rows_across_sequences(engine, sizes) if sizes else {}
     return next((b - 1 for b in sizes if not across.get(b, True)), limit)
 
 
-def probe_chain(engine, max_batch: int = PROBE_MAX_BATCH) -> int:
-    """Largest b such that decoding a probe in batches of every size 1..b gives outputs identical to
-    decoding it one row at a time (1 when even 2 rows differ).
+def probe_chain(engine, max_batch: int = PROBE_MAX_BATCH, sizes: tuple[int, ...] | None = None) -> int:
+    """Largest b such that decoding a probe in batches of every size 1..b (or of every size in `sizes` up to b)
+    gives outputs identical to decoding it one row at a time (1 when even 2 rows differ).
 
     The probe is `max_batch` rows (fixed pseudo-random tokens or hidden states) in sequence 0 from position
     0; each batch size decodes them in consecutive chunks, so later chunks also attend to K/V cells that
@@ -183,7 +201,7 @@ def probe_chain(engine, max_batch: int = PROBE_MAX_BATCH) -> int:
     try:
         single = decode_in_chunks(1)
         limit = 1
-        for b in range(2, n + 1):
+        for b in (range(2, n + 1) if sizes is None else [b for b in sizes if b <= n]):
             if not np.array_equal(decode_in_chunks(b), single):
                 break
             limit = b
@@ -255,8 +273,9 @@ def exact_batch_limit(engine, path: str | os.PathLike, kernels: str, n_threads: 
     limit = exact_table().get(key, (known or {}).get(key)) if key else None
     how = "probed" if limit is None else "taken from a stage with the same kernel key"
     if limit is None:
-        limit = probe_exact_batch(engine)
-    record = {"exact_batch": limit, "probed_up_to": min(PROBE_MAX_BATCH, engine.n_batch, engine.n_ctx),
+        limit = probe_exact_batch(engine, kernels=kernels)
+    most = max(TILED_PROBE_SIZES) if kernels == "tiled" else PROBE_MAX_BATCH
+    record = {"exact_batch": limit, "probed_up_to": min(most, engine.n_batch, engine.n_ctx),
               "kernels": kernels, "threads": [n_threads, n_threads_batch], "build": numerics_id(), "how": how,
               "kernel_key": key}
     write_atomically(cache, lambda tmp: tmp.write_text(json.dumps(record) + "\n"))

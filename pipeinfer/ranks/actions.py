@@ -15,7 +15,7 @@ from typing import Generic, TypeVar, Union
 
 import numpy as np
 
-from ..core.protocol import Batch, RowRules
+from ..core.protocol import Batch, RowRules, kv_ops
 from ..core.verify import SamplingParams
 
 # how the last stage draws this generation's tokens: its sampling parameters and log-probabilities asked (None: none)
@@ -59,21 +59,23 @@ class Member:
     n_outputs: int
 
 
-def mergeable(a: Action) -> bool:
-    """A next-token run (one row, not speculative, no KV edits before it, no logit rules): the runs of different
-    generations that may share one decode, each row in its own sequence."""
-    return (isinstance(a, Launch) and not a.speculative and a.rules is None and a.batch.n_tokens == 1
-            and len(a.batch.prefix_ops) == 0)
+def mergeable(a: Action, batch_rows: int) -> bool:
+    """A run that may share a decode with other generations' (each generation's rows in its own sequences): not
+    speculative (a cancelled run goes whole), no logit rules, at most batch_rows rows: a next token, or a prompt
+    chunk (its KV edits go before the shared batch: it then opens one, Executor.apply)."""
+    return isinstance(a, Launch) and not a.speculative and a.rules is None and a.batch.n_tokens <= batch_rows
 
 
 def merge(launches: list[Launch]) -> Launch:
-    """One run of several generations' next-token runs (mergeable, one sampling): their rows in order, under the
-    newest run id (every stage takes run ids in launch order, and the others were drawn before it)."""
-    first = launches[0]
+    """One run of several generations' runs (mergeable, one sampling for the rows drawn): their rows and their KV
+    edits in order, under the newest run id (every stage takes run ids in launch order, and the others were drawn
+    before it)."""
     rows = [x.batch for x in launches]
+    drawn = next((x for x in launches if x.batch.n_outputs), launches[0])
     batch = Batch(np.concatenate([b.tokens for b in rows]), np.concatenate([b.pos for b in rows]),
-                  [ids for b in rows for ids in b.seq_ids], np.concatenate([b.output for b in rows]), first.batch.prefix_ops)
-    return Launch(max(x.run_id for x in launches), batch, False, first.parent_id, first.sampling)
+                  [ids for b in rows for ids in b.seq_ids], np.concatenate([b.output for b in rows]),
+                  kv_ops(*[tuple(op) for b in rows for op in b.prefix_ops.tolist()]))
+    return Launch(max(x.run_id for x in launches), batch, False, drawn.parent_id, drawn.sampling)
 
 
 def split(res, members: list[Member]) -> list:
@@ -92,9 +94,10 @@ class Executor(Generic[Owner]):
     the order it decided them; the owners of every run in flight remembered (results come back in launch order and
     go to them); a run's sampling parameters sent down the pipeline, in order with the runs, only when they change.
 
-    Batching users: next-token runs of different owners (mergeable) are held, up to `batch_rows` rows of one
-    sampling, and go out as one run when the scheduler says so (flush), or before any other action (so the stages
-    still see every owner's actions in its order). A row's bits do not depend on the other rows of its decode up to
+    Batching users: next-token runs and prompt chunks of different owners (mergeable) are held, up to `batch_rows`
+    rows of one sampling (a chunk without an output row draws nothing: it joins any), and go out as one run when the
+    scheduler says so (flush), or before any other action (so the stages still see every owner's actions in its
+    order). A row's bits do not depend on the other rows of its decode up to
     the stages' exact batch limit (engine/kernels.py), which is what batch_rows defaults to: every answer stays what
     it is alone."""
 
@@ -110,7 +113,14 @@ class Executor(Generic[Owner]):
 
     @property
     def n_held(self) -> int:
-        return len(self._held)
+        """Rows held to share a decode."""
+        return sum(a.batch.n_tokens for _, a in self._held)
+
+    def _fits(self, a: Launch) -> bool:
+        """Whether `a` may join the rows held: within the row cap, and drawn by the same sampling."""
+        drawn = [h.sampling for _, h in self._held if h.batch.n_outputs]
+        return (self.n_held + a.batch.n_tokens <= self.row_cap
+                and (not a.batch.n_outputs or not drawn or drawn[0] == a.sampling))
 
     def pace(self, n_decoding: int, depth: int) -> None:
         """Rows per merged run: batch_rows, but no more than the decoding generations spread over the pipeline's
@@ -120,13 +130,13 @@ class Executor(Generic[Owner]):
     def holding(self, n_in_flight: int, depth: int) -> bool:
         """Whether the next tokens held here wait for the next result's to join them: while they do not fill a
         decode and enough runs are in flight to keep every stage busy without them."""
-        return 0 < len(self._held) < self.row_cap and n_in_flight >= depth
+        return 0 < self.n_held < self.row_cap and n_in_flight >= depth
 
     def apply(self, owner: Owner, actions: list[Action]) -> None:
         for a in actions:
-            if self.batch_rows > 1 and mergeable(a):
-                if self._held and (self._held[0][1].sampling != a.sampling or len(self._held) >= self.row_cap):
-                    self.flush()
+            if self.batch_rows > 1 and mergeable(a, self.batch_rows):
+                if self._held and (not self._fits(a) or len(a.batch.prefix_ops)):
+                    self.flush()  # KV edits (a cached prompt's copy) go after every run held before them
                 self._held.append((owner, a))
                 continue
             self.flush()
@@ -148,7 +158,7 @@ class Executor(Generic[Owner]):
         members = [Member(o, a.run_id, a.batch.n_outputs) for o, a in held]
         if len(held) > 1:
             self.n_merged_runs += 1
-            self.n_merged_rows += len(held)
+            self.n_merged_rows += sum(a.batch.n_tokens for a in launches)
         self._launch(merge(launches) if len(held) > 1 else launches[0], members)
 
     def _launch(self, a: Launch, members: list[Member]) -> None:
