@@ -116,10 +116,18 @@ class Executor(Generic[Owner]):
         """Rows held to share a decode."""
         return sum(a.batch.n_tokens for _, a in self._held)
 
+    @property
+    def _n_next_held(self) -> int:
+        """Next tokens (one-row runs) held: what the row cap paces."""
+        return sum(a.batch.n_tokens == 1 for _, a in self._held)
+
     def _fits(self, a: Launch) -> bool:
-        """Whether `a` may join the rows held: within the row cap, and drawn by the same sampling."""
+        """Whether `a` may join the rows held: every row within batch_rows (the exact limit), next tokens within the
+        row cap (a prompt chunk rides along: on the tiled kernel its rows cost next to nothing there), and drawn by
+        the same sampling."""
         drawn = [h.sampling for _, h in self._held if h.batch.n_outputs]
-        return (self.n_held + a.batch.n_tokens <= self.row_cap
+        return (self.n_held + a.batch.n_tokens <= self.batch_rows
+                and (a.batch.n_tokens > 1 or self._n_next_held < self.row_cap)
                 and (not a.batch.n_outputs or not drawn or drawn[0] == a.sampling))
 
     def pace(self, n_decoding: int, depth: int) -> None:
@@ -130,7 +138,7 @@ class Executor(Generic[Owner]):
     def holding(self, n_in_flight: int, depth: int) -> bool:
         """Whether the next tokens held here wait for the next result's to join them: while they do not fill a
         decode and enough runs are in flight to keep every stage busy without them."""
-        return 0 < self.n_held < self.row_cap and n_in_flight >= depth
+        return 0 < self.n_held and self._n_next_held < self.row_cap and n_in_flight >= depth
 
     def apply(self, owner: Owner, actions: list[Action]) -> None:
         for a in actions:
