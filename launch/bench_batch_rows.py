@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Measurement (not a test): what batching users costs and which batches keep every row exact, per kernel setting.
 
-    python launch/bench_batch_rows.py [-m MODEL] [--kernels repack,no-repack] [--rows 1,2,3,4,5,6,7,8,12,16,24,32,48,64]
+    python launch/bench_batch_rows.py [-m MODEL] [--kernels repack,no-repack,tiled] [--rows 1,2,3,4,5,6,7,8,12,16,24,32,48,64]
                                       [--threads 1] [--out results/bench_batch_rows.csv]
 
 For each kernel setting (engine/kernels.py), on the whole model in one process:
@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -55,7 +57,7 @@ def time_rows(engine, sizes: list[int], n_repeat: int = 4) -> dict[int, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=None)
-    ap.add_argument("--kernels", default="repack,no-repack")
+    ap.add_argument("--kernels", default="repack,no-repack,tiled")
     ap.add_argument("--rows", default="1,2,3,4,5,6,7,8,12,16,24,32,48,64")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_batch_rows.csv"))
@@ -66,7 +68,17 @@ def main() -> None:
     model = str(resolve_model(a.model or DEFAULT_TARGET))
     sizes = [int(x) for x in a.rows.split(",")]
     rows = []
-    for kernels in a.kernels.split(","):
+    settings = a.kernels.split(",")
+    if len(settings) > 1:  # one process per setting: ggml reads `tiled`'s switch once, at a process's first multiply
+        for kernels in settings:
+            out = Path(a.out).with_suffix(f".{kernels}.part")
+            subprocess.run([sys.executable, __file__, "-m", model, "--kernels", kernels, "--rows", a.rows,
+                            "--threads", str(a.threads), "--out", str(out)], check=True)
+            with open(out, newline="") as f:
+                rows += list(csv.DictReader(f))
+            out.unlink()
+        settings = []
+    for kernels in settings:
         with StageEngine(model, n_ctx=8192, n_batch=512, n_seq_max=max(sizes), n_threads=a.threads,
                          n_threads_batch=a.threads, embd_input=False, capture_hidden=False, kernels=kernels) as e:
             exact = probe_rows_across_sequences(e, sizes)

@@ -217,3 +217,20 @@ def agreement(target_path, draft_path, prompt_tokens, n_predict, n_threads=1) ->
     finally:
         llm.close()
     return float(np.mean(pred == np.array(target)))
+
+
+def quantize_gguf(src, dst, ftype: str = "q4_k_m") -> pathlib.Path:
+    """`src` quantized by llama.cpp's own quantizer (llama_model_quantize) into `dst`: K-quant weights, whose matrix
+    multiplies go row by row (one-row kernel, repacked gemv/gemm, tiled kernel) where f32 and q8_0 ones go through
+    llamafile's sgemm from 2 rows on, so batched rows of a synthetic model can keep their bits. Rows of 256 values:
+    n_embd and n_ff multiples of 256."""
+    import ctypes
+
+    import llama_cpp
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = {"q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "q6_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K}[ftype]
+    params.nthread = 1
+    dst = pathlib.Path(dst)
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src}")
+    return dst

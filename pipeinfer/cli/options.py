@@ -128,7 +128,7 @@ PIPELINE_OPTIONS = [
     click.option("--kernels", type=click.Choice(KERNELS), default=DEFAULT_KERNELS, show_default=True,
                  help="repack: repacked weights + flash attention (exact to the batch limit measured at load); "
                       "no-repack: exact to larger batches, slower; tiled: every matrix multiply through llama.cpp's "
-                      "tiled kernel, exact to 32 rows, a decode of 16 rows costs about what 1 does (6x a repacked row): "
+                      "tiled kernel, exact to 32 rows, a decode of 16 rows costs about what 1 does (6.5x a repacked row): "
                       "for servers that always carry many users; fast: llama.cpp's defaults, batch-dependent logits "
                       "(docs/design.md, Exactness)"),
     click.option("--fast-kernels", is_flag=True, help="same as --kernels fast"),

@@ -19,7 +19,7 @@ the repacked gemv pays, and on an AVX2 host where it does not, launch/bench_kern
 process-wide: a draft with K-quant weights in the same process goes through it too), which llama.cpp itself takes
 from 8 rows on: each output is a row's own dot products summed block after block whatever the tile's other rows, so
 a row's bits do not depend on its batch, and unpacking the weights once serves every row of the tile. One row costs
-6x a repacked row; 16 rows cost 1.2x one (AMD EPYC, 1 thread, the whole 1.5B).
+6.5x a repacked row; 16 rows cost 1.2x one (AMD EPYC, 1 thread, the whole 1.5B).
 
 The repacked gemm takes rows in blocks of 4 (rows outside a block go through the one-row gemv), and
 from 8 rows on ggml multiplies K-quants with its tiled kernel; non-flash attention runs f16 matmuls
