@@ -83,6 +83,12 @@ def test_tiled_kernels_force_llamas_tiled_multiply_and_keep_weights_as_stored(mo
     assert not params.use_extra_bufts and os.environ[kernels.TILED_FORCE_ENV] == "1"
 
 
+def test_a_draft_beside_tiled_stages_keeps_repacked_weights_and_the_process_is_tiled(monkeypatch):
+    monkeypatch.setenv(kernels.TILED_FORCE_ENV, "0")  # restored (unset) after the test
+    assert kernels.draft_kernels("repack") == "repack" and os.environ[kernels.TILED_FORCE_ENV] == "0"
+    assert kernels.draft_kernels("tiled") == "repack" and os.environ[kernels.TILED_FORCE_ENV] == "1"
+
+
 def test_largest_draft_counts_the_lead_token():
     assert largest_draft(3, lead=False) == 3   # a PipeInfer micro-batch is its draft tokens
     assert largest_draft(3, lead=True) == 2    # synchronous speculation adds the last accepted token

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..core.errors import UserError
 from ..core.config import Config
+from ..engine.kernels import draft_kernels
 
 
 def make_drafter(cfg: Config, *, n_vocab: int, n_threads: int, n_threads_batch: int):
@@ -35,7 +36,7 @@ def make_drafter(cfg: Config, *, n_vocab: int, n_threads: int, n_threads_batch: 
         return lambda prompt, text, chat: TranslatingDrafter(inner, tok_tgt, tok_dft, n_prompt=len(prompt),
                                                              prompt_text=text or "", chat=chat)
     same = ModelDrafter(cfg.draft, n_ctx=cfg.n_ctx, max_branches=cfg.max_branches, n_threads=n_threads,
-                        n_threads_batch=n_threads_batch, kernels=cfg.kernels, head_tokens=cfg.draft_head)
+                        n_threads_batch=n_threads_batch, kernels=draft_kernels(cfg.kernels), head_tokens=cfg.draft_head)
     return lambda prompt, text, chat: same
 
 
@@ -43,7 +44,7 @@ def _chain_model(cfg: Config, n_threads: int, n_threads_batch: int):
     """The draft model drafting chains only (one branch): a translating drafter's inner model, replay's burner."""
     from .drafter import ModelDrafter
     return ModelDrafter(cfg.draft, n_ctx=cfg.n_ctx, max_branches=1, n_threads=n_threads,
-                        n_threads_batch=n_threads_batch, kernels=cfg.kernels, head_tokens=cfg.draft_head)
+                        n_threads_batch=n_threads_batch, kernels=draft_kernels(cfg.kernels), head_tokens=cfg.draft_head)
 
 
 def _replay_reference(path: str | None) -> list[int]:

@@ -16,7 +16,7 @@ the repacked gemv pays, and on an AVX2 host where it does not, launch/bench_kern
 | `fast` | repacked | llama.cpp's default (off) | 1 | 61 ms / 85 ms |
 
 `tiled` sends every K-quant matrix multiply, one row or 256, through ggml's tiled kernel (GGML_CPU_TILED_MM_FORCE,
-process-wide: a draft with K-quant weights in the same process goes through it too), which llama.cpp itself takes
+process-wide; a draft in the same process keeps repacked weights, which never reach it), which llama.cpp itself takes
 from 8 rows on: each output is a row's own dot products summed block after block whatever the tile's other rows, so
 a row's bits do not depend on its batch, and unpacking the weights once serves every row of the tile. One row costs
 6.5x a repacked row; 16 rows cost 1.2x one (AMD EPYC, 1 thread, the whole 1.5B).
@@ -64,6 +64,17 @@ def model_params(kernels: str):
     if params.use_extra_bufts:
         drop_extra_buffer_types(UNUSED_EXTRA_BUFFERS)
     return params
+
+
+def draft_kernels(kernels: str) -> str:
+    """The draft's setting in a process whose target stages run `kernels`: repacked weights under `tiled` (the
+    draft's numerics do not touch the output's exactness, and its one-row decodes would cost 6.5x on the tiled
+    kernel; a repacked weight never reaches it). The process's tiled switch is set here too: the draft may multiply
+    before the target's stage loads, and ggml reads the switch once."""
+    if kernels == "tiled":
+        os.environ[TILED_FORCE_ENV] = "1"
+        return "repack"
+    return kernels
 
 
 @lru_cache(maxsize=None)
