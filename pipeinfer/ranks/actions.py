@@ -126,9 +126,14 @@ class Executor(Generic[Owner]):
         row cap (a prompt chunk rides along: on the tiled kernel its rows cost next to nothing there), and drawn by
         the same sampling."""
         drawn = [h.sampling for _, h in self._held if h.batch.n_outputs]
-        return (self.n_held + a.batch.n_tokens <= self.batch_rows
-                and (a.batch.n_tokens > 1 or self._n_next_held < self.row_cap)
-                and (not a.batch.n_outputs or not drawn or drawn[0] == a.sampling))
+        return self._room(a.batch.n_tokens) and (not a.batch.n_outputs or not drawn or drawn[0] == a.sampling)
+
+    def _room(self, n_rows: int) -> bool:
+        return self.n_held + n_rows <= self.batch_rows and (n_rows > 1 or self._n_next_held < self.row_cap)
+
+    def joins(self, n_rows: int, n_kv_ops: int) -> bool:
+        """Whether a prompt chunk of n_rows (after n_kv_ops KV edits) would join rows already held, not go alone."""
+        return self.batch_rows > 1 and bool(self._held) and not n_kv_ops and self._room(n_rows)
 
     def pace(self, n_decoding: int, depth: int) -> None:
         """Rows per merged run: batch_rows, but no more than the decoding generations spread over the pipeline's

@@ -270,13 +270,17 @@ class Scheduler:
         head.stats.t_queue_s = max(0.0, head.stats.t_start_s - req.t_queued_s)
 
     def _feed(self) -> None:
-        """Launch newcomers' prompt chunks while fewer than the stages are in flight, fewest chunks left first
-        (then the first admitted)."""
+        """Launch newcomers' prompt chunks while fewer than the stages are in flight, or while the next one joins
+        rows already held to share a decode (Executor.joins), fewest chunks left first (then the first admitted)."""
         while True:
             pending = [g for g in self.gens if g.head.pending]
-            if not pending or sum(len(g.head.prompt_in_flight) for g in self.gens) >= self.n_stages:
+            if not pending:
                 return
             g = min(pending, key=lambda g: len(g.head.pending))
+            nodes, pre_ops = g.head.pending[0]
+            if (sum(len(h.head.prompt_in_flight) for h in self.gens) >= self.n_stages
+                    and not self.executor.joins(len(nodes), len(pre_ops))):
+                return
             self.executor.apply(g, g.head.feed())
 
     def _cells_short(self, newcomer: int = 0) -> bool:
