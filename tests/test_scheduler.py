@@ -67,18 +67,27 @@ def test_concurrent_answers_equal_single(mode, n_parallel):
     assert sched.stats.max_active == min(n_parallel, len(PROMPTS))
 
 
-def decodes_of_several(pipe) -> list[int]:
-    """Wraps pipe.launch: the rows of each run that carries the next tokens of several generations."""
-    rows: list[int] = []
+def watch_launches(pipe, record) -> list:
+    """Wraps pipe.launch: record(batch, speculative) of each run, kept where it is not None."""
+    seen: list = []
     launch = pipe.launch
 
-    def watched(run_id, batch, *a):
-        seqs = {s for ids in batch.seq_ids for s in ids}
-        if len(seqs) > 1 and not batch.prefix_ops.size:
-            rows.append(batch.n_tokens)
-        launch(run_id, batch, *a)
+    def watched(run_id, batch, speculative, *a):
+        item = record(batch, speculative)
+        if item is not None:
+            seen.append(item)
+        launch(run_id, batch, speculative, *a)
     pipe.launch = watched
-    return rows
+    return seen
+
+
+def n_seqs(batch) -> int:
+    return len({s for ids in batch.seq_ids for s in ids})
+
+
+def decodes_of_several(pipe) -> list[int]:
+    """The rows of each run that carries the next tokens of several generations."""
+    return watch_launches(pipe, lambda b, spec: b.n_tokens if n_seqs(b) > 1 and not b.prefix_ops.size else None)
 
 
 @pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])
@@ -96,36 +105,27 @@ def test_generations_share_decodes_and_each_answer_equals_its_own(mode, batch_ro
     assert sum(rows) == sched.executor.n_merged_rows
 
 
-def runs_of_several(pipe) -> list[tuple[int, int, int]]:
-    """Wraps pipe.launch: (rows, sequences, KV edits) of each run that carries several generations' rows."""
-    runs: list[tuple[int, int, int]] = []
-    launch = pipe.launch
-
-    def watched(run_id, batch, *a):
-        seqs = {s for ids in batch.seq_ids for s in ids}
-        if len(seqs) > 1 and not a[0]:  # not speculative
-            runs.append((batch.n_tokens, len(seqs), len(batch.prefix_ops)))
-        launch(run_id, batch, *a)
-    pipe.launch = watched
-    return runs
+def runs_of_several(pipe) -> list[tuple[int, int]]:
+    """(rows, sequences) of each non-speculative run that carries several generations' rows."""
+    return watch_launches(pipe, lambda b, spec: (b.n_tokens, n_seqs(b)) if n_seqs(b) > 1 and not spec else None)
 
 
 @pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])
 @pytest.mark.parametrize("prompt_chunk", [2, 3])
 def test_prompt_chunks_share_decodes_with_next_tokens(mode, prompt_chunk):
     """Newcomers' prompt chunks within the row cap join the running generations' next tokens in one decode (each
-    chunk in its own sequence); a cached start's copy goes after every run held before it (with 3-token chunks the
-    copied prompt's last chunks are still held when the newcomer starts); runs with more rows than the cap go alone;
-    every answer equals its prompt's alone, a stopped one included, and the toy stages check every cell a row sees."""
+    chunk in its own sequence), a cached start among them; runs with more rows than the cap go alone; every answer
+    equals its prompt's alone, a stopped one included, and the toy stages check every cell a row sees. (That a
+    cached start's copy goes after the runs held before it: test_kv_edits_go_after_every_run_held_before_them.)"""
     sched, pipe, pool = make(mode, n_parallel=7, batch_rows=6, prompt_chunk=prompt_chunk)
     runs = runs_of_several(pipe)
     jobs = [(p, 14 + 3 * i, SamplingParams(), 4 if i == 3 else 0) for i, p in enumerate(PROMPTS)]
     jobs.append((PROMPTS[2][:9] + [1, 1], 12, SamplingParams(), 0))  # a cached start: 9 positions copied
     assert_exact(submit_all(sched, jobs))
     assert_all_free(sched, pipe, pool)
-    assert max(rows for rows, _, _ in runs) <= 6
+    assert max(rows for rows, _ in runs) <= 6
     if prompt_chunk == 2:
-        assert any(rows > seqs for rows, seqs, _ in runs), "a prompt chunk (rows of one sequence) shared a decode"
+        assert any(rows > seqs for rows, seqs in runs), "a prompt chunk (rows of one sequence) shared a decode"
 
 
 def test_kv_edits_go_after_every_run_held_before_them():

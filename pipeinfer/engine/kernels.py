@@ -175,8 +175,12 @@ def probe_exact_batch(engine, max_batch: int = PROBE_MAX_BATCH, kernels: str = D
         if chain < 2:
             return 1
         across = probe_rows_across_sequences(engine, [b for b in TILED_PROBE_SIZES if b <= chain])
-        return max([1] + [b for b in TILED_PROBE_SIZES if b <= chain and all(
-            across.get(c, True) for c in TILED_PROBE_SIZES if c <= b)])
+        limit = 1
+        for b in TILED_PROBE_SIZES:
+            if b > chain or not across.get(b, True):
+                break
+            limit = b
+        return limit
     limit = probe_chain(engine, max_batch)
     sizes = list(range(2, limit + 1))
     across = probe_rows_across_sequences(engine, sizes) if sizes else {}
