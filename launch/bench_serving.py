@@ -2,11 +2,13 @@
 """Benchmark (not a test): many users at once, pipeinfer against what a user would serve with instead, side by side.
 
     python launch/bench_serving.py [--clients 1,8,16] [--rounds 1] [--systems ...] [--out results/bench_serving]
+                                   [--temperature T] [--baseline PATH]
 
 The load (issue 53's): N clients in a closed loop (each sends its next request when its last one ended), 3 requests
 per client (4 for one client), ~60-token code prompts (the same list for every system, in the same order),
 32 greedy tokens each (EOS ignored), POST /v1/completions. Completion tokens/s is every request's completion tokens
-over the load's wall time; latency is each request's, p50 and p95.
+over the load's wall time; latency is each request's, p50 and p95. With --temperature T every request samples at T
+with a seed of its own (each prompt's seed is the same from load to load and system to system, so its answer is too).
 
 Systems (2 cores: every process 1 thread, except the one-process server's 2):
 - `llama-server`: llama.cpp's server, one process x 2 threads, `--parallel N` (continuous batching), flash
@@ -21,6 +23,8 @@ Systems (2 cores: every process 1 thread, except the one-process server's 2):
   llama.cpp's tiled kernel, exact to 32 rows; every request admitted at once up to 32 clients; prompt chunks small
   enough to share decodes with the others' next tokens).
 - `pipeinfer-fast`: the same with `--kernels fast --parallel 32` (batches of up to 16 rows; not exact).
+- `pipeinfer-baseline`: `pipeinfer` run from another checkout (--baseline PATH, e.g. a `git worktree` of main): a
+  change measured against what it changes, side by side, its answers checked against the others'.
 The llama.cpp programs are built from the llama.cpp that llama-cpp-python vendors (launch/bench_peers.llama_bin).
 Every round runs every (clients, system) once, the systems' order rotating from round to round; medians over rounds
 and the ratios to llama-server and llama-rpc are printed and written to OUT_summary.csv, every load to OUT.csv.
@@ -51,9 +55,10 @@ ROOT = Path(__file__).resolve().parent.parent
 N_PREDICT = 32
 N_CTX = 8192
 SYSTEMS = ("llama-server", "llama-rpc", "pipeinfer", "pipeinfer-unbatched", "pipeinfer-tiled", "pipeinfer-fast")
+BASELINE = "pipeinfer-baseline"
 # exact systems of the same numerics: each request's answer is one text under every system of a group and every load
-EXACT = {"pipeinfer": "repack", "pipeinfer-unbatched": "repack", "pipeinfer-tiled": "tiled"}
-PIPEINFER_ARGS = {"pipeinfer": [], "pipeinfer-unbatched": ["--batch-rows", "1", "--parallel", "4"],
+EXACT = {"pipeinfer": "repack", BASELINE: "repack", "pipeinfer-unbatched": "repack", "pipeinfer-tiled": "tiled"}
+PIPEINFER_ARGS = {"pipeinfer": [], BASELINE: [], "pipeinfer-unbatched": ["--batch-rows", "1", "--parallel", "4"],
                   "pipeinfer-tiled": ["--kernels", "tiled", "--parallel", "32", "--prompt-chunk", "16"],
                   "pipeinfer-fast": ["--kernels", "fast", "--parallel", "32"]}
 
@@ -90,9 +95,13 @@ def requests_for(n_clients: int) -> list[str]:
     return [SNIPPETS[i % len(SNIPPETS)] for i in range(n)]
 
 
+TEMPERATURE = 0.0  # --temperature
+
+
 def complete(port: int, prompt: str) -> dict:
-    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": N_PREDICT, "temperature": 0,
-                       "ignore_eos": True, "cache_prompt": False}).encode()
+    sampled = {"temperature": TEMPERATURE, "seed": 1000 + SNIPPETS.index(prompt) if prompt in SNIPPETS else 0}
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": N_PREDICT, "ignore_eos": True,
+                       "cache_prompt": False, **(sampled if TEMPERATURE > 0 else {"temperature": 0})}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=1800) as r:
@@ -161,7 +170,7 @@ class LlamaServer:
                 p.kill()
 
 
-def run_one(system: str, n_clients: int, bins: Path | None, model: str, work: Path) -> dict:
+def run_one(system: str, n_clients: int, bins: Path | None, model: str, work: Path, baseline: str | None) -> dict:
     prompts = requests_for(n_clients)
     log = work / f"{system}-{n_clients}.log"
     if system.startswith("llama"):
@@ -175,7 +184,7 @@ def run_one(system: str, n_clients: int, bins: Path | None, model: str, work: Pa
         port = free_port()
         args = ["-t", "1", "-c", str(N_CTX), "--ignore-eos", "--alias", "m", "--max-queue", "128",  # as llama-server,
                 *PIPEINFER_ARGS[system]]                                                        # queue every client
-        proc = start_server(port, args, log, new_tag())
+        proc = start_server(port, args, log, new_tag(), pythonpath=baseline if system == BASELINE else None)
         try:
             complete(port, "def warm_up():")
             answers, wall_s = closed_loop(port, n_clients, prompts)
@@ -195,7 +204,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_serving"))
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--baseline", help="a checkout of pipeinfer to run as the system pipeinfer-baseline")
     a = ap.parse_args()
+    global TEMPERATURE
+    TEMPERATURE = a.temperature
+    if (BASELINE in a.systems.split(",")) != bool(a.baseline):
+        raise SystemExit(f"--baseline PATH and the system {BASELINE} go together")
     from pipeinfer.engine.models import DEFAULT_TARGET, resolve_model
     model = str(resolve_model(DEFAULT_TARGET))
     systems = a.systems.split(",")
@@ -207,7 +222,7 @@ def main() -> None:
         order = systems[r % len(systems):] + systems[:r % len(systems)]
         for n in map(int, a.clients.split(",")):
             for system in order:
-                row = run_one(system, n, bins, model, work)
+                row = run_one(system, n, bins, model, work, a.baseline)
                 row["round"] = r
                 rows.append(row)
                 print(f"round {r} {system:20s} {n:3d} clients: {row['tokens_per_s']:6.2f} tokens/s, p50 "

@@ -77,15 +77,17 @@ PROMPTS = [
 SEEDS = [(0.0, 0), (0.7, 1)]  # (temperature, seed): greedy, and a seeded sample
 
 
-def start_server(port: int, serve_args: list[str], log_path: Path, tag: str) -> subprocess.Popen:
-    """The server, its processes (and its supervised job's) tagged `tag` in their environment (kill_later finds its ranks by it)."""
+def start_server(port: int, serve_args: list[str], log_path: Path, tag: str,
+                 pythonpath: str | None = None) -> subprocess.Popen:
+    """The server, its processes (and its supervised job's) tagged `tag` in their environment (kill_later finds its ranks by it);
+    with `pythonpath`, the pipeinfer package of that checkout."""
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     cmd = [mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pipeinfer", "serve", "--host", "127.0.0.1",
            "--port", str(port)] + serve_args
     if supervised(serve_args):  # a supervised server starts its pipeline's job itself (supervisor/supervisor.py)
         cmd = [sys.executable, "-m", "pipeinfer", "serve", "--host", "127.0.0.1", "--port", str(port)] + serve_args
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env=tagged_env(tag))
+                            env=tagged_env(tag, **({"PYTHONPATH": pythonpath} if pythonpath else {})))
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:

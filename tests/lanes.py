@@ -7,7 +7,6 @@ from toy import FakePipeline, KvError, ToyDrafter, ToyStage, logits_greedy
 
 from pipeinfer.core.kvplan import PartitionPool, lane_canonical, lane_count, lane_seq_max, plan_partitions
 from pipeinfer.core.protocol import KvOp
-from pipeinfer.core.verify import SamplingParams
 from pipeinfer.ranks.head import GenConfig
 from pipeinfer.ranks.scheduler import Scheduler
 
@@ -45,29 +44,11 @@ class LanePipeline(FakePipeline):
         super().__init__([], **kw)
         self.canon = canon
         self.stages = [LaneStage(s.name, s.logits_fn, [], s.garbage) for s in self.stages]
-        self.sampling_sent: list[SamplingParams] = []
 
     def _check_fresh(self, stage, batch) -> None:
         for s in {s for ids in batch.seq_ids for s in ids} - self.canon:
             if stage.seq_cells(s):
                 raise KvError(f"{stage.name}: sequence {s} still holds {sorted(stage.seq_cells(s))} at a new run")
-
-    def set_sampling(self, sp, top_logprobs=None) -> None:
-        self.sampling_sent.append(sp)
-        if self.distributed:
-            self.queue.append(("sampling", sp))
-        else:
-            self.sampling = sp
-
-    def _step(self) -> None:
-        if self.queue and self.queue[0][0] == "sampling":
-            self.sampling = self.queue.popleft()[1]
-            return
-        super()._step()
-
-    def _tokens(self, batch, logits):
-        from pipeinfer.core.verify import row_tokens
-        return row_tokens(logits, batch.output_pos, self.sampling)
 
     def kv(self, ops) -> None:
         if len(ops) == 0:

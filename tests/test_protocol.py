@@ -8,7 +8,7 @@ from pipeinfer.core import protocol
 from pipeinfer.core.kvplan import commit_ops, prefix_ops
 from pipeinfer.core.protocol import (HEADER_LEN, NO_RUN, Batch, Flag, Header, Kind, KvOp, Tag, cp, kv_ops, pack_sampling, rm,
                                 unpack_sampling)
-from pipeinfer.core.verify import SamplingParams
+from pipeinfer.core.verify import Drawing, SamplingParams, group_rows, joined_sampling, one_sampling
 
 
 # ---------------------------------------------------------------- frozen numbers (a static_assert)
@@ -43,11 +43,11 @@ def test_frozen_kv_ops():
 
 
 def test_frozen_header_layout():
-    assert protocol.PROTOCOL_VERSION == 7
+    assert protocol.PROTOCOL_VERSION == 8
     assert HEADER_LEN == 9 and NO_RUN == -1
     assert (protocol.H_KIND, protocol.H_RUN, protocol.H_N_TOKENS, protocol.H_N_META, protocol.H_FLAGS,
             protocol.H_PARENT, protocol.H_N_OUTPUTS, protocol.H_N_EMBD, protocol.H_N_RULES) == tuple(range(9))
-    assert (protocol.SAMPLING_LEN, protocol.RULES_HEAD, protocol.MAX_TOP_LOGPROBS) == (5, 3, 20)
+    assert (protocol.SAMPLING_LEN, protocol.RULES_HEAD, protocol.MAX_TOP_LOGPROBS) == (6, 3, 20)
 
 
 def test_frozen_stage_stats_layout():
@@ -223,9 +223,28 @@ def test_meta_malformed_rejected(meta):
 @pytest.mark.parametrize("sp", [SamplingParams(), SamplingParams(0.7, 40, 0.95, 12345), SamplingParams(1.5, 0, 1.0, -3),
                                 SamplingParams(2.0, 5, 0.5, 2**70 + 9)])
 def test_sampling_round_trip(sp):
-    got, k = unpack_sampling(pack_sampling(sp))
-    assert k is None and unpack_sampling(pack_sampling(sp, 5))[1] == 5
-    assert (got.temp, got.top_k, got.top_p) == (sp.temp, sp.top_k, sp.top_p)
-    assert got.seed % 2**63 == sp.seed % 2**63  # sample_at seeds its RNG with seed mod 2**63
+    (got,) = unpack_sampling(pack_sampling(one_sampling(sp)))
+    assert got.top_logprobs is None and got.n_rows == 0
+    assert unpack_sampling(pack_sampling(one_sampling(sp, 5)))[0].top_logprobs == 5
+    assert (got.params.temp, got.params.top_k, got.params.top_p) == (sp.temp, sp.top_k, sp.top_p)
+    assert got.params.seed % 2**63 == sp.seed % 2**63  # sample_at seeds its RNG with seed mod 2**63
     with pytest.raises(ValueError, match="malformed SAMPLING"):
         unpack_sampling(np.zeros(3, np.int64))
+
+
+def test_sampling_groups_round_trip_and_their_rows_are_checked():
+    """A shared run's SAMPLING: a group per generation, every group's rows explicit but the last's."""
+    a, b = SamplingParams(), SamplingParams(0.9, 0, 1.0, 77)
+    groups = joined_sampling([(one_sampling(a), 2), (one_sampling(a), 1), (one_sampling(b, 3), 0),
+                              (one_sampling(b, 3), 1), (one_sampling(a), 1)])
+    assert groups == (Drawing(a, None, 3), Drawing(b, 3, 1), Drawing(a, None, 0))
+    assert unpack_sampling(pack_sampling(groups)) == groups
+    assert [r for _, r in group_rows(groups, 6)] == [slice(0, 3), slice(3, 4), slice(4, 6)]
+    with pytest.raises(ValueError, match="for a run of 3"):
+        group_rows(groups, 3)  # the explicit groups already name 4 rows
+    bad = pack_sampling(groups)
+    bad[-1, 5] = 2  # the last group's rows are the rest, never explicit
+    with pytest.raises(ValueError, match="out of range"):
+        unpack_sampling(bad)
+    with pytest.raises(ValueError, match="malformed SAMPLING"):
+        unpack_sampling(bad[:0])

@@ -16,7 +16,7 @@ from pipeinfer.core.kvplan import commit_ops, prefix_ops
 from pipeinfer.core.protocol import (HEAD_KINDS, HEADER_LEN, NO_RUN, WORKER_KINDS, Batch, Flag, Header, Kind, KvOp, Limits,
                                 ProtocolError, check_header, check_kv_ops, check_tokens, pack_sampling, payload_shapes,
                                 unpack_sampling)
-from pipeinfer.core.verify import SamplingParams
+from pipeinfer.core.verify import SamplingParams, one_sampling
 
 LIM = Limits(n_batch=512, n_embd=1536, n_vocab=151936, n_seq_max=10, n_ctx=4096)
 FUZZ = settings(max_examples=400, deadline=500, suppress_health_check=[HealthCheck.too_slow])
@@ -169,24 +169,32 @@ def test_any_meta_is_a_valid_batch_or_refused(m, checked):
 
 
 # ---------------------------------------------------------------- SAMPLING, KV ops, TOKENS
+_SAMPLING_ROW = st.tuples(st.floats(allow_nan=True, allow_infinity=True), st.floats(allow_nan=True, allow_infinity=True),
+                          st.integers(-5, 2**40), st.integers(-5, 2**62), st.integers(-3, 25), st.integers(-2, 4)).map(
+    lambda t: np.concatenate([np.array(t[:2], np.float64).view(np.int64), np.array(t[2:], np.int64)]))
+
+
 @FUZZ
 @given(st.one_of(
-    st.lists(st.integers(-2**63, 2**63 - 1), min_size=4, max_size=4).map(lambda v: np.array(v, dtype=np.int64)),
-    st.tuples(st.floats(allow_nan=True, allow_infinity=True), st.floats(allow_nan=True, allow_infinity=True),
-              st.integers(-5, 2**40), st.integers(-5, 2**62)).map(
-        lambda t: np.concatenate([np.array(t[:2], np.float64).view(np.int64), np.array(t[2:], np.int64)])),
+    st.lists(st.lists(st.integers(-2**63, 2**63 - 1), min_size=6, max_size=6), max_size=4).map(
+        lambda v: np.array(v, dtype=np.int64).reshape(-1, 6)),
+    st.lists(_SAMPLING_ROW, min_size=1, max_size=4).map(np.stack),
     st.lists(st.integers(-9, 9), max_size=6).map(lambda v: np.array(v, dtype=np.int64)),
-    st.lists(st.integers(-9, 9), min_size=4, max_size=4).map(lambda v: np.array(v, dtype=np.int32))))
+    st.lists(st.integers(-9, 9), min_size=6, max_size=6).map(lambda v: np.array(v, dtype=np.int32).reshape(1, 6))))
 def test_any_sampling_buffer_is_valid_parameters_or_refused(buf):
     out = _bounded(unpack_sampling, buf)
-    if isinstance(out, SamplingParams):
-        assert np.isfinite(out.temp) and out.temp >= 0 and 0 < out.top_p <= 1 and out.top_k >= 0 and out.seed >= 0
+    for d in out if isinstance(out, tuple) else ():
+        sp = d.params
+        assert np.isfinite(sp.temp) and sp.temp >= 0 and 0 < sp.top_p <= 1 and sp.top_k >= 0 and sp.seed >= 0
+        assert d.top_logprobs is None or 0 <= d.top_logprobs <= 20
+    if isinstance(out, tuple):
+        assert out[-1].n_rows == 0 and all(d.n_rows >= 1 for d in out[:-1])
 
 
 def test_sampling_round_trips_still():
     sp = SamplingParams(0.7, 40, 0.95, 12345)
-    assert unpack_sampling(pack_sampling(sp)) == (sp, None)
-    assert unpack_sampling(pack_sampling(sp, 0)) == (sp, 0)
+    assert unpack_sampling(pack_sampling(one_sampling(sp))) == one_sampling(sp)
+    assert unpack_sampling(pack_sampling(one_sampling(sp, 0))) == one_sampling(sp, 0)
 
 
 @st.composite

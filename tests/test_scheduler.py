@@ -10,10 +10,13 @@ import numpy as np
 import pytest
 
 from lanes import make
-from toy import logits_flat, logits_greedy, target_alone
+from toy import V, logits_flat, logits_greedy, target_alone
 
-from pipeinfer.core.verify import SamplingParams
+from pipeinfer.core.decoding import Constraint, Decoding
+from pipeinfer.core.protocol import mask_words
+from pipeinfer.core.verify import SamplingParams, one_sampling
 from pipeinfer.ranks.actions import Launch
+from pipeinfer.ranks.rules import RunRules
 from pipeinfer.ranks.scheduler import Request, pipeline_depth
 
 PROMPTS = [[5, 17, 2, 9, 11, 3, 8, 1, 20, 14], [4, 4, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17],
@@ -138,7 +141,7 @@ def test_kv_edits_go_after_every_run_held_before_them():
         def __init__(self):
             self.runs, self.in_flight = [], []
 
-        def set_sampling(self, *a):
+        def set_sampling(self, sampling):
             pass
 
         def launch(self, run_id, batch, *a):
@@ -147,7 +150,7 @@ def test_kv_edits_go_after_every_run_held_before_them():
     def chunk(run_id, seq, tokens, pre=kv_ops()):
         n = len(tokens)
         return Launch(run_id, Batch(np.array(tokens, np.int32), np.arange(n, dtype=np.int32), [[seq]] * n,
-                                    np.zeros(n, np.int32), pre), False, -1, (SamplingParams(), None))
+                                    np.zeros(n, np.int32), pre), False, -1, one_sampling(SamplingParams()))
     pipe = Recorder()
     ex = Executor(pipe, batch_rows=8)
     ex.pace(16, 2)
@@ -175,19 +178,72 @@ def test_a_lone_one_token_run_is_never_held_back(mode):
         assert_all_free(sched, pipe, pool)
 
 
-def test_only_rows_sampled_alike_share_a_decode():
-    """The last stage draws a run's rows by one set of sampling parameters: generations that sample differently
-    never share a run, and each answer is still its own seed's."""
-    sched, pipe, pool = make("iterative", n_parallel=4, batch_rows=3, logits_fn=logits_flat)
-    rows = decodes_of_several(pipe)
-    jobs = [(p, 15, SamplingParams(temp=0.9, seed=i), 0) for i, p in enumerate(PROMPTS[:4])]
-    assert_exact(submit_all(sched, jobs, logits_flat))
-    assert not rows
-    sched, pipe, pool = make("iterative", n_parallel=4, batch_rows=3, logits_fn=logits_flat)
-    rows = decodes_of_several(pipe)
-    jobs = [(p, 15, SamplingParams(temp=0.9, seed=7), 0) for p in PROMPTS[:4]]
-    assert_exact(submit_all(sched, jobs, logits_flat))
-    assert rows
+class ToyMasker:
+    """A grammar for the toy vocabulary: the answer's token at index i must be congruent to i modulo 3."""
+    eos_ids = frozenset()
+    done = False
+
+    def __init__(self):
+        self.n_committed = 0
+
+    def commit(self, tokens: list[int]) -> None:
+        self.n_committed += len(tokens)
+
+    def masks(self, tails: list[list[int]]) -> np.ndarray:
+        out = np.zeros((len(tails), mask_words(V)), np.int32)
+        for r, tail in enumerate(tails):
+            for tok in range(V):
+                if tok % 3 == (self.n_committed + len(tail)) % 3:
+                    out[r, tok // 32] |= 1 << (tok % 32)
+        return out
+
+
+def toy_rules(decoding: Decoding, answer_at: int) -> RunRules:
+    return RunRules(decoding, answer_at, V, ToyMasker() if decoding.constraint else None)
+
+
+MIXED = [  # (sampling, decoding): what users of one server ask at once
+    (SamplingParams(), Decoding()),
+    (SamplingParams(), Decoding(top_logprobs=2)),
+    (SamplingParams(temp=0.9, seed=1), Decoding()),
+    (SamplingParams(temp=0.7, top_k=5, seed=2), Decoding(top_logprobs=3)),
+    (SamplingParams(), Decoding(logit_bias=((4, 3.0), (7, -2.0)), frequency_penalty=0.5)),
+    (SamplingParams(temp=1.1, seed=3), Decoding(constraint=Constraint("regex", "toy"), top_logprobs=1)),
+]
+
+
+def answer_mixed(mode: str, jobs: list, n_parallel: int, batch_rows: int):
+    """Each job's (tokens, log-probabilities) on a fresh toy scheduler, and the runs that carried several
+    generations' rows: (rows, groups of SAMPLING in force, whether it had rules)."""
+    sched, pipe, pool = make(mode, n_parallel=n_parallel, batch_rows=batch_rows, logits_fn=logits_flat)
+    sched.rules_for = toy_rules
+    shared = watch_launches(pipe, lambda b, spec: b.n_tokens if n_seqs(b) > 1 and not spec else None)
+    got: dict[int, tuple] = {}
+    for i, (prompt, (sp, decoding)) in enumerate(jobs):
+        lp: list = []
+        sched.submit(Request(list(prompt), 14, sp, decoding=decoding, on_logprobs=lp.extend,
+                             on_done=lambda tokens, stats, i=i, lp=lp: got.__setitem__(i, (tokens, lp))))
+    sched.run()
+    assert_all_free(sched, pipe, pool)
+    return got, shared, pipe.sampling_sent
+
+
+@pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])
+def test_generations_sampled_and_shaped_differently_share_decodes_each_its_own(mode):
+    """Batching users whatever they ask: generations with their own temperatures and seeds, log-probabilities,
+    biases, penalties and a grammar share decodes (each one's rows drawn by its own SAMPLING group and shaped by
+    its own rows of RULES), and every answer, log-probabilities included, is what the request gets alone."""
+    jobs = list(zip(PROMPTS[:len(MIXED)], MIXED))
+    together, shared, sampling_sent = answer_mixed(mode, jobs, n_parallel=6, batch_rows=3)
+    assert shared and max(shared) == 3
+    assert any(len(s) > 1 for s in sampling_sent)  # a shared run drew its rows by several generations' parameters
+    for i, job in enumerate(jobs):
+        alone, alone_shared, _ = answer_mixed(mode, [job], n_parallel=1, batch_rows=1)
+        assert not alone_shared
+        assert together[i] == alone[0], i
+        assert len(together[i][0]) == 14 and (job[1][1].top_logprobs is None) == (not together[i][1])
+    masked = together[5][0]
+    assert all(t % 3 == k % 3 for k, t in enumerate(masked))  # the grammar held inside shared runs
 
 
 def test_seeded_sampling_per_generation():

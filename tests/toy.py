@@ -25,7 +25,7 @@ from pipeinfer.ranks.scheduler import Request, Scheduler, generate
 from pipeinfer.core.kvplan import PartitionPool, plan_partitions
 from pipeinfer.ranks.pipeline import Result
 from pipeinfer.core.protocol import NO_RUN, Batch, KvOp
-from pipeinfer.core.verify import SamplingParams, row_tokens, sample_at
+from pipeinfer.core.verify import SamplingParams, one_sampling, row_tokens, run_logprobs, sample_at
 
 V = 29
 PROMPT = [5, 17, 2, 9, 11, 3, 8, 1, 20, 14]
@@ -194,7 +194,8 @@ class FakePipeline:
         self.polls = 0
         self.max_in_flight = 0
         self.n_skipped = 0
-        self.sampling = SamplingParams()
+        self.sampling = one_sampling(SamplingParams())
+        self.sampling_sent: list = []   # every RunSampling the head set, in order
 
     @staticmethod
     def _check_fresh(stage: ToyStage, batch: Batch) -> None:
@@ -210,12 +211,19 @@ class FakePipeline:
         stage.check_canonical()
         return out
 
-    def set_sampling(self, sp: SamplingParams, top_logprobs=None) -> None:
-        self.sampling = sp
+    def set_sampling(self, sampling) -> None:
+        """In order with the runs, as SAMPLING travels (the last stage draws by what came before each run)."""
+        self.sampling_sent.append(sampling)
+        if self.distributed:
+            self.queue.append(("sampling", sampling))
+        else:
+            self.sampling = sampling
 
-    def _tokens(self, batch: Batch, logits: np.ndarray) -> np.ndarray:
-        """What the last stage sends back: the token after each output row (protocol: RESULT)."""
-        return row_tokens(logits, batch.output_pos, self.sampling)
+    def _result(self, run_id: int, batch: Batch, logits: np.ndarray, rules) -> Result:
+        """What the last stage sends back: the token after each output row, and the log-probabilities asked
+        (protocol: RESULT), under the run's rules, each row by its group's sampling."""
+        tokens = row_tokens(logits, batch.output_pos, self.sampling, rules)
+        return Result(run_id, False, tokens, run_logprobs(logits, tokens, self.sampling))
 
     def launch(self, run_id: int, batch: Batch, speculative: bool, parent_id: int = NO_RUN, rules=None) -> None:
         assert run_id not in self.speculative, f"run id {run_id} reused"
@@ -223,9 +231,9 @@ class FakePipeline:
         self.speculative[run_id] = speculative
         logits = self._run_on(self.stages[0], batch)
         if self.distributed:
-            self.queue.append(("decode", run_id, batch, parent_id))
+            self.queue.append(("decode", run_id, batch, parent_id, rules))
         else:
-            self.results.append(Result(run_id, False, self._tokens(batch, logits)))
+            self.results.append(self._result(run_id, batch, logits, rules))
         self.in_flight.append(run_id)
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
 
@@ -256,12 +264,16 @@ class FakePipeline:
         """The last stage handles its oldest transaction (StageWorker semantics)."""
         self._deliver_cancels()
         self.n_steps += 1
+        while self.queue[0][0] == "sampling":  # SAMPLING takes no step of its own (the stage's cadence stays)
+            self.sampling = self.queue.popleft()[1]
+            if not self.queue:
+                return
         kind, *rest = self.queue.popleft()
         last = self.stages[-1]
         if kind == "kv":
             last.apply(rest[0])
             return
-        run_id, batch, parent_id = rest
+        run_id, batch, parent_id, rules = rest
         if run_id in self.cancelled or parent_id in self.cancelled:
             self.cancelled.add(run_id)
             self.n_skipped += 1
@@ -270,7 +282,7 @@ class FakePipeline:
                 last.apply(batch.prefix_ops)
             self.results.append(Result(run_id, True, None))
         else:
-            self.results.append(Result(run_id, False, self._tokens(batch, self._run_on(last, batch))))
+            self.results.append(self._result(run_id, batch, self._run_on(last, batch), rules))
 
     def _due(self) -> bool:
         if self.step_s <= 0:

@@ -9,7 +9,7 @@ the header announces, each on its kind's own tag (the paper's design):
     RESULT  (last -> head):   | HEADER | TOKENS i32[n_outputs] on TAG_TOKENS |
                                        | LOGPROBS i32[n_outputs, n_embd] on TAG_LOGPROBS | (when n_embd > 0)
     KV      (rank r -> r+1):  | HEADER | KV_OPS i32[n_ops, 5] on TAG_KV |
-    SAMPLING(rank r -> r+1):  | HEADER | SAMPLING i64[5] on TAG_SAMPLING |
+    SAMPLING(rank r -> r+1):  | HEADER | SAMPLING i64[n_tokens, 6] on TAG_SAMPLING |  (one row per group of rows)
     SHUTDOWN(rank r -> r+1):  | HEADER |
     CANCEL  (out of band, comm_cancel, last -> ... -> 1): i32[k] run ids on TAG_CANCEL
     STAGE_STATS (out of band, comm_cancel, stage r -> 0): f64[STATS_LEN] on TAG_STAGE_STATS, a StageReport
@@ -29,7 +29,8 @@ the head's FIFO of results stay aligned.
 
 A RESULT carries one token id per output row, not the row's logits: the target's token after that row,
 drawn by the last stage exactly as verification draws it (verify.sample_at: arg-max, or a sample seeded
-by (seed, position) with the generation's SAMPLING parameters, which the head sends before its prompt).
+by (seed, position) with the generation's SAMPLING parameters, which the head sends before its prompt; a run
+shared by several generations draws each one's rows by its own: SAMPLING then holds a group of rows per generation).
 That is 4 bytes per row instead of n_vocab x 4 (607,744 bytes for Qwen2.5's 151,936-token vocabulary).
 A request's constraint and biases (core/decoding.py) reach the last stage as a run's RULES: a bit mask of the
 allowed tokens per output row (n_vocab / 8 bytes: 18,992 for Qwen2.5) and sparse (row, token, bias) entries; the
@@ -50,7 +51,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 class ProtocolError(ValueError):
@@ -187,6 +188,8 @@ def check_header(hdr: Header, lim: Limits, kinds: frozenset, last_run: int) -> N
             bad(f"with n_meta {hdr.n_meta}, outside {lo}..{lim.max_meta}")
     if hdr.kind == Kind.KV and not 1 <= hdr.n_tokens <= lim.max_ops:
         bad(f"with {hdr.n_tokens} ops, outside 1..{lim.max_ops}")
+    if hdr.kind == Kind.SAMPLING and not 1 <= hdr.n_tokens <= lim.n_batch:
+        bad(f"with {hdr.n_tokens} groups, outside 1..{lim.n_batch} (n_batch)")
 
 
 def payload_shapes(hdr: Header) -> list[tuple[Tag, tuple[int, ...], type]]:
@@ -200,7 +203,7 @@ def payload_shapes(hdr: Header) -> list[tuple[Tag, tuple[int, ...], type]]:
         return [(Tag.TOKENS, (hdr.n_outputs,), np.int32)] + logprobs
     if hdr.kind == Kind.KV:
         return [(Tag.KV, (hdr.n_tokens, 5), np.int32)]
-    return [(Tag.SAMPLING, (SAMPLING_LEN,), np.int64)]
+    return [(Tag.SAMPLING, (hdr.n_tokens, SAMPLING_LEN), np.int64)]
 
 
 def check_kv_ops(ops: np.ndarray, lim: Limits) -> None:
@@ -322,28 +325,38 @@ def _check_meta(n, tokens, pos, output, n_seq, flat, ops, lim: Limits, hdr: Head
     check_kv_ops(ops, lim)
 
 
-# SAMPLING: i64[5] | temp (f64 bits) | top_p (f64 bits) | top_k | seed mod 2**63 | top_logprobs (-1: none) |
-SAMPLING_LEN = 5
+# SAMPLING: i64[n_groups, 6], a row per group of a run's consecutive output rows (verify.Drawing) |
+#           temp (f64 bits) | top_p (f64 bits) | top_k | seed mod 2**63 | top_logprobs (-1: none) | n_rows (last: 0) |
+SAMPLING_LEN = 6
 
 
-def pack_sampling(sp, top_logprobs: int | None = None) -> np.ndarray:
-    floats = np.array([sp.temp, sp.top_p], dtype=np.float64).view(np.int64)
-    k = -1 if top_logprobs is None else top_logprobs
-    return np.concatenate([floats, np.array([sp.top_k, sp.seed % 2**63, k], dtype=np.int64)])
+def pack_sampling(sampling) -> np.ndarray:
+    """verify.RunSampling -> i64[n_groups, SAMPLING_LEN] (the header's n_tokens is n_groups)."""
+    out = np.empty((len(sampling), SAMPLING_LEN), np.int64)
+    for row, d in zip(out, sampling):
+        sp = d.params
+        row[:2] = np.array([sp.temp, sp.top_p], dtype=np.float64).view(np.int64)
+        row[2:] = (sp.top_k, sp.seed % 2**63, -1 if d.top_logprobs is None else d.top_logprobs, d.n_rows)
+    return out
 
 
 def unpack_sampling(buf: np.ndarray):
-    """(SamplingParams, top_logprobs or None)."""
-    from .verify import SamplingParams
-    if not isinstance(buf, np.ndarray) or buf.shape != (SAMPLING_LEN,) or buf.dtype != np.int64:
+    """verify.RunSampling: every group's rows explicit but the last's (0: the rest), every value in range."""
+    from .verify import Drawing, SamplingParams
+    if not isinstance(buf, np.ndarray) or buf.ndim != 2 or buf.shape[1:] != (SAMPLING_LEN,) or not len(buf) \
+            or buf.dtype != np.int64:
         raise ProtocolError(f"malformed SAMPLING: {getattr(buf, 'shape', None)} {getattr(buf, 'dtype', type(buf))}")
-    temp, top_p = buf[:2].view(np.float64).tolist()
-    top_k, seed, k = int(buf[2]), int(buf[3]), int(buf[4])
-    if not (np.isfinite(temp) and temp >= 0 and 0 < top_p <= 1 and top_k >= 0 and seed >= 0
-            and -1 <= k <= MAX_TOP_LOGPROBS):
-        raise ProtocolError(f"SAMPLING out of range: temp {temp} top_p {top_p} top_k {top_k} seed {seed} "
-                            f"top_logprobs {k}")
-    return SamplingParams(temp, top_k, top_p, seed), (None if k < 0 else k)
+    out = []
+    for i, row in enumerate(buf):
+        temp, top_p = row[:2].view(np.float64).tolist()
+        top_k, seed, k, n_rows = (int(x) for x in row[2:])
+        last = i == len(buf) - 1
+        if not (np.isfinite(temp) and temp >= 0 and 0 < top_p <= 1 and top_k >= 0 and seed >= 0
+                and -1 <= k <= MAX_TOP_LOGPROBS and (n_rows == 0 if last else n_rows >= 1)):
+            raise ProtocolError(f"SAMPLING out of range: temp {temp} top_p {top_p} top_k {top_k} seed {seed} "
+                                f"top_logprobs {k} rows {n_rows} (group {i + 1} of {len(buf)})")
+        out.append(Drawing(SamplingParams(temp, top_k, top_p, seed), None if k < 0 else k, n_rows))
+    return tuple(out)
 
 
 # RULES: i32[n_rules] | n_rows | n_words | n_bias | mask u32[n_rows, n_words] (as i32; n_words 0: no mask) |
@@ -364,6 +377,27 @@ class RowRules:
     bias_row: np.ndarray         # i32[n_bias]: the output row of each bias
     bias_token: np.ndarray       # i32[n_bias]
     bias_value: np.ndarray       # f32[n_bias]
+
+    @classmethod
+    def joined(cls, parts: list[tuple["RowRules | None", int]]) -> "RowRules | None":
+        """The rules of a run made of several runs, each (its rules or None, its output rows) in row order: each
+        one's masks and biases on its own rows, every token allowed on the rows of runs without a mask (None when
+        no part has rules)."""
+        if all(r is None for r, _ in parts):
+            return None
+        words = next((r.mask.shape[1] for r, _ in parts if r is not None and r.mask is not None), 0)
+        masks, rows, tokens, values, at = [], [], [], [], 0
+        for r, n in parts:
+            if words:
+                masks.append(r.mask if r is not None and r.mask is not None else np.full((n, words), -1, np.int32))
+            if r is not None:
+                rows.append(r.bias_row + at)
+                tokens.append(r.bias_token)
+                values.append(r.bias_value)
+            at += n
+        cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.empty(0, dt))
+        return cls(np.concatenate(masks).astype(np.int32) if words else None, cat(rows, np.int32),
+                   cat(tokens, np.int32), cat(values, np.float32))
 
     def pack(self, n_rows: int) -> np.ndarray:
         words = 0 if self.mask is None else self.mask.shape[1]

@@ -29,6 +29,61 @@ class SamplingParams:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class Drawing:
+    """How the last stage draws one group of a run's consecutive output rows: by these sampling parameters, with
+    top_logprobs log-probabilities reported for each (None: none)."""
+    params: SamplingParams = SamplingParams()
+    top_logprobs: int | None = None
+    n_rows: int = 0   # the group's output rows; 0 in the run's last group: every row left
+
+
+# how the last stage draws a run's output rows, group by group (a run of one generation: one group); a run shared
+# by several generations draws each one's rows by its own
+RunSampling = tuple[Drawing, ...]
+
+
+def one_sampling(sp: SamplingParams, top_logprobs: int | None = None) -> RunSampling:
+    """Every output row of a run drawn alike."""
+    return (Drawing(sp, top_logprobs),)
+
+
+def joined_sampling(parts: list[tuple[RunSampling, int]]) -> RunSampling:
+    """The sampling of a run made of several runs, each (its one-group sampling, its output rows) in row order:
+    neighbours drawn alike share a group; runs without an output row draw nothing."""
+    groups: list[Drawing] = []
+    for sampling, n_rows in parts:
+        if not n_rows:
+            continue
+        (d,) = sampling
+        if groups and (groups[-1].params, groups[-1].top_logprobs) == (d.params, d.top_logprobs):
+            groups[-1] = Drawing(d.params, d.top_logprobs, groups[-1].n_rows + n_rows)
+        else:
+            groups.append(Drawing(d.params, d.top_logprobs, n_rows))
+    if not groups:
+        return parts[0][0]
+    return (*groups[:-1], Drawing(groups[-1].params, groups[-1].top_logprobs))
+
+
+def group_rows(sampling: RunSampling, n_rows: int) -> list[tuple[Drawing, slice]]:
+    """Each group of a run of n_rows output rows with its rows (ValueError when the groups do not fit the run)."""
+    out, at = [], 0
+    for i, d in enumerate(sampling):
+        last = i == len(sampling) - 1
+        n = n_rows - at if last else d.n_rows
+        if n < 0 or (last and d.n_rows) or (not last and d.n_rows < 1):
+            raise ValueError(f"sampling groups of {[g.n_rows for g in sampling]} rows for a run of {n_rows}")
+        out.append((d, slice(at, at + n)))
+        at += n
+    return out
+
+
+def widest_logprobs(sampling: RunSampling) -> int | None:
+    """The most log-probabilities any group of the run asks (None: no group asks any)."""
+    ks = [d.top_logprobs for d in sampling if d.top_logprobs is not None]
+    return max(ks) if ks else None
+
+
 def logits_to_probs(logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
     """logits: f32[n_vocab] -> probabilities after temperature, top-k and top-p (f64[n_vocab])."""
     x = logits.astype(np.float64) / max(sp.temp, 1e-6)
@@ -177,15 +232,36 @@ def row_logprobs(logits: np.ndarray, tokens: np.ndarray, k: int) -> tuple[np.nda
             (np.take_along_axis(x, ids, axis=1) - logz).astype(np.float32))
 
 
-def row_tokens(logits: np.ndarray, row_pos: np.ndarray, sp: SamplingParams, rules=None) -> np.ndarray:
+def row_tokens(logits: np.ndarray, row_pos: np.ndarray, sampling: SamplingParams | RunSampling,
+               rules=None) -> np.ndarray:
     """The target's token after each output row: i32[n_rows] from logits f32[n_rows, n_vocab] of the rows at
     positions row_pos i32[n_rows] (the last stage computes this and sends it instead of the logits), after a
-    request's rules (protocol.RowRules: its constraint's masks and its biases) when it has any."""
+    request's rules (protocol.RowRules: its constraint's masks and its biases) when it has any, each row drawn by
+    its group's sampling parameters (one SamplingParams: every row alike). A row's token depends only on its own
+    logits, position and parameters, whatever the other rows of its run."""
+    if isinstance(sampling, SamplingParams):
+        sampling = one_sampling(sampling)
     if rules is not None:
         logits = shaped_logits(logits, rules)
-    if sp.temp <= 0:
-        return np.argmax(logits, axis=1).astype(np.int32)
-    return np.array([sample_at(row, int(p) + 1, sp) for row, p in zip(logits, row_pos)], dtype=np.int32)
+    out = np.argmax(logits, axis=1).astype(np.int32)
+    for d, rows in group_rows(sampling, len(logits)):
+        if d.params.temp > 0:
+            out[rows] = [sample_at(row, int(p) + 1, d.params) for row, p in zip(logits[rows], row_pos[rows])]
+    return out
+
+
+def run_logprobs(logits: np.ndarray, tokens: np.ndarray, sampling: RunSampling) -> tuple | None:
+    """row_logprobs of each group's rows with the group's own k, in one array as wide as the widest asked (the
+    narrower groups' columns left zero past their k; a group that asks none: k = 0); None when no group asks."""
+    k_max = widest_logprobs(sampling)
+    if k_max is None:
+        return None
+    n = len(logits)
+    chosen, ids, top = np.zeros(n, np.float32), np.zeros((n, k_max), np.int32), np.zeros((n, k_max), np.float32)
+    for d, rows in group_rows(sampling, n):
+        k = d.top_logprobs or 0
+        chosen[rows], ids[rows, :k], top[rows, :k] = row_logprobs(logits[rows], tokens[rows], k)
+    return chosen, ids, top
 
 
 def verify(run: TreeRun, targets: np.ndarray, accepted: list[int]) -> Verdict:

@@ -20,7 +20,7 @@ import llama_cpp
 import numpy as np
 
 from ..core.protocol import Batch, KvOp, RowRules, pack_logprobs
-from ..core.verify import SamplingParams, row_logprobs, row_tokens
+from ..core.verify import RunSampling, SamplingParams, one_sampling, row_tokens, run_logprobs
 from .kernels import DEFAULT_KERNELS, flash_attn_type, kv_cache_types, model_params
 
 LLAMA_MAX_SEQ = 256  # llama.cpp's cap on n_seq_max
@@ -340,17 +340,19 @@ class StageEngine:
             return self._hidden(batch.n_tokens)
         return self._logits(batch.n_tokens).copy()
 
-    def decode_tokens(self, batch: Batch, embd: np.ndarray | None, sp: SamplingParams, rules: RowRules | None = None,
-                      top_logprobs: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-        """A final stage's token after each output row, i32[n_outputs] (verify.row_tokens, after the run's rules),
-        read from llama.cpp's own logits buffer (the vocabulary-sized rows are copied only to apply rules); with
-        top_logprobs k, the LOGPROBS payload i32[n_outputs, 1 + 2k] beside them (else None)."""
+    def decode_tokens(self, batch: Batch, embd: np.ndarray | None, sampling: SamplingParams | RunSampling,
+                      rules: RowRules | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """A final stage's token after each output row, i32[n_outputs] (verify.row_tokens, after the run's rules,
+        each row by its group's sampling), read from llama.cpp's own logits buffer (the vocabulary-sized rows are
+        copied only to apply rules); when a group asks top_logprobs, the LOGPROBS payload i32[n_outputs, 1 + 2k]
+        beside them, k the widest asked (verify.run_logprobs; else None)."""
+        if isinstance(sampling, SamplingParams):
+            sampling = one_sampling(sampling)
         self._decode(batch, embd)
         logits = self._logits(batch.n_tokens)
-        tokens = row_tokens(logits, batch.output_pos, sp, rules)
-        if top_logprobs is None:
-            return tokens, None
-        return tokens, pack_logprobs(*row_logprobs(logits, tokens, top_logprobs))
+        tokens = row_tokens(logits, batch.output_pos, sampling, rules)
+        logprobs = run_logprobs(logits, tokens, sampling)
+        return tokens, None if logprobs is None else pack_logprobs(*logprobs)
 
     def _hidden(self, n: int) -> np.ndarray:
         hidden = np.concatenate(self._captured) if len(self._captured) > 1 else self._captured[0]

@@ -16,10 +16,7 @@ from typing import Generic, TypeVar, Union
 import numpy as np
 
 from ..core.protocol import Batch, RowRules, kv_ops
-from ..core.verify import SamplingParams
-
-# how the last stage draws this generation's tokens: its sampling parameters and log-probabilities asked (None: none)
-Sampling = tuple[SamplingParams, Union[int, None]]
+from ..core.verify import RunSampling, joined_sampling
 
 
 @dataclass(frozen=True)
@@ -29,7 +26,7 @@ class Launch:
     batch: Batch
     speculative: bool
     parent_id: int
-    sampling: Sampling
+    sampling: RunSampling          # how the last stage draws the output rows (a generation's run: one group)
     rules: RowRules | None = None  # the constraint's masks and biases for the run's output rows
 
 
@@ -57,35 +54,48 @@ class Member:
     owner: object
     run_id: int
     n_outputs: int
+    top_logprobs: int | None = None   # the log-probabilities it asked of each row (None: none)
+
+    @classmethod
+    def of(cls, owner: object, a: "Launch") -> "Member":
+        return cls(owner, a.run_id, a.batch.n_outputs, a.sampling[0].top_logprobs)
 
 
 def mergeable(a: Action, batch_rows: int) -> bool:
     """A run that may share a decode with other generations' (each generation's rows in its own sequences): not
-    speculative (a cancelled run goes whole), no logit rules, at most batch_rows rows: a next token, or a prompt
-    chunk (its KV edits go before the shared batch: it then opens one, Executor.apply)."""
-    return isinstance(a, Launch) and not a.speculative and a.rules is None and a.batch.n_tokens <= batch_rows
+    speculative (a cancelled run goes whole), at most batch_rows rows: a next token, or a prompt chunk (its KV
+    edits go before the shared batch: it then opens one, Executor.apply). Each keeps its own sampling, log-
+    probabilities, constraint and biases inside the shared run (its rows' group of SAMPLING, its rows of RULES)."""
+    return isinstance(a, Launch) and not a.speculative and a.batch.n_tokens <= batch_rows
 
 
 def merge(launches: list[Launch]) -> Launch:
-    """One run of several generations' runs (mergeable, one sampling for the rows drawn): their rows and their KV
-    edits in order, under the newest run id (every stage takes run ids in launch order, and the others were drawn
-    before it)."""
+    """One run of several generations' runs (mergeable): their rows and their KV edits in order, each one's output
+    rows drawn by its own sampling and rules, under the newest run id (every stage takes run ids in launch order,
+    and the others were drawn before it)."""
     rows = [x.batch for x in launches]
-    drawn = next((x for x in launches if x.batch.n_outputs), launches[0])
     batch = Batch(np.concatenate([b.tokens for b in rows]), np.concatenate([b.pos for b in rows]),
                   [ids for b in rows for ids in b.seq_ids], np.concatenate([b.output for b in rows]),
                   kv_ops(*[tuple(op) for b in rows for op in b.prefix_ops.tolist()]))
-    return Launch(max(x.run_id for x in launches), batch, False, drawn.parent_id, drawn.sampling)
+    drawn = next((x for x in launches if x.batch.n_outputs), launches[0])
+    sampling = joined_sampling([(x.sampling, x.batch.n_outputs) for x in launches])
+    rules = RowRules.joined([(x.rules, x.batch.n_outputs) for x in launches])
+    return Launch(max(x.run_id for x in launches), batch, False, drawn.parent_id, sampling, rules)
 
 
 def split(res, members: list[Member]) -> list:
-    """A merged run's result as each member's own (its run id, its rows' tokens and log-probabilities)."""
+    """A merged run's result as each member's own (its run id, its rows' tokens, and the log-probabilities it asked:
+    the run's are as wide as the widest any member asked, verify.run_logprobs)."""
     out, at = [], 0
     for m in members:
         rows = slice(at, at + m.n_outputs)
         at += m.n_outputs
+        logprobs = None
+        if res.logprobs is not None and m.top_logprobs is not None:
+            chosen, ids, top = res.logprobs
+            logprobs = (chosen[rows], ids[rows, :m.top_logprobs], top[rows, :m.top_logprobs])
         out.append(replace(res, run_id=m.run_id, tokens=None if res.tokens is None else res.tokens[rows],
-                           logprobs=None if res.logprobs is None else tuple(x[rows] for x in res.logprobs)))
+                           logprobs=logprobs))
     return out
 
 
@@ -95,9 +105,8 @@ class Executor(Generic[Owner]):
     go to them); a run's sampling parameters sent down the pipeline, in order with the runs, only when they change.
 
     Batching users: next-token runs and prompt chunks of different owners (mergeable) are held, up to `batch_rows`
-    rows of one sampling (a chunk without an output row draws nothing: it joins any), and go out as one run when the
-    scheduler says so (flush), or before any other action (so the stages still see every owner's actions in its
-    order). A row's bits do not depend on the other rows of its decode up to
+    rows, and go out as one run when the scheduler says so (flush), or before any other action (so the stages still
+    see every owner's actions in its order); each owner's rows are drawn by its own sampling and rules. A row's bits do not depend on the other rows of its decode up to
     the stages' exact batch limit (engine/kernels.py), which is what batch_rows defaults to: every answer stays what
     it is alone."""
 
@@ -107,7 +116,7 @@ class Executor(Generic[Owner]):
         self.row_cap = batch_rows                      # rows per merged run now (pace lowers it)
         self.members: dict[int, list[Member]] = {}   # run id in flight -> whose rows it carries, in row order
         self._held: list[tuple[Owner, Launch]] = []
-        self._sampling_sent: Sampling | None = None
+        self._sampling_sent: RunSampling | None = None
         self.n_merged_runs = 0                         # runs that carried more than one owner's row
         self.n_merged_rows = 0                         # rows those runs carried
 
@@ -121,14 +130,9 @@ class Executor(Generic[Owner]):
         """Next tokens (one-row runs) held: what the row cap paces."""
         return sum(a.batch.n_tokens == 1 for _, a in self._held)
 
-    def _fits(self, a: Launch) -> bool:
-        """Whether `a` may join the rows held: every row within batch_rows (the exact limit), next tokens within the
-        row cap (a prompt chunk rides along: on the tiled kernel its rows cost next to nothing there), and drawn by
-        the same sampling."""
-        drawn = [h.sampling for _, h in self._held if h.batch.n_outputs]
-        return self._room(a.batch.n_tokens) and (not a.batch.n_outputs or not drawn or drawn[0] == a.sampling)
-
     def _room(self, n_rows: int) -> bool:
+        """Whether n_rows may join the rows held: every row within batch_rows (the exact limit), next tokens within
+        the row cap (a prompt chunk rides along: on the tiled kernel its rows cost next to nothing there)."""
         return self.n_held + n_rows <= self.batch_rows and (n_rows > 1 or self._n_next_held < self.row_cap)
 
     def joins(self, n_rows: int, n_kv_ops: int) -> bool:
@@ -148,13 +152,13 @@ class Executor(Generic[Owner]):
     def apply(self, owner: Owner, actions: list[Action]) -> None:
         for a in actions:
             if self.batch_rows > 1 and mergeable(a, self.batch_rows):
-                if self._held and (not self._fits(a) or len(a.batch.prefix_ops)):
+                if self._held and (not self._room(a.batch.n_tokens) or len(a.batch.prefix_ops)):
                     self.flush()  # KV edits (a cached prompt's copy) go after every run held before them
                 self._held.append((owner, a))
                 continue
             self.flush()
             if isinstance(a, Launch):
-                self._launch(a, [Member(owner, a.run_id, a.batch.n_outputs)])
+                self._launch(a, [Member.of(owner, a)])
             elif isinstance(a, Cancel):
                 self.pipe.cancel(list(a.run_ids))
             elif isinstance(a, EditKv):
@@ -168,7 +172,7 @@ class Executor(Generic[Owner]):
             return
         held, self._held = self._held, []
         launches = [a for _, a in held]
-        members = [Member(o, a.run_id, a.batch.n_outputs) for o, a in held]
+        members = [Member.of(o, a) for o, a in held]
         if len(held) > 1:
             self.n_merged_runs += 1
             self.n_merged_rows += sum(a.batch.n_tokens for a in launches)
@@ -176,7 +180,7 @@ class Executor(Generic[Owner]):
 
     def _launch(self, a: Launch, members: list[Member]) -> None:
         if a.sampling != self._sampling_sent:  # the last stage draws this run's tokens by these
-            self.pipe.set_sampling(*a.sampling)
+            self.pipe.set_sampling(a.sampling)
             self._sampling_sent = a.sampling
         self.members[a.run_id] = members
         self.pipe.launch(a.run_id, a.batch, a.speculative, a.parent_id, a.rules)

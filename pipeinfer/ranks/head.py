@@ -47,6 +47,7 @@ from ..core.verify import (
     chain_checks,
     consistent,
     is_useful,
+    one_sampling,
     reached,
     verify,
 )
@@ -547,8 +548,8 @@ class Head:
                       np.array([n.row >= 0 for n in run.nodes], dtype=np.int32), pre_ops)
         self.flights[run.run_id] = fl
         rules = self.rules.for_run(run, self.accepted) if self.rules is not None else None
-        self._out.append(Launch(run.run_id, batch, fl.speculative, fl.parent_id, (self.cfg.sampling, self.top_logprobs),
-                                rules))
+        self._out.append(Launch(run.run_id, batch, fl.speculative, fl.parent_id,
+                                one_sampling(self.cfg.sampling, self.top_logprobs), rules))
         self.stats.n_runs += 1
 
     # ================================================================ bookkeeping

@@ -39,7 +39,7 @@ from ..core.protocol import (
     unpack_logprobs,
 )
 from ..core.topology import Topology
-from ..core.verify import SamplingParams
+from ..core.verify import RunSampling, SamplingParams, one_sampling
 
 if TYPE_CHECKING:  # llama.cpp and MPI stay unimported where only the interface is used (the twin, twin/sim.py)
     from ..engine.stage import StageEngine, TokenEmbedder
@@ -67,8 +67,7 @@ class Pipeline:
         self.embedder = embedder
         self.tx = transport
         self.in_flight: deque[int] = deque()  # run ids in launch order
-        self.sampling = SamplingParams()
-        self.top_logprobs: int | None = None
+        self.sampling: RunSampling = one_sampling(SamplingParams())
         self._local: deque[Result] = deque()   # single-rank results
         self.last = topo.n_ranks - 1
         self.n_decoded = 0                     # rank 0's own stage: runs decoded, their tokens, time in llama_decode
@@ -92,7 +91,7 @@ class Pipeline:
         self.n_tokens += batch.n_tokens
         if not self.distributed:
             t0 = time.perf_counter()
-            tokens, logprobs = self.engine.decode_tokens(batch, None, self.sampling, rules, self.top_logprobs)
+            tokens, logprobs = self.engine.decode_tokens(batch, None, self.sampling, rules)
             self.t_busy_s += time.perf_counter() - t0
             self._local.append(Result(run_id, False, tokens, None if logprobs is None else unpack_logprobs(logprobs)))
         else:
@@ -109,12 +108,12 @@ class Pipeline:
                 self.tx.send_i32(self.last, Tag.RULES, packed)
         self.in_flight.append(run_id)
 
-    def set_sampling(self, sp: SamplingParams, top_logprobs: int | None = None) -> None:
-        """How the last stage turns each output row into a token, and how many log-probabilities it reports, from
-        the next run on (in order with runs)."""
-        self.sampling, self.top_logprobs = sp, top_logprobs
+    def set_sampling(self, sampling: RunSampling) -> None:
+        """How the last stage turns each output row into a token, and how many log-probabilities it reports, group
+        by group of rows, from the next run on (in order with runs)."""
+        self.sampling = sampling
         if self.distributed:
-            self.tx.send(1, Header(Kind.SAMPLING), (Tag.SAMPLING, pack_sampling(sp, top_logprobs)))
+            self.tx.send(1, Header(Kind.SAMPLING, n_tokens=len(sampling)), (Tag.SAMPLING, pack_sampling(sampling)))
 
     def kv(self, ops: np.ndarray) -> None:
         """Apply KV ops on every stage, in order with the runs around them."""

@@ -38,7 +38,7 @@ from ..core.protocol import (
     unpack_sampling,
 )
 from ..core.topology import Topology
-from ..core.verify import SamplingParams
+from ..core.verify import RunSampling, SamplingParams, group_rows, one_sampling
 from ..engine.stage import DecodeAborted, StageEngine
 from ..wire.transport import Transport, bad_message
 
@@ -61,6 +61,14 @@ class StageStats:
     rss_trace_mb: dict = field(default_factory=dict)  # RSS (MiB) when decoding first reached position 250 k, by k x 250
 
 
+def _sampling_fits(sampling: RunSampling, lim, n_outputs: int) -> None:
+    """ProtocolError when the SAMPLING groups in force name more rows than the run has."""
+    try:
+        group_rows(sampling, n_outputs)
+    except ValueError as e:
+        raise ProtocolError(str(e)) from None
+
+
 class StageWorker:
     def __init__(self, topo: Topology, engine: StageEngine, transport: Transport, limits: Limits | None = None):
         self.topo = topo
@@ -71,8 +79,8 @@ class StageWorker:
         self.cancelled: set[int] = set()
         self.stats = StageStats(rank=topo.rank)
         self._newest_run = -1
-        self.sampling = SamplingParams()  # the last stage's rule for each output row's token (SAMPLING)
-        self.top_logprobs: int | None = None  # ... and the log-probabilities it reports of each (SAMPLING)
+        # the last stage's rule for each output row's token and the log-probabilities it reports, by group (SAMPLING)
+        self.sampling: RunSampling = one_sampling(SamplingParams())
         self._reported: tuple | None = None   # the counters of the last report sent (nothing new: nothing sent)
         self._t_report = time.perf_counter()  # when it was sent (or serving began)
 
@@ -124,8 +132,8 @@ class StageWorker:
             elif hdr.kind == Kind.DECODE:
                 self._decode(hdr)
             elif hdr.kind == Kind.SAMPLING:
-                buf = self.tx.recv_array(prev, Tag.SAMPLING, (SAMPLING_LEN,), np.int64)
-                self.sampling, self.top_logprobs = self._valid(lambda b, lim: unpack_sampling(b), buf)
+                buf = self.tx.recv_array(prev, Tag.SAMPLING, (hdr.n_tokens, SAMPLING_LEN), np.int64)
+                self.sampling = self._valid(lambda b, lim: unpack_sampling(b), buf)
                 if not self.topo.is_last:
                     self.tx.send(nxt, hdr, (Tag.SAMPLING, buf))
             else:
@@ -175,6 +183,8 @@ class StageWorker:
                 batch = self._valid(Batch.unpack_meta, meta, hdr)
                 if rules is not None:
                     rules = self._valid(RowRules.unpack, rules, batch.n_outputs)
+                if self.topo.is_last:
+                    self._valid(_sampling_fits, self.sampling, batch.n_outputs)
                 out = self._run(hdr, batch, activ, rules)
                 cancelled = out is None
         if cancelled:
@@ -208,7 +218,7 @@ class StageWorker:
         t0 = time.perf_counter()
         try:
             if self.topo.is_last:
-                out = self.engine.decode_tokens(batch, activ, self.sampling, rules, self.top_logprobs)
+                out = self.engine.decode_tokens(batch, activ, self.sampling, rules)
             else:
                 out = self.engine.decode(batch, activ)
         except DecodeAborted:

@@ -304,7 +304,7 @@ class SimPipeline:
         self.stages[0].trace.bytes_sent += n_bytes
         self._send(self.clock(), 0, n_bytes, self._arrive, 1, txn)
 
-    def set_sampling(self, sp, top_logprobs=None) -> None:
+    def set_sampling(self, sampling) -> None:
         self._sent_from_head(Txn(Kind.SAMPLING))
 
     def kv(self, ops: np.ndarray) -> None:
