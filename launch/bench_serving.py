@@ -23,8 +23,9 @@ Systems (2 cores: every process 1 thread, except the one-process server's 2):
   llama.cpp's tiled kernel, exact to 32 rows; every request admitted at once up to 32 clients; prompt chunks small
   enough to share decodes with the others' next tokens).
 - `pipeinfer-fast`: the same with `--kernels fast --parallel 32` (batches of up to 16 rows; not exact).
-- `pipeinfer-baseline`: `pipeinfer` run from another checkout (--baseline PATH, e.g. a `git worktree` of main): a
-  change measured against what it changes, side by side, its answers checked against the others'.
+- `SYSTEM@base` (e.g. `pipeinfer@base`): a pipeinfer system above run from another checkout (--baseline PATH, e.g.
+  a `git worktree` of main): a change measured against what it changes, side by side, its answers checked against
+  the others'.
 The llama.cpp programs are built from the llama.cpp that llama-cpp-python vendors (launch/bench_peers.llama_bin).
 Every round runs every (clients, system) once, the systems' order rotating from round to round; medians over rounds
 and the ratios to llama-server and llama-rpc are printed and written to OUT_summary.csv, every load to OUT.csv.
@@ -55,10 +56,10 @@ ROOT = Path(__file__).resolve().parent.parent
 N_PREDICT = 32
 N_CTX = 8192
 SYSTEMS = ("llama-server", "llama-rpc", "pipeinfer", "pipeinfer-unbatched", "pipeinfer-tiled", "pipeinfer-fast")
-BASELINE = "pipeinfer-baseline"
+BASE = "@base"  # a pipeinfer system's name + BASE: the same system run from the --baseline checkout
 # exact systems of the same numerics: each request's answer is one text under every system of a group and every load
-EXACT = {"pipeinfer": "repack", BASELINE: "repack", "pipeinfer-unbatched": "repack", "pipeinfer-tiled": "tiled"}
-PIPEINFER_ARGS = {"pipeinfer": [], BASELINE: [], "pipeinfer-unbatched": ["--batch-rows", "1", "--parallel", "4"],
+EXACT = {"pipeinfer": "repack", "pipeinfer-unbatched": "repack", "pipeinfer-tiled": "tiled"}
+PIPEINFER_ARGS = {"pipeinfer": [], "pipeinfer-unbatched": ["--batch-rows", "1", "--parallel", "4"],
                   "pipeinfer-tiled": ["--kernels", "tiled", "--parallel", "32", "--prompt-chunk", "16"],
                   "pipeinfer-fast": ["--kernels", "fast", "--parallel", "32"]}
 
@@ -183,8 +184,8 @@ def run_one(system: str, n_clients: int, bins: Path | None, model: str, work: Pa
     else:
         port = free_port()
         args = ["-t", "1", "-c", str(N_CTX), "--ignore-eos", "--alias", "m", "--max-queue", "128",  # as llama-server,
-                *PIPEINFER_ARGS[system]]                                                        # queue every client
-        proc = start_server(port, args, log, new_tag(), pythonpath=baseline if system == BASELINE else None)
+                *PIPEINFER_ARGS[system.removesuffix(BASE)]]                                     # queue every client
+        proc = start_server(port, args, log, new_tag(), pythonpath=baseline if system.endswith(BASE) else None)
         try:
             complete(port, "def warm_up():")
             answers, wall_s = closed_loop(port, n_clients, prompts)
@@ -209,8 +210,8 @@ def main() -> None:
     a = ap.parse_args()
     global TEMPERATURE
     TEMPERATURE = a.temperature
-    if (BASELINE in a.systems.split(",")) != bool(a.baseline):
-        raise SystemExit(f"--baseline PATH and the system {BASELINE} go together")
+    if any(s.endswith(BASE) for s in a.systems.split(",")) != bool(a.baseline):
+        raise SystemExit(f"--baseline PATH and systems named SYSTEM{BASE} go together")
     from pipeinfer.engine.models import DEFAULT_TARGET, resolve_model
     model = str(resolve_model(DEFAULT_TARGET))
     systems = a.systems.split(",")
@@ -229,9 +230,9 @@ def main() -> None:
                       f"{row['p50_s']:.2f} s, p95 {row['p95_s']:.2f} s", flush=True)
     texts: dict[tuple[int, str], str] = {}
     for row in rows:  # every exact pipeinfer answer is the same, whatever the system (of its numerics) and the load
-        if row["system"] in EXACT:
+        if row["system"].removesuffix(BASE) in EXACT:
             for i, t in enumerate(row.pop("texts")):
-                key = (i % len(SNIPPETS), EXACT[row["system"]])
+                key = (i % len(SNIPPETS), EXACT[row["system"].removesuffix(BASE)])
                 if texts.setdefault(key, t) != t:
                     raise SystemExit(f"{row['system']} at {row['clients']} clients answered prompt {key[0]} otherwise")
         else:

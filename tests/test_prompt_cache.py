@@ -152,7 +152,6 @@ def test_a_burst_with_disconnects_leaves_every_cell_cached_or_dead_and_counted()
     answers = {}
     for k in range(12):
         prompt = system + [(k * 5 + i) % 29 for i in range(3 + k % 5)]
-        stop = (lambda s=[], n=1 + k % 3: False) if k % 3 else None
         streamed = []
         req = Request(list(prompt), 8, SamplingParams(), on_tokens=streamed.extend,
                       should_stop=(lambda s=streamed: len(s) >= 2) if k % 3 == 0 else None,

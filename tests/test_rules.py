@@ -5,7 +5,8 @@ import pytest
 
 from pipeinfer.core.decoding import Constraint, Decoding, TokenLogprob
 from pipeinfer.core.protocol import (Limits, ProtocolError, RowRules, mask_words, pack_logprobs, unpack_logprobs)
-from pipeinfer.core.verify import Node, SamplingParams, TreeRun, row_logprobs, row_tokens, shaped_logits
+from pipeinfer.core.verify import (Node, SamplingParams, TreeRun, joined_sampling, one_sampling, row_logprobs, row_tokens,
+                                   run_logprobs, shaped_logits)
 from pipeinfer.ranks.head import token_logprobs
 from pipeinfer.ranks.rules import RunRules, row_biases, row_contexts
 
@@ -45,6 +46,50 @@ def test_a_bias_outside_the_vocabulary_is_refused():
     r.bias_token[1] = 70
     with pytest.raises(ProtocolError, match="vocabulary"):
         RowRules.unpack(r.pack(2), LIM, 2)
+
+
+def test_joined_rules_keep_each_runs_rows_and_theirs_alone():
+    """A shared run's RULES: each run's masks and biases on its own rows, every token allowed on a run's rows that had
+    none; shaping the shared rows gives each row what its own run's rules give it alone."""
+    rng = np.random.default_rng(4)
+    parts = [(_rules(2), 2), (None, 1), (_rules(2, with_mask=False), 2), (None, 0)]
+    joined = RowRules.joined(parts)
+    assert joined.bias_row.tolist() == [0, 1, 3, 4] and joined.mask.shape == (5, mask_words(LIM.n_vocab))
+    back = RowRules.unpack(joined.pack(5), LIM, 5)
+    logits = rng.normal(size=(5, 70)).astype(np.float32)
+    shared = shaped_logits(logits, back)
+    at = 0
+    for rules, n in parts:
+        alone = logits[at:at + n] if rules is None else shaped_logits(logits[at:at + n], rules)
+        assert np.array_equal(shared[at:at + n], alone)
+        at += n
+    assert RowRules.joined([(None, 1), (None, 2)]) is None
+    assert RowRules.joined([(_rules(2, with_mask=False), 2), (None, 1)]).mask is None
+
+
+def test_each_rows_token_and_logprobs_are_its_own_in_a_shared_run():
+    """Rows drawn by several generations' sampling in one run: each row's token and log-probabilities equal what
+    its own generation's run of those rows alone gives (log-probabilities as wide as the widest asked)."""
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(6, 70)).astype(np.float32)
+    pos = np.arange(10, 16, dtype=np.int32)
+    own = [(one_sampling(SamplingParams()), 2), (one_sampling(SamplingParams(0.8, 5, 0.9, 3), 4), 1),
+           (one_sampling(SamplingParams(1.2, 0, 1.0, 9)), 2), (one_sampling(SamplingParams(), 1), 1)]
+    shared = joined_sampling(own)
+    tokens = row_tokens(logits, pos, shared)
+    chosen, ids, top = run_logprobs(logits, tokens, shared)
+    assert ids.shape == (6, 4)
+    at = 0
+    for sampling, n in own:
+        rows = slice(at, at + n)
+        alone = row_tokens(logits[rows], pos[rows], sampling)
+        assert np.array_equal(tokens[rows], alone)
+        k = sampling[0].top_logprobs
+        if k is not None:
+            c, i, t = row_logprobs(logits[rows], alone, k)
+            assert np.array_equal(chosen[rows], c) and np.array_equal(ids[rows, :k], i) and np.array_equal(top[rows, :k], t)
+        at += n
+    assert run_logprobs(logits, tokens, joined_sampling([(one_sampling(SamplingParams()), 6)])) is None
 
 
 def test_shaped_logits_add_biases_then_mask_and_leave_the_raw_logits():

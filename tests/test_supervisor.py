@@ -149,7 +149,7 @@ def test_a_request_with_biases_and_logprobs_resumes_after_a_lost_rank(models, tm
                                                                 "max_tokens": 8, "logprobs": 1})
         assert status == 200, raw
         choice = json.loads(raw)["choices"][0]
-        free, first_piece = choice["text"], choice["logprobs"]["tokens"][0].encode()
+        first_piece = choice["logprobs"]["tokens"][0].encode()
         tok = Tokenizer(str(models["q8"]))
         first = next(t for t in range(tok.n_vocab) if tok.piece(t) == first_piece)  # the answer's first token id
         tok.close()

@@ -1,6 +1,7 @@
 """The twin serving many clients with the real scheduler (twin/sim.py simulate_clients, ranks/scheduler.py):
 each request answered from its own reference, throughput near the stages' limit once every stage has a
 generation, one client as fast as simulate()'s PipeInfer, Poisson arrivals, and `pipeinfer plan --clients`."""
+import json
 from dataclasses import replace
 
 import pytest
@@ -125,3 +126,41 @@ def test_plan_clients_reports_three_schedules(tmp_path):
     assert "--parallel 1 " in lines[2] and "--parallel 8 " in lines[3] and "% of the limit" in lines[4]
     assert "fastest:" not in out.stdout   # the one-stream search is not run
     assert lines[-2].startswith("recommended: --parallel ") and lines[-1].startswith("run: pipeinfer launch ")
+
+
+def kernel_profiles(tmp_path):
+    """The hand profile's cluster under two kernels, as measured on the 2-core EPYC: repacked rows that cost what
+    each costs alone (3 rows 3x one), and a tiled kernel that charges a lone row 3x and 8 rows hardly more."""
+    prof = json.loads(hand_profile(tmp_path, slow=1.0).read_text())
+    out = []
+    for kernels, limit, cost in (("repack", 3, lambda one, b: one * b), ("tiled", 8, lambda one, b: 3 * one * (1 + 0.02 * b))):
+        p = dict(prof, kernels=kernels, exact_batch=limit,
+                 ranks=[dict(r, ms_by_batch=[round(cost(r["ms_by_batch"][0], b), 3) for b in range(1, limit + 1)])
+                        for r in prof["ranks"]])
+        path = tmp_path / f"{kernels}.json"
+        path.write_text(json.dumps(p))
+        out.append(path)
+    return out
+
+
+@pytest.mark.parametrize("clients, kernels", [(1, "repack"), (16, "tiled")])
+def test_plan_clients_chooses_the_kernels_from_a_profile_of_each(tmp_path, clients, kernels):
+    """plan --clients with a profile per --kernels setting: each setting's schedules, then the faster one's command;
+    a lone client wants the cheap lone row, many want the cheap wide batch."""
+    repack, tiled = kernel_profiles(tmp_path)
+    out = run_cli(["plan", "--profile", str(repack), "--profile", str(tiled), "--agreement", "0.8", "-n", "16",
+                   "--n-prompt", "8", "--clients", str(clients)])
+    assert out.returncode == 0, out.stderr
+    assert "--kernels repack (exact batch limit 3):" in out.stdout and "--kernels tiled (exact batch limit 8):" in out.stdout
+    fastest = [ln for ln in out.stdout.splitlines() if ln.startswith("fastest for")]
+    assert fastest and f"--kernels {kernels}," in fastest[0], out.stdout
+    run = out.stdout.splitlines()[-1]
+    assert run.startswith("run: pipeinfer launch ") and (("--kernels tiled" in run) == (kernels == "tiled"))
+
+
+def test_plan_refuses_profiles_it_cannot_compare(tmp_path):
+    repack, tiled = kernel_profiles(tmp_path)
+    for args, why in ((["--profile", str(repack), "--profile", str(repack), "--clients", "2"], "one profile per"),
+                      (["--profile", str(repack), "--profile", str(tiled)], "go with --clients")):
+        out = run_cli(["plan", *args])
+        assert out.returncode == 2 and why in out.stderr and "Traceback" not in out.stderr, out.stderr

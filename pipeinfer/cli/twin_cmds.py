@@ -165,9 +165,10 @@ def simulate_cmd(**kw) -> None:
 
 
 @click.command("plan")
-@click.option("--profile", "profile_path", default=None,
+@click.option("--profile", "profile_paths", multiple=True,
               help="a profile JSON written by `pipeinfer profile` [with --machines: the calibration shipped with "
-                   "pipeinfer, measured on a 2-core AMD EPYC VM; give your own host's profile to calibrate on it]")
+                   "pipeinfer, measured on a 2-core AMD EPYC VM; give your own host's profile to calibrate on it]; "
+                   "with --clients, one per --kernels setting to let plan choose the kernels too (repeat the option)")
 @click.option("--machines", default=None, metavar="HOSTFILE",
               help="price hosts you describe instead of a profiled cluster: a hostfile whose '# pipeinfer:' comments "
                    "give cores=, mem= (GiB RAM), mem_bw= (GB/s), disk= (GiB free), link= (Mbit/s) and optionally speed= "
@@ -213,14 +214,20 @@ def simulate_cmd(**kw) -> None:
 @click.option("--n-ctx", default=None, type=click.IntRange(1),
               help="with --conversations: the context's cells [default: room for every slot's longest turn]; with "
                    f"--machines: the KV cache each host sizes for [default: {N_CTX}]")
-def plan_cmd(profile_path: str | None, machines: str | None, model: str | None, model_size: str | None,
+def plan_cmd(profile_paths: tuple[str, ...], machines: str | None, model: str | None, model_size: str | None,
              draft_model: str | None, latency_us: float, agreement: float | None, propose: float, n_predict: int, runner_up: float,
              draft_host: bool, hostfile: str, clients: int | None, parallel: int | None, n_prompt: int,
              conversations: int | None, turns: int, user_tokens: int, think_s: float, n_ctx: int | None) -> None:
     """Search the fastest configuration for a profiled cluster, or for hosts you describe (--machines), and print
     the command that runs it."""
-    if machines is None and profile_path is None:
+    if machines is None and not profile_paths:
         raise click.UsageError("give --profile (a profiled cluster) or --machines (hosts you describe)")
+    if len(profile_paths) > 1:
+        if clients is None or machines is not None:
+            raise click.UsageError("several --profile (one per --kernels setting) go with --clients, without --machines")
+        _plan_kernels(profile_paths, clients, parallel, n_predict, n_prompt, agreement, propose, draft_host, hostfile)
+        return
+    profile_path = profile_paths[0] if profile_paths else None
     if machines is None and (model or model_size):
         raise click.UsageError("-m and --model-size describe the target of --machines")
     prof = load_profile(profile_path or str(REFERENCE_PROFILE))
@@ -372,6 +379,30 @@ def _plan_clients(prof: dict, clients: int, parallel: int, n_predict: int, n_pro
                f"{r.p50_latency_s:.2f} s, p95 {r.p95_latency_s:.2f} s (auto: the exact batch limit each host measures, "
                f"{prof.get('exact_batch', 3)} on the profiled one: every answer stays what it is alone)")
     return rec
+
+
+def _plan_kernels(paths: tuple[str, ...], clients: int, parallel: int | None, n_predict: int, n_prompt: int,
+                  agreement: float | None, propose: float, draft_host: bool, hostfile: str) -> None:
+    """plan --clients over profiles of one cluster under several --kernels settings: each setting's schedules, and
+    the kernels, --parallel and --batch-rows that serve the load fastest."""
+    profs = [load_profile(p) for p in paths]
+    kernels = [p.get("kernels") or DEFAULT_KERNELS for p in profs]
+    if len(set(kernels)) < len(kernels):
+        raise click.UsageError(f"the profiles' kernels {kernels}: give one profile per --kernels setting")
+    if len({(p["model"].get("path"), len(p["ranks"])) for p in profs}) > 1:
+        raise click.UsageError("the profiles are of different models or rank counts: profile one cluster")
+    best = []
+    for prof, k in zip(profs, kernels):
+        click.echo(f"--kernels {k} (exact batch limit {prof.get('exact_batch', 3)}):")
+        confidence = (prof.get("draft") or {}).get("confidence") if agreement is None else None
+        rec = _plan_clients(prof, clients, parallel or default_parallel(len(prof["ranks"]), batching=True),
+                            n_predict, n_prompt, 0.7 if agreement is None else agreement, propose, confidence, draft_host)
+        best.append((rec.result.tokens_per_s, k, rec))
+    tps, k, rec = max(best, key=lambda b: b[0])
+    others = ", ".join(f"{o:.2f} with --kernels {ok}" for o, ok, _ in best if ok != k)
+    click.echo(f"fastest for {clients} clients: --kernels {k}, {tps:.2f} tokens/s ({others})")
+    flag = "" if k == DEFAULT_KERNELS else f" --kernels {k}"
+    click.echo(f"run: pipeinfer launch --hostfile {hostfile} -- serve{flag} --parallel {rec.parallel} {rec.label}")
 
 
 def _plan_chat(prof: dict, conversations: int, turns: int, user_tokens: int, n_first: int, parallel: int,

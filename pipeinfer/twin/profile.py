@@ -332,6 +332,7 @@ def calibrate(records: dict[int, dict], in_pipeline: dict) -> None:
 def measure_on_head(opts: ProfileOptions, n_layer: int, threads: int) -> dict:
     """What is measured on the head's host only: the layer model, the thread scaling, the draft, the head's
     overhead."""
+    from ..engine.kernels import draft_kernels
     from .machines import serial_share_from
     extra: dict = {"layer_model": measure_layer_model(opts.model, n_layer, opts.probe_layers, threads,
                                                       opts.max_batch, opts.kernels)}
@@ -339,7 +340,8 @@ def measure_on_head(opts: ProfileOptions, n_layer: int, threads: int) -> dict:
                                              min(MAX_THREADS_TIMED, os.cpu_count() or 1))
     extra["serial_share"] = round(serial_share_from(extra["ms_by_threads"]), 4)
     if opts.draft:
-        extra["draft"] = measure_draft(opts.draft, threads, opts.kernels, target=opts.model)
+        # as serve loads it beside these stages (repacked beside tiled ones)
+        extra["draft"] = measure_draft(opts.draft, threads, draft_kernels(opts.kernels), target=opts.model)
         extra["draft"]["file_bytes"] = os.path.getsize(opts.draft)
     extra["head_overhead_ms"] = measure_head_overhead_ms()
     return extra
