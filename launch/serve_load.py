@@ -86,8 +86,9 @@ def start_server(port: int, serve_args: list[str], log_path: Path, tag: str,
            "--port", str(port)] + serve_args
     if supervised(serve_args):  # a supervised server starts its pipeline's job itself (supervisor/supervisor.py)
         cmd = [sys.executable, "-m", "pipeinfer", "serve", "--host", "127.0.0.1", "--port", str(port)] + serve_args
+    # `python -m` puts the working directory first on the path: another checkout's runs from there
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env=tagged_env(tag, **({"PYTHONPATH": pythonpath} if pythonpath else {})))
+                            env=tagged_env(tag, **({"PYTHONPATH": pythonpath} if pythonpath else {})), cwd=pythonpath)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:

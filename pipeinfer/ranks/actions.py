@@ -106,9 +106,9 @@ class Executor(Generic[Owner]):
 
     Batching users: next-token runs and prompt chunks of different owners (mergeable) are held, up to `batch_rows`
     rows, and go out as one run when the scheduler says so (flush), or before any other action (so the stages still
-    see every owner's actions in its order); each owner's rows are drawn by its own sampling and rules. A row's bits do not depend on the other rows of its decode up to
-    the stages' exact batch limit (engine/kernels.py), which is what batch_rows defaults to: every answer stays what
-    it is alone."""
+    see every owner's actions in its order); each owner's rows are drawn by its own sampling and rules. A row's bits
+    do not depend on the other rows of its decode up to the stages' exact batch limit (engine/kernels.py), which is
+    what batch_rows defaults to: every answer stays what it is alone."""
 
     def __init__(self, pipe, batch_rows: int = 1):
         self.pipe = pipe
