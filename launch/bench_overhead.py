@@ -77,14 +77,14 @@ def _stage_variants(llama_cpp, eng, last: bool, counting_cb) -> dict:
     import numpy as np
 
     from pipeinfer.core.protocol import Batch, kv_ops, rm
-    from pipeinfer.core.verify import SamplingParams, row_tokens
+    from pipeinfer.core.verify import SamplingParams, one_sampling, row_tokens
     rng = np.random.default_rng(0)
     fill = rng.standard_normal((N_FILL, eng.n_embd), dtype=np.float32) * 0.1
     row = rng.standard_normal((1, eng.n_embd), dtype=np.float32) * 0.1
     step, sp = Batch.chain(np.zeros(1, np.int32), N_FILL), SamplingParams()
     alone, forget_alone = _plain_context(llama_cpp, eng.model, eng.n_embd)
     if last and hasattr(eng, "decode_tokens"):
-        def stage(): eng.decode_tokens(step, row, sp)
+        def stage(): eng.decode_tokens(step, row, one_sampling(sp))
     elif last:
         def stage(): row_tokens(eng.decode(step, row), step.output_pos, sp)
     else:

@@ -12,7 +12,7 @@ from helpers import PROMPT
 from synth import make_llama_gguf
 from synth_arch import make_arch_gguf
 from pipeinfer.core.protocol import Batch, cp, kv_ops, rm
-from pipeinfer.core.verify import SamplingParams, row_tokens
+from pipeinfer.core.verify import SamplingParams, one_sampling, row_tokens
 from pipeinfer.engine.stage import DecodeAborted, StageEngine, TokenEmbedder, anonymous_regions, name_key
 from pipeinfer.engine.stagefile import ensure_stage_file, read_info
 
@@ -85,7 +85,7 @@ def test_decode_tokens_reads_the_logits_in_place(models):
             eng.clear_kv()
         for p0, n in ((0, len(toks)), (len(toks), 1), (len(toks) + 1, 3)):
             batch = Batch(toks[:n], np.arange(p0, p0 + n, dtype=np.int32), [[0]] * n, np.ones(n, np.int32), kv_ops())
-            got, logprobs = a.decode_tokens(batch, None, sp)
+            got, logprobs = a.decode_tokens(batch, None, one_sampling(sp))
             want = row_tokens(b.decode(batch), batch.output_pos, sp)
             assert got.dtype == np.int32 and np.array_equal(got, want) and logprobs is None
 
@@ -158,10 +158,10 @@ def test_where_a_sequence_s_cells_sit_changes_large_batches_only():
         if fill:  # another sequence's cells first
             g = np.arange(100, 100 + fill, dtype=np.int32)
             eng.decode_tokens(Batch(g, np.arange(fill, dtype=np.int32), [[1]] * fill, np.eye(1, fill, fill - 1,
-                                    dtype=np.int32)[0], kv_ops()), None, SamplingParams())
+                                    dtype=np.int32)[0], kv_ops()), None, one_sampling(SamplingParams()))
         toks = np.array(prompt[:n], np.int32)
         eng.decode_tokens(Batch(toks, np.arange(n, dtype=np.int32), [[0]] * n, np.eye(1, n, n - 1, dtype=np.int32)[0],
-                                kv_ops()), None, SamplingParams())
+                                kv_ops()), None, one_sampling(SamplingParams()))
         return eng._logits(n)[0].copy()
     assert len(prompt) >= 64
     try:

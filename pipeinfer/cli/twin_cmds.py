@@ -246,10 +246,9 @@ def plan_cmd(profile_paths: tuple[str, ...], machines: str | None, model: str | 
             click.echo(f"pipeinfer generate -m {target_path} -t {prof['ranks'][0]['threads']}")
             return
     limit = int(prof.get("exact_batch", 3))
-    confidence = (prof.get("draft") or {}).get("confidence") if agreement is None else None
     if clients is not None and conversations is not None:
         raise click.UsageError("--clients or --conversations, not both (each conversation is a client)")
-    parallel = parallel or default_parallel(len(prof["ranks"]), batching=True)  # as serve's default
+    confidence, parallel = _draft_and_parallel(prof, agreement, parallel)
     if conversations is not None:
         _plan_chat(prof, conversations, turns, user_tokens, n_prompt, parallel,
                    n_predict, 0.7 if agreement is None else agreement, propose, confidence, draft_host, think_s, n_ctx)
@@ -381,6 +380,13 @@ def _plan_clients(prof: dict, clients: int, parallel: int, n_predict: int, n_pro
     return rec
 
 
+def _draft_and_parallel(prof: dict, agreement: float | None, parallel: int | None) -> tuple[list | None, int]:
+    """The profiled draft's measured confidence (None when --agreement replaces it), and --parallel (serve's
+    default when not given)."""
+    confidence = (prof.get("draft") or {}).get("confidence") if agreement is None else None
+    return confidence, parallel or default_parallel(len(prof["ranks"]), batching=True)
+
+
 def _plan_kernels(paths: tuple[str, ...], clients: int, parallel: int | None, n_predict: int, n_prompt: int,
                   agreement: float | None, propose: float, draft_host: bool, hostfile: str) -> None:
     """plan --clients over profiles of one cluster under several --kernels settings: each setting's schedules, and
@@ -394,9 +400,9 @@ def _plan_kernels(paths: tuple[str, ...], clients: int, parallel: int | None, n_
     best = []
     for prof, k in zip(profs, kernels):
         click.echo(f"--kernels {k} (exact batch limit {prof.get('exact_batch', 3)}):")
-        confidence = (prof.get("draft") or {}).get("confidence") if agreement is None else None
-        rec = _plan_clients(prof, clients, parallel or default_parallel(len(prof["ranks"]), batching=True),
-                            n_predict, n_prompt, 0.7 if agreement is None else agreement, propose, confidence, draft_host)
+        confidence, n_parallel = _draft_and_parallel(prof, agreement, parallel)
+        rec = _plan_clients(prof, clients, n_parallel, n_predict, n_prompt, 0.7 if agreement is None else agreement,
+                            propose, confidence, draft_host)
         best.append((rec.result.tokens_per_s, k, rec))
     tps, k, rec = max(best, key=lambda b: b[0])
     others = ", ".join(f"{o:.2f} with --kernels {ok}" for o, ok, _ in best if ok != k)

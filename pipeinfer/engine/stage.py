@@ -20,7 +20,7 @@ import llama_cpp
 import numpy as np
 
 from ..core.protocol import Batch, KvOp, RowRules, pack_logprobs
-from ..core.verify import RunSampling, SamplingParams, one_sampling, row_tokens, run_logprobs
+from ..core.verify import RunSampling, row_tokens, run_logprobs
 from .kernels import DEFAULT_KERNELS, flash_attn_type, kv_cache_types, model_params
 
 LLAMA_MAX_SEQ = 256  # llama.cpp's cap on n_seq_max
@@ -340,14 +340,12 @@ class StageEngine:
             return self._hidden(batch.n_tokens)
         return self._logits(batch.n_tokens).copy()
 
-    def decode_tokens(self, batch: Batch, embd: np.ndarray | None, sampling: SamplingParams | RunSampling,
+    def decode_tokens(self, batch: Batch, embd: np.ndarray | None, sampling: RunSampling,
                       rules: RowRules | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """A final stage's token after each output row, i32[n_outputs] (verify.row_tokens, after the run's rules,
         each row by its group's sampling), read from llama.cpp's own logits buffer (the vocabulary-sized rows are
         copied only to apply rules); when a group asks top_logprobs, the LOGPROBS payload i32[n_outputs, 1 + 2k]
         beside them, k the widest asked (verify.run_logprobs; else None)."""
-        if isinstance(sampling, SamplingParams):
-            sampling = one_sampling(sampling)
         self._decode(batch, embd)
         logits = self._logits(batch.n_tokens)
         tokens = row_tokens(logits, batch.output_pos, sampling, rules)
