@@ -60,7 +60,8 @@ class LanePipeline(FakePipeline):
 
 def make(mode: str, *, n_parallel: int, n_ctx: int = 4096, max_in_flight: int = 4, n_max: int = 3,
          logits_fn=logits_greedy, n_stages: int = 2, error_rate: float = 0.2, poll_every: int = 3,
-         p_recovery: float = 0.5, cache_prompt: bool = True, prompt_chunk: int = 63, batch_rows: int = 1):
+         p_recovery: float = 0.5, cache_prompt: bool = True, prompt_chunk: int = 63, batch_rows: int = 1,
+         stage_ms=None):
     n_lanes = lane_count(n_parallel, cache_prompt)
     n_part, n_seq = plan_partitions(1, max_in_flight, n_lanes=n_lanes)
     if mode == "iterative":  # no partitions: the slots' canonical sequences follow sequence 0 (as startup plans it)
@@ -72,7 +73,7 @@ def make(mode: str, *, n_parallel: int, n_ctx: int = 4096, max_in_flight: int = 
     pool = PartitionPool(n_part, 1, n_seq, n_lanes=n_lanes) if mode == "pipeinfer" else None
     lent = iter(range(1 << 30))
     cfg = GenConfig(mode=mode, n_ctx=n_ctx, draft_max=n_max, p_recovery=p_recovery,
-                    cache_prompt=cache_prompt, prompt_chunk=prompt_chunk, batch_rows=batch_rows)
+                    cache_prompt=cache_prompt, prompt_chunk=prompt_chunk, batch_rows=batch_rows, stage_ms=stage_ms)
     sched = Scheduler(pipe, cfg, n_stages=n_stages, n_parallel=n_parallel, pool=pool,
                       drafter_for=lambda p, t, c: ToyDrafter(error_rate, next(lent), 0.9))  # one per lease
     return sched, pipe, pool

@@ -1,10 +1,11 @@
 """Batching users on real stages (llama.cpp, mpiexec) with a K-quant synthetic model: several prompts through one
-pipeline (PipeInfer mode, a draft at the head), whose decodes mix newcomers' prompt chunks with the running
-generations' next tokens; each answer must equal the one `pipeinfer generate` gives its prompt alone, and decodes
-must have been shared. Whether the lone generation at the end speculates, and whether a rejected run is still in
-flight to be cancelled, depends on timing: the toy pipeline's tests pin those (test_scheduler.py). The model is
-quantized by llama.cpp itself (Q4_K/Q6_K rows multiply row by row, so batched rows can keep their bits; the tests'
-f32 and q8_0 models cannot)."""
+pipeline (PipeInfer mode, a poor draft at the head), whose decodes mix newcomers' prompt chunks, the running
+generations' next tokens and the drafter holder's micro-batches (--draft-rides always: they ride whatever the
+measured costs say); each answer must equal the one `pipeinfer generate` gives its prompt alone, decodes must have
+been shared, and riders must have been cancelled while their shared decode was in flight (the draft is poor: its
+rows are dropped at the head, the others' rows in the same decode carry on). How the scheduler shares and cancels
+in every order is pinned on the toy pipeline (test_scheduler.py). The model is quantized by llama.cpp itself
+(Q4_K/Q6_K rows multiply row by row, so batched rows can keep their bits; the tests' f32 and q8_0 models cannot)."""
 import json
 import re
 
@@ -45,7 +46,7 @@ def test_shared_decodes_of_prompts_next_tokens_and_drafts_keep_every_answer(q4k,
                          for t, n, temp, seed in JOBS))
     p = cli(["generate", "-m", str(target), "--prompts", str(f), "--no-chat", "--mode", "pipeinfer",
              "--draft", str(draft), "--draft-at", "head", "--kernels", kernels, *CHUNK, "-c", "512",
-             "--parallel", str(len(JOBS))], n=2, timeout=300)
+             "--parallel", str(len(JOBS)), "--draft-rides", "always"], n=2, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     answers = {a["index"]: a["tokens"] for a in map(json.loads, p.stdout.splitlines())}
     for i, job in enumerate(JOBS):
@@ -54,3 +55,6 @@ def test_shared_decodes_of_prompts_next_tokens_and_drafts_keep_every_answer(q4k,
     assert shared, p.stderr[-2000:]
     n_runs, n_rows, cap = map(int, shared.groups())
     assert n_runs > 0 and n_rows >= 2 * n_runs and cap >= (32 if kernels == "tiled" else 2), shared.group(0)
+    rides = re.search(r"(\d+) draft micro-batches riding them \((\d+) dropped when cancelled\)", p.stderr)
+    assert rides, p.stderr[-2000:]
+    assert int(rides.group(1)) > 0 and int(rides.group(2)) > 0, rides.group(0)

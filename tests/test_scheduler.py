@@ -108,6 +108,39 @@ def test_generations_share_decodes_and_each_answer_equals_its_own(mode, batch_ro
     assert sum(rows) == sched.executor.n_merged_rows
 
 
+FLAT_MS = ((10.0,) * 12, (10.0,) * 12)              # rows nearly free (tiled kernels): draft rows ride
+LINEAR_MS = tuple(tuple(10.0 * k for k in range(1, 13)) for _ in range(2))  # a row costs a decode: they do not
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.3])
+def test_draft_rows_ride_the_users_decodes_and_a_cancelled_rider_takes_none_of_them_with_it(error_rate):
+    """Many generations, rows nearly free: the oldest holds the drafter and its micro-batches ride the others'
+    next tokens in one decode (each in its own sequences). A rider the verification proves wrong is cancelled at
+    the head while its shared run is in flight: the Cancel never names the shared run (the toy pipeline asserts
+    that only speculative runs are cancelled), its rows are dropped, its partition retired; every answer equals
+    its prompt's alone, stops and all, and the toy stages check every cell each row sees."""
+    sched, pipe, pool = make("pipeinfer", n_parallel=6, batch_rows=6, stage_ms=FLAT_MS, error_rate=error_rate)
+    mixed = watch_launches(pipe, lambda b, spec: (b.n_tokens, n_seqs(b)) if not spec and n_seqs(b) > 2 else None)
+    jobs = [(p, 20 + 3 * i, SamplingParams(), 7 if i == 4 else 0) for i, p in enumerate(PROMPTS)]
+    assert_exact(submit_all(sched, jobs))
+    assert_all_free(sched, pipe, pool)
+    ex = sched.executor
+    assert ex.n_rides > 0 and mixed
+    assert any(rows > seqs for rows, seqs in mixed), "a draft micro-batch (rows of one partition) shared a decode"
+    assert ex.n_riders_dropped > 0 or not error_rate  # (a finished generation also drops its riders)
+    assert all(pipe.speculative[r] for ids in pipe.cancel_calls for r in ids)
+
+
+def test_draft_rows_do_not_ride_where_each_row_costs_a_decode():
+    """The same load where a row costs what it costs alone: a draft row (right with probability < 1) buys less
+    than a user's certain one, so none rides, and the drafter is lent only while fewer generate than the stages."""
+    sched, pipe, pool = make("pipeinfer", n_parallel=6, batch_rows=6, stage_ms=LINEAR_MS)
+    jobs = [(p, 20 + 3 * i, SamplingParams(), 0) for i, p in enumerate(PROMPTS)]
+    assert_exact(submit_all(sched, jobs))
+    assert_all_free(sched, pipe, pool)
+    assert sched.executor.n_rides == 0 and sched.executor.n_merged_runs > 0
+
+
 def runs_of_several(pipe) -> list[tuple[int, int]]:
     """(rows, sequences) of each non-speculative run that carries several generations' rows."""
     return watch_launches(pipe, lambda b, spec: (b.n_tokens, n_seqs(b)) if n_seqs(b) > 1 and not spec else None)
@@ -160,6 +193,58 @@ def test_kv_edits_go_after_every_run_held_before_them():
     assert pipe.runs == [(2, [5, 6, 7, 9], [])]  # a's chunk and c's row went before b's copy of a's cells
     ex.flush()
     assert pipe.runs[1] == (3, [8, 8], [list(cp(1, 2, 0, 3))])
+
+
+def test_a_draft_rides_only_rows_of_others_and_never_on_a_parent_a_stage_may_skip():
+    """Executor.rides: a micro-batch joins the rows held when they leave room and none is its owner's (its KV edits,
+    applied before the shared decode, read its owner's cells), and when it builds on no run or on a member of a
+    shared run (never skipped); a lone speculative parent may be skipped at a stage, and the shared decode could
+    not be skipped with it. It then goes out with them; else alone, at once. A Cancel naming it is not sent (the
+    shared run carries others' rows), the rest of that Cancel is."""
+    from pipeinfer.core.protocol import NO_RUN, Batch, kv_ops
+    from pipeinfer.ranks.actions import Cancel, Executor
+
+    class Recorder:
+        def __init__(self):
+            self.runs, self.cancels = [], []
+
+        def set_sampling(self, sampling):
+            pass
+
+        def launch(self, run_id, batch, speculative, parent_id, rules):
+            self.runs.append((run_id, batch.n_tokens, speculative, parent_id))
+
+        def cancel(self, ids):
+            self.cancels.append(ids)
+
+    def run(run_id, seq, n, spec=False, parent=NO_RUN):
+        return Launch(run_id, Batch(np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32), [[seq]] * n,
+                                    np.ones(n, np.int32), kv_ops()), spec, parent, one_sampling(SamplingParams()))
+    pipe = Recorder()
+    ex = Executor(pipe, batch_rows=6)
+    ex.pace(8, 2)
+    assert not ex.rides("h", 2, NO_RUN)                     # nothing held: it goes alone
+    ex.apply("a", [run(1, 1, 1)])
+    ex.apply("h", [run(2, 2, 1)])
+    assert not ex.rides("h", 2, NO_RUN)                     # its owner's next token is held
+    ex.flush()
+    ex.apply("a", [run(3, 1, 1)])
+    assert ex.rides("h", 5, NO_RUN) and not ex.rides("h", 6, NO_RUN)
+    ex.apply("h", [run(4, 2, 3, spec=True)])                # rides a's row, held with it
+    ex.flush()
+    assert pipe.runs[-1] == (4, 4, False, NO_RUN)          # one shared run, not speculative, of no parent
+    ex.apply("b", [run(5, 3, 1)])
+    assert ex.rides("h", 2, 4)                              # its parent is a shared run's member
+    ex.apply("h", [run(6, 2, 2, spec=True, parent=4)])
+    ex.apply("c", [run(7, 4, 1)])                           # joins them
+    assert ex.n_held == 4 and not ex.rides("h", 1, 4)       # one of its runs is held
+    ex.flush()
+    ex.apply("h", [run(8, 2, 2, spec=True, parent=6)])      # nothing held beside: alone, speculative, at once
+    assert pipe.runs[-1] == (8, 2, True, 6)
+    ex.apply("c", [run(9, 4, 1)])
+    assert not ex.rides("h", 2, 8)                          # a lone parent a stage may skip
+    ex.apply("h", [Cancel((4, 6, 8))])
+    assert pipe.cancels == [[8]] and ex.n_rides == 2 and ex.n_riders_dropped == 2
 
 
 @pytest.mark.parametrize("mode", ["iterative", "pipeinfer"])

@@ -1,6 +1,6 @@
 """The micro-batch's shape (ranks/shape.py): which runner-ups pay as siblings, and the tree they make."""
 from pipeinfer.drafters.drafter import DraftNode, main_chain
-from pipeinfer.ranks.shape import add_siblings, choose_siblings, fixed_siblings, run_time_ms
+from pipeinfer.ranks.shape import add_siblings, choose_siblings, fixed_siblings, ride_len, run_time_ms
 
 CHEAP = [[100.0, 105.0, 110.0, 115.0], [100.0, 105.0, 110.0, 115.0]]   # a row costs 5% (memory-bound hosts)
 LINEAR = [[24.0, 45.0, 67.0, 83.0], [35.0, 70.0, 105.0, 140.0]]      # this machine's one-thread decodes
@@ -53,3 +53,25 @@ def test_without_costs_runner_ups_take_rows_from_the_chains_tail():
     assert fixed_siblings(c, 2, 3, 0.1) == (1, [0])
     assert fixed_siblings(c[2:], 4, 3, 0.1) == (2, [1])     # no runner-up at depth 0; depth 1's fits a third row
     assert fixed_siblings(c[2:], 2, 3, 0.1) == (2, [])      # ... and not within 2
+
+
+TILED = [[130.0] * 8 + [140.0] * 8, [130.0] * 8 + [140.0] * 8]    # tiled GEMM: 16 rows cost 1.08x one
+REPACKED = [[20.0, 37.0, 54.0, 71.0, 88.0, 105.0], [20.0, 37.0, 54.0, 71.0, 88.0, 105.0]]  # a row costs what it costs alone
+
+
+def test_draft_rows_ride_where_rows_are_nearly_free_and_not_where_each_costs_a_decode():
+    assert ride_len(4, 0.6, TILED, (0.0, 0.0), 4) == 4          # every draft token adds a^i for nothing
+    assert ride_len(4, 0.6, REPACKED, (0.0, 0.0), 4) == 0       # a certain row beats a draft row
+    assert ride_len(1, 0.8, REPACKED, (0.0, 0.0), 2) == 0       # 1.8 tokens in 37 ms against 1 in 20
+    assert ride_len(1, 0.99, REPACKED, (0.0, 0.0), 2) == 2      # a nearly sure draft: 2.97 in 54 ms
+    assert ride_len(2, 0.99, [[20.0, 21.0, 30.0, 40.0]], (0.0, 0.0), 2) == 1   # the cheap 3rd row only
+    assert ride_len(12, 0.6, TILED, (0.0, 0.0), 4) == 4         # up to 16 rows measured
+    assert ride_len(14, 0.6, TILED, (0.0, 0.0), 4) == 2         # not beyond the measured sizes
+    assert ride_len(16, 0.6, TILED, (0.0, 0.0), 4) == 0
+
+
+def test_drafting_on_the_head_and_a_poor_acceptance_take_the_ride_away():
+    assert ride_len(4, 0.6, TILED, (5.0, 10.0), 4) == 2         # 130 + 5 + 10k: the third token's 0.22 costs 10 ms
+    assert ride_len(4, 0.6, TILED, (40.0, 40.0), 4) == 0        # a draft call as dear as a third of the decode
+    assert ride_len(4, 0.02, TILED, (5.0, 10.0), 4) == 0
+    assert ride_len(0, 0.9, TILED, (0.0, 0.0), 4) == 0          # nothing to ride

@@ -14,7 +14,7 @@ from click.core import ParameterSource
 from ..core.errors import UserError
 from ..core.verify import SamplingParams
 from ..engine.kernels import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, KERNELS
-from ..core.config import DRAFT_HEAD_AUTO, MODES, PROMPT_CHUNK, Config, draft_label
+from ..core.config import DRAFT_HEAD_AUTO, DRAFT_RIDES, MODES, PROMPT_CHUNK, Config, draft_label
 from .guard import installed, mpi_size
 
 
@@ -70,6 +70,10 @@ SPECULATION_OPTIONS = [
                                                                                    "siblings where the measured costs say they pay"),
     click.option("--cancel/--no-cancel", default=True, help="early inference cancellation"),
     click.option("--continuous/--no-continuous", default=True, help="more than one speculative run in flight"),
+    click.option("--draft-rides", type=click.Choice(DRAFT_RIDES), default="auto", show_default=True,
+                 help="while many requests generate, whether the draft's micro-batches ride their shared decodes: auto "
+                      "where the decode costs measured at start-up and the running acceptance say draft rows buy more "
+                      "than they cost (rows nearly free, as with --kernels tiled), always, or never"),
 ]
 
 
@@ -221,7 +225,7 @@ def config_from_options(kw: dict, *, n_predict: int, sampling: SamplingParams, s
         replay_runner_up=replay_runner_up,
         p_accept=kw["p_accept"], p_split=kw["p_split"], p_recovery=kw["p_recovery"], p_decay=kw["p_decay"],
         max_branches=kw["max_branches"], max_in_flight=kw["max_in_flight"], cancel=kw["cancel"],
-        continuous=kw["continuous"], quiet_first=kw["quiet_first"], n_predict=n_predict, sampling=sampling,
+        continuous=kw["continuous"], draft_rides=kw["draft_rides"], quiet_first=kw["quiet_first"], n_predict=n_predict, sampling=sampling,
         stop_at_eos=stop_at_eos, parallel=parallel, batch_rows=kw["batch_rows"], poll_s=kw["poll_us"] / 1e6, stall_timeout=kw["stall_timeout"],
         set_by_user=set_by_user)
 

@@ -60,7 +60,8 @@ def _gen_config(kw, mode: str) -> GenConfig:
                      p_accept=kw["p_accept"], p_split=kw["p_split"], draft_max=kw["draft_max"] or 1,
                      max_branches=kw["max_branches"],
                      p_recovery=kw["p_recovery"], p_decay=kw["p_decay"], cancel=kw["cancel"],
-                     continuous=kw["continuous"], adaptive_draft=kw["micro_batch"] == "auto", stop_at_eos=False)
+                     continuous=kw["continuous"], draft_rides=kw["draft_rides"],
+                     adaptive_draft=kw["micro_batch"] == "auto", stop_at_eos=False)
 
 
 def _shape(kw) -> Shape:

@@ -30,6 +30,7 @@ PER_RANK_FIELDS = ("layer_split", "threads", "threads_batch")  # "a,b,c": one va
 # decoded after other requests' cells, or from the prompt cache, would not be the cold answer's bits
 # (tests/test_stage_engine.py pins both). Its cost against 512-token chunks: launch/bench_prompt_speed.py
 PROMPT_CHUNK = 63
+DRAFT_RIDES = ("auto", "always", "never")  # --draft-rides (ranks/shape.ride_len decides auto)
 CONFIG_ENV = "PIPEINFER_CONFIG"  # a supervised job's configuration, as JSON (Config.to_json)
 
 
@@ -76,6 +77,7 @@ class SpeculationOptions:
     cancel: bool = True                     # False: never send cancellation signals
     continuous: bool = True                 # False: at most one speculative run in flight
     quiet_first: bool = True                # a drafter in a thread of rank 0 waits while the first token is computed
+    draft_rides: str = "auto"               # draft rows in other requests' shared decodes: auto | always | never
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +113,8 @@ class Config(StageOptions, DraftOptions, SpeculationOptions, ServingOptions, Wir
             raise ValueError(f"unknown mode {self.mode!r} (one of {', '.join(MODES)})")
         if self.kernels not in KERNELS:
             raise ValueError(f"unknown kernels {self.kernels!r} (one of {', '.join(KERNELS)})")
+        if self.draft_rides not in DRAFT_RIDES:
+            raise ValueError(f"unknown --draft-rides {self.draft_rides!r} (one of {', '.join(DRAFT_RIDES)})")
         if self.draft_at not in ("head", "thread", "rank"):
             raise ValueError(f"--draft-at {self.draft_at!r} is not resolved (head, thread or rank)")
         if self.mode == "speculative" and self.parallel not in (None, 1):

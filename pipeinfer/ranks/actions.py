@@ -15,7 +15,7 @@ from typing import Generic, TypeVar, Union
 
 import numpy as np
 
-from ..core.protocol import Batch, RowRules, kv_ops
+from ..core.protocol import NO_RUN, Batch, RowRules, kv_ops
 from ..core.verify import RunSampling, joined_sampling
 
 
@@ -62,11 +62,12 @@ class Member:
 
 
 def mergeable(a: Action, batch_rows: int) -> bool:
-    """A run that may share a decode with other generations' (each generation's rows in its own sequences): not
-    speculative (a cancelled run goes whole), at most batch_rows rows: a next token, or a prompt chunk (its KV
-    edits go before the shared batch: it then opens one, Executor.apply). Each keeps its own sampling, log-
-    probabilities, constraint and biases inside the shared run (its rows' group of SAMPLING, its rows of RULES)."""
-    return isinstance(a, Launch) and not a.speculative and a.batch.n_tokens <= batch_rows
+    """A run that may share a decode with other generations' (each generation's rows in its own sequences), at
+    most batch_rows rows: a next token, a prompt chunk (its KV edits go before the shared batch: it then opens
+    one, Executor.apply), or the drafter holder's micro-batch (it rides the rows held, Executor.apply). Each keeps
+    its own sampling, log-probabilities, constraint and biases inside the shared run (its rows' group of
+    SAMPLING, its rows of RULES)."""
+    return isinstance(a, Launch) and a.batch.n_tokens <= batch_rows
 
 
 def merge(launches: list[Launch]) -> Launch:
@@ -77,10 +78,11 @@ def merge(launches: list[Launch]) -> Launch:
     batch = Batch(np.concatenate([b.tokens for b in rows]), np.concatenate([b.pos for b in rows]),
                   [ids for b in rows for ids in b.seq_ids], np.concatenate([b.output for b in rows]),
                   kv_ops(*[tuple(op) for b in rows for op in b.prefix_ops.tolist()]))
-    drawn = next((x for x in launches if x.batch.n_outputs), launches[0])
     sampling = joined_sampling([(x.sampling, x.batch.n_outputs) for x in launches])
     rules = RowRules.joined([(x.rules, x.batch.n_outputs) for x in launches])
-    return Launch(max(x.run_id for x in launches), batch, False, drawn.parent_id, sampling, rules)
+    # not speculative and of no parent: a stage never skips nor aborts it (a draft member's parent being cancelled
+    # would take the others' certain rows with it); a cancelled member's rows are dropped at the head instead
+    return Launch(max(x.run_id for x in launches), batch, False, NO_RUN, sampling, rules)
 
 
 def split(res, members: list[Member]) -> list:
@@ -108,7 +110,13 @@ class Executor(Generic[Owner]):
     rows, and go out as one run when the scheduler says so (flush), or before any other action (so the stages still
     see every owner's actions in its order); each owner's rows are drawn by its own sampling and rules. A row's bits
     do not depend on the other rows of its decode up to the stages' exact batch limit (engine/kernels.py), which is
-    what batch_rows defaults to: every answer stays what it is alone."""
+    what batch_rows defaults to: every answer stays what it is alone.
+
+    Draft rows ride: a speculative micro-batch joins the rows held, and goes out with them, when it may (rides:
+    its KV edits, applied before the shared decode, read only its owner's sequences, which no other member writes),
+    else it goes out at once, alone (so one generation alone is exactly PipeInfer). A shared run is never skipped
+    nor aborted: a Cancel naming a member of one is not sent (the head drops the member's rows; its cells are its
+    partition's, which the head retires as for any cancelled run), the other ids of the Cancel are."""
 
     def __init__(self, pipe, batch_rows: int = 1):
         self.pipe = pipe
@@ -119,6 +127,8 @@ class Executor(Generic[Owner]):
         self._sampling_sent: RunSampling | None = None
         self.n_merged_runs = 0                         # runs that carried more than one owner's row
         self.n_merged_rows = 0                         # rows those runs carried
+        self.n_rides = 0                               # draft micro-batches that rode others' rows
+        self.n_riders_dropped = 0                      # ... cancelled while their shared run was in flight
 
     @property
     def n_held(self) -> int:
@@ -127,8 +137,8 @@ class Executor(Generic[Owner]):
 
     @property
     def _n_next_held(self) -> int:
-        """Next tokens (one-row runs) held: what the row cap paces."""
-        return sum(a.batch.n_tokens == 1 for _, a in self._held)
+        """Next tokens (one-row runs, not drafts) held: what the row cap paces."""
+        return sum(a.batch.n_tokens == 1 and not a.speculative for _, a in self._held)
 
     def _room(self, n_rows: int) -> bool:
         """Whether n_rows may join the rows held: every row within batch_rows (the exact limit), next tokens within
@@ -138,6 +148,19 @@ class Executor(Generic[Owner]):
     def joins(self, n_rows: int, n_kv_ops: int) -> bool:
         """Whether a prompt chunk of n_rows (after n_kv_ops KV edits) would join rows already held, not go alone."""
         return self.batch_rows > 1 and bool(self._held) and not n_kv_ops and self._room(n_rows)
+
+    def rides(self, owner: Owner, n_rows: int, parent_id: int) -> bool:
+        """Whether owner's draft micro-batch of n_rows, building on run parent_id's cells, would ride the rows held:
+        they leave room, none is owner's, and its parent is none or a member of a shared run (a lone speculative
+        parent may be skipped or aborted at a stage, leaving cells the rider would decode on missing, and a shared
+        run cannot be skipped with it: llama.cpp refuses a sequence's positions that do not follow on)."""
+        return (bool(self._held) and self.n_held + n_rows <= self.batch_rows
+                and all(o is not owner for o, _ in self._held)
+                and (parent_id == NO_RUN or parent_id in self._shared_ids()))
+
+    def _shared_ids(self) -> set[int]:
+        """Run ids of the members of shared runs in flight (a Cancel must not name these on the wire)."""
+        return {m.run_id for ms in self.members.values() if len(ms) > 1 for m in ms}
 
     def pace(self, n_decoding: int, depth: int) -> None:
         """Rows per merged run: batch_rows, but no more than the decoding generations spread over the pipeline's
@@ -152,15 +175,24 @@ class Executor(Generic[Owner]):
     def apply(self, owner: Owner, actions: list[Action]) -> None:
         for a in actions:
             if self.batch_rows > 1 and mergeable(a, self.batch_rows):
-                if self._held and (not self._room(a.batch.n_tokens) or len(a.batch.prefix_ops)):
-                    self.flush()  # KV edits (a cached prompt's copy) go after every run held before them
-                self._held.append((owner, a))
-                continue
+                if a.speculative and self.rides(owner, a.batch.n_tokens, a.parent_id):
+                    self._held.append((owner, a))
+                    self.n_rides += 1
+                    continue
+                if not a.speculative:
+                    if self._held and (not self._room(a.batch.n_tokens) or len(a.batch.prefix_ops)):
+                        self.flush()  # KV edits (a cached prompt's copy) go after every run held before them
+                    self._held.append((owner, a))
+                    continue
             self.flush()
             if isinstance(a, Launch):
                 self._launch(a, [Member.of(owner, a)])
             elif isinstance(a, Cancel):
-                self.pipe.cancel(list(a.run_ids))
+                shared = self._shared_ids()
+                ids = [r for r in a.run_ids if r not in shared]
+                self.n_riders_dropped += len(a.run_ids) - len(ids)
+                if ids:
+                    self.pipe.cancel(ids)
             elif isinstance(a, EditKv):
                 self.pipe.kv(a.ops)
             else:

@@ -54,7 +54,7 @@ from ..core.verify import (
 from ..drafters.drafter import Cutoffs, Drafter, DraftNode, main_chain
 from .actions import Action, Cancel, EditKv, Launch
 from .rules import RunRules
-from .shape import add_siblings, choose_draft_len, choose_siblings, draft_cost_fit, fixed_siblings
+from .shape import add_siblings, choose_draft_len, choose_siblings, draft_cost_fit, fixed_siblings, ride_len
 
 
 
@@ -297,15 +297,21 @@ class Head:
         return self.drafter is not None and self.pool.n_free > 0 and not self.pending
 
     @property
+    def spec_parent(self) -> int:
+        """The run whose cells the next speculative micro-batch builds on (the chain's last), or NO_RUN."""
+        return self.chain[-1].owner if self.chain else NO_RUN
+
+    @property
     def speculating(self) -> bool:
         """Whether a speculative run of this generation is in flight."""
         return any(f.speculative for f in self.flights.values())
 
-    def speculate_once(self) -> list[Action] | None:
+    def speculate_once(self, ride_rows: int = 0) -> list[Action] | None:
         """Draft one micro-batch on top of the current speculation and launch it if the draft is confident
         (the cutoff then rises by p_recovery); if not, lower the cutoff by p_decay and return no actions, or
         return None: nothing more to speculate now (not continuous and a run is out, the cutoff reached 1,
-        the quiet first token, far enough ahead, or an unconfident draft without decay)."""
+        the quiet first token, far enough ahead, or an unconfident draft without decay). ride_rows: the
+        micro-batch rides a shared decode of that many other rows (sized by ride_len, not choose_draft_len)."""
         cut = self.cfg.cut
         if not self.cfg.continuous and any(f.speculative and not f.cancelled for f in self.flights.values()):
             return None
@@ -316,7 +322,7 @@ class Head:
         if len(context) >= min(self._n_prompt + self.cfg.n_predict, self.cfg.n_ctx - cut.n_max):
             return None  # far enough ahead
         t0 = self.clock()
-        self._n_draft = self._draft_len()
+        self._n_draft = self.ride_len(ride_rows) if ride_rows else self._draft_len()
         if self.asynchronous:  # what the drafter beside us has drafted on this chain so far
             tree, unconfident = self._steer_drafter(context).ready(context, p_accept, self._n_draft)
         else:
@@ -327,7 +333,7 @@ class Head:
             if tree:
                 self._draft_obs.append((len(tree), (self.clock() - t0) * 1e3))
         if tree:
-            if cut.max_branches > 1 and all(n.branches == {0} for n in tree):
+            if cut.max_branches > 1 and not ride_rows and all(n.branches == {0} for n in tree):
                 tree = self._with_siblings(tree, max(0.0, cut.p_split + self.adjust))
             self._launch_spec(tree, context)
             self.adjust += self.cfg.p_recovery
@@ -348,6 +354,21 @@ class Head:
                              draft_cost_fit(self._draft_obs), cut.n_max)
         self.stats.draft_len_hist[n] = self.stats.draft_len_hist.get(n, 0) + 1
         return n
+
+    def ride_len(self, n_rows: int) -> int:
+        """Draft tokens worth riding a shared decode of n_rows other rows, within the batch's rows: by
+        --draft-rides, 0 (never), that or a micro-batch's size (always), or as shape.ride_len finds on the measured costs and the
+        running acceptance (auto: 0 where they buy less than those rows, or without stage costs)."""
+        cap = min(self.cfg.cut.n_max, self.cfg.batch_rows - n_rows)
+        if self.cfg.draft_rides == "never" or self.cfg.mode != "pipeinfer" or self.cfg.state_per_token or cap < 1:
+            return 0
+        k = 0
+        if self.cfg.stage_ms is not None:
+            k = ride_len(n_rows, self._acceptance(), [list(ms) for ms in self.cfg.stage_ms],
+                         draft_cost_fit(self._draft_obs), cap)
+        if k == 0 and self.cfg.draft_rides == "always":
+            k = min(cap, self._draft_len())
+        return k
 
     def _acceptance(self) -> float:
         """The running acceptance of the chain's drafts, with a prior of 0.6 weighing as 8 checks (so that a lucky

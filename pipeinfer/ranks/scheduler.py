@@ -18,7 +18,10 @@ every stage is busy on work that is certain to be used, and no speculation beats
             is deep (pipeline_depth), the oldest one holds the drafter (PipeInfer, with its reactive cutoffs;
             alone, exactly PipeInfer; beside others, only while fewer runs are in flight than that depth); in
             synchronous speculative mode the one generation holds it and drafts a tree whenever its next token
-            needs covering (Head.cover)
+            needs covering (Head.cover); with many, the holder's draft rows ride the others' shared decodes
+            where the measured costs and its running acceptance say they buy more than they cost (shape.ride_len:
+            rows nearly free, as on tiled kernels; never where a row costs a decode), and the drafter is lent
+            for that too
         take the oldest result and hand it to the generations whose rows it carried (results come in launch
             order); their next tokens go out together as one run, each row in its own sequence (users batched,
             up to the stages' exact batch limit: actions.Executor), or wait for the next result's to join them
@@ -89,6 +92,13 @@ def pipeline_depth(n_stages: int, stage_ms: tuple[tuple[float, ...], ...] | None
     if max(one) <= 0:
         return n_stages
     return max(1, min(n_stages, math.ceil(sum(one) / max(one) - 1e-9)))
+
+
+def cost_sizes(draft_max: int, batch_rows: int, n_parallel: int, n_stages: int) -> int:
+    """Decode sizes (1..this) whose cost start-up measures on every stage: a micro-batch's (draft_max), and one
+    that rides a shared decode of as many next tokens as the executor paces in (Executor.pace: the generations
+    over the stages), within the exact batch limit (Head.ride_len needs both)."""
+    return max(draft_max, min(batch_rows, draft_max + math.ceil(n_parallel / n_stages)))
 
 
 @dataclass
@@ -362,7 +372,8 @@ class Scheduler:
         # a newcomer is lent it once its prompt is fed (a drafter's prefill would hold the head from feeding it)
         decoding = [g for g in self.gens if not g.head.done and not g.req.background and not g.head.pending]
         want = None
-        if decoding and (len(decoding) < self.depth or len(self.gens) == 1):  # alone: always (exactly PipeInfer)
+        if decoding and (len(decoding) < self.depth or len(self.gens) == 1  # alone: always (exactly PipeInfer)
+                         or self._rides_pay(decoding[0], self.executor.row_cap)):
             want = decoding[0]
         if want is not self.holder:
             if self.holder is not None:
@@ -375,18 +386,38 @@ class Scheduler:
 
     def _speculate(self, g: _Gen) -> None:
         """Keep the pipeline full while no result is waiting (continuous, asynchronous speculation): the holder's
-        micro-batches, one by one, each sent as soon as it is drafted."""
+        micro-batches, one by one, each sent as soon as it is drafted, or riding the others' rows held."""
         head = g.head
-        while head.may_speculate and self._room() and (not self.pipe.result_ready() or self._single_rank_turn(head)):
+        while head.may_speculate and (not self.pipe.result_ready() or self._single_rank_turn(head)):
+            if not self._room():
+                self._ride(g)
+                return
             actions = head.speculate_once()
             if actions is None:
                 return
             self.executor.apply(g, actions)
 
+    def _ride(self, g: _Gen) -> None:
+        """g's next micro-batch joins the rows held for a shared decode, where it may (Executor.rides) and pays
+        (_rides_pay), sized for that decode."""
+        head = g.head
+        if (head.may_speculate and self._rides_pay(g, self.executor.n_held)
+                and self.executor.rides(g, 1, head.spec_parent)):
+            actions = head.speculate_once(ride_rows=self.executor.n_held)
+            if actions:
+                self.executor.apply(g, actions)
+
     def _room(self) -> bool:
-        """Whether the holder may launch one more speculative run now: alone, while the drafter keeps up; beside
-        others, only while fewer runs are in flight than the pipeline's depth (the stages would idle)."""
+        """Whether the holder may launch one more speculative run of its own now: alone, while the drafter keeps
+        up; beside others, only while fewer runs are in flight than the pipeline's depth (the stages would idle).
+        Beyond that its draft rows only ride the others' (_rides_pay)."""
         return len(self.gens) == 1 or len(self.pipe.in_flight) < self.depth
+
+    def _rides_pay(self, g: _Gen, n_rows: int) -> bool:
+        """Whether g's draft rows buy more than they cost riding a shared decode of n_rows others' rows (Head.ride_len
+        on the measured stage costs and g's running acceptance): the rule that decides between draft rows and
+        users' rows when many generate."""
+        return self.executor.batch_rows > 1 and n_rows > 0 and g.head.ride_len(n_rows) > 0
 
     def _single_rank_turn(self, head: Head) -> bool:
         # one rank: results are ready at once, so speculate one micro-batch per round instead of never
@@ -407,6 +438,8 @@ class Scheduler:
         self.executor.pace(sum(1 for g in self.gens if not g.head.done and not g.head.pending), self.depth)
         for g, res in results:
             self.executor.apply(g, g.head.handle(res) if g.head.done else g.head.take(res))
+        if self.holder is not None and not self.holder.head.done and self.cfg.mode == "pipeinfer":
+            self._ride(self.holder)
         if not self._holding():
             self.executor.flush()
 

@@ -104,7 +104,9 @@ class HeadSession:
                 "prompt_cache": sched.cache_load() if sched else None, "stages": self.stages(),
                 "batching": {"batch_rows": self.cfg.batch_rows,
                              "shared_decodes": sched.executor.n_merged_runs if sched else 0,
-                             "shared_rows": sched.executor.n_merged_rows if sched else 0}}
+                             "shared_rows": sched.executor.n_merged_rows if sched else 0,
+                             "draft_rides": sched.executor.n_rides if sched else 0,
+                             "riders_dropped": sched.executor.n_riders_dropped if sched else 0}}
 
     def poll_stages(self, waited_s: float = 0.0) -> None:
         """On the generation thread, between steps (feeders/pump.py): take the stages' reports that came, and count

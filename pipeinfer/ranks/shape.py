@@ -68,6 +68,34 @@ def run_time_ms(n_rows: int, b: int, acceptance: float, stage_ms: list[list[floa
     return bottleneck + (1 - acceptance ** b) * refill
 
 
+def ride_len(n_rows: int, acceptance: float, stage_ms: list[list[float]], draft_ms: tuple[float, float],
+             cap: int) -> int:
+    """Draft tokens that ride a shared decode of n_rows other rows (users' next tokens and prompt chunks, each a
+    certain token or cell), or 0 where draft rows buy less than those rows do.
+
+    Riding k draft tokens makes the decode n_rows + k rows and adds sum_{i=1..k} a^i tokens in expectation; a
+    broken chain costs no refill here (the other rows are certain, and the holder's next token is covered apart).
+    So k rides where (n_rows + gain) / t(n_rows + k) beats n_rows / t(n_rows), t the slowest stage's cost at that
+    many rows (the head's stage also drafts the k tokens at draft_ms = (per call, per token)); the k of the best
+    rate wins. Where a row costs what it costs alone (repacked kernels: 3 rows 2.7x one) a draft row, right
+    with probability < 1, never beats a certain one; where rows are nearly free (tiled kernels) it does. Sizes
+    beyond the measured costs are not assumed."""
+    def rate(k: int) -> float:
+        n = n_rows + k
+        head = stage_ms[0][n - 1] + (draft_ms[0] + k * draft_ms[1] if k else 0.0)
+        bottleneck = max([head] + [ms[n - 1] for ms in stage_ms[1:]])
+        return (n_rows + sum(acceptance ** i for i in range(1, k + 1))) / bottleneck if bottleneck > 0 else 0.0
+    if n_rows < 1 or any(len(ms) < n_rows for ms in stage_ms):
+        return 0
+    best, best_rate = 0, rate(0)
+    for k in range(1, cap + 1):
+        if any(len(ms) < n_rows + k for ms in stage_ms):
+            break
+        if rate(k) > best_rate * (1 + 1e-9):
+            best, best_rate = k, rate(k)
+    return best
+
+
 def has_runner_up(n: DraftNode, p_split: float) -> bool:
     """Node n names a runner-up other than its own token, with a probability >= p_split."""
     return n.alt >= 0 and n.alt != n.token and n.alt_prob >= p_split

@@ -43,7 +43,7 @@ from ..wire.transport import polite_barrier
 from .handshake import build_id
 from .head import GenConfig, auto_p_recovery, gen_config
 from .draft_rank import draft_thread_count, serve_draft_rank
-from .scheduler import default_parallel
+from .scheduler import cost_sizes, default_parallel
 from .session import HeadSession, RunResult, peak_rss_mb
 
 if TYPE_CHECKING:
@@ -355,7 +355,8 @@ def _resolve_gen(config: Config, comm, engine, n_batch: int, exact_per_rank: lis
     cfg = replace(cfg, state_per_token=state_per_token,
                   draft_max=config.draft_max if state_per_token else _draft_max(cfg, exact_per_rank))
     if cfg.mode == "pipeinfer" and cfg.adaptive_draft and cfg.draft_max > 1:
-        cfg = replace(cfg, stage_ms=stage_costs(comm, engine, cfg.draft_max, config.poll_s))
+        sizes = cost_sizes(cfg.draft_max, cfg.batch_rows, config.parallel, comm.Get_size())
+        cfg = replace(cfg, stage_ms=stage_costs(comm, engine, sizes, config.poll_s))
     return cfg
 
 

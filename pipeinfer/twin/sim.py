@@ -42,7 +42,7 @@ from ..core.metrics import Stats
 from ..core.protocol import HEADER_LEN, NO_RUN, Batch, Kind, kv_ops
 from ..ranks.head import GenConfig, auto_p_recovery
 from ..ranks.pipeline import Result
-from ..ranks.scheduler import Request, Scheduler, SchedulerStats, generate
+from ..ranks.scheduler import Request, Scheduler, SchedulerStats, cost_sizes, generate
 from ..drafters.drafter import Cutoffs, DraftNode, ReplayDrafter
 from .cluster import Cluster, StageCost
 
@@ -469,15 +469,15 @@ def reference_tokens(n_prompt: int, n_predict: int, seed: int = 0) -> list[int]:
     return rng.integers(10, 30000, n_prompt + n_predict + 64).tolist()
 
 
-def _resolved(cluster: Cluster, gen: GenConfig) -> GenConfig:
+def _resolved(cluster: Cluster, gen: GenConfig, n_parallel: int = 1) -> GenConfig:
     """What start-up resolves on a real cluster: -pr auto, and each stage's measured decode times (PipeInfer sizes
-    its micro-batches by them)."""
+    its micro-batches, and the draft rows that ride others' decodes, by them)."""
     if gen.p_recovery is None:
         gen = replace(gen, p_recovery=auto_p_recovery(cluster.n_ranks))
     if gen.mode == "pipeinfer" and gen.adaptive_draft and gen.stage_ms is None and gen.draft_max > 1:
-        # what runner.stage_costs measures at start-up: each stage's decode time for 1..cap tokens
-        gen = replace(gen, stage_ms=tuple(tuple(st.ms(b) for b in range(1, gen.draft_max + 1))
-                                          for st in cluster.stages))
+        # what startup.stage_costs measures: each stage's decode time for 1..cost_sizes tokens
+        sizes = cost_sizes(gen.draft_max, gen.batch_rows, n_parallel, cluster.n_ranks)
+        gen = replace(gen, stage_ms=tuple(tuple(st.ms(b) for b in range(1, sizes + 1)) for st in cluster.stages))
     return gen
 
 
@@ -693,7 +693,7 @@ def _serve(cluster: Cluster, gen: GenConfig, clients: _Clients, clock: VirtualCl
            n_ctx: int | None, n_turns: int = 1, runner_up: float = 0.0) -> ClientsResult:
     """The real Scheduler on the twin serving `clients` (their first requests already sent) to the last answer.
     n_ctx (None): room for every slot's longest request at once (so the context never makes a request wait)."""
-    gen = replace(_resolved(cluster, gen), stop_at_eos=False)
+    gen = replace(_resolved(cluster, gen, n_parallel), stop_at_eos=False)
     pipe = SimPipeline(cluster, [], clock)
     n_lanes, size = lane_count(n_parallel, gen.cache_prompt), gen.max_branches   # as the Scheduler counts them
     pool, n_part, drafter_for = None, 0, None
