@@ -22,6 +22,8 @@ Systems (2 cores: every process 1 thread, except the one-process server's 2):
 - `pipeinfer-tiled`: the same with `--kernels tiled --parallel 32 --prompt-chunk 16` (every multiply through
   llama.cpp's tiled kernel, exact to 32 rows; every request admitted at once up to 32 clients; prompt chunks small
   enough to share decodes with the others' next tokens).
+- `pipeinfer-tiled-solo`: `pipeinfer-tiled` with `--draft-rides never` (the draft's rows never ride the users'
+  decodes; not run unless named): what riding buys.
 - `pipeinfer-fast`: the same with `--kernels fast --parallel 32` (batches of up to 16 rows; not exact).
 - `SYSTEM@base` (e.g. `pipeinfer@base`): a pipeinfer system above run from another checkout (--baseline PATH, e.g.
   a `git worktree` of main): a change measured against what it changes, side by side, its answers checked against
@@ -58,9 +60,12 @@ N_CTX = 8192
 SYSTEMS = ("llama-server", "llama-rpc", "pipeinfer", "pipeinfer-unbatched", "pipeinfer-tiled", "pipeinfer-fast")
 BASE = "@base"  # a pipeinfer system's name + BASE: the same system run from the --baseline checkout
 # exact systems of the same numerics: each request's answer is one text under every system of a group and every load
-EXACT = {"pipeinfer": "repack", "pipeinfer-unbatched": "repack", "pipeinfer-tiled": "tiled"}
+EXACT = {"pipeinfer": "repack", "pipeinfer-unbatched": "repack", "pipeinfer-tiled": "tiled",
+         "pipeinfer-tiled-solo": "tiled"}
 PIPEINFER_ARGS = {"pipeinfer": [], "pipeinfer-unbatched": ["--batch-rows", "1", "--parallel", "4"],
                   "pipeinfer-tiled": ["--kernels", "tiled", "--parallel", "32", "--prompt-chunk", "16"],
+                  "pipeinfer-tiled-solo": ["--kernels", "tiled", "--parallel", "32", "--prompt-chunk", "16",
+                                           "--draft-rides", "never"],
                   "pipeinfer-fast": ["--kernels", "fast", "--parallel", "32"]}
 
 SNIPPETS = [

@@ -75,3 +75,12 @@ def test_drafting_on_the_head_and_a_poor_acceptance_take_the_ride_away():
     assert ride_len(4, 0.6, TILED, (40.0, 40.0), 4) == 0        # a draft call as dear as a third of the decode
     assert ride_len(4, 0.02, TILED, (5.0, 10.0), 4) == 0
     assert ride_len(0, 0.9, TILED, (0.0, 0.0), 4) == 0          # nothing to ride
+
+
+def test_start_up_times_a_micro_batch_s_sizes_and_every_4th_beyond_and_fills_the_rest_in():
+    from pipeinfer.ranks.startup import cost_curve, cost_probe_sizes
+    assert cost_probe_sizes(3, 3) == [1, 2, 3]
+    assert cost_probe_sizes(4, 20) == [1, 2, 3, 4, 8, 12, 16, 20]
+    assert cost_probe_sizes(3, 13) == [1, 2, 3, 7, 11, 13]
+    assert cost_probe_sizes(8, 3) == [1, 2, 3]
+    assert cost_curve([1, 2, 3, 7], [10.0, 12.0, 14.0, 22.0], 7) == (10.0, 12.0, 14.0, 16.0, 18.0, 20.0, 22.0)

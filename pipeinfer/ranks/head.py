@@ -176,7 +176,8 @@ class Head:
                  should_stop: Callable[[], bool] | None = None,
                  clock: Callable[[], float] = time.perf_counter, canon: int = CANONICAL,
                  rules: RunRules | None = None, top_logprobs: int | None = None,
-                 on_logprobs: Callable[[list[TokenLogprob]], None] | None = None):
+                 on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
+                 draft_obs: deque[tuple[int, float]] | None = None):
         check_gen_config(cfg)
         self.cfg = cfg
         self._out: list[Action] = []       # what this step decided, for the scheduler to apply (_decided)
@@ -207,7 +208,9 @@ class Head:
         self.n_cells_bound = 0              # cells any stage may hold: retired cells count until COMPACT
         self._n_checked = 0                 # draft tokens verification reached (their predecessors accepted)
         self._n_agreed = 0                  # ... and found right
-        self._draft_obs: deque[tuple[int, float]] = deque(maxlen=32)  # recent (tokens proposed, ms) draft calls
+        # recent (tokens proposed, ms) calls of the drafter in series (the scheduler's: every holder's, so that a
+        # generation newly lent it prices its first micro-batches by what the drafter cost the others)
+        self._draft_obs: deque[tuple[int, float]] = deque(maxlen=32) if draft_obs is None else draft_obs
         self._sib_promised = 0.0             # runner-up probabilities of the siblings verification reached (shape.py)
         # a drafter beside the pipeline (draftahead.DraftClient) drafts ahead by itself: the head only reads it
         self.asynchronous = False
@@ -355,17 +358,19 @@ class Head:
         self.stats.draft_len_hist[n] = self.stats.draft_len_hist.get(n, 0) + 1
         return n
 
-    def ride_len(self, n_rows: int) -> int:
+    def ride_len(self, n_rows: int, draft_ms: float | None = None) -> int:
         """Draft tokens worth riding a shared decode of n_rows other rows, within the batch's rows: by
-        --draft-rides, 0 (never), that or a micro-batch's size (always), or as shape.ride_len finds on the measured costs and the
-        running acceptance (auto: 0 where they buy less than those rows, or without stage costs)."""
+        --draft-rides, 0 (never), that or a micro-batch's size (always), or as shape.ride_len finds on the measured
+        costs and the running acceptance (auto: 0 where they buy less than those rows, or without stage costs).
+        draft_ms: what a ride has cost the head in drafting so far (Scheduler._ride_cost_ms), else the fit of
+        this drafter's calls."""
         cap = min(self.cfg.cut.n_max, self.cfg.batch_rows - n_rows)
         if self.cfg.draft_rides == "never" or self.cfg.mode != "pipeinfer" or self.cfg.state_per_token or cap < 1:
             return 0
         k = 0
         if self.cfg.stage_ms is not None:
-            k = ride_len(n_rows, self._acceptance(), [list(ms) for ms in self.cfg.stage_ms],
-                         draft_cost_fit(self._draft_obs), cap)
+            cost = draft_cost_fit(self._draft_obs) if draft_ms is None else (draft_ms, 0.0)
+            k = ride_len(n_rows, self._acceptance(), [list(ms) for ms in self.cfg.stage_ms], cost, cap)
         if k == 0 and self.cfg.draft_rides == "always":
             k = min(cap, self._draft_len())
         return k

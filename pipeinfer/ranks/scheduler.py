@@ -178,6 +178,8 @@ class Scheduler:
         self.gens: list[_Gen] = []            # admission order
         self.executor: Executor[_Gen] = Executor(pipe, cfg.batch_rows)  # the one place the pipeline is driven
         self.holder: _Gen | None = None       # the generation the drafter is lent to
+        self.draft_obs: deque = deque(maxlen=32)  # the drafter's recent (tokens, ms) calls, whoever held it
+        self._ride_obs: deque[tuple[int, float]] = deque(maxlen=32)  # (rides launched, head ms) per try or lend
         self._run_id = first_run_id
         self._n_requests = 0
         self.stats = SchedulerStats()
@@ -262,7 +264,7 @@ class Scheduler:
         head = Head(cfg, self._new_run_id, eos=self.eos, on_tokens=req.on_tokens,
                     on_progress=req.on_progress, should_stop=req.should_stop, clock=self.clock,
                     canon=self._canon[lane], rules=rules, top_logprobs=req.decoding.top_logprobs,
-                    on_logprobs=req.on_logprobs)
+                    on_logprobs=req.on_logprobs, draft_obs=self.draft_obs)
         g = _Gen(req, head, lane)
         self.gens.append(g)
         self.stats.n_admitted += 1
@@ -379,7 +381,10 @@ class Scheduler:
             if self.holder is not None:
                 self.holder.head.give_back()
             if want is not None:
+                t0 = self.clock()
                 want.head.lend(self.drafter_for(want.req.prompt, want.req.prompt_text, want.req.chat), self.pool)
+                if len(decoding) >= self.depth and len(self.gens) > 1:  # lent to ride: the lend is a ride's cost
+                    self._ride_obs.append((0, (self.clock() - t0) * 1e3))
                 self.stats.n_lends += 1
             self.holder = want
         return want
@@ -403,9 +408,19 @@ class Scheduler:
         head = g.head
         if (head.may_speculate and self._rides_pay(g, self.executor.n_held)
                 and self.executor.rides(g, 1, head.spec_parent)):
+            t0 = self.clock()
             actions = head.speculate_once(ride_rows=self.executor.n_held)
+            self._ride_obs.append((int(bool(actions)), (self.clock() - t0) * 1e3))
             if actions:
                 self.executor.apply(g, actions)
+
+    def _ride_cost_ms(self) -> float | None:
+        """What a ride launched has cost the head lately (ms): every drafting try for a ride, launched or not
+        (an unconfident draft launches nothing), and the drafter's prefill at each lend made for riding, over
+        the rides launched; None before any try. A drafter beside the pipeline costs the head next to nothing."""
+        if not self._ride_obs:
+            return None
+        return sum(ms for _, ms in self._ride_obs) / max(1, sum(n for n, _ in self._ride_obs))
 
     def _room(self) -> bool:
         """Whether the holder may launch one more speculative run of its own now: alone, while the drafter keeps
@@ -415,9 +430,9 @@ class Scheduler:
 
     def _rides_pay(self, g: _Gen, n_rows: int) -> bool:
         """Whether g's draft rows buy more than they cost riding a shared decode of n_rows others' rows (Head.ride_len
-        on the measured stage costs and g's running acceptance): the rule that decides between draft rows and
-        users' rows when many generate."""
-        return self.executor.batch_rows > 1 and n_rows > 0 and g.head.ride_len(n_rows) > 0
+        on the measured stage costs, g's running acceptance and what rides have cost the head in drafting): the
+        rule that decides between draft rows and users' rows when many generate."""
+        return self.executor.batch_rows > 1 and n_rows > 0 and g.head.ride_len(n_rows, self._ride_cost_ms()) > 0
 
     def _single_rank_turn(self, head: Head) -> bool:
         # one rank: results are ready at once, so speculate one micro-batch per round instead of never

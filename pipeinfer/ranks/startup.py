@@ -356,7 +356,7 @@ def _resolve_gen(config: Config, comm, engine, n_batch: int, exact_per_rank: lis
                   draft_max=config.draft_max if state_per_token else _draft_max(cfg, exact_per_rank))
     if cfg.mode == "pipeinfer" and cfg.adaptive_draft and cfg.draft_max > 1:
         sizes = cost_sizes(cfg.draft_max, cfg.batch_rows, config.parallel, comm.Get_size())
-        cfg = replace(cfg, stage_ms=stage_costs(comm, engine, sizes, config.poll_s))
+        cfg = replace(cfg, stage_ms=stage_costs(comm, engine, cfg.draft_max, sizes, config.poll_s))
     return cfg
 
 
@@ -490,16 +490,31 @@ def _draft_max(cfg: GenConfig, exact_per_rank: list[int | None]) -> int | None:
         raise UserError(f"{e} [limit measured on rank {exact_per_rank.index(limit)}]") from None
 
 
-def stage_costs(comm, engine, up_to: int, poll_s: float) -> tuple[tuple[float, ...], ...]:
-    """Every rank's decode time (ms) for 1..up_to tokens, rank 0 first; the ranks take turns, so the timings
-    do not compete for cores (--micro-batch auto sizes PipeInfer's micro-batches by them)."""
+def stage_costs(comm, engine, draft_max: int, up_to: int, poll_s: float) -> tuple[tuple[float, ...], ...]:
+    """Every rank's decode time (ms) for 1..up_to tokens, rank 0 first: timed for 1..draft_max (a micro-batch's
+    sizes) and every 4th size beyond (the sizes a ride may make: costs there are smooth), the rest interpolated
+    (cost_curve); the ranks take turns, so the timings do not compete for cores (--micro-batch auto sizes
+    PipeInfer's micro-batches, and the draft rows that ride others' decodes, by them)."""
     from ..engine.kernels import time_decodes
+    sizes = cost_probe_sizes(draft_max, up_to)
     mine = None
     for r in range(comm.Get_size()):
         polite_barrier(comm, poll_s)
         if r == comm.Get_rank():
-            mine = tuple(round(x, 3) for x in time_decodes(engine, list(range(1, up_to + 1))))
+            mine = cost_curve(sizes, time_decodes(engine, sizes), up_to)
     return tuple(comm.allgather(mine))
+
+
+def cost_probe_sizes(draft_max: int, up_to: int) -> list[int]:
+    """The decode sizes stage_costs times: 1..draft_max, then every 4th, and up_to."""
+    head = list(range(1, min(draft_max, up_to) + 1))
+    return head + sorted(set(range(len(head) + 4, up_to + 1, 4)) | ({up_to} if up_to > len(head) else set()))
+
+
+def cost_curve(sizes: list[int], ms: list[float], up_to: int) -> tuple[float, ...]:
+    """ms for 1..up_to tokens from the sizes timed (linear between them)."""
+    import numpy as np
+    return tuple(round(float(x), 3) for x in np.interp(np.arange(1, up_to + 1), sizes, ms))
 
 
 def auto_split(comm, info, n_threads: int, n_threads_batch: int, stage_file, kinds: list[str] | None = None) -> list[float]:

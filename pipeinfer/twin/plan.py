@@ -19,6 +19,7 @@ from pathlib import Path
 import click
 
 from ..core.topology import layer_ranges
+from ..engine.kernels import resolve_draft_max
 from ..ranks.head import GenConfig
 from .cluster import (
     Cluster,
@@ -280,14 +281,15 @@ def serve_load(prof: dict, *, n_clients: int, n_parallel: int, n_predict: int, n
     PipeInfer (--parallel 1: a request's fastest answer, the others queue), interleaving (iterative, n_parallel
     generations, nothing speculative) and the default (pipeinfer with n_parallel: interleaving, the generations'
     next tokens sharing decodes up to the profile's exact batch limit, the drafter lent where a stage would idle).
-    PipeInfer's micro-batches are capped at the profile's exact batch limit."""
+    PipeInfer's micro-batches are as start-up sizes them: --draft-max's default within the profile's exact batch
+    limit."""
     cluster = build_cluster(prof, Shape(draft_on=draft_on))
     cap = int(prof.get("exact_batch", 3))
     rows = []
     for label, mode, parallel in (("pipeinfer", "pipeinfer", 1), ("interleaving", "iterative", n_parallel),
                                   ("default", "pipeinfer", n_parallel)):
         gen = replace(base, mode=mode, n_predict=n_predict, p_recovery=None if mode == "pipeinfer" else 0.0,
-                      draft_max=cap if mode == "pipeinfer" else 1,
+                      draft_max=resolve_draft_max(None, cap, lead=False) if mode == "pipeinfer" else 1,
                       batch_rows=cap if label == "default" else 1)
         res = simulate_clients(cluster, gen, n_clients=n_clients, n_requests=max(4, requests_per_client * n_clients),
                                n_prompt=n_prompt, n_parallel=parallel, agreement=agreement, propose=propose,
@@ -311,7 +313,7 @@ def recommend_serving(prof: dict, *, n_clients: int, n_predict: int, n_prompt: i
     best: LoadRow | None = None
     for parallel, rows in itertools.product(parallels, sorted({1, cap})):
         gen = replace(GenConfig(stop_at_eos=False), mode="pipeinfer", n_predict=n_predict, p_recovery=None,
-                      draft_max=cap, batch_rows=rows)
+                      draft_max=resolve_draft_max(None, cap, lead=False), batch_rows=rows)
         res = simulate_clients(cluster, gen, n_clients=n_clients, n_requests=max(4, requests_per_client * n_clients),
                                n_prompt=n_prompt, n_parallel=parallel, agreement=agreement, propose=propose,
                                confidence=confidence)
