@@ -25,6 +25,8 @@ Systems (2 cores: every process 1 thread, except the one-process server's 2):
 - `pipeinfer-tiled-solo`: `pipeinfer-tiled` with `--draft-rides never` (the draft's rows never ride the users'
   decodes; not run unless named): what riding buys.
 - `pipeinfer-fast`: the same with `--kernels fast --parallel 32` (batches of up to 16 rows; not exact).
+- `--system NAME=SYSTEM ARGS`: one more, a pipeinfer system above with more serve options (compared with its
+  numerics' group: the last `--kernels` given decides).
 - `SYSTEM@base` (e.g. `pipeinfer@base`): a pipeinfer system above run from another checkout (--baseline PATH, e.g.
   a `git worktree` of main): a change measured against what it changes, side by side, its answers checked against
   the others'.
@@ -32,8 +34,8 @@ The llama.cpp programs are built from the llama.cpp that llama-cpp-python vendor
 Every round runs every (clients, system) once, the systems' order rotating from round to round; medians over rounds
 and the ratios to llama-server and llama-rpc are printed and written to OUT_summary.csv, every load to OUT.csv.
 pipeinfer's answers are checked against each other (each request's text must be the same under every exact
-pipeinfer system of the same kernels and every load: `tiled` multiplies otherwise than `repack`, so its texts are
-checked among themselves).
+pipeinfer system of the same numerics and every load: the same kernels and prompt chunk, since `tiled` multiplies
+otherwise than `repack` and a prompt's cells depend on its chunks).
 """
 from __future__ import annotations
 
@@ -59,14 +61,25 @@ N_PREDICT = 32
 N_CTX = 8192
 SYSTEMS = ("llama-server", "llama-rpc", "pipeinfer", "pipeinfer-unbatched", "pipeinfer-tiled", "pipeinfer-fast")
 BASE = "@base"  # a pipeinfer system's name + BASE: the same system run from the --baseline checkout
-# exact systems of the same numerics: each request's answer is one text under every system of a group and every load
-EXACT = {"pipeinfer": "repack", "pipeinfer-unbatched": "repack", "pipeinfer-tiled": "tiled",
-         "pipeinfer-tiled-solo": "tiled"}
 PIPEINFER_ARGS = {"pipeinfer": [], "pipeinfer-unbatched": ["--batch-rows", "1", "--parallel", "4"],
                   "pipeinfer-tiled": ["--kernels", "tiled", "--parallel", "32", "--prompt-chunk", "16"],
                   "pipeinfer-tiled-solo": ["--kernels", "tiled", "--parallel", "32", "--prompt-chunk", "16",
                                            "--draft-rides", "never"],
                   "pipeinfer-fast": ["--kernels", "fast", "--parallel", "32"]}
+
+
+
+def numerics(args: list[str]) -> tuple[str, str] | None:
+    """The numerics a pipeinfer system's answers have: its kernels and prompt chunk (a prompt's cells depend on
+    both); None where they are not exact (--kernels fast)."""
+    def last(flag: str, default: str) -> str:
+        return next((args[i + 1] for i in range(len(args) - 2, -1, -1) if args[i] == flag), default)
+    kernels = last("--kernels", "repack")
+    return None if kernels == "fast" else (kernels, last("--prompt-chunk", "63"))
+
+
+# exact systems of the same numerics: each request's answer is one text under every system of a group and every load
+EXACT = {name: n for name, args in PIPEINFER_ARGS.items() if (n := numerics(args)) is not None}
 
 SNIPPETS = [
     "def quicksort(arr):\n    # sort a list of integers in place, using the last element as the pivot",
@@ -212,7 +225,18 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_serving"))
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--baseline", help="a checkout of pipeinfer to run as the system pipeinfer-baseline")
+    ap.add_argument("--system", action="append", default=[], metavar="NAME=SYSTEM ARGS",
+                    help="one more pipeinfer system: a name, a pipeinfer system it extends and serve options, e.g. "
+                         "'tiled-c32=pipeinfer-tiled --prompt-chunk 32' (name it in --systems)")
     a = ap.parse_args()
+    for spec in a.system:
+        name, _, rest = spec.partition("=")
+        base, *extra = rest.split()
+        if not name or base not in PIPEINFER_ARGS:
+            raise SystemExit(f"--system {spec!r}: NAME=SYSTEM [serve options], SYSTEM one of {', '.join(PIPEINFER_ARGS)}")
+        PIPEINFER_ARGS[name] = PIPEINFER_ARGS[base] + extra
+        if numerics(PIPEINFER_ARGS[name]) is not None:
+            EXACT[name] = numerics(PIPEINFER_ARGS[name])
     global TEMPERATURE
     TEMPERATURE = a.temperature
     if any(s.endswith(BASE) for s in a.systems.split(",")) != bool(a.baseline):

@@ -213,3 +213,16 @@ def test_the_link_carries_the_cache_and_cache_prompt():
     assert link.decode(link.encode(done), link.TO_SUPERVISOR) == done
     line = '{"op":"done","id":1,"stats":{}}'  # a Done without it: none
     assert link.decode(line, link.TO_SUPERVISOR).prompt_cache is None
+
+
+def test_metrics_show_the_batching_counters_health_has():
+    from pipeinfer.frontend.metrics import _Now
+
+    class Loaded:
+        def load(self):
+            return {"batching": {"batch_rows": 3, "shared_decodes": 7, "shared_rows": 19, "draft_rides": 2,
+                                 "riders_dropped": 1}}
+    m = {s.name: s.value for f in _Now(Loaded()).collect() for s in f.samples}
+    assert (m["pipeinfer:batch_rows"], m["pipeinfer:shared_decodes_total"], m["pipeinfer:shared_rows_total"],
+            m["pipeinfer:draft_rides_total"], m["pipeinfer:riders_dropped_total"]) == (3, 7, 19, 2, 1)
+    assert not any(f.name.startswith("pipeinfer:shared") for f in _Now(type("Bare", (), {"load": dict})()).collect())

@@ -6,7 +6,8 @@ Where the numbers come from, at no cost per token:
   supervisor) calls as the job finishes (`job_done`, chained to the generator's on_done): tokens, the draft's
   tokens and acceptance, runs and cancelled runs, time to first token, inter-token latency, end to end;
 - each HTTP answer's route and status, counted by access.Gate (requests, errors, refusals);
-- at scrape time, what /health reads (generator.load(): generating, queued, runs in flight, KV partitions; the
+- at scrape time, what /health reads (generator.load(): generating, queued, runs in flight, KV partitions, the
+  batching counters (decodes shared by several requests, their rows, draft micro-batches riding them); the
   prompt cache's entries, tokens, hits and tokens reused and the KV cells in use, `prompt_cache`: a supervised
   server's as rank 0 last reported them; the supervisor's re-forms and lost hosts) and the stages (rank, host,
   layers) where rank 0 knows them;
@@ -139,6 +140,7 @@ class _Now:
         yield _gauge("kv_partitions_used", "KV-cache partitions held by generations", used)
         yield _gauge("kv_partitions", "KV-cache partitions in all", load.get("partitions") or None)
         yield from _prompt_cache(load.get("prompt_cache"))
+        yield from _batching(load.get("batching"))
         if "reforms" in load:  # the supervisor
             reforms = CounterMetricFamily(P + "reforms", "Times the supervised pipeline was re-formed")
             reforms.add_metric([], load["reforms"])
@@ -188,6 +190,27 @@ def _gauge(name: str, doc: str, value):
     if value is not None:
         family.add_metric([], value)
     return family
+
+
+BATCHING_FAMILIES = (  # (name, HeadSession.load()["batching"] key, help)
+    ("shared_decodes", "shared_decodes", "Runs that carried several requests' rows (users batched into one decode)"),
+    ("shared_rows", "shared_rows", "Rows those shared runs carried"),
+    ("draft_rides", "draft_rides", "Draft micro-batches that rode other requests' shared decodes"),
+    ("riders_dropped", "riders_dropped", "Riding draft micro-batches cancelled while their shared decode was in "
+                                         "flight: their rows dropped at the head, the decode not aborted"),
+)
+
+
+def _batching(batching: dict | None):
+    """The scheduler's batching counters (/health's `batching`; none from a supervised server's load)."""
+    if not isinstance(batching, dict):
+        return
+    yield _gauge("batch_rows", "Rows of different requests one decode may carry (--batch-rows)",
+                 batching.get("batch_rows"))
+    for name, key, doc in BATCHING_FAMILIES:
+        family = CounterMetricFamily(P + name, doc)
+        family.add_metric([], batching.get(key, 0))
+        yield family
 
 
 def _prompt_cache(cache: dict | None):
