@@ -19,9 +19,9 @@ Systems (2 cores: every process 1 thread, except the one-process server's 2):
   the stages' exact limit, --batch-rows auto).
 - `pipeinfer-unbatched`: the same with `--batch-rows 1 --parallel 4` (one request's token per decode: the
   scheduler before batching).
-- `pipeinfer-tiled`: the same with `--kernels tiled --parallel 32 --prompt-chunk 16` (every multiply through
-  llama.cpp's tiled kernel, exact to 32 rows; every request admitted at once up to 32 clients; prompt chunks small
-  enough to share decodes with the others' next tokens).
+- `pipeinfer-tiled`: the same with `--kernels tiled --parallel 32` (every multiply through llama.cpp's tiled kernel,
+  exact to 32 rows; every request admitted at once up to 32 clients; the default 63-token prompt chunks, which
+  served 1.14x the tokens/s of 16-token ones at 16 clients: docs/benchmarks.md).
 - `pipeinfer-tiled-solo`: `pipeinfer-tiled` with `--draft-rides never` (the draft's rows never ride the users'
   decodes; not run unless named): what riding buys.
 - `pipeinfer-fast`: the same with `--kernels fast --parallel 32` (batches of up to 16 rows; not exact).
@@ -62,9 +62,8 @@ N_CTX = 8192
 SYSTEMS = ("llama-server", "llama-rpc", "pipeinfer", "pipeinfer-unbatched", "pipeinfer-tiled", "pipeinfer-fast")
 BASE = "@base"  # a pipeinfer system's name + BASE: the same system run from the --baseline checkout
 PIPEINFER_ARGS = {"pipeinfer": [], "pipeinfer-unbatched": ["--batch-rows", "1", "--parallel", "4"],
-                  "pipeinfer-tiled": ["--kernels", "tiled", "--parallel", "32", "--prompt-chunk", "16"],
-                  "pipeinfer-tiled-solo": ["--kernels", "tiled", "--parallel", "32", "--prompt-chunk", "16",
-                                           "--draft-rides", "never"],
+                  "pipeinfer-tiled": ["--kernels", "tiled", "--parallel", "32"],
+                  "pipeinfer-tiled-solo": ["--kernels", "tiled", "--parallel", "32", "--draft-rides", "never"],
                   "pipeinfer-fast": ["--kernels", "fast", "--parallel", "32"]}
 
 
