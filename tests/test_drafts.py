@@ -38,3 +38,12 @@ def test_models_drafts_prints_the_table_and_a_targets_line():
     assert res.exit_code == 0 and "Llama 3.2 1B Instruct" in res.output and res.output.count("\n") == 1 + 6
     res = CliRunner().invoke(main, ["models", "drafts", "gemma3-270m"])
     assert res.exit_code == 0 and res.output.startswith("--draft gemma3-270m (Gemma 3")
+
+
+@pytest.mark.parametrize("size, draft", [("70b-q4_k_m", "Llama-3.2-1B-Instruct-Q4_K_M.gguf"),
+                                         ("70b-q4_0", "gemma3-270m"),   # Llama 2's tokenizer: none of its family
+                                         ("32b-q4_k_m", "qwen2.5-0.5b-instruct-q8_0.gguf"),
+                                         ("235b-a22b-q4_k_m", "Qwen3-0.6B-Q8_0.gguf")])
+def test_a_target_named_by_size_gets_the_draft_of_its_tokenizer(size, draft):
+    from pipeinfer.cli.twin_cmds import _usual_draft
+    assert _usual_draft(None, size) == draft

@@ -337,12 +337,12 @@ def _described(prof: dict, machines: str, model: str | None, model_size: str | N
 def _usual_draft(model: str | None, model_size: str | None) -> str:
     """The draft a printed command names: the pairing of the target's tokenizer (engine/drafts.py), or of the
     family a size names."""
-    from ..engine.drafts import PAIRINGS, pairing_for, tokenizer_of
+    from ..engine.drafts import Tokenizer, pairing_for, tokenizer_of
     from ..engine.models import resolve_model
     if model is not None:
         return pairing_for(tokenizer_of(resolve_model(model))).file
-    arch = NAMED_TARGETS[model_size].arch
-    return next(p.file for p in PAIRINGS if arch in p.archs) if any(arch in p.archs for p in PAIRINGS) else "DRAFT.gguf"
+    t = NAMED_TARGETS[model_size]
+    return pairing_for(Tokenizer(t.arch, t.pre, t.n_vocab)).file
 
 
 def _ttft_s(prof: dict, cand, n_prompt: int) -> float:

@@ -88,6 +88,8 @@ class Target:
     kv_bytes_per_pos_layer: float
     file_bytes: float
     draft_bytes: float = 0.0     # its usual draft's file (engine/drafts.py pairs them); 0: unknown
+    pre: str = ""                # its tokenizer's tokenizer.ggml.pre (engine/drafts.py pairs by it); "": unknown
+
     def stage_bytes(self, n_layers: int, first: bool, last: bool) -> float:
         return n_layers * self.layer_bytes + (self.embd_bytes if first else 0.0) + (self.out_bytes if last else 0.0)
 
@@ -96,26 +98,26 @@ class Target:
         return n_layers * self.active_layer_bytes + (self.out_bytes if last else 0.0)
 
 
-def _named(name, arch, n_layer, n_embd, n_vocab, n_head_kv, head_dim, file_gb, draft_gb, active_params_share=1.0,
+def _named(name, arch, pre, n_layer, n_embd, n_vocab, n_head_kv, head_dim, file_gb, draft_gb, active_params_share=1.0,
            embd_bits=4.5, out_bits=Q6_K_BITS) -> Target:
     embd = n_vocab * n_embd * embd_bits / 8
     out = n_vocab * n_embd * out_bits / 8
     layer = (file_gb * 1e9 - embd - out) / n_layer
     return Target(name, arch, n_layer, n_embd, n_vocab, layer, layer * active_params_share, embd, out,
-                  2 * n_head_kv * head_dim * 2, file_gb * 1e9, draft_gb * 1e9)
+                  2 * n_head_kv * head_dim * 2, file_gb * 1e9, draft_gb * 1e9, pre)
 
 
 #: Targets named by size (their published shapes and Q4 file sizes), for a plan before any download; the draft
-#: is the pairing's (engine/drafts.py): Llama-3.2-1B Q4_K_M 0.81 GB, Qwen2.5-0.5B 0.40 GB, Qwen3-0.6B 0.48 GB,
-#: TinyLlama-1.1B (Llama 2's tokenizer) 0.67 GB.
+#: is the pairing's (engine/drafts.py, by the tokenizer): Llama-3.2-1B Q4_K_M 0.81 GB, Qwen2.5-0.5B 0.40 GB, Qwen3-0.6B
+#: 0.48 GB; Llama 2's tokenizer has none of its family, so Gemma 3 270M translated through text, 0.25 GB.
 NAMED_TARGETS = {
-    "8b-q4_k_m": _named("Llama-3.1-8B Q4_K_M", "llama", 32, 4096, 128256, 8, 128, 4.92, 0.81),
-    "32b-q4_k_m": _named("Qwen2.5-32B Q4_K_M", "qwen2", 64, 5120, 152064, 8, 128, 19.85, 0.40),
-    "70b-q4_k_m": _named("Llama-3-70B Q4_K_M", "llama", 80, 8192, 128256, 8, 128, 42.52, 0.81),
-    "70b-q4_0": _named("Llama-2-70B Q4_0", "llama", 80, 8192, 32000, 8, 128, 38.87, 0.67, out_bits=4.5),
-    "235b-a22b-q4_k_m": _named("Qwen3-235B-A22B Q4_K_M", "qwen3moe", 94, 4096, 151936, 4, 128, 142.6, 0.48,
+    "8b-q4_k_m": _named("Llama-3.1-8B Q4_K_M", "llama", "llama-bpe", 32, 4096, 128256, 8, 128, 4.92, 0.81),
+    "32b-q4_k_m": _named("Qwen2.5-32B Q4_K_M", "qwen2", "qwen2", 64, 5120, 152064, 8, 128, 19.85, 0.40),
+    "70b-q4_k_m": _named("Llama-3-70B Q4_K_M", "llama", "llama-bpe", 80, 8192, 128256, 8, 128, 42.52, 0.81),
+    "70b-q4_0": _named("Llama-2-70B Q4_0", "llama", "default", 80, 8192, 32000, 8, 128, 38.87, 0.25, out_bits=4.5),
+    "235b-a22b-q4_k_m": _named("Qwen3-235B-A22B Q4_K_M", "qwen3moe", "qwen2", 94, 4096, 151936, 4, 128, 142.6, 0.48,
                                active_params_share=22 / 235),
-    "405b-q4_k_m": _named("Llama-3.1-405B Q4_K_M", "llama", 126, 16384, 128256, 8, 128, 243.0, 0.81),
+    "405b-q4_k_m": _named("Llama-3.1-405B Q4_K_M", "llama", "llama-bpe", 126, 16384, 128256, 8, 128, 243.0, 0.81),
 }
 
 
@@ -145,7 +147,7 @@ def target_from_gguf(path) -> Target:
     out = sum(t.nbytes for t in (out_t, norm) if t is not None)
     return Target(os.path.basename(os.fspath(path)), arch, n_layer, n_embd, int(f.get("tokenizer.ggml.tokens", 0)),
                   every / n_layer, active / n_layer, float(embd), float(out), 2.0 * n_head_kv * head_dim * 2,
-                  float(os.path.getsize(path)))
+                  float(os.path.getsize(path)), pre=str(f.get("tokenizer.ggml.pre", "")))
 
 
 # ==================================================================== the host model
