@@ -7,6 +7,7 @@ recurrent memory on the synthetic hybrids (lfm2, granitehybrid); stage ranges; a
 ranks in every mode, bit for bit the iterative pipeline's log-probabilities."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -430,3 +431,34 @@ def test_several_generations_at_once_on_a_hybrid_equal_each_alone(references, mo
     assert out["answers"] == [reference_greedy(path, pr, n) for pr, n in zip(prompts, ns)]
     assert out["max_active"] == parallel
     assert "--cache-prompt off" in p.stderr
+
+
+@pytest.mark.parametrize("name", ["lfm2", "granitehybrid", "qwen3next"])
+def test_plan_counts_a_hybrids_state_as_llama_cpp_keeps_it(hybrid, name):
+    """twin/machines.target_from_gguf: a sequence's recurrent states (every recurrent layer's) and its KV cells (the
+    attention layers' only) are what llama.cpp serializes of that sequence (llama_state_seq_get_size), to a small
+    header; and a plan's fit counts the states once per sequence id of the context (context_seqs)."""
+    import llama_cpp
+
+    from pipeinfer.twin.machines import RankPlan, context_seqs, fit, machines_from_hosts, target_from_gguf
+    from pipeinfer.wire.launcher import parse_hostfile_text
+    t = target_from_gguf(hybrid(name))
+    assert t.state_bytes_per_seq_layer > 0
+    eng = _engine(hybrid(name))
+    try:
+        eng.decode(Batch.chain(np.array([1, 5, 7], np.int32), 0))
+        size = llama_cpp.llama_state_seq_get_size(eng.ctx, 0)
+    finally:
+        eng.close()
+    want = t.n_layer * (t.state_bytes_per_seq_layer + 3 * t.kv_bytes_per_pos_layer)
+    assert 0 <= size - want < 512, (size, want)
+
+    n_seq = context_seqs(t, 2)
+    assert n_seq == plan_partitions(4, 8)[1] > 8        # nested per-token states: 2 + partitions x draft_max
+    hosts = machines_from_hosts(parse_hostfile_text("a # pipeinfer: cores=1 mem=1\nb # pipeinfer: cores=1 mem=1\n"))
+    ranks = [RankPlan(0, hosts[0], 1), RankPlan(1, hosts[1], 1)]
+    ranks[0].layers, ranks[1].layers = (0, 3), (3, 6)
+    ranks[0].first, ranks[1].last = True, True
+    with_states = sum(h.ram_gib for h in fit(ranks, t, 64))
+    without = sum(h.ram_gib for h in fit(ranks, dataclasses.replace(t, state_bytes_per_seq_layer=0.0), 64))
+    assert with_states - without == pytest.approx(t.n_layer * t.state_bytes_per_seq_layer * n_seq / 2**30)

@@ -89,6 +89,14 @@ class Target:
     file_bytes: float
     draft_bytes: float = 0.0     # its usual draft's file (engine/drafts.py pairs them); 0: unknown
     pre: str = ""                # its tokenizer's tokenizer.ggml.pre (engine/drafts.py pairs by it); "": unknown
+    # mean bytes per layer of one sequence's recurrent state (hybrids: recurrent_state_bytes over the recurrent
+    # layers, spread over all), which llama.cpp allocates for every sequence id of the context (n_seq_max)
+    state_bytes_per_seq_layer: float = 0.0
+
+    def layer_ram_bytes(self, n_ctx: int, n_seq: int) -> float:
+        """What one (mean) layer holds in RAM: its weights, its KV cache for n_ctx positions, its recurrent states
+        for n_seq sequence ids."""
+        return self.layer_bytes + self.kv_bytes_per_pos_layer * n_ctx + self.state_bytes_per_seq_layer * n_seq
 
     def stage_bytes(self, n_layers: int, first: bool, last: bool) -> float:
         return n_layers * self.layer_bytes + (self.embd_bytes if first else 0.0) + (self.out_bytes if last else 0.0)
@@ -121,18 +129,39 @@ NAMED_TARGETS = {
 }
 
 
+def recurrent_state_bytes(arch: str, f: dict) -> float:
+    """Bytes of one sequence's state in one recurrent layer, as llama.cpp 0.3.36 allocates it (f32 rows of
+    llama_hparams::n_embd_r, the convolution's, and n_embd_s, the scan's, in llama-memory-recurrent.cpp): LFM2's
+    short convolution holds n_embd x (l_cache - 1); a Mamba-2 or gated delta net layer (granitehybrid,
+    qwen3next, qwen35) (d_conv - 1) x (d_inner + 2 x groups x d_state) and d_state x d_inner."""
+    def key(name: str) -> int:
+        return int(f.get(f"{arch}.{name}", 0) or 0)
+    if key("shortconv.l_cache"):
+        return 4.0 * key("embedding_length") * (key("shortconv.l_cache") - 1)
+    d_conv, d_inner, d_state = key("ssm.conv_kernel"), key("ssm.inner_size"), key("ssm.state_size")
+    conv = max(0, d_conv - 1) * (d_inner + 2 * key("ssm.group_count") * d_state)
+    return 4.0 * (conv + d_state * d_inner)
+
+
 def target_from_gguf(path) -> Target:
-    """A GGUF's sizes from its header alone (ggufheader.py: no tensor data is read)."""
+    """A GGUF's sizes from its header alone (ggufheader.py: no tensor data is read); a hybrid's KV cache for its
+    attention layers only, and its recurrent states (recurrent_state_bytes)."""
     import os
 
+    from ..core.recurrent import ATTN, RECR, layer_kinds
     from ..engine.ggufheader import read_header
-    header = read_header(path)
+    arch = read_header(path).fields["general.architecture"]
+    per_layer = (f"{arch}.attention.head_count_kv", f"{arch}.attention.recurrent_layers")
+    header = read_header(path, keep_arrays=per_layer)
     f, tensors = header.fields, header.tensors
-    arch = f["general.architecture"]
     n_layer = int(f[f"{arch}.block_count"]) - int(f.get(f"{arch}.nextn_predict_layers", 0))
     n_embd = int(f[f"{arch}.embedding_length"])
     n_head = int(f.get(f"{arch}.attention.head_count", 1) or 1)
-    n_head_kv = int(f.get(f"{arch}.attention.head_count_kv", n_head) or n_head)
+    kv = f.get(f"{arch}.attention.head_count_kv", n_head)
+    kv_heads = [int(x) for x in kv[:n_layer]] if isinstance(kv, (list, tuple)) else [int(kv or n_head)] * n_layer
+    kinds = layer_kinds(arch, f, n_layer) or [ATTN] * n_layer
+    n_head_kv = sum(h for h, k in zip(kv_heads, kinds) if k == ATTN) / n_layer   # mean over layers: KV in attention
+    state = recurrent_state_bytes(arch, f) * kinds.count(RECR) / n_layer if RECR in kinds else 0.0
     head_dim = int(f.get(f"{arch}.attention.key_length", n_embd // max(1, n_head)))
     used, experts = f.get(f"{arch}.expert_used_count"), f.get(f"{arch}.expert_count")
     share = int(used) / int(experts) if used and experts else 1.0
@@ -147,7 +176,7 @@ def target_from_gguf(path) -> Target:
     out = sum(t.nbytes for t in (out_t, norm) if t is not None)
     return Target(os.path.basename(os.fspath(path)), arch, n_layer, n_embd, int(f.get("tokenizer.ggml.tokens", 0)),
                   every / n_layer, active / n_layer, float(embd), float(out), 2.0 * n_head_kv * head_dim * 2,
-                  float(os.path.getsize(path)), pre=str(f.get("tokenizer.ggml.pre", "")))
+                  float(os.path.getsize(path)), pre=str(f.get("tokenizer.ggml.pre", "")), state_bytes_per_seq_layer=state)
 
 
 # ==================================================================== the host model
@@ -281,13 +310,24 @@ def ranks_of(machines: list[Machine]) -> list[RankPlan]:
     return out
 
 
-def capacity_layers(r: RankPlan, target: Target, n_ctx: int, sharing: int) -> int:
+def context_seqs(target: Target, n_stages: int) -> int:
+    """Sequence ids each stage's context holds (n_seq_max), where they cost memory: a hybrid's (its recurrent states)
+    in PipeInfer as start-up plans one stream, each drafted token's state in a sequence of its own
+    (core/recurrent.py: 2 + partitions x draft_max); 1 for a model without recurrent layers (its KV cache is
+    sized by positions, whatever the sequences)."""
+    if not target.state_bytes_per_seq_layer:
+        return 1
+    from ..core.config import DEFAULT_DRAFT_MAX
+    from ..core.kvplan import in_flight_limit, plan_partitions
+    return plan_partitions(DEFAULT_DRAFT_MAX, in_flight_limit(None, n_stages))[1]
+
+
+def capacity_layers(r: RankPlan, target: Target, n_ctx: int, sharing: int, n_seq: int = 1) -> int:
     """Layers rank r can hold in its share of its host's RAM (no limit where RAM is not described)."""
     if r.machine.mem_gib is None:
         return target.n_layer
     room = r.machine.mem_gib * GIB / sharing - RUNTIME_GIB * GIB - target.out_bytes - target.embd_bytes
-    per_layer = target.layer_bytes + target.kv_bytes_per_pos_layer * n_ctx
-    return max(0, int(room // per_layer))
+    return max(0, int(room // target.layer_ram_bytes(n_ctx, n_seq)))
 
 
 def split_layers(stages: list[RankPlan], target: Target, cal: Calibration, n_ctx: int) -> list[int]:
@@ -297,7 +337,8 @@ def split_layers(stages: list[RankPlan], target: Target, cal: Calibration, n_ctx
         ws = [r.machine.weight for r in stages]
         return [rr.n_layers for rr in layer_ranges(target.n_layer, [w / sum(ws) for w in ws])]
     sharing = {r.machine.name: sum(1 for s in stages if s.machine.name == r.machine.name) for r in stages}
-    caps = [capacity_layers(r, target, n_ctx, sharing[r.machine.name]) for r in stages]
+    n_seq = context_seqs(target, len(stages))
+    caps = [capacity_layers(r, target, n_ctx, sharing[r.machine.name], n_seq) for r in stages]
     if sum(caps) < target.n_layer:
         return caps  # does not fit: fit() says where
 
@@ -342,8 +383,10 @@ def place(machines: list[Machine], target: Target, cal: Calibration, n_ctx: int 
 
 
 def fit(ranks: list[RankPlan], target: Target, n_ctx: int = N_CTX, draft_bytes: float = 0.0) -> list[HostFit]:
-    """RAM and disk each host needs (its ranks together) against what it has; a line per shortfall."""
+    """RAM and disk each host needs (its ranks together: weights, KV cache, a hybrid's recurrent states for every
+    sequence id, context_seqs) against what it has; a line per shortfall."""
     fits: dict[str, HostFit] = {}
+    n_seq = context_seqs(target, sum(1 for r in ranks if not r.draft))
     for r in ranks:
         m = r.machine
         hf = fits.setdefault(m.name, HostFit(m, 0.0, 0.0))
@@ -352,7 +395,8 @@ def fit(ranks: list[RankPlan], target: Target, n_ctx: int = N_CTX, draft_bytes: 
             continue
         n = r.layers[1] - r.layers[0]
         weights = target.stage_bytes(n, r.first, r.last)
-        hf.ram_gib += (weights + n * target.kv_bytes_per_pos_layer * n_ctx + RUNTIME_GIB * GIB) / GIB
+        memory = n * (target.kv_bytes_per_pos_layer * n_ctx + target.state_bytes_per_seq_layer * n_seq)
+        hf.ram_gib += (weights + memory + RUNTIME_GIB * GIB) / GIB
         hf.disk_gib += (weights + (target.file_bytes if r.first else 0.0)) / GIB
     for hf in fits.values():
         m = hf.machine

@@ -216,11 +216,12 @@ class Described:
 
     def split_ok(self, fractions: list[float]) -> bool:
         """Whether another split of the stage ranks fits each one's RAM (plan's search tries such splits)."""
-        from .machines import capacity_layers
+        from .machines import capacity_layers, context_seqs
         stages = [r for r in self.ranks if not r.draft]
         sharing = {r.machine.name: sum(s.machine.name == r.machine.name for s in stages) for r in stages}
         ranges = layer_ranges(self.target.n_layer, fractions)
-        return all(rr.n_layers <= capacity_layers(r, self.target, self.n_ctx, sharing[r.machine.name])
+        n_seq = context_seqs(self.target, len(stages))
+        return all(rr.n_layers <= capacity_layers(r, self.target, self.n_ctx, sharing[r.machine.name], n_seq)
                    for r, rr in zip(stages, ranges))
 
     @property
