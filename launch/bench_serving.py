@@ -234,8 +234,8 @@ def main() -> None:
         if not name or base not in PIPEINFER_ARGS:
             raise SystemExit(f"--system {spec!r}: NAME=SYSTEM [serve options], SYSTEM one of {', '.join(PIPEINFER_ARGS)}")
         PIPEINFER_ARGS[name] = PIPEINFER_ARGS[base] + extra
-        if numerics(PIPEINFER_ARGS[name]) is not None:
-            EXACT[name] = numerics(PIPEINFER_ARGS[name])
+        if (n := numerics(PIPEINFER_ARGS[name])) is not None:
+            EXACT[name] = n
     global TEMPERATURE
     TEMPERATURE = a.temperature
     if any(s.endswith(BASE) for s in a.systems.split(",")) != bool(a.baseline):

@@ -539,8 +539,8 @@ class Head:
         else:     # PipeInfer: build on sequence 0 plus the speculation chain's cells
             n_kv0 = self.n_kv0
             prefix = {e.pos: e.token for e in self.chain}
-            if self.chain:
-                parent_id = self.chain[-1].owner
+            parent_id = self.spec_parent
+            if parent_id != NO_RUN:
                 parent_seq = self.flights[parent_id].main_seq
         off = len(nodes)
         for i, d in enumerate(tree):

@@ -93,10 +93,10 @@ class Target:
     # layers, spread over all), which llama.cpp allocates for every sequence id of the context (n_seq_max)
     state_bytes_per_seq_layer: float = 0.0
 
-    def layer_ram_bytes(self, n_ctx: int, n_seq: int) -> float:
-        """What one (mean) layer holds in RAM: its weights, its KV cache for n_ctx positions, its recurrent states
-        for n_seq sequence ids."""
-        return self.layer_bytes + self.kv_bytes_per_pos_layer * n_ctx + self.state_bytes_per_seq_layer * n_seq
+    def cache_bytes_per_layer(self, n_ctx: int, n_seq: int) -> float:
+        """What one (mean) layer's context holds beside its weights: its KV cache for n_ctx positions, its recurrent
+        states for n_seq sequence ids."""
+        return self.kv_bytes_per_pos_layer * n_ctx + self.state_bytes_per_seq_layer * n_seq
 
     def stage_bytes(self, n_layers: int, first: bool, last: bool) -> float:
         return n_layers * self.layer_bytes + (self.embd_bytes if first else 0.0) + (self.out_bytes if last else 0.0)
@@ -327,7 +327,7 @@ def capacity_layers(r: RankPlan, target: Target, n_ctx: int, sharing: int, n_seq
     if r.machine.mem_gib is None:
         return target.n_layer
     room = r.machine.mem_gib * GIB / sharing - RUNTIME_GIB * GIB - target.out_bytes - target.embd_bytes
-    return max(0, int(room // target.layer_ram_bytes(n_ctx, n_seq)))
+    return max(0, int(room // (target.layer_bytes + target.cache_bytes_per_layer(n_ctx, n_seq))))
 
 
 def split_layers(stages: list[RankPlan], target: Target, cal: Calibration, n_ctx: int) -> list[int]:
@@ -395,8 +395,7 @@ def fit(ranks: list[RankPlan], target: Target, n_ctx: int = N_CTX, draft_bytes: 
             continue
         n = r.layers[1] - r.layers[0]
         weights = target.stage_bytes(n, r.first, r.last)
-        memory = n * (target.kv_bytes_per_pos_layer * n_ctx + target.state_bytes_per_seq_layer * n_seq)
-        hf.ram_gib += (weights + memory + RUNTIME_GIB * GIB) / GIB
+        hf.ram_gib += (weights + n * target.cache_bytes_per_layer(n_ctx, n_seq) + RUNTIME_GIB * GIB) / GIB
         hf.disk_gib += (weights + (target.file_bytes if r.first else 0.0)) / GIB
     for hf in fits.values():
         m = hf.machine
