@@ -1,8 +1,16 @@
-"""What the tests and the benchmark scripts both use to run a job on this machine: a job's processes found by a
-tag in their environment (set on the command that starts it, inherited by its MPI ranks and a supervisor's jobs),
-so that a test or a benchmark ends its own processes and never another job's; a free loopback port; a headless
-Chromium; whether the emulated cluster (launch/netns-cluster.sh) can run here. tests/conftest.py puts launch/ on
-the path; nothing here imports the tests."""
+"""What the tests and the scripts of launch/ share, in one place: where the repository is (ROOT) and how a script in
+a group of launch/ (bench/, cluster/, twin/, docgen/) puts it and other groups on its path (on_path); the MPI
+launcher beside this interpreter and the `pipeinfer` command under it (MPIEXEC, pipeinfer_cmd); a job's processes
+found by a tag in their environment (set on the command that starts it, inherited by its MPI ranks and a
+supervisor's jobs), so that a test or a benchmark ends its own processes and never another job's; a free loopback
+port; a headless Chromium; whether the emulated cluster (launch/cluster/netns-cluster.sh) can run here. Beside it,
+launch/quiet.py (timing on a shared machine) and launch/charts.py (the benchmarks' bar chart). A script of a group
+starts with
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
+    from harness import ROOT, on_path
+
+tests/helpers.py puts launch/ on the path; nothing here imports the tests."""
 from __future__ import annotations
 
 import os
@@ -10,8 +18,30 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import uuid
 from pathlib import Path
+
+LAUNCH = Path(__file__).resolve().parent  # launch/: this module, quiet.py, charts.py and the groups' folders
+ROOT = LAUNCH.parent                        # the repository
+CLUSTER = LAUNCH / "cluster"                # the emulated cluster: netns-cluster.sh, netns-exec, slurm-netns.sh
+MPIEXEC = str(Path(sys.executable).parent / "mpiexec")  # the mpich wheel's launcher, beside this interpreter
+
+
+def on_path(*groups: str, pythonpath: bool = False) -> None:
+    """Put the repository (pipeinfer imported from this checkout) and these groups of launch/ (e.g. "bench" for a
+    script that imports bench/serve_load.py from another group) first on sys.path; pythonpath: the repository first
+    on PYTHONPATH too, for the processes the script starts."""
+    sys.path[:0] = [str(ROOT), *(str(LAUNCH / g) for g in groups)]
+    if pythonpath:
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            dict.fromkeys(p for p in [str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)] if p))
+
+
+def pipeinfer_cmd(n_ranks: int | None = None, module: str = "pipeinfer") -> list[str]:
+    """`python -m mpi4py -m pipeinfer` (or another module), under `mpiexec -n N` when n_ranks is given."""
+    cmd = [sys.executable, "-m", "mpi4py", "-m", module]
+    return [MPIEXEC, "-n", str(n_ranks), *cmd] if n_ranks is not None else cmd
 
 
 JOB_TAG = "PIPEINFER_JOB_TAG"  # set on the command a test starts; its MPI ranks (and a supervisor's jobs) inherit it
@@ -78,7 +108,7 @@ def free_port() -> int:
 
 def headless_chromium(*extra_args: str):
     """A headless Chromium under selenium (Debian's chromium and chromium-driver): the page tests, the load test's
-    watching browser (launch/serve_load.py) and the README's screenshot (launch/page_shot.py)."""
+    watching browser (launch/bench/serve_load.py) and the README's screenshot (launch/docgen/page_shot.py)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     opts = webdriver.ChromeOptions()
@@ -89,7 +119,7 @@ def headless_chromium(*extra_args: str):
 
 
 def netns_unavailable() -> str | None:
-    """Why the emulated cluster (launch/netns-cluster.sh) cannot run here, or None."""
+    """Why the emulated cluster (launch/cluster/netns-cluster.sh) cannot run here, or None."""
     if os.geteuid() != 0:
         return "needs root to create network namespaces"
     if not shutil.which("ip") or not shutil.which("tc"):

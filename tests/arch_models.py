@@ -1,5 +1,5 @@
 """A program, not a test module: write synth_arch.py's models at a size, with each one's greedy reference, for
-launch/bench_recurrent.py (the benchmarks run the tests' writers as programs and never import them).
+launch/bench/bench_recurrent.py (the benchmarks run the tests' writers as programs and never import them).
 
     python tests/arch_models.py --size small --names llama,lfm2,granitehybrid --prompt 1,5,9 -n 136 --out DIR
 

@@ -5,8 +5,8 @@ seconds from the fault (or from the start, for bad input) to the end of mpiexec,
 line, whether the text generated before the fault was on stdout, what --results got and when the last rank
 process of the job was gone. Faults are injected from outside, as a user would: `kill -STOP` / `kill -9` of one
 rank's process, found through the job's tag in its environment (helpers.rank_pids), or `ip link set pi-hI down`,
-which cuts host hI of the emulated cluster (launch/netns-cluster.sh, root only) off the network.
-tests/test_failures.py checks each row's expectation; launch/failures.py measures the table by running this file as
+which cuts host hI of the emulated cluster (launch/cluster/netns-cluster.sh, root only) off the network.
+tests/test_failures.py checks each row's expectation; launch/bench/failures.py measures the table by running this file as
 a program (`python tests/faults.py --list`, `--models DIR`, `--measure NAME --mpi M --models DIR --work DIR`: JSON
 on stdout), so that launch/ never imports the tests.
 """
@@ -365,7 +365,7 @@ def check_resumed(case: Case, r: dict) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """The cases for launch/failures.py, as JSON on stdout: --list (name, test, netns of each, and the MPIs),
+    """The cases for launch/bench/failures.py, as JSON on stdout: --list (name, test, netns of each, and the MPIs),
     --models DIR (the synthetic models made there), --measure NAME --mpi M --models DIR --work DIR (one row)."""
     import argparse
     import json

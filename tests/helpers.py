@@ -263,9 +263,9 @@ def stream_through_a_cut(srv: Server, refs: list[str]) -> None:
 # ---------------------------------------------------------------- Open MPI and the emulated cluster
 # what makes a job run on Open MPI: mpi4py's MPI ABI switch, and mpirun's consent to run as root (CI is root)
 OPENMPI_ENV = {"MPI4PY_MPIABI": "openmpi", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-NETNS = ROOT / "launch" / "netns-cluster.sh"
+NETNS = ROOT / "launch" / "cluster" / "netns-cluster.sh"
 # how the supervisor's launcher reaches the emulated hosts
-NETNS_MPI_ARGS = (f"-iface brpi -launcher ssh -launcher-exec {ROOT}/launch/netns-exec "
+NETNS_MPI_ARGS = (f"-iface brpi -launcher ssh -launcher-exec {ROOT}/launch/cluster/netns-exec "
                   "-genv UCX_TLS tcp -genv FI_PROVIDER tcp")
 
 

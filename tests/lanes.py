@@ -7,8 +7,8 @@ from toy import FakePipeline, KvError, ToyDrafter, ToyStage, logits_greedy
 
 from pipeinfer.core.kvplan import PartitionPool, lane_canonical, lane_count, lane_seq_max, plan_partitions
 from pipeinfer.core.protocol import KvOp
-from pipeinfer.ranks.head import GenConfig
-from pipeinfer.ranks.scheduler import Scheduler
+from pipeinfer.decide.genconfig import GenConfig
+from pipeinfer.decide.scheduler import Scheduler
 
 
 class LaneStage(ToyStage):

@@ -1,4 +1,4 @@
-"""Several generations of token prompts at once through one pipeline (ranks/scheduler.py) under mpiexec; rank 0 prints
+"""Several generations of token prompts at once through one pipeline (decide/scheduler.py) under mpiexec; rank 0 prints
 a JSON result line. The prompts are token ids, not text: tests/synth_arch.py's models cannot tokenize text.
 
 Usage: mpiexec -n N python -m mpi4py tests/mpi_parallel.py '{"model": ..., "prompts": [[...], ...], "n": [...],

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pipeinfer.core.config import Config
 from pipeinfer.core.decoding import Decoding
 from pipeinfer.core.verify import SamplingParams
-from pipeinfer.ranks.scheduler import generate
+from pipeinfer.decide.scheduler import generate
 from pipeinfer.ranks.startup import open_session
 
 arg = sys.argv[1]

@@ -168,29 +168,29 @@ def test_extraction_of_shell_lines():
 
 
 def test_the_command_reference_is_the_codes():
-    """docs/cli.md is what launch/cli_reference.py writes from the click definitions today."""
-    p = subprocess.run([sys.executable, str(ROOT / "launch" / "cli_reference.py"), "--check"], capture_output=True,
+    """docs/cli.md is what launch/docgen/cli_reference.py writes from the click definitions today."""
+    p = subprocess.run([sys.executable, str(ROOT / "launch" / "docgen" / "cli_reference.py"), "--check"], capture_output=True,
                        text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert p.returncode == 0, p.stderr
 
 
 def test_the_architectures_table_is_the_split_rules():
-    """docs/architectures.md's table of every architecture is what launch/architectures_table.py writes from
+    """docs/architectures.md's table of every architecture is what launch/docgen/architectures_table.py writes from
     stagefile.SPLIT_RULES and NOT_SPLITTABLE today (re-run it after changing a rule), and names every architecture
-    of the vendored llama.cpp when its source is here (launch/bench_peers.py fetches it)."""
+    of the vendored llama.cpp when its source is here (launch/bench/bench_peers.py fetches it)."""
     from importlib import metadata
-    p = subprocess.run([sys.executable, str(ROOT / "launch" / "architectures_table.py"), "--check"],
+    p = subprocess.run([sys.executable, str(ROOT / "launch" / "docgen" / "architectures_table.py"), "--check"],
                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert p.returncode == 0, p.stderr
     home = Path(os.environ.get("PIPEINFER_CACHE", Path.home() / ".cache" / "pipeinfer")) / "peers"
     src = home / f"llama_cpp_python-{metadata.version('llama_cpp_python')}" / "vendor" / "llama.cpp"
     if not (src / "src" / "llama-arch.cpp").exists():
         pytest.skip(f"no vendored llama.cpp source at {src}")
-    sys.path.insert(0, str(ROOT / "launch"))
+    sys.path.insert(0, str(ROOT / "launch" / "docgen"))
     try:
         import architectures_table
     finally:
-        sys.path.remove(str(ROOT / "launch"))
+        sys.path.remove(str(ROOT / "launch" / "docgen"))
     assert set(architectures_table.vendored_names(src / "src")) == set(architectures_table.LARGEST)
 
 

@@ -90,7 +90,7 @@ def test_doctor_on_the_emulated_cluster(tmp_path, models):
     why = netns_unavailable()
     if why:
         pytest.skip(why)
-    script = str(ROOT / "launch" / "netns-cluster.sh")
+    script = str(ROOT / "launch" / "cluster" / "netns-cluster.sh")
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
                PIPEINFER_MPI_ARGS=NETNS_MPI_ARGS, NETNS_DISKS=str(tmp_path / "disks"), NETNS_HIDE="")
     up = subprocess.run(["bash", script, "up", "4"], capture_output=True, text=True, env=env, timeout=180)

@@ -9,14 +9,14 @@ import pytest
 
 from pipeinfer.drafters import draftahead
 from pipeinfer.drafters.draftahead import DraftClient, DraftService, ThreadDrafter, common_prefix, queue_pair
-from pipeinfer.drafters.drafter import Cutoffs, DraftNode
+from pipeinfer.drafters.drafter import Cutoffs, DraftNode, InSeries
 from pipeinfer.core.protocol import Ctrl, DraftCtrl, Proposal, ProtocolError
 from toy import FakePipeline, ToyDrafter, assert_clean_end, run_head
 
 N_CTX, N_VOCAB = 4096, 1000
 
 
-class CountingDrafter:
+class CountingDrafter(InSeries):
     """Proposes (last token + 1) % 100 with confidence conf(pos); records every context it was asked about."""
 
     def __init__(self, conf=lambda pos: 0.9):
@@ -297,7 +297,7 @@ def test_speculative_with_the_draft_beside_equals_target(monkeypatch):
 
 @pytest.mark.parametrize("quiet_first", [True, False])
 def test_quiet_first_token_launches_nothing_speculative_before_it(monkeypatch, quiet_first):
-    from pipeinfer.ranks.head import Head
+    from pipeinfer.decide.head import Head
     events: list[tuple[str, int]] = []
     launch, emit = FakePipeline.launch, Head._emit
     monkeypatch.setattr(FakePipeline, "launch", lambda self, rid, batch, spec, parent=-1, rules=None:

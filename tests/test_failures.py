@@ -1,4 +1,4 @@
-"""Failure behaviour (issue 13): every row of docs/failures.md's table (tests/faults.py; launch/failures.py measures it).
+"""Failure behaviour (issue 13): every row of docs/failures.md's table (tests/faults.py; launch/bench/failures.py measures it).
 
 Faults: a rank stopped (`kill -STOP`) or killed (`kill -9`) while a 3-rank PipeInfer generation streams:
 one line naming the rank and its host, the job ends within --stall-timeout + 10 s, the text so far is on

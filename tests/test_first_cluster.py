@@ -1,10 +1,10 @@
 """A user's first cluster, followed as docs/first-cluster.md (and the README's cluster commands) write it, on the
-emulated 3-host cluster (launch/netns-cluster.sh: hosts h0, h1, h2 in network namespaces) with a target that is not
+emulated 3-host cluster (launch/cluster/netns-cluster.sh: hosts h0, h1, h2 in network namespaces) with a target that is not
 the demo model: a synthetic Llama GGUF and a smaller draft of its tokenizer (tests/synth.py).
 
 The user types every command on the first host, h0 (`ip netns exec h0 ...`), in a folder that only h0 has, holding
 the target, its draft, the hostfile (two stage hosts of unequal weight, a third with role=draft) and the key file;
-ssh from h0 to the others is launch/netns-exec, first on PATH as `ssh`, which MPICH's Hydra runs as it would the
+ssh from h0 to the others is launch/cluster/netns-exec, first on PATH as `ssh`, which MPICH's Hydra runs as it would the
 real one. The steps, in the page's order: `models drafts`, `plan --machines`, `doctor`, `launch --dry-run --
 generate`, the command that dry run prints, `launch -- generate`, `launch --dry-run -- serve`, `launch -- serve
 --api-key-file`, a colleague's OpenAI client at http://h0:8080/v1 with a key, and Ctrl-C; once as they are, once
@@ -124,7 +124,7 @@ def test_first_cluster_as_the_docs_write_it(tmp_path, firewall):
     (folder / "keys.txt").write_text(key + "\n")
     (tmp_path / "bin").mkdir()
     ssh = tmp_path / "bin" / "ssh"
-    ssh.write_text(f'#!/bin/sh\nexec {ROOT / "launch" / "netns-exec"} "$@"\n')
+    ssh.write_text(f'#!/bin/sh\nexec {ROOT / "launch" / "cluster" / "netns-exec"} "$@"\n')
     ssh.chmod(0o755)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PIPEINFER_", "NETNS_", "HYDRA_"))}
     tag = new_tag()
@@ -134,7 +134,7 @@ def test_first_cluster_as_the_docs_write_it(tmp_path, firewall):
         FI_PROVIDER="tcp", NETNS_DISKS=str(tmp_path / "disks"), NETNS_HIDE=str(folder.parent),
         **(PINNED_ENV if firewall else {})))
     mpi_args = PINNED_ARGS if firewall else []
-    script = str(ROOT / "launch" / "netns-cluster.sh")
+    script = str(ROOT / "launch" / "cluster" / "netns-cluster.sh")
     up = subprocess.run(["bash", script, "up", "3"], capture_output=True, text=True, env=env, timeout=120)
     try:
         assert up.returncode == 0, up.stderr[-2000:]

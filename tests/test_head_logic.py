@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from pipeinfer.drafters.drafter import NgramDrafter
-from pipeinfer.ranks.head import GenConfig, Head, auto_p_recovery
-from pipeinfer.ranks.scheduler import Request, Scheduler
+from pipeinfer.decide.head import Head
+from pipeinfer.decide.genconfig import GenConfig, auto_p_recovery
+from pipeinfer.decide.scheduler import Request, Scheduler
 from pipeinfer.core.kvplan import PartitionPool
 from pipeinfer.core.protocol import Batch, cp, kv_ops, rm
 from pipeinfer.core.verify import SamplingParams
@@ -27,7 +28,7 @@ def test_iterative_equals_target():
     assert r.out == r.expected and r.streamed == r.out
     assert (r.stats.n_generated, r.stats.n_runs, r.stats.n_spec_runs) == (25, 25, 0)
     assert r.pipe.max_in_flight == 1 and r.pipe.cancel_calls == []
-    assert r.head.n_kv0 == len(PROMPT) + 24          # the last token is emitted but never decoded
+    assert r.head.seq0_end == len(PROMPT) + 24          # the last token is emitted but never decoded
     assert_clean_end(r)
 
 
@@ -321,7 +322,7 @@ def test_fake_pipeline_rejects_freeing_a_cell():
 
 # ---- micro-batch size from measured costs (choose_draft_len) and the acceptance it runs on (draft_checks)
 def test_draft_len_is_one_where_batching_costs_as_much_as_separate_decodes():
-    from pipeinfer.ranks.head import choose_draft_len
+    from pipeinfer.decide.shape import choose_draft_len
     costly = [[38.0, 73.0, 104.0], [52.0, 100.0, 129.0]]   # this project's AVX2 host, 2 ranks x 1 thread
     assert choose_draft_len(0.7, costly, (0.0, 20.0), 3) == 1
     assert choose_draft_len(0.9, costly, (0.0, 20.0), 3) == 1
@@ -343,7 +344,7 @@ def test_draft_len_is_one_where_batching_costs_as_much_as_separate_decodes():
 
 
 def test_draft_cost_fit_separates_per_call_and_per_token_costs():
-    from pipeinfer.ranks.head import draft_cost_fit
+    from pipeinfer.decide.shape import draft_cost_fit
     assert draft_cost_fit([]) == (0.0, 0.0)
     assert draft_cost_fit([(1, 60.0), (1, 60.0)]) == (30.0, 30.0)  # one size seen: half each
     c0, c1 = draft_cost_fit([(1, 50.0), (3, 90.0), (2, 70.0)])
@@ -374,7 +375,7 @@ def test_twin_sizes_micro_batches_by_its_costs():
     assert not fixed.stats.draft_len_hist and fixed.stats.n_drafted > res.stats.n_drafted
 
 
-# ---- the draft's runner-ups as siblings of its chain (ranks/shape.py)
+# ---- the draft's runner-ups as siblings of its chain (decide/shape.py)
 @pytest.mark.parametrize("error_rate, seed, poll_every", [(0.2, 1, 3), (0.5, 2, 2), (0.9, 3, 4)])
 def test_runner_up_siblings_keep_the_output_the_targets(error_rate, seed, poll_every):
     """A chain drafter with runner-ups, --max-branches 3: siblings join the micro-batches (no stage costs:

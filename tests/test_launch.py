@@ -226,7 +226,7 @@ def test_supervised_placement_takes_the_hostfiles_settings(tmp_path):
     from dataclasses import replace
 
     from pipeinfer.core.config import Config
-    from pipeinfer.supervisor.supervisor import DraftHost, placement
+    from pipeinfer.supervisor.placement import DraftHost, placement
     model = tmp_path / "m.gguf"
     model.write_bytes(b"x" * 1000)
     hf = tmp_path / "hosts"
@@ -311,11 +311,11 @@ def test_launch_cmd_bad_hostfile(tmp_path):
 
 
 def test_netns_exec_drops_ssh_options(tmp_path):
-    """launch/netns-exec with a fake `ip`: options dropped, command run via bash -c."""
+    """launch/cluster/netns-exec with a fake `ip`: options dropped, command run via bash -c."""
     import os
     import subprocess
     from pathlib import Path
-    script = Path(__file__).resolve().parent.parent / "launch" / "netns-exec"
+    script = Path(__file__).resolve().parent.parent / "launch" / "cluster" / "netns-exec"
     fake_ip = tmp_path / "ip"
     fake_ip.write_text('#!/bin/sh\nif [ "$1 $2" = "netns list" ]; then echo "h0 (id: 0)"; echo h1;'
                        ' exit 0; fi\nfor a in "$@"; do echo "[$a]"; done\n')

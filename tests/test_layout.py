@@ -16,9 +16,9 @@ PKG = Path(__file__).resolve().parents[1] / "pipeinfer"
 # floor of each role package: a module may import its own package and any package on a lower floor; packages that
 # share a floor do not import each other. The processes a newcomer sees in `ps` have rooms of their own: the HTTP
 # server (frontend), the supervisor, and rank 0's feeders beside the ranks' loops; serving is the seam they share
-FLOORS = {"core": 0, "engine": 1, "wire": 1, "drafters": 2, "serving": 2, "ranks": 3, "feeders": 4, "twin": 4,
-          "supervisor": 5, "frontend": 5, "cli": 6}
-ROOT_MODULES = {"pipeinfer": -1, "pipeinfer.__main__": 7}   # the version (anyone), `python -m pipeinfer` (no one)
+FLOORS = {"core": 0, "engine": 1, "wire": 1, "drafters": 2, "serving": 2, "decide": 3, "ranks": 4, "feeders": 5,
+          "twin": 5, "supervisor": 6, "frontend": 6, "cli": 7}
+ROOT_MODULES = {"pipeinfer": -1, "pipeinfer.__main__": 8}   # the version (anyone), `python -m pipeinfer` (no one)
 MAX_FUNCTION_LINES = 80
 MAX_CLASS_LINES = 300
 
@@ -150,16 +150,28 @@ sys.meta_path.insert(0, Refuse())
 
 def test_the_twin_runs_with_mpi_and_llama_cpp_unimportable():
     code = BLOCK + (
-        "import pipeinfer.twin, pipeinfer.twin.cluster, pipeinfer.twin.sim, pipeinfer.twin.plan, pipeinfer.ranks.head\n"
+        "import pipeinfer.twin, pipeinfer.twin.cluster, pipeinfer.twin.sim, pipeinfer.twin.plan, pipeinfer.decide.head\n"
         "from pipeinfer.twin.cluster import Cluster, Link, StageCost\n"
         "from pipeinfer.twin.sim import simulate\n"
-        "from pipeinfer.ranks.head import GenConfig\n"
+        "from pipeinfer.decide.genconfig import GenConfig\n"
         "c = Cluster([StageCost([10.0], 1.0)] * 3, [Link()] * 3, 64, 2.0)\n"
         "res = simulate(c, GenConfig(mode='pipeinfer', n_predict=16, p_recovery=None))\n"
         "assert res.stats.n_generated == 16\n"
         "try:\n    import mpi4py\nexcept ImportError:\n    print('clean')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "clean" in out.stdout, out.stderr
+
+
+def test_the_decisions_import_no_mpi_nor_llama_cpp():
+    """decide/ is what the ranks and the twin share: every module of it imports with mpi4py and llama_cpp
+    unimportable, and none names either."""
+    room = sorted(m for m in modules() if m.startswith("pipeinfer.decide"))
+    assert len(room) >= 5, room
+    named = [f"{m} imports {t}" for m in room for t in sorted(top_imports(modules()[m]) & {"mpi4py", "llama_cpp"})]
+    assert not named, named
+    code = BLOCK + "".join(f"import {m}\n" for m in room) + "print('clean')\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "clean" in out.stdout, out.stderr[-2000:]
 
 
 def test_the_http_server_imports_no_mpi_and_only_the_command_line_imports_it():
@@ -201,9 +213,9 @@ def test_no_test_module_imports_another():
 def test_launch_never_imports_the_tests():
     """Benchmarks share what they need with the tests through launch/harness.py, and run tests/faults.py as a
     program: no script of launch/ imports a module of tests/ or puts tests/ on its path."""
-    test_side = {p.stem for p in TESTS.glob("*.py")} - {p.stem for p in LAUNCH.glob("*.py")}
-    bad = [f"{p.name} imports {m}" for p in sorted(LAUNCH.glob("*.py")) for m in sorted(top_imports(p) & test_side)]
-    bad += [f"{p.name} puts tests/ on its path" for p in sorted(LAUNCH.glob("*.py"))
+    test_side = {p.stem for p in TESTS.glob("*.py")} - {p.stem for p in LAUNCH.rglob("*.py")}
+    bad = [f"{p.name} imports {m}" for p in sorted(LAUNCH.rglob("*.py")) for m in sorted(top_imports(p) & test_side)]
+    bad += [f"{p.name} puts tests/ on its path" for p in sorted(LAUNCH.rglob("*.py"))
             if re.search(r"sys\.path.*[\"']tests[\"']", p.read_text())]
     assert not bad, "\n".join(bad)
 
@@ -217,7 +229,7 @@ def docstrings(path: Path):
 
 
 def test_every_module_path_named_in_a_docstring_exists():
-    """A docstring that names a file (`ranks/scheduler.py`, `server/app.py`) names one that is there: a path
+    """A docstring that names a file (`decide/scheduler.py`, `server/app.py`) names one that is there: a path
     relative to the package, the repository or any package folder."""
     files = {p.relative_to(REPO).as_posix() for p in REPO.rglob("*.py") if ".git" not in p.parts}
     files |= {f.split("/", 1)[1] for f in list(files) if f.startswith("pipeinfer/")}

@@ -133,7 +133,7 @@ def test_first_start_is_the_other_stages_over_the_head_link():
 
 
 def test_the_described_profile_runs_in_the_twin():
-    from pipeinfer.ranks.head import GenConfig
+    from pipeinfer.decide.genconfig import GenConfig
     from pipeinfer.twin.cluster import cluster_from_profile
     from pipeinfer.twin.sim import simulate
     ms = machines_from_hosts(parse_hostfile_text(FOUR))

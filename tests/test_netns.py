@@ -1,6 +1,6 @@
-"""The emulated Ethernet cluster (launch/netns-cluster.sh): real ranks in network namespaces joined by
+"""The emulated Ethernet cluster (launch/cluster/netns-cluster.sh): real ranks in network namespaces joined by
 rate-limited veth links, with MPI traffic forced onto the links and measured; and a host cut off from the
-network in the middle of a generation (a row of docs/failures.md, launch/failures.py)."""
+network in the middle of a generation (a row of docs/failures.md, launch/bench/failures.py)."""
 import json
 import os
 import re
@@ -22,7 +22,7 @@ def _netns_run(args: list[str], timeout: float = 300, **env_extra) -> subprocess
         pytest.skip(why)
     env = dict(os.environ, MPIEXEC=str(os.path.join(os.path.dirname(sys.executable), "mpiexec")),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], **env_extra)
-    return subprocess.run(["bash", str(ROOT / "launch" / "netns-cluster.sh"), "run"] + args,
+    return subprocess.run(["bash", str(ROOT / "launch" / "cluster" / "netns-cluster.sh"), "run"] + args,
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -117,8 +117,9 @@ def test_supervised_server_survives_a_cut_link(models, tmp_path):
     why = netns_unavailable()
     if why:
         pytest.skip(why)
-    from pipeinfer.supervisor.supervisor import PROBE_TIMEOUT_S, REJOIN_CHECK_S
-    script = str(ROOT / "launch" / "netns-cluster.sh")
+    from pipeinfer.supervisor.launch import PROBE_TIMEOUT_S
+    from pipeinfer.supervisor.supervisor import REJOIN_CHECK_S
+    script = str(ROOT / "launch" / "cluster" / "netns-cluster.sh")
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     up = subprocess.run(["bash", script, "up", "3"], capture_output=True, text=True, env=env, timeout=120)
     try:

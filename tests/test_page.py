@@ -178,8 +178,8 @@ def _supervisor(tmp_path, phase="serving"):
     from pipeinfer.supervisor.supervisor import Supervisor
     sup = Supervisor(["localhost", "localhost"], Config("t.gguf", mode="iterative"), tok=None,
                      log=lambda _msg: None)
-    sup.phase = phase
-    sup.ready = link.Ready(2, 2, [("box", 11), ("box", 12)], [2**31, 2**31], [(0, 2), (2, 4)], [1, 1])
+    sup.health.phase = phase
+    sup.health.ready = link.Ready(2, 2, [("box", 11), ("box", 12)], [2**31, 2**31], [(0, 2), (2, 4)], [1, 1])
     return sup
 
 
@@ -192,11 +192,11 @@ def test_the_cluster_of_a_supervisor_and_its_lost_rank(tmp_path):
     assert c["supervised"] and [r["layers"] for r in c["hosts"][0]["ranks"]] == [[0, 2], [2, 4]]
     assert s["status"] == "ok" and c["draft"] is None  # iterative: no draft
     # rank 1 is lost: its slot greyed under its host with the reason, the event logged, the status degraded
-    sup._drop(1, "box")
-    sup.n_reforms, sup.phase = 1, "re-forming"
+    sup.lifecycle.slots.drop(1, "box")
+    sup.lifecycle.n_reforms, sup.health.phase = 1, "re-forming"
     sup.log("[serve] re-forming the pipeline without rank 1 (host box) on 1 slot(s): rank 1 (host box) is gone")
     sup.log("[serve] something else")
-    sup.ready = link.Ready(1, 1, [("box", 13)], [2**31], [(0, 4)], [2])
+    sup.health.ready = link.Ready(1, 1, [("box", 13)], [2**31], [(0, 4)], [2])
     s = state.snapshot()
     assert s["status"] == "degraded" and s["reforms"] == 1 and s["lost"] == ["rank 1 (host box)"]
     assert [e["line"] for e in s["events"]] == ["re-forming the pipeline without rank 1 (host box) on 1 slot(s): "
@@ -211,16 +211,16 @@ def test_a_supervisors_stage_counters_never_go_back_across_a_re_form(tmp_path):
     of the job before is ignored; a stage the new job lacks keeps its last total."""
     sup = _supervisor(tmp_path)
     first, second = object(), object()
-    sup.stage_totals.new_job(first)
-    sup.stage_totals.take(first, [_stage(0, "box", 1.0, 2.0, n=10), _stage(1, "box", 4.0, 1.0, n=10)])
+    sup.health.stage_totals.new_job(first)
+    sup.health.stage_totals.take(first, [_stage(0, "box", 1.0, 2.0, n=10), _stage(1, "box", 4.0, 1.0, n=10)])
     assert [(s["rank"], s["n_decoded"], s["t_busy_s"]) for s in sup.load()["stages"]] == [(0, 10, 1.0), (1, 10, 4.0)]
-    sup.stage_totals.new_job(second)  # rank 1 (host box) lost: the job re-forms on rank 0 alone
-    sup.stage_totals.take(first, [_stage(0, "box", 9.0, 9.0, n=99)])  # the old job's reader, late: ignored
-    sup.stage_totals.take(second, [_stage(0, "box", 0.5, 0.5, n=2)])
+    sup.health.stage_totals.new_job(second)  # rank 1 (host box) lost: the job re-forms on rank 0 alone
+    sup.health.stage_totals.take(first, [_stage(0, "box", 9.0, 9.0, n=99)])  # the old job's reader, late: ignored
+    sup.health.stage_totals.take(second, [_stage(0, "box", 0.5, 0.5, n=2)])
     totals = {s["rank"]: s for s in sup.load()["stages"]}
     assert (totals[0]["n_decoded"], totals[0]["t_busy_s"]) == (12, 1.5) and totals[1]["n_decoded"] == 10
     assert "n_reports" not in totals[0]
-    sup.ready = link.Ready(1, 1, [("box", 13)], [2**31], [(0, 4)], [2])
+    sup.health.ready = link.Ready(1, 1, [("box", 13)], [2**31], [(0, 4)], [2])
     s = ClusterState(ServeConfig("m", 512, 4, 64), sup).snapshot()
     assert s["busy"] == [{"rank": 0, "host": "box", "busy_share": 0.375}]  # the current job's one stage: 1.5 busy, 2.5 idle
 

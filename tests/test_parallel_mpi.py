@@ -1,12 +1,12 @@
 """Several generations at once on real stages (llama.cpp, mpiexec): `generate --prompts FILE` runs every
-prompt of a file through one pipeline, interleaved (ranks/scheduler.py); each answer must equal the answer
+prompt of a file through one pipeline, interleaved (decide/scheduler.py); each answer must equal the answer
 `pipeinfer generate` gives that prompt alone, whatever shared the stages' KV caches and batches with it."""
 import json
 
 import pytest
 
 from helpers import cli
-from pipeinfer.ranks.scheduler import default_parallel
+from pipeinfer.decide.batching import default_parallel
 
 pytestmark = pytest.mark.mpi
 

@@ -33,8 +33,8 @@ from pipeinfer.core.recurrent import (
     stage_ok,
     state_seq,
 )
-from pipeinfer.ranks.head import GenConfig
-from pipeinfer.ranks.scheduler import Request, Scheduler, generate
+from pipeinfer.decide.genconfig import GenConfig
+from pipeinfer.decide.scheduler import Request, Scheduler, generate
 
 HYBRIDS = ["lfm2", "granitehybrid", "qwen3next", "qwen35", "qwen35moe"]
 
@@ -69,7 +69,7 @@ def test_what_a_recurrent_target_refuses():
 def test_the_tables_are_llama_cpps():
     """RECURRENT_ARCHS and HYBRID_ARCHS are llama-arch.cpp's llm_arch_is_recurrent and llm_arch_is_hybrid (start-up
     checks each loaded model against them: a stage of a missing hybrid would be planned as attention only), read from
-    the vendored source when it is here (launch/bench_peers.py fetches it)."""
+    the vendored source when it is here (launch/bench/bench_peers.py fetches it)."""
     import os
     import re
     from importlib import metadata

@@ -7,8 +7,8 @@ from pipeinfer.core.decoding import Constraint, Decoding, TokenLogprob
 from pipeinfer.core.protocol import (Limits, ProtocolError, RowRules, mask_words, pack_logprobs, unpack_logprobs)
 from pipeinfer.core.verify import (Node, SamplingParams, TreeRun, joined_sampling, one_sampling, row_logprobs, row_tokens,
                                    run_logprobs, shaped_logits)
-from pipeinfer.ranks.head import token_logprobs
-from pipeinfer.ranks.rules import RunRules, row_biases, row_contexts
+from pipeinfer.decide.head import token_logprobs
+from pipeinfer.decide.rules import RunRules, row_biases, row_contexts
 
 LIM = Limits(n_batch=16, n_embd=8, n_vocab=70, n_seq_max=4, n_ctx=64)
 

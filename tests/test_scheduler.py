@@ -1,4 +1,4 @@
-"""Several generations at once (ranks/scheduler.py) against the fake two-stage pipeline of test_head_logic:
+"""Several generations at once (decide/scheduler.py) against the fake two-stage pipeline of test_head_logic:
 its KV cache checks every cell a token sees, so a generation reading another's cells, a cell out of position
 order or a cell freed in the middle of the cache fails the run. Each answer must equal its prompt's target-alone
 answer, whatever ran beside it."""
@@ -15,9 +15,10 @@ from toy import V, logits_flat, logits_greedy, target_alone
 from pipeinfer.core.decoding import Constraint, Decoding
 from pipeinfer.core.protocol import mask_words
 from pipeinfer.core.verify import SamplingParams, one_sampling
-from pipeinfer.ranks.actions import Launch
-from pipeinfer.ranks.rules import RunRules
-from pipeinfer.ranks.scheduler import Request, pipeline_depth
+from pipeinfer.decide.actions import Launch
+from pipeinfer.decide.rules import RunRules
+from pipeinfer.decide.scheduler import Request
+from pipeinfer.decide.batching import BatchRules, pipeline_depth
 
 PROMPTS = [[5, 17, 2, 9, 11, 3, 8, 1, 20, 14], [4, 4, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17],
            [28, 1], [9, 9, 9, 9, 2], [13, 6, 21, 0, 3, 3]]
@@ -168,7 +169,7 @@ def test_kv_edits_go_after_every_run_held_before_them():
     """A cached start copies another generation's cells (its KV edits run before its batch at every stage): held
     rows of the copied sequence go out first, and the copy opens a new shared decode."""
     from pipeinfer.core.protocol import Batch, cp, kv_ops
-    from pipeinfer.ranks.actions import Executor
+    from pipeinfer.decide.actions import Executor
 
     class Recorder:
         def __init__(self):
@@ -185,8 +186,8 @@ def test_kv_edits_go_after_every_run_held_before_them():
         return Launch(run_id, Batch(np.array(tokens, np.int32), np.arange(n, dtype=np.int32), [[seq]] * n,
                                     np.zeros(n, np.int32), pre), False, -1, one_sampling(SamplingParams()))
     pipe = Recorder()
-    ex = Executor(pipe, batch_rows=8)
-    ex.pace(16, 2)
+    ex = Executor(pipe, BatchRules(batch_rows=8, depth=2, n_stages=2))
+    ex.pace(16)
     ex.apply("a", [chunk(1, 1, [5, 6, 7])])
     ex.apply("c", [chunk(2, 3, [9])])
     ex.apply("b", [chunk(3, 2, [8, 8], kv_ops(cp(1, 2, 0, 3)))])
@@ -202,7 +203,7 @@ def test_a_draft_rides_only_rows_of_others_and_never_on_a_parent_a_stage_may_ski
     not be skipped with it. It then goes out with them; else alone, at once. A Cancel naming it is not sent (the
     shared run carries others' rows), the rest of that Cancel is."""
     from pipeinfer.core.protocol import NO_RUN, Batch, kv_ops
-    from pipeinfer.ranks.actions import Cancel, Executor
+    from pipeinfer.decide.actions import Cancel, Executor
 
     class Recorder:
         def __init__(self):
@@ -221,8 +222,8 @@ def test_a_draft_rides_only_rows_of_others_and_never_on_a_parent_a_stage_may_ski
         return Launch(run_id, Batch(np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32), [[seq]] * n,
                                     np.ones(n, np.int32), kv_ops()), spec, parent, one_sampling(SamplingParams()))
     pipe = Recorder()
-    ex = Executor(pipe, batch_rows=6)
-    ex.pace(8, 2)
+    ex = Executor(pipe, BatchRules(batch_rows=6, depth=2, n_stages=2))
+    ex.pace(8)
     assert not ex.rides("h", 2, NO_RUN)                     # nothing held: it goes alone
     ex.apply("a", [run(1, 1, 1)])
     ex.apply("h", [run(2, 2, 1)])
@@ -237,7 +238,7 @@ def test_a_draft_rides_only_rows_of_others_and_never_on_a_parent_a_stage_may_ski
     assert ex.rides("h", 2, 4)                              # its parent is a shared run's member
     ex.apply("h", [run(6, 2, 2, spec=True, parent=4)])
     ex.apply("c", [run(7, 4, 1)])                           # joins them
-    assert ex.n_held == 4 and not ex.rides("h", 1, 4)       # one of its runs is held
+    assert ex.held.n_rows == 4 and not ex.rides("h", 1, 4)       # one of its runs is held
     ex.flush()
     ex.apply("h", [run(8, 2, 2, spec=True, parent=6)])      # nothing held beside: alone, speculative, at once
     assert pipe.runs[-1] == (8, 2, True, 6)

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from helpers import (PROMPT_TEXT as PROMPT, Server, cli, hang_up, open_stream, real_model, sse_events, wait_until)
-from pipeinfer.ranks.scheduler import default_parallel
+from pipeinfer.decide.batching import default_parallel
 
 pytestmark = pytest.mark.mpi
 # no max_tokens: a request gets the room the context leaves (serve -n is larger), and holds every cell

@@ -1,6 +1,6 @@
-"""The micro-batch's shape (ranks/shape.py): which runner-ups pay as siblings, and the tree they make."""
+"""The micro-batch's shape (decide/shape.py): which runner-ups pay as siblings, and the tree they make."""
 from pipeinfer.drafters.drafter import DraftNode, main_chain
-from pipeinfer.ranks.shape import add_siblings, choose_siblings, fixed_siblings, ride_len, run_time_ms
+from pipeinfer.decide.shape import add_siblings, choose_siblings, fixed_siblings, ride_len, run_time_ms
 
 CHEAP = [[100.0, 105.0, 110.0, 115.0], [100.0, 105.0, 110.0, 115.0]]   # a row costs 5% (memory-bound hosts)
 LINEAR = [[24.0, 45.0, 67.0, 83.0], [35.0, 70.0, 105.0, 140.0]]      # this machine's one-thread decodes

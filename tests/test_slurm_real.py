@@ -1,4 +1,4 @@
-"""A real Slurm (Debian's slurm-wlm 22.05 and munge) whose nodes are the emulated cluster's hosts: launch/slurm-netns.sh
+"""A real Slurm (Debian's slurm-wlm 22.05 and munge) whose nodes are the emulated cluster's hosts: launch/cluster/slurm-netns.sh
 runs slurmctld and one slurmd per network namespace (h0, h1, h2, each behind its own 1 Gbit/s link), so that srun
 places ranks on "hosts" as on a cluster. Without root or the packages these tests skip; CI installs the packages
 (.ci/run), and there none skips.
@@ -26,7 +26,7 @@ from helpers import (JOBS, PROMPT_TEXT, ROOT, Server, free_port, job_references,
 
 pytestmark = pytest.mark.mpi
 
-SCRIPT = str(ROOT / "launch" / "slurm-netns.sh")
+SCRIPT = str(ROOT / "launch" / "cluster" / "slurm-netns.sh")
 DAEMONS = ("slurmctld", "slurmd", "sinfo", "srun", "salloc", "sbatch", "scontrol", "munged", "nsenter")
 PIPEINFER = [sys.executable, "-m", "pipeinfer"]
 
@@ -142,7 +142,8 @@ def test_slurm_rejoin_after_a_short_outage(slurm, models, tmp_path):
     """`--rejoin` in an allocation: h2's link is down for a few seconds (less than Slurm takes to mark it down);
     the job re-forms on h0 and h1, then a one-task srun step on h2 (its probe) succeeds and the job is re-planned
     on all three nodes, whose next answer is the no-failure one."""
-    from pipeinfer.supervisor.supervisor import PROBE_TIMEOUT_S, REJOIN_CHECK_S
+    from pipeinfer.supervisor.launch import PROBE_TIMEOUT_S
+    from pipeinfer.supervisor.supervisor import REJOIN_CHECK_S
     ref = reference(models["q8"], 100)
     srv = Server(["-m", str(models["q8"]), "--mode", "iterative", "-c", "2048", "--stall-timeout", "3", "--rejoin"],
                  None, tmp_path / "sup.log", timeout=180, env=slurm,
@@ -164,13 +165,13 @@ def test_slurm_rejoin_after_a_short_outage(slurm, models, tmp_path):
     assert code == 0, srv.text()[-3000:]
 
 def test_slurm_end_of_allocation_drains_and_exits_0(slurm, models, tmp_path):
-    """launch/slurm-serve.sbatch serves on the allocation's first node (h0) and says how to reach it; it gets
+    """launch/cluster/slurm-serve.sbatch serves on the allocation's first node (h0) and says how to reach it; it gets
     Slurm's end-of-allocation signal (the batch shell's SIGTERM, as its `--signal=B:TERM@300` sends it; here on
     demand with `scancel --batch --signal=TERM`): the answer in flight completes, and the job ends with exit code 0."""
     refs = job_references(models["q8"])
     port = free_port()
     out = tmp_path / "serve.out"
-    sub = _run(["sbatch", "--parsable", "-N", "3", "-o", str(out), str(ROOT / "launch" / "slurm-serve.sbatch"),
+    sub = _run(["sbatch", "--parsable", "-N", "3", "-o", str(out), str(ROOT / "launch" / "cluster" / "slurm-serve.sbatch"),
                 "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048"], dict(slurm, PIPEINFER_PORT=str(port)))
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip().split(";")[0]
@@ -233,12 +234,12 @@ def _job_state(job: str, env: dict) -> str:
 
 
 def test_slurm_batch_script_writes_every_answer(slurm, models, tmp_path):
-    """launch/slurm-batch.sbatch: a file of prompts through a 3-node allocation, each answer the one process's, a
+    """launch/cluster/slurm-batch.sbatch: a file of prompts through a 3-node allocation, each answer the one process's, a
     JSON line on the job's output and a row in the results CSV."""
     prompts = ["ba ki lo", "lo ki ba", "ki ki"]
     (tmp_path / "prompts.txt").write_text("".join(json.dumps({"prompt": p, "n_predict": 24}) + "\n" for p in prompts))
     out, results = tmp_path / "batch.out", tmp_path / "results.csv"
-    sub = _run(["sbatch", "--wait", "-N", "3", "-o", str(out), str(ROOT / "launch" / "slurm-batch.sbatch"),
+    sub = _run(["sbatch", "--wait", "-N", "3", "-o", str(out), str(ROOT / "launch" / "cluster" / "slurm-batch.sbatch"),
                 str(tmp_path / "prompts.txt"), str(results), "-m", str(models["q8"]), "--mode", "iterative",
                 "--no-chat", "-t", "1", "-q"], slurm, timeout=600)
     assert sub.returncode == 0, out.read_text()[-3000:]

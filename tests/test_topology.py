@@ -172,7 +172,7 @@ def test_memory_shortfall_counts_each_hosts_share_of_the_model():
 def test_a_supervisors_memory_check_takes_what_the_ranks_measured():
     """Hosts without mem= are checked against what their ranks found available when the last job started; where
     both are known the lesser counts."""
-    from pipeinfer.supervisor.supervisor import Footprint
+    from pipeinfer.supervisor.placement import Footprint
     gib = 2**30
     fp = Footprint(12 * gib, 0, {"b": 7.0})
     assert fp.shortfall(["a", "b"]) is None  # a unknown (not checked), b declares 7 for its 6
@@ -185,7 +185,7 @@ def test_a_supervisors_memory_check_takes_what_the_ranks_measured():
 
 def test_split_fractions_read_from_the_jobs_configuration():
     from pipeinfer.core.config import Config
-    from pipeinfer.supervisor.supervisor import split_fractions
+    from pipeinfer.supervisor.placement import split_fractions
     assert split_fractions(Config("x", layer_split="0.25,0.75"), 2) == [0.25, 0.75]
     assert split_fractions(Config("x", layer_split="1,3"), 2) == [1.0, 3.0]
     assert split_fractions(Config("x", layer_split="auto"), 2) is None      # measured by the job: not known yet

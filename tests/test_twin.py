@@ -6,7 +6,7 @@ import pytest
 
 from pipeinfer.core.config import PROMPT_CHUNK
 from pipeinfer.drafters.drafter import Cutoffs
-from pipeinfer.ranks.head import GenConfig
+from pipeinfer.decide.genconfig import GenConfig
 from pipeinfer.core.protocol import HEADER_LEN, Batch, kv_ops
 from pipeinfer.twin.cluster import Cluster, Link, StageCost
 from pipeinfer.twin.sim import SimPipeline, VirtualClock, reference_tokens, simulate
@@ -167,7 +167,7 @@ def test_measured_draft_keeps_its_streaks():
 def test_plan_chooses_the_cutoff_from_the_measured_draft(tmp_path):
     """With the draft's measured confidence plan searches -pa: here wrong drafts are the unsure ones, and
     cutting them off (-pa >= 0.3) beats proposing everything."""
-    from pipeinfer.ranks.head import GenConfig
+    from pipeinfer.decide.genconfig import GenConfig
     from pipeinfer.twin.plan import load_profile, search
     prof = load_profile(str(hand_profile(tmp_path, slow=1.0)))
     prof["draft"]["confidence"] = [[0.95, 1]] * 6 + [[0.2, 0]] * 4
@@ -186,7 +186,7 @@ def test_plan_tries_token_trees_where_the_draft_names_runner_ups(tmp_path):
     """Rows nearly free (the hand profile's stages: 2.0 / 2.2 / 2.4 ms a layer for 1 / 2 / 3 rows), a draft right
     in 0.3 of its tokens (all proposed: -pa 0.1) whose runner-up is right wherever it is wrong: trees beat the
     chain, and plan picks them; without runner-ups plan does not try them."""
-    from pipeinfer.ranks.head import GenConfig
+    from pipeinfer.decide.genconfig import GenConfig
     from pipeinfer.twin.plan import launch_line, load_profile, search
     prof = load_profile(str(hand_profile(tmp_path, slow=1.0)))
     kw = dict(agreement=0.3, n_predict=64, exact_limit=3, draft_own_host=False,
@@ -206,7 +206,7 @@ def test_plan_tries_token_trees_where_the_draft_names_runner_ups(tmp_path):
 
 def test_plan_counts_draft_calls_that_propose_nothing(tmp_path):
     """A draft below its cutoff at most calls still costs each call: plan predicts less for it."""
-    from pipeinfer.ranks.head import GenConfig
+    from pipeinfer.decide.genconfig import GenConfig
     from pipeinfer.twin.plan import load_profile, search
     prof = load_profile(str(hand_profile(tmp_path, slow=1.0)))
     prof["draft"]["ms_per_token"] = 10.0

@@ -1,4 +1,4 @@
-"""The twin serving many clients with the real scheduler (twin/sim.py simulate_clients, ranks/scheduler.py):
+"""The twin serving many clients with the real scheduler (twin/sim.py simulate_clients, decide/scheduler.py):
 each request answered from its own reference, throughput near the stages' limit once every stage has a
 generation, one client as fast as simulate()'s PipeInfer, Poisson arrivals, and `pipeinfer plan --clients`."""
 import json
@@ -58,11 +58,11 @@ def test_the_twin_plans_the_sequences_of_the_schedulers_slots(monkeypatch, mode,
     if n_parallel == 1:
         simulate(uniform(2), g, n_prompt=8)
     for sched in made:
-        assert sched.n_lanes == lane_count(n_parallel, cache_prompt)
+        assert sched.slots.n_lanes == lane_count(n_parallel, cache_prompt)
         if mode == "pipeinfer":
             n_part = sched.pool.n_partitions
-            assert sched.pool.garbage_seq == garbage_seq(lane_seq_max(n_part, sched.cfg.max_branches, sched.n_lanes))
-            assert sched.pool.garbage_seq > max(sched._canon)
+            assert sched.pool.garbage_seq == garbage_seq(lane_seq_max(n_part, sched.cfg.max_branches, sched.slots.n_lanes))
+            assert sched.pool.garbage_seq > max(sched.slots.canon)
 
 
 def test_a_run_answered_from_another_generation_is_caught(monkeypatch):

@@ -178,7 +178,7 @@ def test_prompt_speedup_on_balanced_stages(tmp_path):
 
 def test_prompt_speedup_of_the_70b_class_cluster_on_8_hosts():
     """A profile of 2 ranks x 1 thread of Qwen2.5-Coder-1.5B (tests/data/profile_2ranks.json, kept fixed: the one in
-    results/ is re-measured with the benchmarks) scaled to a 70B-class model at Q4_K_M as launch/twin_scaling.py scales it
+    results/ is re-measured with the benchmarks) scaled to a 70B-class model at Q4_K_M as launch/twin/twin_scaling.py scales it
     (80 layers, hidden 8192, per layer x18.3 and output projection x4.5 the profiled Qwen2.5-1.5B's by weight bytes),
     Gigabit links: a 2000-token prompt, 32 chunks, on 8 hosts is about 8 x 32 / 39 = 6.6 times one host's speed."""
     prof = load_profile(str(ROOT / "tests" / "data" / "profile_2ranks.json"))

@@ -2,7 +2,7 @@
 
 One machine plays several hosts: each rank has its own cache (PIPEINFER_CACHE) and its own view of the file system
 for the model (PIPEINFER_HOST_ROOT: rank 0's path looked up under that folder), given per rank with MPICH's
-`-n 1 -env NAME VALUE CMD : ...`. The emulated cluster (launch/netns-cluster.sh) does the same with a mount
+`-n 1 -env NAME VALUE CMD : ...`. The emulated cluster (launch/cluster/netns-cluster.sh) does the same with a mount
 namespace per host."""
 import json
 import os

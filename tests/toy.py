@@ -19,11 +19,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from pipeinfer.drafters.drafter import Cutoffs, DraftNode
-from pipeinfer.ranks.head import GenConfig
-from pipeinfer.ranks.scheduler import Request, Scheduler, generate
+from pipeinfer.drafters.drafter import Cutoffs, DraftNode, InSeries
+from pipeinfer.decide.genconfig import GenConfig
+from pipeinfer.decide.scheduler import Request, Scheduler, generate
 from pipeinfer.core.kvplan import PartitionPool, plan_partitions
-from pipeinfer.ranks.pipeline import Result
+from pipeinfer.decide.port import Result
 from pipeinfer.core.protocol import NO_RUN, Batch, KvOp
 from pipeinfer.core.verify import SamplingParams, one_sampling, row_tokens, run_logprobs, sample_at
 
@@ -321,7 +321,7 @@ class FakePipeline:
 
 
 # ---------------------------------------------------------------- fake drafter
-class ToyDrafter:
+class ToyDrafter(InSeries):
     """Proposes the toy target's greedy continuation with seeded errors; with max_branches > 1 the first
     error also opens a second branch holding the right token (placed before the main one). With runner_ups it
     drafts chains only, each token with a runner-up (DraftNode.alt: the right token where the token is wrong, a
@@ -397,7 +397,7 @@ def run_head(mode: str, *, n_predict: int = 40, error_rate: float = 0.0, seed: i
 def assert_clean_end(r: SimpleNamespace) -> None:
     """Invariants 4, 6, 7 at the end: seq 0 is exactly the accepted prefix on every stage, nothing else is
     held, nothing is in flight and every partition is back in the pool."""
-    head, n = r.head, r.head.n_kv0
+    head, n = r.head, r.head.seq0_end
     assert len(PROMPT) <= n <= len(head.accepted)
     for stage in r.pipe.stages:
         held = stage.seq_cells(0)

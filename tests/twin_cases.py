@@ -1,7 +1,7 @@
 """Clusters, generation settings and a hand-written profile for the digital twin's tests."""
 import json
 
-from pipeinfer.ranks.head import GenConfig
+from pipeinfer.decide.genconfig import GenConfig
 from pipeinfer.twin.cluster import Cluster, Link, StageCost
 
 

@@ -21,8 +21,8 @@ import click
 
 from ..core.results import append_result, stats_row
 from ..engine.kernels import DEFAULT_KERNELS, KERNELS
-from ..ranks.head import MODES, GenConfig
-from ..ranks.scheduler import default_parallel
+from ..decide.genconfig import MODES, GenConfig
+from ..decide.batching import default_parallel
 from ..twin.cluster import Link
 from ..twin.machines import (
     GIB,

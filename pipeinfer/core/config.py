@@ -28,7 +28,7 @@ PER_RANK_FIELDS = ("layer_split", "threads", "threads_batch")  # "a,b,c": one va
 # prompt tokens per decode: the most rows llama.cpp's CPU flash attention takes one row at a time; from 64 rows on
 # it tiles the cells, and a row's result then depends on where the sequence's cells sit (mod 64), so a prompt
 # decoded after other requests' cells, or from the prompt cache, would not be the cold answer's bits
-# (tests/test_stage_engine.py pins both). Its cost against 512-token chunks: launch/bench_prompt_speed.py
+# (tests/test_stage_engine.py pins both). Its cost against 512-token chunks: launch/bench/bench_prompt_speed.py
 PROMPT_CHUNK = 63
 DRAFT_RIDES = ("auto", "always", "never")  # --draft-rides (ranks/shape.ride_len decides auto)
 CONFIG_ENV = "PIPEINFER_CONFIG"  # a supervised job's configuration, as JSON (Config.to_json)
@@ -175,7 +175,7 @@ def cells_reserve(config: Config, n_stages: int) -> int:
 def check_fits(config: Config, n_prompt: int, n_predict: int, n_stages: int) -> None:
     """The one context-fit check of the front ends: a prompt and its answer fit the context beside the runs in
     flight (the scheduler checks the same against the context as the stages planned it)."""
-    reserve = cells_reserve(config, n_stages)
-    if n_prompt + n_predict + reserve > config.n_ctx:
-        raise UserError(f"prompt of {n_prompt} tokens + {n_predict} to generate + {reserve} for runs in flight does "
-                        f"not fit the context of {config.n_ctx} tokens (-c/--ctx-size)")
+    from .kvplan import ContextBudget
+    budget = ContextBudget(config.n_ctx, cells_reserve(config, n_stages))
+    if not budget.fits(n_prompt, n_predict):
+        raise UserError(f"{budget.refusal(n_prompt, n_predict)} (-c/--ctx-size)")

@@ -1,6 +1,6 @@
 """What a request asks of each chosen token beyond the sampling parameters: a constraint, biases, penalties and
 log-probabilities. Plain data: it travels from the HTTP front end to the scheduler (and, JSON-encoded, to a
-supervised job's rank 0); the head turns it into per-row masks and biases for the last stage (ranks/rules.py),
+supervised job's rank 0); the head turns it into per-row masks and biases for the last stage (decide/rules.py),
 the last stage applies them before it draws a row's token and returns the log-probabilities asked for.
 
 Exactness: the constraint and the biases change the target's distribution at every position where a token is

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .protocol import cp, kv_ops, rm
@@ -110,6 +112,22 @@ def cells_reserve(n_partitions: int, n_max: int) -> int:
     token) for every partition, and one more run; one token without partitions (iterative). The head
     compacts before fewer are left."""
     return (n_partitions + 1) * (n_max + 1) if n_partitions else 1
+
+
+@dataclass(frozen=True)
+class ContextBudget:
+    """The one context check: a request holds at most its prompt (with any replayed tokens) and its max tokens of
+    canonical cells, and the runs in flight may take `reserve` more (cells_reserve)."""
+    n_ctx: int
+    reserve: int
+
+    def fits(self, n_prompt: int, n_predict: int, n_held: int = 0) -> bool:
+        """Whether such a request fits beside n_held cells that others may hold."""
+        return n_held + n_prompt + n_predict + self.reserve <= self.n_ctx
+
+    def refusal(self, n_prompt: int, n_predict: int) -> str:
+        return (f"prompt ({n_prompt} tokens) + max tokens ({n_predict}) does not fit the context ({self.n_ctx} cells, "
+                f"{self.reserve} kept for speculative runs)")
 
 
 def prefix_ops(seqs: list[int], n_kv0: int, parent_seq: int | None, first_pos: int,

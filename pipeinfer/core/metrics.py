@@ -27,7 +27,7 @@ class Stats:
     n_drafted: int = 0             # draft tokens sent to the target
     n_draft_accepted: int = 0      # draft tokens the target agreed with
     n_draft_calls: int = 0         # drafter invocations (including ones that proposed nothing)
-    n_siblings: int = 0            # the draft's runner-ups launched beside its chain (ranks/shape.py) ...
+    n_siblings: int = 0            # the draft's runner-ups launched beside its chain (decide/shape.py) ...
     n_siblings_right: int = 0      # ... that verification reached and found right
     draft_at: str = "head"         # where the draft runs: head (in series) | thread | rank (draftahead.py)
     n_draft_stale: int = 0         # drafted beside the pipeline for a chain that no longer existed: dropped
@@ -35,7 +35,7 @@ class Stats:
     accept_hist: dict[int, int] = field(default_factory=dict)  # tokens gained per verified run -> count
     draft_len_hist: dict[int, int] = field(default_factory=dict)  # draft tokens asked per micro-batch -> count
     n_kv0: int = 0                 # positions in canonical sequence 0 at the end
-    t_queue_s: float = 0.0         # waited for admission (several generations at once: ranks/scheduler.py)
+    t_queue_s: float = 0.0         # waited for admission (several generations at once: decide/scheduler.py)
     t_start_s: float = 0.0         # prompt processing starts
     t_prompt_done_s: float = 0.0   # the prompt's logits gave the first token
     t_first_s: float = 0.0         # first token accepted after prompt processing

@@ -31,7 +31,7 @@ rows (kernels.py's exact batch limit does not bound a hybrid's micro-batch), and
 including layers whose kernel takes another path for several tokens (qwen3next's chunked delta net). The prompt is
 decoded in the same chunks as alone, as for every model.
 
-What it costs (launch/bench_recurrent.py, results/bench_recurrent.txt): a k-token micro-batch costs k one-token graph
+What it costs (launch/bench/bench_recurrent.py, results/bench_recurrent.txt): a k-token micro-batch costs k one-token graph
 evaluations instead of one k-row batch (3 tokens: 3.0x one token, 1.6-1.8x three rows in one decode, on the
 synthetic hybrids of 75-80 MB); with --micro-batch auto, which sizes micro-batches by those measured costs,
 PipeInfer's speedup over iterative on 2 ranks was 0.81-1.04 of an attention model's of the same size at the same

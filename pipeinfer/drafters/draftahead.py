@@ -312,7 +312,7 @@ class DraftClient:
 
     def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
         """Synchronous use (speculative mode, tests): steer to context, wait for cut.n_max tokens or the end of
-        the confident chain (with each token's runner-up: the head makes siblings of them, ranks/shape.py)."""
+        the confident chain (with each token's runner-up: the head makes siblings of them, decide/shape.py)."""
         while True:
             self.steer(context, len(context) + cut.n_max, cut.p_accept, cut.n_max)  # again: re-roots a divergence
             nodes, unconfident = self.ready(context, cut.p_accept, cut.n_max)
@@ -332,7 +332,7 @@ def lower_priority() -> None:
 
     Beside the pipeline on a host whose cores the stages use, the draft should take only the cycles the stages
     leave idle: with 2 stages of Qwen2.5-1.5B on 2 cores and the Gemma draft in a thread, nice 19 gave 9.35 and
-    9.54 tokens/s where nice 0 gave 8.75 and 8.76 (launch/bench_draft_layout.py). On a host of
+    9.54 tokens/s where nice 0 gave 8.75 and 8.76 (launch/bench/bench_draft_layout.py). On a host of
     its own it changes nothing. Linux sets the nice value per thread (a thread id is a PRIO_PROCESS target);
     elsewhere this is a no-op."""
     if DRAFT_NICE == 0:

@@ -19,7 +19,7 @@ from ..engine.kernels import DEFAULT_KERNELS, exact_batch_limit
 # --draft-head auto: a draft model's output projection keeps its 65,536 most frequent tokens (stagefile.head_tokens).
 # Gemma 3 270M's 262,144-token projection is 72% of its weights: one decode took 19.1 ms at 1 thread, 9.5 ms
 # pruned to 65,536 tokens (8.4 ms at 32,768), with bit-identical logits for the kept tokens. Its acceptance on
-# the three prompts went from 0.87-0.91 to 0.81-0.87 (0.78-0.86 at 32,768; launch/bench_repeat.py --config).
+# the three prompts went from 0.87-0.91 to 0.81-0.87 (0.78-0.86 at 32,768; launch/bench/bench_repeat.py --config).
 
 
 @dataclass
@@ -42,6 +42,13 @@ class Cutoffs:
 
 
 class Drafter(Protocol):
+    """What the head asks of any drafter. One in series (`asynchronous` False) drafts when asked (`draft`); one
+    beside the pipeline (AheadDrafter: draftahead.DraftClient) drafts ahead by itself, steered, and the head only
+    reads what is ready."""
+    asynchronous: bool          # drafts ahead beside the pipeline (the AheadDrafter methods), or in series
+    remote: bool                # over a network link (--draft-at rank), not in rank 0's own process
+    exact_batch: int | None     # the draft model's exact batch limit, reported with the statistics (None: none)
+
     def prefill(self, prompt: list[int]) -> None:
         """Take in the prompt ahead of the first draft (the head calls it while the target's pipeline
         works on the prompt, so a draft model's prompt processing is off the critical path)."""
@@ -50,6 +57,35 @@ class Drafter(Protocol):
     def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
         """A tree of proposals for positions len(context).., parents before children; [] if unconfident."""
         ...
+
+
+class AheadDrafter(Drafter, Protocol):
+    """A drafter beside the pipeline, drafting ahead on the chain the head steers it to."""
+    n_stale: int                # its running counters: proposals dropped (their chain was gone), ...
+    n_calls: int                # ... drafter calls, ...
+    bytes_in: int               # ... and bytes received (bytes_out: sent)
+
+    @property
+    def bytes_out(self) -> int: ...
+
+    def steer(self, target: list[int], horizon: int, p_min: float, n_chunk: int) -> None:
+        """Draft on `target` up to `horizon`, n_chunk tokens per call, stopping below p_min."""
+        ...
+
+    def ready(self, context: list[int], p_accept: float, n_max: int) -> tuple[list[DraftNode], bool]:
+        """(chain, unconfident): what is drafted after `context` with confidence >= p_accept, at most n_max."""
+        ...
+
+    def wait(self, until) -> None:
+        """Sleep politely until a proposal arrives or until() holds."""
+        ...
+
+
+class InSeries:
+    """The attributes of a drafter that drafts only when asked, in rank 0's process (Drafter)."""
+    asynchronous = False
+    remote = False
+    exact_batch: int | None = None
 
 
 def top_candidates(logits: np.ndarray, k: int = 8) -> tuple[np.ndarray, np.ndarray]:
@@ -71,7 +107,7 @@ def main_chain(tree: list[DraftNode]) -> list[int]:
     return [i for i, n in enumerate(tree) if 0 in n.branches]
 
 
-class ModelDrafter:
+class ModelDrafter(InSeries):
     """A draft GGUF with the target's vocabulary, run whole in one process with its own KV sequences.
 
     Draft sequence 0 holds the context the drafter last saw, then what it drafted after it; the logits
@@ -238,7 +274,7 @@ class ModelDrafter:
         return tree
 
 
-class NgramDrafter:
+class NgramDrafter(InSeries):
     """Prompt-lookup decoding: continue the longest recent n-gram match found earlier in the context."""
 
     def __init__(self, n_min: int = 1, n_max: int = 4):
@@ -265,7 +301,7 @@ class NgramDrafter:
         return []
 
 
-class ReplayDrafter:
+class ReplayDrafter(InSeries):
     """BENCHMARK INSTRUMENT, not a real drafter: replays a known continuation with a set accuracy.
 
     Given the reference tokens of an earlier single-node run of the same prompt (prompt + output), it
@@ -276,7 +312,7 @@ class ReplayDrafter:
 
     With `runner_up` > 0 each proposal carries a runner-up (DraftNode.alt): where the proposal is wrong, the
     reference token with probability runner_up, else another wrong one; its probability is what that promises,
-    (1 - accuracy) x runner_up (the twin's trees, ranks/shape.py).
+    (1 - accuracy) x runner_up (the twin's trees, decide/shape.py).
     """
 
     runner_up = 0.0

@@ -47,7 +47,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .drafter import Cutoffs, DraftNode
+from .drafter import Cutoffs, DraftNode, InSeries
 
 _LETTERS = re.compile(r"[^\W\d_]+")
 _TRAILING_LETTERS = re.compile(r"[^\W\d_]+$")
@@ -262,7 +262,7 @@ def draft_prompt_text(draft_tok, user_text: str, chat: bool, template: str | Non
 
 
 # ---------------------------------------------------------------------------------------- the drafter
-class TranslatingDrafter:
+class TranslatingDrafter(InSeries):
     """Drafts target tokens with a draft model of another vocabulary (see the module docstring).
 
     drafter: a ModelDrafter on the draft GGUF (its engine, KV sequence 0, `sync` and `step` are used; chains only);
@@ -285,7 +285,7 @@ class TranslatingDrafter:
                  draft_chat: bool | None = None, draft_template: str | None = None, window: int = 4,
                  heal: bool = True):
         self.drafter, self.tt, self.dt = drafter, target_tok, draft_tok
-        self.exact_batch = getattr(drafter, "exact_batch", None)
+        self.exact_batch = drafter.exact_batch
         self.n_prompt, self.window, self.heal = n_prompt, window, heal
         use_chat = chat if draft_chat is None else draft_chat
         self.prompt = draft_tok.encode(draft_prompt_text(draft_tok, prompt_text, use_chat, draft_template),

@@ -1,12 +1,12 @@
 """Kernel settings and the exact batch limit: how many rows a decode may carry and still give each row
 bit-for-bit the output it gets when decoded alone, whether the rows are consecutive tokens of one sequence (a
-micro-batch of drafts) or the next tokens of as many sequences (users served in one decode, ranks/actions.py).
+micro-batch of drafts) or the next tokens of as many sequences (users served in one decode, decide/actions.py).
 
 Verification decodes micro-batches of drafted tokens while the target alone decodes one token at a
 time, so greedy output is exact only where both give identical logits. Which batch sizes do depends on
 the weights' layout, the attention kernel, the quantization, the CPU's SIMD kernels and the build
 (measured on Qwen2.5-Coder-1.5B Q4_K_M, llama-cpp-python 0.3.36, 1 thread; one-token decode on a host where
-the repacked gemv pays, and on an AVX2 host where it does not, launch/bench_kernels.py):
+the repacked gemv pays, and on an AVX2 host where it does not, launch/bench/bench_kernels.py):
 
 | `--kernels` | weights | attention | exact batches | one-token decode, 1 thread |
 |---|---|---|---|---|

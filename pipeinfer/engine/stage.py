@@ -151,7 +151,7 @@ def advise_huge_pages(regions: set[tuple[int, int]], collapse: bool) -> int:
 class WeightPages:
     """A model's weights in huge pages. A decode streams every weight once, and in 4 KiB pages it misses the TLB
     all along: with the weights in 2 MiB pages a half-Qwen2.5-1.5B stage decoded 12-13% faster on this project's
-    machine (18.6 instead of 21.2 ms, 25.7 instead of 29.7; launch/bench_overhead.py), and loaded 0.8 s slower.
+    machine (18.6 instead of 21.2 ms, 25.7 instead of 29.7; launch/bench/bench_overhead.py), and loaded 0.8 s slower.
     llama.cpp then reads the file into memory of its own
     (LLAMA_LOAD_MODE_NONE: no file mapping, which the kernel would keep in small pages); when the first tensor
     is about to be read in, its buffers exist and are still empty, so they are advised to fault in as huge
@@ -289,7 +289,7 @@ class StageEngine:
         Qwen2 layers), so it answers most nodes from the first 8 bytes of their name field, read in place, and
         hands only the nodes whose name starts like a hooked one to _on_tensor (asking ggml for each name took
         0.47 us a node, this takes 0.16). The capture then costs a half-Qwen2.5-1.5B decode 0.26 ms instead of
-        0.39 (launch/bench_overhead.py)."""
+        0.39 (launch/bench/bench_overhead.py)."""
         keys = [name_key(n) for n in (self._capture_name, self._input_name) if n]
         (key_a, mask_a), (key_b, mask_b) = (keys + [(-1, 0)])[:2]  # (-1, 0): no second hooked name
         read_u64, name_address, on_tensor = ctypes.c_uint64.from_address, _GGML.name_address, self._on_tensor

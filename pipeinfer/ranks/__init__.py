@@ -1,8 +1,7 @@
-"""The ranks' loops: what each MPI rank runs once the job starts.
+"""The ranks' processes: what each MPI rank runs once the job starts, over the decisions of decide/.
 
-head (rank 0's scheduler of one generation: iterative, synchronous speculative and PipeInfer, as the paper's
-algorithm), scheduler (several generations at once over one pipeline: admission, cells, the drafter's lease),
-pipeline (the head's end of the pipeline: its own stage, sends, results, cancellation), worker (the loop of
-every other rank), handshake (every rank agrees on build, model and layer plan) and startup (one
-generation or session set up on every rank, in named steps). Imports everything below it.
+pipeline (the head's end of the pipeline: its own stage, sends, results, cancellation; decide/port.PipePort over
+MPI), session (rank 0's generation loop on a real pipeline), worker (the loop of every other rank), draft_rank
+(a rank that only drafts), weights (layers sent to ranks that lack them), handshake (every rank agrees on build,
+model and layer plan) and startup (one generation or session set up on every rank, in named steps).
 """

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,6 +39,7 @@ from ..core.protocol import (
 )
 from ..core.topology import Topology
 from ..core.verify import RunSampling, SamplingParams, one_sampling
+from ..decide.port import Result
 
 if TYPE_CHECKING:  # llama.cpp and MPI stay unimported where only the interface is used (the twin, twin/sim.py)
     from ..engine.stage import StageEngine, TokenEmbedder
@@ -49,15 +49,9 @@ POLL_REPORTS_S = 0.25   # rank 0 looks for its stages' reports at most this ofte
 DRAIN_TIMEOUT_S = 60.0  # at shutdown, every report a stage sent is due at once (its sends completed before)
 
 
-@dataclass
-class Result:
-    run_id: int
-    cancelled: bool
-    tokens: np.ndarray | None  # i32[n_outputs]: the target's token after each output row (verify.row_tokens)
-    logprobs: tuple | None = None  # with top_logprobs k: (chosen f32[n], top ids i32[n, k], top f32[n, k])
-
-
 class Pipeline:
+    """The head's end of the pipeline (module docstring): decide/port.PipePort over MPI ranks and llama.cpp stages."""
+
     def __init__(self, topo: Topology, engine: StageEngine, embedder: TokenEmbedder | None = None,
                  transport: Transport | None = None, limits: Limits | None = None):
         self.topo = topo

@@ -15,9 +15,9 @@ from ..core.metrics import Stats
 from ..core.topology import LayerRange
 from ..wire.hosts import host_name
 from ..wire.transport import polite_barrier
-from .head import GenConfig
-from .rules import RunRules
-from .scheduler import Request, Scheduler, generate
+from ..decide.genconfig import GenConfig
+from ..decide.rules import RunRules
+from ..decide.scheduler import Request, Scheduler, generate
 
 if TYPE_CHECKING:  # MPI and llama.cpp stay unimported where only the interface is read
     from mpi4py import MPI

@@ -41,9 +41,9 @@ from ..engine.stagefile import (
 from ..drafters.factory import make_drafter
 from ..wire.transport import polite_barrier
 from .handshake import build_id
-from .head import GenConfig, auto_p_recovery, gen_config
+from ..decide.genconfig import GenConfig, auto_p_recovery, gen_config
 from .draft_rank import draft_thread_count, serve_draft_rank
-from .scheduler import cost_sizes, default_parallel
+from ..decide.batching import cost_sizes, default_parallel
 from .session import HeadSession, RunResult, peak_rss_mb
 
 if TYPE_CHECKING:

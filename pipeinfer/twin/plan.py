@@ -20,7 +20,7 @@ import click
 
 from ..core.topology import layer_ranges
 from ..engine.kernels import resolve_draft_max
-from ..ranks.head import GenConfig
+from ..decide.genconfig import GenConfig
 from .cluster import (
     Cluster,
     Link,
@@ -306,7 +306,7 @@ def recommend_serving(prof: dict, *, n_clients: int, n_predict: int, n_prompt: i
     clients (1, 2 and 4 per stage, and every client), --batch-rows from 1 to the exact batch limit (the most that
     keeps every answer what it is alone, which `auto` asks each host for); the fastest, ties (within TIE) to the
     lower p50 latency."""
-    from ..ranks.scheduler import MAX_PARALLEL
+    from ..decide.batching import MAX_PARALLEL
     cluster = build_cluster(prof, Shape(draft_on=draft_on))
     n = len(prof["ranks"])
     cap = int(prof.get("exact_batch", 3))

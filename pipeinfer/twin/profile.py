@@ -72,7 +72,7 @@ def measure_stage(path, *, embd_input: bool, last: bool, threads: int, max_batch
 
 def machine_id() -> str:
     """Which physical machine this rank runs on: the kernel's boot id (network namespaces, as in
-    launch/netns-cluster.sh, give one machine several host names), else the host name."""
+    launch/cluster/netns-cluster.sh, give one machine several host names), else the host name."""
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
     except OSError:
@@ -230,7 +230,7 @@ def measure_translating(d, target: str, draft: str) -> dict:
 def measure_head_overhead_ms() -> float:
     """The head's scheduling per launch or result: the real Head on a twin whose compute costs nothing,
     timed in wall-clock (the twin's own bookkeeping included, so a slight overestimate)."""
-    from ..ranks.head import GenConfig
+    from ..decide.genconfig import GenConfig
     from .cluster import Cluster, Link, StageCost
     from .sim import simulate
     zero = Cluster([StageCost([0.0] * 4, 0.0)] * 2, [Link(0.0, 1e15)] * 2, 1536)

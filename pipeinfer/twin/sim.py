@@ -1,4 +1,4 @@
-"""The digital twin: the real generation loop (ranks/scheduler.py, head.py) against a simulated pipeline in
+"""The digital twin: the real generation loop (decide/scheduler.py, head.py) against a simulated pipeline in
 virtual time.
 
 Nothing here touches MPI or llama.cpp. `SimPipeline` has the interface of pipeline.Pipeline and plays
@@ -40,9 +40,10 @@ import numpy as np
 from ..core.kvplan import PartitionPool, cells_reserve, in_flight_limit, lane_count, plan_partitions
 from ..core.metrics import Stats
 from ..core.protocol import HEADER_LEN, NO_RUN, Batch, Kind, kv_ops
-from ..ranks.head import GenConfig, auto_p_recovery
-from ..ranks.pipeline import Result
-from ..ranks.scheduler import Request, Scheduler, SchedulerStats, cost_sizes, generate
+from ..decide.genconfig import GenConfig, auto_p_recovery
+from ..decide.port import Result
+from ..decide.scheduler import Request, Scheduler, SchedulerStats, generate
+from ..decide.batching import cost_sizes
 from ..drafters.drafter import Cutoffs, DraftNode, ReplayDrafter
 from .cluster import Cluster, StageCost
 
@@ -112,7 +113,7 @@ class _Stage:
 
 
 class SimPipeline:
-    """pipeline.Pipeline's interface over a simulated cluster (module docstring)."""
+    """decide/port.PipePort over a simulated cluster (module docstring)."""
 
     distributed = True
 
@@ -521,7 +522,7 @@ def simulate(cluster: Cluster, gen: GenConfig, *, agreement: float = 0.9, n_prom
     return SimResult(tokens, stats, stages, gen.p_recovery)
 
 
-# ==================================================================== several clients at once (ranks/scheduler.py)
+# ==================================================================== several clients at once (decide/scheduler.py)
 def throughput_limit(cluster: Cluster) -> float:
     """Tokens/s of the stages when every one is busy with one single-token decode at a time (interleaved
     generations, nothing speculative, no prompt): one token per the slowest server's time per token,
@@ -724,7 +725,7 @@ def simulate_clients(cluster: Cluster, gen: GenConfig, *, n_clients: int | None 
                      agreement: float = 0.9, seed: int = 0, max_in_flight: int | None = None,
                      propose: float = 1.0, confidence: list | None = None, n_ctx: int | None = None,
                      runner_up: float = 0.0) -> ClientsResult:
-    """The real Scheduler (ranks/scheduler.py) serving `n_requests` requests of n_prompt + gen.n_predict tokens on
+    """The real Scheduler (decide/scheduler.py) serving `n_requests` requests of n_prompt + gen.n_predict tokens on
     the twin, in virtual time: `n_clients` closed-loop clients (each sends its next request when its last answer
     is complete), or requests arriving as a Poisson process of `rate_per_s`. gen.mode is the schedule: pipeinfer
     (the drafter lent where stages would idle) or iterative (interleaving only); n_parallel generations at once;

@@ -5,7 +5,7 @@
 Rank 0 prints one line, e.g. `netprobe: rank 0 (h0) <-> rank 1 (h1): bandwidth 95.3 Mbit/s (607744-byte
 messages), latency 142 us (one way, 8-byte messages)`, and, with --json, a JSON object. The default
 message size is one row of Qwen2.5-Coder-1.5B logits (151,936 float32), which is what the last stage
-sent back per output row before protocol 3 (it now sends one token id per row). launch/netns-cluster.sh runs it to prove that MPI traffic crosses the shaped links.
+sent back per output row before protocol 3 (it now sends one token id per row). launch/cluster/netns-cluster.sh runs it to prove that MPI traffic crosses the shaped links.
 """
 from __future__ import annotations
 

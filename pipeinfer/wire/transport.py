@@ -30,7 +30,7 @@ def arrived(comm: MPI.Comm, source: int, tag: int, status: MPI.Status | None = N
     (which may pull the message in) and answers False without looking again, so a message that arrived
     while this rank slept would be seen only a poll interval later: ask a second time at once (tests/mpi_probe.py:
     one Iprobe finds no such message, two find every one). In the 2-rank pipeline the head had the payload behind
-    a result's header 0.60 ms late, and now at once (launch/bench_overhead.py)."""
+    a result's header 0.60 ms late, and now at once (launch/bench/bench_overhead.py)."""
     return comm.Iprobe(source=source, tag=tag, status=status) or comm.Iprobe(source=source, tag=tag, status=status)
 
 
