@@ -14,7 +14,7 @@ import pytest
 
 from pipeinfer.core.decoding import Decoding
 from pipeinfer.core.metrics import Stats
-from pipeinfer.ranks.scheduler import Request
+from pipeinfer.decide.scheduler import Request
 
 N_VOCAB, BOS = 257, 256
 

@@ -40,7 +40,7 @@ class FakeRequest:
 
 
 class FakeScheduler:
-    """What run_attached uses of ranks.scheduler.Scheduler: each step gives every request its next token (letter i
+    """What run_attached uses of decide.scheduler.Scheduler: each step gives every request its next token (letter i
     at position i of the answer, the replayed ones counted); a prompt over 8 tokens does not fit (ValueError)."""
 
     def __init__(self):

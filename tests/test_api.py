@@ -17,7 +17,7 @@ from api_fakes import ScriptedSession, serving
 from pipeinfer.core.decoding import Constraint, Decoding, TokenLogprob
 from pipeinfer.core.metrics import Stats
 from pipeinfer.core.verify import SamplingParams
-from pipeinfer.ranks.scheduler import Request
+from pipeinfer.decide.scheduler import Request
 from pipeinfer.feeders.generator import Generator
 from pipeinfer.frontend.app import ServeConfig, create_app
 from pipeinfer.serving.job import TextEvent
@@ -604,6 +604,29 @@ def test_a_request_whose_choices_do_not_all_fit_in_the_queue_is_refused_whole():
         r = client.post("/v1/completions", json={"model": "fake", "prompt": "x", "n": 3, "temperature": 1})
     assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
     assert len(gen.jobs) == 2 and all(job.cancelled.is_set() for job in gen.jobs)
+
+
+def test_each_api_module_registers_only_its_own_routes():
+    """The app wires every API; an API module registers its own routes, and takes nothing of another API's module
+    (what they share is in submit.py and sse.py)."""
+    import ast
+    from pathlib import Path
+
+    from fastapi import FastAPI
+
+    from pipeinfer.frontend import anthropic_api, openai_api, responses_api
+    own = {openai_api.register_openai: {"/v1/completions", "/v1/chat/completions"},
+           anthropic_api.register_anthropic: {"/v1/messages", "/v1/messages/count_tokens"},
+           responses_api.register_responses: {"/v1/responses"}}
+    for register, paths in own.items():
+        app = FastAPI()
+        before = {r.path for r in app.routes}
+        register(app, ServeConfig("fake", N_CTX, 4, DEFAULT_MAX), RefusingGenerator(1), FakeTokenizer(), chat_template)
+        assert {r.path for r in app.routes} - before == paths, register.__name__
+    for module, other in ((anthropic_api, "responses_api"), (responses_api, "anthropic_api")):
+        tree = ast.parse(Path(module.__file__).read_text())
+        taken = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert other not in taken, f"{module.__name__} imports {other}"
 
 
 # ------------------------------------------------------------------------------------ the openai package

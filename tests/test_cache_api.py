@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from api_fakes import scripted_server, say
+from pipeinfer.core.verify import SamplingParams
 from pipeinfer.serving import link
 from pipeinfer.serving.job import DoneEvent
 from pipeinfer.frontend.openai_reply import CHAT, Reply
@@ -186,7 +187,7 @@ def test_a_supervisor_relays_cache_prompt_and_rank0s_prompt_cache(tmp_path):
     listener, conn, rank0 = attach_rank0(tmp_path, session)
     sup = Supervisor(["localhost"], [], LetterTokenizer(), log=lambda _msg: None, on_fatal=lambda _why: None)
     try:
-        sup._attach(conn)
+        sup._attach(*sup.lifecycle.greet(conn))
         assert sup.load()["prompt_cache"]["entries"] == 0 and sup.load()["prompt_cache"]["cells"] == 512
         for cache_prompt in (True, False):
             job = StdoutJob([1, 2], 3, SamplingParams(), None, False, as_json=True, cache_prompt=cache_prompt)
@@ -201,13 +202,13 @@ def test_a_supervisor_relays_cache_prompt_and_rank0s_prompt_cache(tmp_path):
     finally:
         sup.stop()
         listener.close()
-        shutil.rmtree(sup._dir, ignore_errors=True)
+        shutil.rmtree(sup.work_dir, ignore_errors=True)
     rank0.join(WAIT_S)
     assert not rank0.is_alive()
 
 
 def test_the_link_carries_the_cache_and_cache_prompt():
-    job = link.Job(1, [2], [], 3, (0.0, 0, 1.0, 0), cache_prompt=False)
+    job = link.Generate(1, [2], [], 3, SamplingParams(), cache_prompt=False)
     assert link.decode(link.encode(job), link.TO_RANK0) == job
     done = link.Done(1, {}, {"enabled": True, "entries": 1})
     assert link.decode(link.encode(done), link.TO_SUPERVISOR) == done

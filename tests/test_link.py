@@ -19,8 +19,8 @@ from pipeinfer.serving.job import DoneEvent, ErrorEvent
 from link_fakes import WAIT_S, FakeSession, LetterTokenizer, attach_rank0, letter, outcome
 
 SAMPLES = [
-    link.Job(3, [1, 2, 3], [7, 8], 40, (0.7, 40, 0.9, 11), "lo ki", True),
-    link.Job(4, [5], [], 1, (0.0, 0, 1.0, 0)),
+    link.Generate(3, [1, 2, 3], [7, 8], 40, SamplingParams(0.7, 40, 0.9, 11), "lo ki", True),
+    link.Generate(4, [5], [], 1, SamplingParams()),
     link.Cancel(3),
     link.Stop(),
     link.Ready(2, 4, [("node-a", 1201), ("node-b", 1202)], [2**33, 2**32]),
@@ -68,9 +68,29 @@ def test_a_line_that_is_no_message_is_one_clear_error(line, error):
     assert str(e.value).startswith(error) and "\n" not in str(e.value), str(e.value)
 
 
-def test_a_job_without_its_optional_fields_takes_their_defaults():
-    line = '{"op":"job","id":1,"prompt":[2],"replay":[],"n_predict":3,"sampling":[0,0,1,0]}'
-    assert link.decode(line, link.TO_RANK0) == link.Job(1, [2], [], 3, (0, 0, 1, 0), None, False)
+def test_a_generate_without_its_optional_fields_takes_their_defaults():
+    line = '{"op":"generate","id":1,"prompt":[2],"replay":[],"n_predict":3,"sampling":{"temp":0,"seed":5}}'
+    msg = link.decode(line, link.TO_RANK0)
+    assert msg == link.Generate(1, [2], [], 3, SamplingParams(0.0, 0, 1.0, 5), None, False)
+    assert type(msg.sampling.temp) is float
+
+
+def test_sampling_goes_by_its_fields_names():
+    line = link.encode(link.Generate(1, [2], [], 3, SamplingParams(0.7, 40, 0.9, 11)))
+    assert '"sampling":{"temp":0.7,"top_k":40,"top_p":0.9,"seed":11}' in line
+
+
+@pytest.mark.parametrize("sampling, error", [
+    ("[0.7, 40, 0.9, 11]", "generate: field 'sampling' is not SamplingParams: [0.7, 40, 0.9, 11]"),
+    ('{"temp": 0.7, "k": 40}', "generate: field 'sampling' is not SamplingParams: {'temp': 0.7, 'k': 40}"),
+    ('{"temp": "hot"}', "generate: field 'sampling' is not SamplingParams: {'temp': 'hot'}"),
+    ('{"seed": true}', "generate: field 'sampling' is not SamplingParams: {'seed': True}"),
+])
+def test_a_sampling_that_is_not_one_is_one_clear_error(sampling, error):
+    line = f'{{"op":"generate","id":1,"prompt":[2],"replay":[],"n_predict":3,"sampling":{sampling}}}'
+    with pytest.raises(link.LinkError) as e:
+        link.decode(line, link.TO_RANK0)
+    assert str(e.value) == error
 
 
 def test_a_closed_link_refuses_to_send_and_its_reader_sees_the_end():
@@ -96,15 +116,16 @@ def test_the_supervisor_and_rank0_understand_each_other(tmp_path):
     a resumed job (its replay), a refused one, a cancelled one, and Stop."""
     from pipeinfer.serving.answer import Answer
     from pipeinfer.supervisor.resume import StdoutJob
-    from pipeinfer.supervisor.supervisor import Supervisor, _Record
+    from pipeinfer.supervisor.inflight import Record
+    from pipeinfer.supervisor.supervisor import Supervisor
     session = FakeSession()
     listener, conn, rank0 = attach_rank0(tmp_path, session)
     fatal: list[str] = []
     sup = Supervisor(["localhost", "localhost"], [], LetterTokenizer(), log=lambda _msg: None,
                      on_fatal=fatal.append)
     try:
-        sup._attach(conn)
-        assert sup.parallel == 3 and sup._pids == [os.getpid()] and sup._host_mem["localhost"] > 0
+        sup._attach(*sup.lifecycle.greet(conn))
+        assert sup.parallel == 3 and sup.lifecycle.pids == [os.getpid()] and sup.lifecycle.host_mem["localhost"] > 0
         full = StdoutJob([1, 2], 12, SamplingParams(0.5, 40, 0.9, 7), "lo ki", True, as_json=True)
         sup.submit(full)
         assert isinstance(outcome(full), DoneEvent) and full.tokens == [letter(i) for i in range(12)]
@@ -119,10 +140,10 @@ def test_the_supervisor_and_rank0_understand_each_other(tmp_path):
         assert stages[1]["n_decoded"] >= 12 and stages[1]["bytes_sent"] >= 1200 and "n_reports" not in stages[1]
 
         resumed = StdoutJob([1], 10, SamplingParams(), "lo", False, as_json=True)
-        rec = _Record(100, resumed, Answer(resumed, sup.tok), tokens=[letter(0), letter(1), letter(2)])
+        rec = Record(100, resumed, Answer(resumed, sup.tok), tokens=[letter(0), letter(1), letter(2)])
         with sup._lock:
-            sup._records[rec.jid] = rec
-            sup._send_job(rec)
+            sup.requests._records[rec.jid] = rec
+            sup._send(rec.generate_message())
         assert isinstance(outcome(resumed), DoneEvent) and rec.tokens == [letter(i) for i in range(10)]
         assert session.requests[-1].replay == rec.tokens[:3] and session.requests[-1].n_predict == 7
 
@@ -139,6 +160,6 @@ def test_the_supervisor_and_rank0_understand_each_other(tmp_path):
     finally:
         sup.stop()
         listener.close()
-        shutil.rmtree(sup._dir, ignore_errors=True)
+        shutil.rmtree(sup.work_dir, ignore_errors=True)
     rank0.join(WAIT_S)
     assert not rank0.is_alive() and not fatal

@@ -164,3 +164,32 @@ def test_plan_refuses_profiles_it_cannot_compare(tmp_path):
                       (["--profile", str(repack), "--profile", str(tiled)], "go with --clients")):
         out = run_cli(["plan", *args])
         assert out.returncode == 2 and why in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_the_twins_rounds_are_plans_that_keep_the_batching_rules(monkeypatch):
+    """Every round of a batched twin run is a plan (decide/planner.py) over what the scheduler saw: prompt chunks
+    beyond the stages only where they join rows held, the drafter to the oldest decoding generation, lent only to
+    ride where more decode than the pipeline is deep; the executor holds what the plan said it would."""
+    rounds = []
+
+    class Recording(sim.Scheduler):
+        def _execute(self, plan):
+            rounds.append((self._view(), plan, self.rules))
+            super()._execute(plan)
+    monkeypatch.setattr(sim, "Scheduler", Recording)
+    g = replace(gen("pipeinfer", 24, 2, None), batch_rows=8, prompt_chunk=4, draft_rides="always")
+    res = simulate_clients(uniform(3), g, n_clients=6, n_requests=12, n_prompt=20, n_parallel=6, agreement=0.7)
+    assert [r.n_tokens for r in res.requests] == [24] * 12
+    plans = [p for _, p, _ in rounds]
+    assert any(p.compact for p in plans) or res.sched.n_compactions == 0
+    assert any(len(p.feeds) > 1 for p in plans) and any(p.to_ride for p in plans) and any(p.speculate for p in plans)
+    for view, plan, rules in rounds:
+        if plan.compact:
+            assert not plan.feeds and plan.lend_to is None
+            continue
+        beyond = sum(v.prompt_in_flight for v in view.gens) + len(plan.feeds) - rules.n_stages
+        assert not plan.feeds or beyond <= 0 or plan.held.n_rows > 0
+        fed = [plan.feeds.count(i) for i in range(len(view.gens))]
+        decoding = [i for i, v in enumerate(view.gens) if not v.done and not v.background and len(v.chunks) == fed[i]]
+        assert plan.lend_to in (None, decoding[0] if decoding else None)
+        assert plan.to_ride == (plan.lend_to is not None and len(decoding) >= rules.depth and len(view.gens) > 1)

@@ -44,6 +44,7 @@ from .actions import EditKv, Executor
 from .batching import BatchRules, pipeline_depth, ride_cost_ms
 from .genconfig import GenConfig, check_gen_config
 from .head import Head, Taken
+from .planner import GenView, RoundPlan, RoundView, plan_round
 from .port import PipePort, Result
 from .slots import Slots
 
@@ -126,6 +127,7 @@ class Scheduler:
         self._ride_tries: deque[tuple[int, float]] = deque(maxlen=32)  # (rides launched, head ms) per try or lend
         self._run_id = first_run_id
         self._n_requests = 0
+        self.last_plan: RoundPlan | None = None   # the plan of the last round (tests and the twin read it)
         self.stats = SchedulerStats()
 
     @property
@@ -167,14 +169,33 @@ class Scheduler:
     def _round(self) -> None:
         if not (self.gens and self.pipe.result_ready()):
             self._admit()
-        if not self.gens:
-            return
-        if self._cells_short() and not all(g.head.done for g in self.gens):  # done ones only drain: no new cells
+        if self.gens:
+            self.last_plan = plan_round(self._view(), self.rules, self._ride_len)
+            self._execute(self.last_plan)
+
+    def _view(self) -> RoundView:
+        """What the planner sees (planner.RoundView)."""
+        return RoundView(
+            tuple(GenView(tuple((len(nodes), len(ops)) for nodes, ops in g.head.pending), len(g.head.prompt_in_flight),
+                          g.head.done, g.req.background, g.head.n_cells_bound + g.head.n_planned - g.head.seq0_end)
+                  for g in self.gens),
+            self.gens.index(self.holder) if self.holder is not None else None, len(self.pipe.in_flight),
+            self.executor.held, self.executor.row_cap, self.slots.n_cells_dead + self.slots.n_cells_cached,
+            self.budget.reserve, self.cfg.n_ctx, self.cfg.mode)
+
+    def _execute(self, plan: RoundPlan) -> None:
+        """Carry out a round's plan: compact, or feed, lend, speculate while no result is waiting, then take the
+        oldest result (_update) and deliver the answers of the generations whose runs are all back."""
+        if plan.compact:
             self._compact()
             return
-        self._feed()
-        holder = self._lend()
-        if holder is not None and not holder.head.done and self.cfg.mode == "pipeinfer":
+        gens = list(self.gens)
+        for i in plan.feeds:
+            self.executor.apply(gens[i], gens[i].head.feed())
+        if self.executor.held != plan.held:
+            raise RuntimeError(f"internal: the plan held {plan.held}, the executor holds {self.executor.held}")
+        holder = self._lend(gens[plan.lend_to] if plan.lend_to is not None else None, plan.to_ride)
+        if plan.speculate:
             self._speculate(holder)
             if holder.head.asynchronous and not self.pipe.result_ready():
                 holder.head.lease.ahead.wait(self.pipe.result_ready)  # a draft or a result, whichever comes first
@@ -222,17 +243,6 @@ class Scheduler:
         # in the chunks it takes alone (prompt_chunk, from position 0): other chunks change the numerics
         head.start(req.prompt, req.replay, cached=(start.seq, start.n) if start else None)
         head.stats.t_queue_s = max(0.0, head.stats.t_start_s - req.t_queued_s)
-
-    def _feed(self) -> None:
-        """Launch newcomers' prompt chunks while BatchRules.feeds says so, fewest chunks left first (then the first
-        admitted)."""
-        while pending := [g for g in self.gens if g.head.pending]:
-            g = min(pending, key=lambda g: len(g.head.pending))
-            nodes, pre_ops = g.head.pending[0]
-            in_flight = sum(len(h.head.prompt_in_flight) for h in self.gens)
-            if not self.rules.feeds(in_flight, self.executor.joins(len(nodes), len(pre_ops))):
-                return
-            self.executor.apply(g, g.head.feed())
 
     def _cells_short(self, newcomer: int = 0) -> bool:
         """Whether one more round's runs might not fit: a token per generation and the speculation, and the cells a
@@ -287,23 +297,16 @@ class Scheduler:
         return self.slots.load(self._cells_bound(), self.cfg.n_ctx)
 
     # ---------------------------------------------------------------- the drafter's lease and speculation
-    def _lend(self) -> Running | None:
-        """The generation that may speculate (BatchRules.lends): the oldest decoding one, once its prompt is fed (a
-        drafter's prefill would hold the head from feeding it)."""
-        if self.cfg.mode == "iterative":
-            return None
-        decoding = [g for g in self.gens if g.decoding and not g.req.background]
-        want = None
-        if decoding and (self.rules.lends(len(decoding), len(self.gens))
-                         or self._rides_pay(decoding[0], self.executor.row_cap)):
-            want = decoding[0]
+    def _lend(self, want: Running | None, to_ride: bool) -> Running | None:
+        """The drafter goes to `want` (planner: the oldest decoding generation, or no one); a lend made only for its
+        draft rows to ride counts as a ride's cost."""
         if want is not self.holder:
             if self.holder is not None:
                 self.holder.head.give_back()
             if want is not None:
                 t0 = self.clock()
                 want.head.lend(self.drafter_for(want.req.prompt, want.req.prompt_text, want.req.chat), self.pool)
-                if not self.rules.lends(len(decoding), len(self.gens)):  # lent to ride: the lend is a ride's cost
+                if to_ride:
                     self._ride_tries.append((0, (self.clock() - t0) * 1e3))
                 self.stats.n_lends += 1
             self.holder = want
@@ -336,9 +339,13 @@ class Scheduler:
                 self.executor.apply(g, actions)
 
     def _rides_pay(self, g: Running, n_rows: int) -> bool:
-        """Whether g's draft rows buy more than they cost riding a shared decode of n_rows others' rows (the sizer's
-        ride_len on the measured stage costs, its running acceptance and what rides have cost the head)."""
-        return self.rules.rides_pay(n_rows, lambda: g.head.sizer.ride_len(n_rows, ride_cost_ms(self._ride_tries)))
+        """Whether g's draft rows buy more than they cost riding a shared decode of n_rows others' rows."""
+        return self.rules.rides_pay(n_rows, lambda: self._ride_len(self.gens.index(g), n_rows))
+
+    def _ride_len(self, i: int, n_rows: int) -> int:
+        """Draft tokens generation i would ride on n_rows others' rows (its sizer's ride_len on the measured stage
+        costs, its running acceptance and what rides have cost the head)."""
+        return self.gens[i].head.sizer.ride_len(n_rows, ride_cost_ms(self._ride_tries))
 
     # ---------------------------------------------------------------- runs and results
     def _new_run_id(self) -> int:

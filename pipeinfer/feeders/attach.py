@@ -3,7 +3,8 @@ scheduler fed by the supervisor over a local Unix socket instead of by HTTP.
 
 The messages each way are link.py's (one JSON line each; the HTTP front end, the text, the stop strings and every
 request's state stay in the supervisor, which outlives this MPI job): rank 0 says Ready when it attaches, takes
-Job, Cancel and Stop, and answers each job with Tokens as they come and Done (or JobError where it refuses it).
+Generate, Cancel and Stop, and answers each Generate with Tokens as they come and Done (or JobError where it
+refuses it). A Generate's fields go to session.request as they arrive (its SamplingParams decoded by the link).
 Ready and every Done carry the prompt cache's numbers (session.load()["prompt_cache"]) for the supervisor's
 /health and /metrics; Stages carries the stages' counters (session.stages()) when they changed, at most every
 link.STAGES_EVERY_S, from the pump's tick (the generation thread takes the stages' reports there).
@@ -16,11 +17,10 @@ import threading
 import time
 
 from ..core.decoding import Decoding
-from ..core.verify import SamplingParams
 from ..wire.hosts import host_name
 from ..wire.liveness import available_memory
-from ..serving.link import STAGES_EVERY_S, Cancel, Done, Job, JobError, Link, Ready, Stages, Stop, Tokens
-from .pump import pump
+from ..serving.link import STAGES_EVERY_S, Cancel, Done, Generate, JobError, Link, Ready, Stages, Stop, Tokens
+from .pump import END, NOTHING, TOOK, pump
 
 
 def run_attached(session, path: str, stop) -> None:
@@ -50,9 +50,18 @@ def run_attached(session, path: str, stop) -> None:
     link.send(Ready(len(session.ranges), session.parallel, list(ranks_at), list(mem),
                     [(r.start, r.end) for r in session.ranges], getattr(session, "threads", None),
                     _prompt_cache(session)))
-    pump(sched, inbox, lambda msg: _submit(session, sched, link, msg, cancelled, stop),
-         ends=lambda msg: msg is None or isinstance(msg, Stop), stop_requested=lambda: stop.requested,
-         tick=_StageRelay(session, link))
+
+    def take(timeout: float | None) -> str:
+        """The pump's next message: a Generate submitted (TOOK), nothing by the timeout (NOTHING), or the end."""
+        try:
+            msg = inbox.get(block=timeout != 0, timeout=timeout or None)
+        except queue.Empty:
+            return NOTHING
+        if msg is None or isinstance(msg, Stop):
+            return END
+        _submit(session, sched, link, msg, cancelled, stop)
+        return TOOK
+    pump(sched, take, stop_requested=lambda: stop.requested, tick=_StageRelay(session, link))
 
 
 class _StageRelay:
@@ -83,7 +92,7 @@ def _prompt_cache(session) -> dict | None:
     return session.load()["prompt_cache"]
 
 
-def _submit(session, sched, link: Link, msg: Job, cancelled: set, stop) -> None:
+def _submit(session, sched, link: Link, msg: Generate, cancelled: set, stop) -> None:
     jid = msg.id
 
     def done(tokens: list[int], stats) -> None:
@@ -93,7 +102,7 @@ def _submit(session, sched, link: Link, msg: Job, cancelled: set, stop) -> None:
     def on_tokens(tokens: list[int]) -> None:
         link.send(Tokens.of(jid, tokens, pending))
         pending.clear()
-    req = session.request(msg.prompt, n_predict=msg.n_predict, sampling=SamplingParams(*msg.sampling),
+    req = session.request(msg.prompt, n_predict=msg.n_predict, sampling=msg.sampling,
                           prompt_text=msg.prompt_text, chat=msg.chat, on_tokens=on_tokens,
                           should_stop=lambda: jid in cancelled or stop.requested, on_done=done,
                           replay=msg.replay, decoding=Decoding.from_dict(msg.decoding), on_logprobs=pending.extend,

@@ -1,5 +1,5 @@
 """`pipeinfer generate --prompts FILE`: an offline batch, every prompt of a file through one pipeline, several
-at once (ranks/scheduler.py; --parallel, default 4 per stage when requests share decodes: --batch-rows), one
+at once (decide/scheduler.py; --parallel, default 4 per stage when requests share decodes: --batch-rows), one
 JSON line per answer on stdout and one --results row per prompt.
 
 FILE has one prompt per line, or JSON lines: {"prompt": "...", "n_predict": 64, "seed": 1, "temp": 0.7,
@@ -125,7 +125,7 @@ def run_batch(args, stop) -> None:
         print(f"[pipeinfer] {len(prompts)} prompts, {session.parallel} at once: {n_tokens} tokens in {wall_s:.1f} s, "
               f"{n_tokens / wall_s:.2f} tokens/s; at most {st.max_active} generating, {st.waits_for_cells} rounds "
               f"waiting for KV cells, {st.n_compactions} compactions, {sched.executor.n_merged_runs} decodes carrying "
-              f"{sched.executor.n_merged_rows} requests' next tokens (up to {sched.executor.batch_rows} per decode), "
+              f"{sched.executor.n_merged_rows} requests' next tokens (up to {sched.rules.batch_rows} per decode), "
               f"{sched.executor.n_rides} draft micro-batches riding them ({sched.executor.n_riders_dropped} dropped "
               f"when cancelled)"
               + (f", {sched.cache.n_tokens_reused} prompt tokens from the cache" if sched.cache else ""), file=sys.stderr)

@@ -1,7 +1,8 @@
 """The generation thread of `pipeinfer serve` on rank 0: it owns the head session (every MPI call and llama.cpp
-decode happens there) and pumps queued jobs (serving/job.py) into its scheduler (ranks/scheduler.py), which runs up to
---parallel of them at once, admitted first come first served. Each job's answer goes back to its request's
-handler through the job's asyncio queue (answer.py)."""
+decode happens there) and runs the pump (pump.py) over its scheduler (decide/scheduler.py), which runs up to
+--parallel jobs at once, admitted first come first served. A queued job (serving/job.py) goes from this thread's
+queue straight to the session as its Request (its SamplingParams as the HTTP server made them). Each job's answer
+goes back to its request's handler through the job's asyncio queue (answer.py)."""
 from __future__ import annotations
 
 import queue
@@ -10,7 +11,7 @@ import threading
 
 from ..serving.answer import Answer
 from ..serving.job import ErrorEvent, Job, RequestError
-from .pump import pump
+from .pump import END, NOTHING, TOOK, pump
 
 
 class Generator:
@@ -64,8 +65,19 @@ class Generator:
     def _loop(self) -> None:
         sched = self.session.scheduler()
         running: dict[int, Job] = {}
+
+        def take(timeout: float | None) -> str:
+            """The pump's next job: admitted (TOOK), nothing by the timeout (NOTHING), or the end (stop)."""
+            try:
+                job = self.jobs.get(block=timeout != 0, timeout=timeout or None)
+            except queue.Empty:
+                return NOTHING
+            if job is None:
+                return END
+            self._admit(sched, job, running)
+            return TOOK
         try:
-            pump(sched, self.jobs, lambda job: self._admit(sched, job, running), tick=self.session.poll_stages)
+            pump(sched, take, tick=self.session.poll_stages)
         except Exception as e:
             self._fail(e, list(running.values()))
 

@@ -1,13 +1,12 @@
 """Anthropic's Messages API on `pipeinfer serve`: POST /v1/messages (one JSON message, or Anthropic's server-sent
-events) and POST /v1/messages/count_tokens; and the body and event helpers the Responses API (responses_api.py)
-shares.
+events, sse.py) and POST /v1/messages/count_tokens (`register_anthropic`).
 
-A request becomes a conversation in OpenAI's shape (tools.from_anthropic_messages / from_anthropic_tools), run as
-one turn (turn.Turn): rendered through the chat template (with tools or tool calls: the GGUF's Jinja template,
-engine/chat.py; else the app's apply_chat_template), one job (jobs.make_jobs) queued on the generator; the answer's
-text is cut at the first stop sequence (answer.StopMatcher there, so the reply can say which one matched; the job
-is then cancelled) and, when the request has tools, parsed into text and tool calls as it streams
-(tools.ToolCallParser).
+A request becomes a conversation in OpenAI's shape (tools.from_anthropic_messages / from_anthropic_tools) and its
+Settings (serving/job.py: the sampling by serving.job.sampling_of), run as one turn (turn.Turn): rendered through
+the chat template (with tools or tool calls: the GGUF's Jinja template, engine/chat.py; else the app's
+apply_chat_template), one job made and queued on the generator (submit.submit_request); the answer's text is cut
+at the first stop sequence (answer.StopMatcher there, so the reply can say which one matched; the job is then
+cancelled) and, when the request has tools, parsed into text and tool calls as it streams (tools.ToolCallParser).
 
 Every error on these routes is Anthropic's: {"type": "error", "error": {"type", "message"}}; the body is validated
 here (not by FastAPI) so that a malformed one is not answered in OpenAI's shape. `x-api-key` and
@@ -33,49 +32,20 @@ here (not by FastAPI) so that a malformed one is not answered in OpenAI's shape.
 """
 from __future__ import annotations
 
-import json
 import traceback
 import uuid
-from typing import Any, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from ..serving.job import RequestError
-from .submit import JobStream, ServeConfig, check_model, with_seed
+from ..serving.job import RequestError, Settings, sampling_of
+from .sse import JobStream, event
+from .submit import ServeConfig, check_model, read_body, validation_error, with_seed
 from .tools import (CallArgs, CallEnd, CallFailed, CallStart, Text, ToolError, from_anthropic_messages,
                     from_anthropic_tools, new_call_id)
 from .turn import Block, Conversation, Outcome, Turn, arguments_object, fold, render
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def sse(event: str, data: dict) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-async def read_body(request: Request, model: type[BaseModel], describe: Callable[[ValidationError], RequestError]):
-    """The JSON body validated by `model` (RequestError 400 naming the field; never FastAPI's 422 path)."""
-    try:
-        raw = await request.json()
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RequestError(400, f"the body is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise RequestError(400, "the body must be a JSON object")
-    try:
-        return model.model_validate(raw)
-    except ValidationError as e:
-        raise describe(e) from None
-
-
-def validation_error(e: ValidationError) -> RequestError:
-    first = e.errors()[0] if e.errors() else {}
-    where = ".".join(str(x) for x in first.get("loc", ()))
-    msg = first.get("msg", "invalid request body")
-    if first.get("type") == "missing":
-        msg = "Field required"
-    return RequestError(400, f"{where or 'body'}: {msg}", param=where or None)
 
 
 # ==================================================================================== Anthropic's bodies
@@ -203,8 +173,8 @@ class MessageReply:
 
     async def stream(self):
         n_prompt = len(self.turn.prompt.tokens)
-        yield sse("message_start", {"type": "message_start",
-                                    "message": self.message([], None, None, n_prompt, 0)})
+        yield event("message_start", {"type": "message_start",
+                                      "message": self.message([], None, None, n_prompt, 0)})
         index, open_kind, calls = -1, None, {}   # calls: the parser's call index -> block index
 
         def close():
@@ -212,10 +182,10 @@ class MessageReply:
             if open_kind is None:
                 return []
             open_kind = None
-            return [sse("content_block_stop", {"type": "content_block_stop", "index": index})]
+            return [event("content_block_stop", {"type": "content_block_stop", "index": index})]
 
         def delta(d: dict) -> str:
-            return sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": d})
+            return event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": d})
 
         try:
             async for e in self.turn.events():
@@ -224,32 +194,32 @@ class MessageReply:
                     if open_kind != "text":
                         out += close()
                         index, open_kind = index + 1, "text"
-                        out.append(sse("content_block_start", {"type": "content_block_start", "index": index,
-                                                               "content_block": {"type": "text", "text": ""}}))
+                        out.append(event("content_block_start", {"type": "content_block_start", "index": index,
+                                                                 "content_block": {"type": "text", "text": ""}}))
                     out.append(delta({"type": "text_delta", "text": e.text}))
                 elif isinstance(e, CallStart):
                     out += close()
                     index, open_kind = index + 1, "call"
                     calls[e.index] = index
-                    out.append(sse("content_block_start", {"type": "content_block_start", "index": index,
-                                                           "content_block": {"type": "tool_use", "id": e.id,
-                                                                             "name": e.name, "input": {}}}))
+                    out.append(event("content_block_start", {"type": "content_block_start", "index": index,
+                                                             "content_block": {"type": "tool_use", "id": e.id,
+                                                                               "name": e.name, "input": {}}}))
                 elif isinstance(e, CallArgs) and e.fragment:
                     out.append(delta({"type": "input_json_delta", "partial_json": e.fragment}))
                 elif isinstance(e, CallEnd):
                     out += close()
                 elif isinstance(e, Outcome):
                     out += close()
-                    out.append(sse("message_delta", {"type": "message_delta",
-                                                     "delta": {"stop_reason": _stop_reason(e),
-                                                               "stop_sequence": e.stop_sequence},
-                                                     "usage": usage(e.prompt_tokens, e.completion_tokens,
-                                                                    e.cached_tokens)}))
-                    out.append(sse("message_stop", {"type": "message_stop"}))
+                    out.append(event("message_delta", {"type": "message_delta",
+                                                       "delta": {"stop_reason": _stop_reason(e),
+                                                                 "stop_sequence": e.stop_sequence},
+                                                       "usage": usage(e.prompt_tokens, e.completion_tokens,
+                                                                      e.cached_tokens)}))
+                    out.append(event("message_stop", {"type": "message_stop"}))
                 for chunk in out:
                     yield chunk
         except RequestError as err:
-            yield sse("error", {"type": "error", "error": {"type": "api_error", "message": err.message}})
+            yield event("error", {"type": "error", "error": {"type": "api_error", "message": err.message}})
 
 
 # ==================================================================================== the routes
@@ -270,15 +240,15 @@ def register_anthropic(app: FastAPI, cfg: ServeConfig, generator, tokenizer, app
         async def work():
             req = await read_body(request, MessagesRequest, validation_error)
             check_model(cfg, req.model)
-            turn = Turn(cfg, tokenizer, apply_chat_template, conversation(req), max_tokens=req.max_tokens,
-                        max_tokens_param="max_tokens", temperature=req.temperature, top_p=req.top_p,
-                        top_k=req.top_k, stops=req.stop_sequences or [], call_id=lambda: new_call_id("toolu_"),
-                        cache_prompt=req.cache_prompt is not False)
+            conv = conversation(req)
+            settings = Settings(req.max_tokens, "max_tokens", sampling_of(req.temperature, req.top_p, req.top_k),
+                                tuple(req.stop_sequences or ()), cache_prompt=req.cache_prompt is not False)
+            turn = Turn(cfg, tokenizer, apply_chat_template, conv, settings, call_id=lambda: new_call_id("toolu_"))
             await turn.start(generator, request)
             reply = MessageReply(cfg.model_id, turn)
             if req.stream:
-                return with_seed(JobStream(reply.stream(), [turn.job], headers=SSE_HEADERS), turn.settings.seed)
-            return with_seed(await reply.whole(), turn.settings.seed)
+                return with_seed(JobStream(reply.stream(), [turn.job]), settings.sampling.seed)
+            return with_seed(await reply.whole(), settings.sampling.seed)
         return await guarded(work)
 
     @app.post("/v1/messages/count_tokens")

@@ -1,27 +1,31 @@
-"""`pipeinfer serve`: an OpenAI-compatible HTTP server on the head rank (rank 0).
+"""`pipeinfer serve`'s HTTP server: the app (`create_app`) that wires every API's routes over a generator it is given.
 
-Endpoints: POST /v1/chat/completions and /v1/completions (streaming as server-sent events ending with
-`data: [DONE]`, or one JSON answer; fields in openai_api.py, reply shapes in openai_reply.py), GET /v1/models (with
-the context: llama-server's `meta` and vLLM's `max_model_len`), GET /health, and llama-server's POST /tokenize and
-/detokenize. Every error, on every route (an unknown route and a wrong method too), is OpenAI's JSON:
-`{"error": {"message", "type", "param", "code"}}`: 400 for a malformed field (named in `param`) or a request that
-does not fit the context, 404 for an unknown model or route, 405 for a wrong method, 503 + Retry-After when the
-queue is full, 500 when the pipeline failed.
+Where it runs: in the process that `pipeinfer serve` starts. Under mpiexec that is rank 0, beside the generation
+thread that owns the pipeline (feeders/generator.py); supervised (`serve --np N` / `--hostfile HOSTS`) it is the
+supervisor's process, outside MPI, which runs the pipeline as a child job and feeds its rank 0 over a socket
+(supervisor/supervisor.py, serving/link.py). Either way it imports no MPI and sees only the serving seam's
+Generator (serving/job.py).
 
-Threads on rank 0: uvicorn's event loop takes requests and turns each into jobs (submit.py: one per choice); one
-generation thread (feeders/generator.py) owns the pipeline and runs queued jobs first come first served: one at a time
-(--parallel 1), or up to N at once through the scheduler (ranks/scheduler.py: --parallel N). Text goes back to the
-request's handler through an asyncio queue (serving/answer.py). A client that disconnects (or a stop string that matches)
-sets the job's stop flag: the head stops launching, cancels its runs in flight through the pipeline's
-cancellation, and collects them, so no run or KV cell is left behind; each generation starts from an empty KV
-cache on every stage (ranks/startup.HeadSession), or, with the prompt cache (--cache-prompt, and the request's
-`cache_prompt`, llama-server's field), from the cells of an earlier prompt's head it shares: the same tokens,
-never another request's answer. /health shows the cache (`prompt_cache`). The other ranks serve the pipeline as
-they do for `generate`.
+Routes: each API module registers its own, and renders the one kind of result every generation gives (serving/job
+events) in its API's shape: OpenAI's POST /v1/chat/completions and /v1/completions (openai_api.py, replies in
+openai_reply.py), Anthropic's POST /v1/messages and /v1/messages/count_tokens (anthropic_api.py), OpenAI's POST
+/v1/responses (responses_api.py); streamed answers are server-sent events (sse.py). This module adds GET /v1/models
+(with the context: llama-server's `meta` and vLLM's `max_model_len`), GET /health and llama-server's POST /tokenize
+and /detokenize, then the page (page.py: / and /state), /metrics (metrics.py) and the access gate (access.py).
+Every error but those Anthropic's routes answer in their own shape (anthropic_api.py), an unknown route and a wrong
+method too, is OpenAI's JSON: `{"error": {"message", "type", "param", "code"}}`: 400 for a malformed field (named
+in `param`) or a request that does not fit the context, 404 for an unknown model or route, 405 for a wrong method,
+503 + Retry-After when the queue is full, 500 when the pipeline failed.
 
-Modules, downward: serving/job.py (requests as jobs, their events) <- serving/answer.py (a job's text and
-log-probabilities on the way out) <- feeders/generator.py (the generation thread) <- submit.py <- turn.py (a conversation with tools: its prompt, the tool
-calls parsed from its answers) <- openai_api.py / openai_reply.py <- this one (the routes).
+A request goes down in one line: its API module parses the body into Prompts and Settings (serving/job.py; the
+sampling made once, by serving.job.sampling_of), submit.submit_request makes one Job per choice and queues them on
+the generator, whose thread hands each to the head session's scheduler (decide/scheduler.py: up to --parallel at
+once, first come first served). Text comes back through the job's asyncio queue (serving/answer.py). A client
+that disconnects (or a stop string that matches) sets the job's stop flag: the head stops launching, cancels its
+runs in flight through the pipeline's cancellation, and collects them, so no run or KV cell is left behind; each
+generation starts from an empty KV cache on every stage (ranks/startup.HeadSession), or, with the prompt cache
+(--cache-prompt, and the request's `cache_prompt`, llama-server's field), from the cells of an earlier prompt's
+head it shares: the same tokens, never another request's answer. /health shows the cache (`prompt_cache`).
 """
 from __future__ import annotations
 
@@ -32,15 +36,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..serving.answer import StopMatcher
-from ..serving.job import Job, Prompt, RequestError, new_request_id
-from .submit import ServeConfig, acheck_constraint, check_model, check_token_ids, make_jobs, submit, with_seed
-from .openai_api import (Body, ChatRequest, Common, CompletionRequest, chat_conversation, chat_top_logprobs,
-                         check_choices, completion_prompts, constraint_of, refuse_unsupported, settings_of)
-from .openai_reply import CHAT, COMPLETION, Reply, ReplyKind, respond
-from .turn import AnswerFormat, answer_format, render
+from ..serving.job import RequestError
+from .anthropic_api import register_anthropic
+from .openai_api import Body, register_openai
+from .responses_api import register_responses
+from .submit import ServeConfig, check_token_ids
 
-__all__ = ["Job", "RequestError", "ServeConfig", "StopMatcher", "Reply", "submit", "create_app"]
+__all__ = ["ServeConfig", "create_app"]
 
 
 class TokenizeRequest(Body):
@@ -143,39 +145,6 @@ def _token_routes(app: FastAPI, tokenizer) -> None:
         return {"content": tokenizer.decode(check_token_ids(req.tokens, tokenizer.n_vocab, "tokens"))}
 
 
-def _openai_routes(app: FastAPI, cfg: ServeConfig, generator, tokenizer, apply_chat_template) -> None:
-    async def answer(request: Request, kind: ReplyKind, req: Common, prompts: list[Prompt], top_logprobs: int | None,
-                     max_tokens: int | None, max_tokens_param: str, fmt: AnswerFormat | None = None):
-        """Every field checked (the constraint compiled) and every job made before the first is queued; `fmt`
-        (chat): the constraint and the tool-call parsing (turn.answer_format)."""
-        check_choices(len(prompts), req.n)
-        constraint, where = constraint_of(req) if fmt is None else (fmt.constraint, fmt.constraint_param)
-        settings = settings_of(req, constraint, top_logprobs, tokenizer, max_tokens, max_tokens_param)
-        await acheck_constraint(constraint, tokenizer, where)
-        request_id = new_request_id()
-        jobs = make_jobs(cfg, prompts, settings, request_id)
-        want_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return with_seed(await respond(generator, kind, cfg.model_id, req.stream, want_usage, prompts, jobs,
-                                       request_id, request, fmt.parser if fmt is not None else None), settings.seed)
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        check_model(cfg, req.model)
-        refuse_unsupported(req)
-        return await answer(request, COMPLETION, req, completion_prompts(req.prompt, tokenizer), req.logprobs,
-                            req.max_tokens, "max_tokens")
-
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest, request: Request):
-        check_model(cfg, req.model)
-        top = chat_top_logprobs(req)
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        conv = chat_conversation(req)
-        prompt = render(conv, tokenizer, apply_chat_template)
-        return await answer(request, CHAT, req, [prompt], top, req.max_completion_tokens or req.max_tokens, param,
-                            answer_format(conv, tokenizer))
-
-
 def create_app(cfg: ServeConfig, generator, tokenizer, apply_chat_template, access=None):
     """The ASGI app over `generator` (feeders/generator.Generator, or the supervisor). `apply_chat_template(messages) ->
     prompt text`; `access` (access.Access): keys and limits (none by default but a 4 MiB body), /metrics always."""
@@ -183,8 +152,8 @@ def create_app(cfg: ServeConfig, generator, tokenizer, apply_chat_template, acce
     _error_handlers(app)
     _info_routes(app, cfg, generator, tokenizer)
     _token_routes(app, tokenizer)
-    _openai_routes(app, cfg, generator, tokenizer, apply_chat_template)
-    from .responses_api import register_apis; register_apis(app, cfg, generator, tokenizer, apply_chat_template)  # noqa: E702,E501
+    for register in (register_openai, register_anthropic, register_responses):  # each API its own routes
+        register(app, cfg, generator, tokenizer, apply_chat_template)
     from .page import register_page; register_page(app, cfg, generator)  # noqa: E702  the page at /, GET /state
     from .access import Access, Gate; from .metrics import register_metrics  # noqa: E702
     app.add_middleware(Gate, access=access or Access(), metrics=register_metrics(app, generator))

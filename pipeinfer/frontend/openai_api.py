@@ -1,4 +1,6 @@
-"""OpenAI's request bodies (POST /v1/chat/completions, /v1/completions) and what they ask, as jobs (submit.py).
+"""OpenAI's chat and completions: POST /v1/chat/completions and /v1/completions (`register_openai`), their
+request bodies, and what they ask, sent down as one request (submit.submit_request) and answered in OpenAI's
+shapes (openai_reply.py).
 
 Every field, and what the server does with it (C: chat, T: completions; llama-server's own fields marked L):
 
@@ -60,13 +62,15 @@ import json
 import re
 from typing import Annotated, Any
 
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.decoding import MAX_TOP_LOGPROBS, Constraint, Decoding
-from ..serving.job import Prompt, RequestError, Settings, bad, draw_seed
-from .submit import check_token_ids
+from ..serving.job import Prompt, RequestError, Settings, bad, new_request_id, sampling_of
+from .openai_reply import CHAT, COMPLETION, ReplyKind, respond
+from .submit import ServeConfig, acheck_constraint, check_model, check_token_ids, submit_request, with_seed
 from .tools import ToolError, check_tools
-from .turn import Conversation
+from .turn import AnswerFormat, Conversation, answer_format, render
 
 MAX_N = 8
 MAX_CHOICES = 64           # prompts x n in one request: each is a generation in the queue
@@ -212,10 +216,13 @@ def refuse_unsupported(req: CompletionRequest) -> None:
 
 def settings_of(req: Common, constraint: Constraint | None, top_logprobs: int | None, tokenizer,
                 max_tokens: int | None, max_tokens_param: str) -> Settings:
+    """What the request asks of each of its generations, every field checked; its sampling made last, by the
+    conversion every API shares (serving.job.sampling_of)."""
     decoding = Decoding(constraint, logit_bias(req.logit_bias, tokenizer), req.frequency_penalty or 0.0,
                         req.presence_penalty or 0.0, top_logprobs)
-    return Settings(max_tokens, max_tokens_param, req.temperature or 0.0, req.top_p or 1.0, req.top_k or 0,
-                    draw_seed(req.seed, req.temperature or 0.0), stops(req.stop), decoding, req.n, req.cache_prompt is not False)
+    stop_strings = stops(req.stop)
+    return Settings(max_tokens, max_tokens_param, sampling_of(req.temperature, req.top_p, req.top_k, req.seed),
+                    stop_strings, decoding, req.n, req.cache_prompt is not False)
 
 
 # ------------------------------------------------------------------------------------ prompts
@@ -316,3 +323,39 @@ def check_choices(n_prompts: int, n: int) -> None:
     if n_prompts * n > MAX_CHOICES:
         raise RequestError(400, f"prompt: {n_prompts} prompt(s) x n {n} is more than {MAX_CHOICES} generations "
                                 f"in one request", param="prompt")
+
+
+# ------------------------------------------------------------------------------------ the routes
+def register_openai(app: FastAPI, cfg: ServeConfig, generator, tokenizer, apply_chat_template) -> None:
+    """POST /v1/completions and /v1/chat/completions (errors: the app's handlers, OpenAI's shape)."""
+
+    async def answer(request: Request, kind: ReplyKind, req: Common, prompts: list[Prompt], top_logprobs: int | None,
+                     max_tokens: int | None, max_tokens_param: str, fmt: AnswerFormat | None = None):
+        """Every field checked (the constraint compiled) before the request's jobs are made and queued; `fmt`
+        (chat): the constraint and the tool-call parsing (turn.answer_format)."""
+        check_choices(len(prompts), req.n)
+        constraint, where = constraint_of(req) if fmt is None else (fmt.constraint, fmt.constraint_param)
+        settings = settings_of(req, constraint, top_logprobs, tokenizer, max_tokens, max_tokens_param)
+        await acheck_constraint(constraint, tokenizer, where)
+        request_id = new_request_id()
+        jobs, events = submit_request(generator, cfg, prompts, settings, request, request_id)
+        want_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return with_seed(await respond(kind, cfg.model_id, req.stream, want_usage, prompts, jobs, events, request_id,
+                                       fmt.parser if fmt is not None else None), settings.sampling.seed)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_model(cfg, req.model)
+        refuse_unsupported(req)
+        return await answer(request, COMPLETION, req, completion_prompts(req.prompt, tokenizer), req.logprobs,
+                            req.max_tokens, "max_tokens")
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
+        check_model(cfg, req.model)
+        top = chat_top_logprobs(req)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        conv = chat_conversation(req)
+        prompt = render(conv, tokenizer, apply_chat_template)
+        return await answer(request, CHAT, req, [prompt], top, req.max_completion_tokens or req.max_tokens, param,
+                            answer_format(conv, tokenizer))

@@ -1,5 +1,5 @@
-"""OpenAI's reply shapes for chat and completions: a request's events (jobs.submit_all) as one JSON answer or as
-server-sent events, every choice under its index.
+"""OpenAI's reply shapes for chat and completions: a request's events (submit.submit_request's) as one JSON answer
+or as server-sent events (sse.py), every choice under its index.
 
 Streamed: chat opens each choice with a chunk holding the assistant's role; then a chunk per piece of text (the
 choices interleaved as their pieces come, each chunk one choice; with tools, the pieces of each call as OpenAI's
@@ -19,7 +19,6 @@ tools, every token's entry, its text content or a call's, goes with its choice's
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,7 +26,8 @@ from typing import Callable
 from fastapi.responses import JSONResponse
 
 from ..serving.job import ErrorEvent, Job, Prompt, RequestError, TextEvent
-from .submit import JobStream, collect, submit_all
+from . import sse
+from .submit import collect
 from .tools import CallArgs, CallFailed, CallStart
 from .turn import CallEvent, CallParser, ParsedChoice, collect_parsed, parsed_events
 
@@ -113,10 +113,6 @@ CHAT = ReplyKind("chatcmpl-", "chat.completion", "chat.completion.chunk", _chat_
                  chat_logprobs, opening=_chat_opening)
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
@@ -146,10 +142,10 @@ class Reply:
                 "model": self.model_id, "choices": choices, **more}
 
     def chunk(self, choice: dict) -> str:
-        return _sse(self.body(self.kind.chunk_object, [choice]))
+        return sse.data(self.body(self.kind.chunk_object, [choice]))
 
     async def stream(self, events, want_usage: bool):
-        """Server-sent events from submit_all's (index, event)s (the shape in the module docstring)."""
+        """Server-sent events from submit_request's (index, event)s (the shape in the module docstring)."""
         if self.kind.opening is not None:
             for i in range(self.n_choices):
                 yield self.chunk(self.kind.opening(i))
@@ -166,16 +162,16 @@ class Reply:
                 if choice is not None:
                     yield self.chunk(choice)
             elif isinstance(ev, ErrorEvent):
-                yield _sse(RequestError(500, ev.message).body())
+                yield sse.data(RequestError(500, ev.message).body())
                 return
             else:
                 completion += ev.completion_tokens
                 cached[i] = ev.cached_tokens
                 yield self.chunk(self.kind.piece(i, None, ev.finish_reason, None))
         if want_usage:
-            yield _sse(self.body(self.kind.chunk_object, [],
-                                 usage=_usage(self.prompt_tokens, completion, self.cached(cached))))
-        yield "data: [DONE]\n\n"
+            yield sse.data(self.body(self.kind.chunk_object, [],
+                                     usage=_usage(self.prompt_tokens, completion, self.cached(cached))))
+        yield sse.DONE
 
     async def whole(self, events):
         """One JSON answer once every choice is done."""
@@ -193,19 +189,17 @@ class Reply:
                                       self.cached([c.cached_tokens for c in choices])))
 
 
-async def respond(generator, kind: ReplyKind, model_id: str, stream: bool, want_usage: bool, prompts: list[Prompt],
-                  jobs: list[Job], request_id: str, request,
-                  parser: Callable[[], CallParser | None] | None = None):
-    """Submit the jobs; the reply streamed (server-sent events) or whole, as the request asks. `parser` (chat with
-    tools: turn.AnswerFormat.parser) gives each choice its tool-call parser."""
+async def respond(kind: ReplyKind, model_id: str, stream: bool, want_usage: bool, prompts: list[Prompt],
+                  jobs: list[Job], events, request_id: str, parser: Callable[[], CallParser | None] | None = None):
+    """The reply to the queued `jobs` from their `events` (submit.submit_request's), streamed (server-sent events)
+    or whole, as the request asks. `parser` (chat with tools: turn.AnswerFormat.parser) gives each choice its
+    tool-call parser."""
     parsers = [parser() for _ in jobs] if parser is not None else []
     tools = bool(parsers) and parsers[0] is not None
     reply = Reply(kind, request_id, model_id, len(jobs), sum(len(p.tokens) for p in prompts),
                   jobs[0].decoding.top_logprobs is not None, tools, len(jobs) // max(1, len(prompts)))
-    events = submit_all(generator, jobs, request)
     if tools:
         events = parsed_events(events, parsers, jobs)
     if stream:
-        return JobStream(reply.stream(events, want_usage), jobs,
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse.JobStream(reply.stream(events, want_usage), jobs)
     return await reply.whole(events)

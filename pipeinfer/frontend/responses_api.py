@@ -1,6 +1,7 @@
-"""OpenAI's Responses API on `pipeinfer serve`: POST /v1/responses, one Response object or its typed server-sent
-events. Stateless: nothing is stored, so previous_response_id and conversation are refused. The turn (prompt,
-job, stop and tool-call parsing) is turn.Turn's; errors are OpenAI's shape (jobs.RequestError).
+"""OpenAI's Responses API on `pipeinfer serve`: POST /v1/responses (`register_responses`), one Response object or
+its typed server-sent events (sse.py). Stateless: nothing is stored, so previous_response_id and conversation are
+refused. The turn (prompt, job, stop and tool-call parsing) is turn.Turn's, of the Settings made here (the sampling
+by serving.job.sampling_of); errors are OpenAI's shape (serving.job.RequestError).
 
     field                   what the server does
     ----------------------  -----------------------------------------------------------------------------------
@@ -33,9 +34,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .anthropic_api import SSE_HEADERS, read_body, sse, validation_error
-from ..serving.job import RequestError, bad
-from .submit import JobStream, ServeConfig, check_model, with_seed
+from ..serving.job import RequestError, Settings, bad, sampling_of
+from .sse import JobStream, event
+from .submit import ServeConfig, check_model, read_body, validation_error, with_seed
 from .openai_api import Common, ResponseFormat, constraint_of
 from .tools import CallArgs, CallEnd, CallFailed, CallStart, Text, ToolError, check_tools
 from .turn import Block, Conversation, Outcome, Turn, fold
@@ -224,7 +225,7 @@ class ResponseReply:
 
     # ---------------------------------------------------------------- streamed
     def event(self, kind: str, **data) -> str:
-        out = sse(kind, {"type": kind, **data, "sequence_number": self.seq})
+        out = event(kind, {"type": kind, **data, "sequence_number": self.seq})
         self.seq += 1
         return out
 
@@ -308,9 +309,10 @@ def register_responses(app: FastAPI, cfg: ServeConfig, generator, tokenizer, app
         try:
             req = await read_body(request, ResponsesRequest, validation_error)
             check_model(cfg, req.model)
-            turn = Turn(cfg, tokenizer, apply_chat_template, _conversation(req), max_tokens=req.max_output_tokens,
-                        max_tokens_param="max_output_tokens", temperature=req.temperature, top_p=req.top_p,
-                        top_k=None, stops=[], cache_prompt=req.cache_prompt is not False)
+            conv = _conversation(req)
+            settings = Settings(req.max_output_tokens, "max_output_tokens", sampling_of(req.temperature, req.top_p),
+                                cache_prompt=req.cache_prompt is not False)
+            turn = Turn(cfg, tokenizer, apply_chat_template, conv, settings)
             await turn.start(generator, request)
         except RequestError as e:
             headers = {"Retry-After": "1"} if e.status == 503 else None
@@ -321,15 +323,8 @@ def register_responses(app: FastAPI, cfg: ServeConfig, generator, tokenizer, app
             return JSONResponse(err.body(), status_code=500)
         reply = ResponseReply(cfg.model_id, req, turn)
         if req.stream:
-            return with_seed(JobStream(reply.stream(), [turn.job], headers=SSE_HEADERS), turn.settings.seed)
+            return with_seed(JobStream(reply.stream(), [turn.job]), settings.sampling.seed)
         try:
-            return with_seed(await reply.whole(), turn.settings.seed)
+            return with_seed(await reply.whole(), settings.sampling.seed)
         except RequestError as e:
             return JSONResponse(e.body(), status_code=e.status)
-
-
-def register_apis(app: FastAPI, cfg: ServeConfig, generator, tokenizer, apply_chat_template) -> None:
-    """Anthropic's Messages API (anthropic_api.py) and OpenAI's Responses API (this module) on the app."""
-    from .anthropic_api import register_anthropic
-    register_anthropic(app, cfg, generator, tokenizer, apply_chat_template)
-    register_responses(app, cfg, generator, tokenizer, apply_chat_template)

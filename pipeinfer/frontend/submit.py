@@ -1,18 +1,21 @@
-"""A route's common work: a request's Prompts and Settings (serving/job.py) checked (`check_model`, a constraint
-before any token: `check_constraint`) and made into one Job per choice, each checked against the context
-(`make_jobs`); `submit_all` queues them and yields `(choice index, event)` as they come; `collect` gathers them into
-one Choice each for a whole answer. A streamed answer goes out as a `JobStream`, which cancels its jobs however the
-response ends; every sampled reply names its seed (`with_seed`).
+"""A route's common work, whatever its API: a body read and checked (`read_body`, for the routes that answer its
+errors in their own shape; `check_model`, a constraint before any token: `check_constraint`); a request's Prompts
+and Settings (serving/job.py, made by the API module) sent down to the generator in one move (`submit_request`:
+one Job per choice, each checked against the context, then every one queued), its events coming back as
+`(choice index, event)`; `collect` gathers them into one Choice each for a whole answer. Every sampled reply
+names its seed (`with_seed`).
 """
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 
 from ..core.decoding import Constraint
-from ..core.verify import SamplingParams
 from ..serving.job import DoneEvent, ErrorEvent, Job, Prompt, RequestError, Settings, TextEvent, bad
 
 
@@ -38,6 +41,30 @@ def with_seed(reply, seed: int) -> Response:
 
 
 # ------------------------------------------------------------------------------------ checks and jobs
+async def read_body(request: Request, model: type[BaseModel], describe: Callable[[ValidationError], RequestError]):
+    """The JSON body validated by `model` (RequestError 400 naming the field; never FastAPI's 422 path)."""
+    try:
+        raw = await request.json()
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise RequestError(400, "the body must be a JSON object")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        raise describe(e) from None
+
+
+def validation_error(e: ValidationError) -> RequestError:
+    """pydantic's first complaint as a 400 naming the field (a dotted path: messages.0.role)."""
+    first = e.errors()[0] if e.errors() else {}
+    where = ".".join(str(x) for x in first.get("loc", ()))
+    msg = first.get("msg", "invalid request body")
+    if first.get("type") == "missing":
+        msg = "Field required"
+    return RequestError(400, f"{where or 'body'}: {msg}", param=where or None)
+
+
 def check_model(cfg: ServeConfig, model: str) -> None:
     if model != cfg.model_id:
         raise RequestError(404, f"the model '{model}' does not exist; this server has '{cfg.model_id}'",
@@ -67,10 +94,10 @@ def _n_predict(cfg: ServeConfig, n_prompt: int, s: Settings) -> int:
     return n
 
 
-def make_jobs(cfg: ServeConfig, prompts: list[Prompt], s: Settings, request_id: str) -> list[Job]:
-    """One job per prompt per choice, prompt i's choice j at index i * n + j (OpenAI's order) with seed + j, each
-    checked against the context (RequestError); a request of several jobs logs them as request_id-k. Call from the
-    event loop (the jobs answer on it)."""
+def _make_jobs(cfg: ServeConfig, prompts: list[Prompt], s: Settings, request_id: str) -> list[Job]:
+    """One job per prompt per choice, prompt i's choice j at index i * n + j (OpenAI's order) sampling as the
+    request asks with seed + j, each checked against the context (RequestError); a request of several jobs logs
+    them as request_id-k. Call from the event loop (the jobs answer on it)."""
     loop = asyncio.get_running_loop()
     jobs = []
     for i, p in enumerate(prompts):
@@ -79,7 +106,7 @@ def make_jobs(cfg: ServeConfig, prompts: list[Prompt], s: Settings, request_id: 
         n_predict = _n_predict(cfg, len(p.tokens), s)
         for j in range(s.n):
             k = i * s.n + j
-            sampling = SamplingParams(temp=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed + j)
+            sampling = replace(s.sampling, seed=s.sampling.seed + j)
             jobs.append(Job(list(p.tokens), n_predict, sampling, list(s.stops), p.text, p.chat, loop,
                             decoding=s.decoding, index=k, cache_prompt=s.cache_prompt,
                             request_id=request_id if len(prompts) * s.n == 1 else f"{request_id}-{k}"))
@@ -108,10 +135,13 @@ async def acheck_constraint(constraint: Constraint | None, tokenizer, param: str
 
 
 # ------------------------------------------------------------------------------------ submitting, and the events
-def submit_all(generator, jobs: list[Job], request):
-    """Queue a request's jobs, all or none (one refused cancels those already queued: RequestError); then
-    (choice index, event) as they come, until every job is done or one failed. A client that leaves (checked
-    twice a second while nothing comes, and when a streaming response is cancelled) stops every generation."""
+def submit_request(generator, cfg: ServeConfig, prompts: list[Prompt], s: Settings, request, request_id: str):
+    """A request sent down to `generator`: its jobs, every one made and checked against the context before the
+    first is queued, then queued, all or none (one refused cancels those already queued: RequestError). Returns
+    the jobs and their events: (choice index, event) as they come, until every job is done or one failed. A client
+    that leaves (checked twice a second while nothing comes, and when a streaming response is cancelled) stops
+    every generation."""
+    jobs = _make_jobs(cfg, prompts, s, request_id)
     for k, job in enumerate(jobs):
         try:
             generator.submit(job)
@@ -138,34 +168,7 @@ def submit_all(generator, jobs: list[Job], request):
         finally:
             for job in jobs:
                 job.cancelled.set()  # harmless once done; stops the generations when the client left
-    return events()
-
-
-class JobStream(StreamingResponse):
-    """A request's server-sent events whose jobs are cancelled once the response ends, however it ends. A client
-    that stops reading is given up inside `send` (access.Gate): the events' generators, idle at a yield then, are
-    not closed by it, and would stop their generations only when the garbage collector finds them."""
-
-    def __init__(self, content, jobs: list[Job], headers: dict | None = None):
-        super().__init__(content, media_type="text/event-stream", headers=headers)
-        self.jobs = list(jobs)
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            for job in self.jobs:
-                job.cancelled.set()  # harmless once done
-
-
-def submit(generator, job: Job, request):
-    """One job's events (submit_all's, without the index)."""
-    merged = submit_all(generator, [job], request)
-
-    async def events():
-        async for _, ev in merged:
-            yield ev
-    return events()
+    return jobs, events()
 
 
 @dataclass
@@ -179,7 +182,7 @@ class Choice:
 
 
 async def collect(events, n_choices: int) -> list[Choice] | None:
-    """Every choice's whole answer from submit_all's events; None when the client went away. A failed
+    """Every choice's whole answer from submit_request's events; None when the client went away. A failed
     generation raises RequestError (500)."""
     choices = [Choice() for _ in range(n_choices)]
     n_done = 0

@@ -10,13 +10,14 @@ Qwen2.5's fenced JSON), that stops after the first call when parallel_tool_calls
 the generation: `done`).
 
 Two ways to run it:
-  - `Turn` (Anthropic's Messages API, OpenAI's Responses API): one job, its stop sequences matched here (so the
-    reply can name the one that matched), its events the parser's Text / CallStart / CallArgs / CallEnd /
-    CallFailed and then an Outcome; `fold` gathers them into blocks for a whole answer.
-  - `parsed_events` (OpenAI's chat completions): a request's n jobs (submit.submit_all's events), each choice
-    parsed by its own CallParser; the events stay serving/job.py's, with a CallEvent for each of the calls' pieces
-    (a CallFailed's text is content from then on), and a finish reason
-    "tool_calls" for a choice that made calls; `collect_parsed` gathers them into one ParsedChoice each. Every
+  - `Turn` (Anthropic's Messages API, OpenAI's Responses API): one job of the Settings its API module made, its
+    stop sequences matched here (so the reply can name the one that matched), its events the parser's Text /
+    CallStart / CallArgs / CallEnd / CallFailed and then an Outcome; `fold` gathers them into blocks for a whole
+    answer.
+  - `parsed_events` (OpenAI's chat completions): a request's n jobs (submit.submit_request's events), each
+    choice parsed by its own CallParser; the events stay serving/job.py's, with a CallEvent for each of the calls'
+    pieces (a CallFailed's text is content from then on), and a finish reason "tool_calls" for a choice that made
+    calls; `collect_parsed` gathers them into one ParsedChoice each. Every
     token's log-probability entry goes with its choice's next event that carries something (content, a call's
     start or a fragment of its arguments; the rest of them before the choice's "done").
 """
@@ -28,9 +29,8 @@ from typing import Callable
 
 from ..core.decoding import Constraint, Decoding
 from ..serving.answer import StopMatcher
-from ..serving.job import (ErrorEvent, Job, Prompt, RequestError, Settings, TextEvent, draw_seed,
-                           new_request_id)
-from .submit import ServeConfig, acheck_constraint, make_jobs, submit
+from ..serving.job import ErrorEvent, Job, Prompt, RequestError, Settings, TextEvent, new_request_id
+from .submit import ServeConfig, acheck_constraint, submit_request
 from .tools import (CallArgs, CallEnd, CallFailed, CallStart, Text, ToolCallParser, ToolError, ToolFormat,
                     new_call_id, prompt_tools, tool_constraint, tool_format)
 
@@ -156,31 +156,30 @@ class Outcome:
 
 
 class Turn:
-    """One generation of a conversation: checked and queued by `start`, then `events()`: the parser's Text /
+    """One generation of a conversation, as `settings` ask (its API module's: one choice; its stops matched here,
+    its decoding the conversation's constraint): checked and queued by `start`, then `events()`: the parser's Text /
     CallStart / CallArgs / CallEnd / CallFailed as the answer streams, then an Outcome (none when the client went
     away). A failed generation raises RequestError (500)."""
 
-    def __init__(self, cfg: ServeConfig, tokenizer, apply_chat_template, conv: Conversation, *,
-                 max_tokens: int | None, max_tokens_param: str, temperature: float | None, top_p: float | None,
-                 top_k: int | None, stops: list[str], call_id: Callable[[], str] = new_call_id,
-                 cache_prompt: bool = True):
+    def __init__(self, cfg: ServeConfig, tokenizer, apply_chat_template, conv: Conversation, settings: Settings,
+                 call_id: Callable[[], str] = new_call_id):
         self.cfg, self.tokenizer, self.conv = cfg, tokenizer, conv
         self.prompt = render(conv, tokenizer, apply_chat_template)
-        self.stops = [s for s in stops if s]
+        self.stops = [s for s in settings.stops if s]
         fmt = answer_format(conv, tokenizer)
         self.constraint, self.constraint_param = fmt.constraint, fmt.constraint_param
         self.parser = fmt.parser(call_id)
         # stop sequences are matched here (not by the job), so the reply can name the one that matched
-        self.settings = Settings(max_tokens, max_tokens_param, temperature or 0.0, 1.0 if top_p is None else top_p,
-                                 top_k or 0, draw_seed(None, temperature or 0.0), (), Decoding(self.constraint), 1, cache_prompt)
+        self.settings = replace(settings, stops=(), decoding=Decoding(self.constraint), n=1)
         self.request_id = new_request_id()
         self.job: Job | None = None
         self._events = None
 
     async def start(self, generator, request) -> "Turn":
         await acheck_constraint(self.constraint, self.tokenizer, self.constraint_param)
-        self.job = make_jobs(self.cfg, [self.prompt], self.settings, self.request_id)[0]
-        self._events = submit(generator, self.job, request)
+        jobs, self._events = submit_request(generator, self.cfg, [self.prompt], self.settings, request,
+                                            self.request_id)
+        self.job = jobs[0]
         return self
 
     def _parse(self, text: str, end: bool = False) -> list:
@@ -193,7 +192,7 @@ class Turn:
 
     async def events(self):
         matcher, raw, hit = StopMatcher(self.stops), "", None
-        async for ev in self._events:
+        async for _, ev in self._events:
             if isinstance(ev, TextEvent):
                 raw += ev.text
                 out = matcher.feed(ev.text)
@@ -263,7 +262,7 @@ def arguments_object(text: str) -> dict:
 
 # ==================================================================================== n jobs: chat completions
 async def parsed_events(events, parsers: list[CallParser], jobs: list[Job]):
-    """submit.submit_all's (index, event)s with each choice's text parsed by its parser (the module docstring): the
+    """submit.submit_request's (index, event)s with each choice's text parsed by its parser (the module docstring):
     parsed text as TextEvents, a call's pieces as CallEvents, a choice that made calls finishing with "tool_calls";
     a choice whose parser is done is stopped."""
     held: list[list[dict] | None] = [None] * len(parsers)   # entries waiting for their choice's next event

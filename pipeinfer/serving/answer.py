@@ -10,7 +10,7 @@ with no text goes out with the next release. Tokens whose text a stop string cut
 reported; nor, then, is anything after them.
 
 The log-probabilities come from the scheduler's on_logprobs(list[TokenLogprob]), called just before
-on_tokens(tokens) with one entry per token, in order (ranks/scheduler.Request).
+on_tokens(tokens) with one entry per token, in order (decide/scheduler.Request).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """One generation asked of rank 0, whatever front end it came from (the HTTP server, a supervisor, a batch file),
 and what every front end shares about it: the request refused (RequestError, OpenAI's error shape), the prompt,
-the settings, the seed.
+the settings, and the one conversion of a request's sampling fields into the SamplingParams its generations sample
+with (`sampling_of`: the defaults, the seed).
 
 Declared here, as Protocols, what each side asks of the other: a Generation (every kind of job the generation
 thread and the supervisor serve: an HTTP request's Job, a supervised `generate`'s StdoutJob), a TokenMeter (the
@@ -55,27 +56,27 @@ class Prompt:
     chat: bool = False      # a lone user message: the draft formats it its own way
 
 
+def sampling_of(temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                seed: int | None = None) -> SamplingParams:
+    """A request's sampling fields (None: not given) as what its generations sample with, for every API: greedy,
+    no top-k and no top-p unless asked; the seed asked for, else a fresh one when it samples, so that a sampled
+    request without a seed is a new draw each time (as OpenAI's API and llama-server do); greedy, 0 (unused)."""
+    temp = temperature or 0.0
+    if seed is None:
+        seed = secrets.randbits(32) if temp > 0 else 0
+    return SamplingParams(temp=temp, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p, seed=seed)
+
+
 @dataclass(frozen=True)
 class Settings:
     """What a request asks of each of its generations."""
     max_tokens: int | None = None   # None: the server's default, within the room the context leaves
     max_tokens_param: str = "max_tokens"  # the field it came from, for an error
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0                   # choice j of a prompt samples with seed + j (draw_seed: the one asked or a new one)
+    sampling: SamplingParams = SamplingParams()  # sampling_of's; choice j of a prompt samples with its seed + j
     stops: tuple[str, ...] = ()
     decoding: Decoding = Decoding()
     n: int = 1                      # choices per prompt
     cache_prompt: bool = True       # llama-server's: start from the prompt cache, and leave the prompt in it
-
-
-def draw_seed(asked: int | None, temperature: float) -> int:
-    """The seed a request samples with: the one it asked for, else a fresh one when it samples, so that a sampled
-    request without a seed is a new draw each time (as OpenAI's API and llama-server do); greedy, 0 (unused)."""
-    if asked is not None:
-        return asked
-    return secrets.randbits(32) if temperature > 0 else 0
 
 
 def new_request_id() -> str:

@@ -3,11 +3,12 @@ once, and the socket that carries them.
 
 One JSON object per line each way over a local Unix socket, `{"op": ..., field: value, ...}`. It stays JSON
 (unlike the MPI messages, core/protocol): it carries start-up and control at a low rate, a few dozen bytes per
-token, and a line of it reads as it is in a log.
+token, and a line of it reads as it is in a log. Every value goes by name: a field declared as a dataclass
+(Generate's SamplingParams) is an object of its fields, `"sampling": {"temp": 0.7, "top_k": 40, ...}`.
 
-    supervisor -> rank 0:  Job (op "job"), Cancel ("cancel"), Stop ("stop")
+    supervisor -> rank 0:  Generate (op "generate"), Cancel ("cancel"), Stop ("stop")
     rank 0 -> supervisor:  Ready ("ready", once, when it attaches), Tokens ("tokens"), Done ("done"),
-                           JobError ("error": a job rank 0 refused), Stages ("stages": the stages' counters)
+                           JobError ("error": a request rank 0 refused), Stages ("stages": the stages' counters)
 
 A line that is not one of these (not JSON, an unknown op, a field missing, unknown or of the wrong type) raises
 LinkError with one line saying which.
@@ -19,10 +20,11 @@ import socket
 import threading
 import types
 import typing
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, Field, dataclass, fields, is_dataclass
 from typing import ClassVar, Iterator, Union
 
 from ..core.decoding import TokenLogprob
+from ..core.verify import SamplingParams
 
 
 class LinkError(ValueError):
@@ -35,15 +37,15 @@ class LinkClosed(OSError):
 
 # ------------------------------------------------------------------------------------ supervisor -> rank 0
 @dataclass(frozen=True)
-class Job:
+class Generate:
     """Generate for a request: its prompt, the tokens it already streamed (`replay`: decoded again as they first
-    were, after a re-form) and how many more to generate."""
-    op: ClassVar[str] = "job"
+    were, after a re-form), how many more to generate and how to sample them."""
+    op: ClassVar[str] = "generate"
     id: int
     prompt: list[int]
     replay: list[int]
     n_predict: int
-    sampling: tuple[float, int, float, int]  # temp, top_k, top_p, seed (core.verify.SamplingParams's order)
+    sampling: SamplingParams                 # by its fields' names: {"temp", "top_k", "top_p", "seed"}
     prompt_text: str | None = None           # for the drafters that read text
     chat: bool = False
     decoding: dict | None = None             # core.decoding.Decoding.to_dict(): constraint, biases, log-probabilities
@@ -127,16 +129,22 @@ class Stages:
 
 STAGES_EVERY_S = 1.0
 
-TO_RANK0 = (Job, Cancel, Stop)
+TO_RANK0 = (Generate, Cancel, Stop)
 TO_SUPERVISOR = (Ready, Tokens, Done, JobError, Stages)
-Message = Union[Job, Cancel, Stop, Ready, Tokens, Done, JobError, Stages]
+Message = Union[Generate, Cancel, Stop, Ready, Tokens, Done, JobError, Stages]
 BY_OP: dict[str, type] = {cls.op: cls for cls in (*TO_RANK0, *TO_SUPERVISOR)}
-_HINTS = {cls: typing.get_type_hints(cls) for cls in BY_OP.values()}  # each field's type, read once
+VALUES = (SamplingParams,)  # the dataclasses a message's field may be (sent as an object of their fields)
+_HINTS = {cls: typing.get_type_hints(cls) for cls in (*BY_OP.values(), *VALUES)}  # each field's type, read once
+
+
+def _named(value):
+    """A field's value as JSON takes it: a dataclass as an object of its fields, by name."""
+    return {f.name: getattr(value, f.name) for f in fields(value)} if is_dataclass(value) else value
 
 
 def encode(msg: Message) -> str:
     """`msg` as its line (newline included)."""
-    body = {"op": msg.op, **{f.name: getattr(msg, f.name) for f in fields(msg)}}
+    body = {"op": msg.op, **{f.name: _named(getattr(msg, f.name)) for f in fields(msg)}}
     return json.dumps(body, separators=(",", ":")) + "\n"
 
 
@@ -154,25 +162,35 @@ def decode(line: str, expected: tuple[type, ...] = (*TO_RANK0, *TO_SUPERVISOR)) 
         what = "unknown op" if cls is None else "op going the other way:"
         raise LinkError(f"{what} {op!r} (this end takes: {', '.join(c.op for c in expected)})")
     hints = _HINTS[cls]
-    declared = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(body) - set(declared))
+    unknown = sorted(set(body) - {f.name for f in fields(cls)})
     if unknown:
         raise LinkError(f"{op}: unknown field(s) {', '.join(unknown)}")
-    for name, f in declared.items():
-        if name not in body:
-            if f.default is MISSING and f.default_factory is MISSING:
-                raise LinkError(f"{op}: field {name!r} missing")
-            continue
-        if not _fits(body[name], hints[name]):
-            raise LinkError(f"{op}: field {name!r} is not {_type_name(hints[name])}: {body[name]!r:.80}")
+    if missing := _missing(body, cls):
+        raise LinkError(f"{op}: field {missing!r} missing")
+    for name, value in body.items():
+        if not _fits(value, hints[name]):
+            raise LinkError(f"{op}: field {name!r} is not {_type_name(hints[name])}: {value!r:.80}")
     return cls(**{name: _as_declared(value, hints[name]) for name, value in body.items()})
 
 
+def _required(f: Field) -> bool:
+    return f.default is MISSING and f.default_factory is MISSING
+
+
+def _missing(body: dict, cls) -> str | None:
+    """The first field of dataclass `cls` without a default that `body` lacks (None: none)."""
+    return next((f.name for f in fields(cls) if _required(f) and f.name not in body), None)
+
+
 def _fits(value, hint) -> bool:
-    """Whether a decoded JSON value has the declared type (a tuple arrives as a list; an int is a float)."""
+    """Whether a decoded JSON value has the declared type (a tuple arrives as a list; an int is a float; a
+    dataclass as an object of its fields, those with a default optional)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (Union, types.UnionType):
         return any(_fits(value, a) for a in args)
+    if hint in VALUES:
+        return (isinstance(value, dict) and set(value) <= {f.name for f in fields(hint)}
+                and _missing(value, hint) is None and all(_fits(v, _HINTS[hint][k]) for k, v in value.items()))
     if hint is type(None):
         return value is None
     if isinstance(value, bool) and hint is not bool:  # JSON's true is no number
@@ -193,6 +211,10 @@ def _as_declared(value, hint):
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (Union, types.UnionType):  # X | None: as the member it fits
         return next((_as_declared(value, a) for a in args if a is not type(None) and _fits(value, a)), value)
+    if hint in VALUES:
+        return hint(**{k: _as_declared(v, _HINTS[hint][k]) for k, v in value.items()})
+    if hint is float:
+        return float(value)
     if origin is tuple:
         return tuple(_as_declared(v, a) for v, a in zip(value, args))
     if origin is list:
