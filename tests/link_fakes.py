@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from pipeinfer.core.metrics import Stats
 from pipeinfer.core.topology import LayerRange
-from pipeinfer.core.verify import SamplingParams
+from pipeinfer.core.sampling import SamplingParams
 
 WAIT_S = 20.0
 

@@ -8,7 +8,7 @@ import sys
 
 from pipeinfer.core.config import DEFAULT_KERNELS, Config
 from pipeinfer.core.decoding import Decoding
-from pipeinfer.core.verify import SamplingParams
+from pipeinfer.core.sampling import SamplingParams
 from pipeinfer.ranks.startup import run
 
 arg = sys.argv[1]

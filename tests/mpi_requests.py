@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 from pipeinfer.core.config import Config
 from pipeinfer.core.decoding import Decoding
-from pipeinfer.core.verify import SamplingParams
+from pipeinfer.core.sampling import SamplingParams
 from pipeinfer.decide.scheduler import generate
 from pipeinfer.ranks.startup import open_session
 

@@ -16,7 +16,7 @@ from api_fakes import ScriptedSession, serving
 
 from pipeinfer.core.decoding import Constraint, Decoding, TokenLogprob
 from pipeinfer.core.metrics import Stats
-from pipeinfer.core.verify import SamplingParams
+from pipeinfer.core.sampling import SamplingParams
 from pipeinfer.decide.scheduler import Request
 from pipeinfer.feeders.generator import Generator
 from pipeinfer.frontend.app import ServeConfig, create_app

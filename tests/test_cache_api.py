@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from api_fakes import scripted_server, say
-from pipeinfer.core.verify import SamplingParams
+from pipeinfer.core.sampling import SamplingParams
 from pipeinfer.serving import link
 from pipeinfer.serving.job import DoneEvent
 from pipeinfer.frontend.openai_reply import CHAT, Reply
@@ -163,7 +163,7 @@ def test_a_supervisor_relays_cache_prompt_and_rank0s_prompt_cache(tmp_path):
     each Done the cache as the request left it; a job's cache_prompt false reaches rank 0's request."""
     from link_fakes import WAIT_S, FakeSession, LetterTokenizer, attach_rank0, outcome
 
-    from pipeinfer.core.verify import SamplingParams
+    from pipeinfer.core.sampling import SamplingParams
     from pipeinfer.frontend.metrics import _Now
     from pipeinfer.supervisor.resume import StdoutJob
     from pipeinfer.supervisor.supervisor import Supervisor

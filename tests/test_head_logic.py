@@ -12,7 +12,7 @@ from pipeinfer.decide.genconfig import GenConfig, auto_p_recovery
 from pipeinfer.decide.scheduler import Request, Scheduler
 from pipeinfer.core.kvplan import PartitionPool
 from pipeinfer.core.protocol import Batch, cp, kv_ops, rm
-from pipeinfer.core.verify import SamplingParams
+from pipeinfer.core.sampling import SamplingParams
 
 from toy import FakePipeline, KvError, PROMPT, ToyDrafter, V, assert_clean_end, logits_flat, run_head, target_alone
 

@@ -255,7 +255,7 @@ def test_the_options_the_user_set_are_carried_in_the_config(tmp_path):
 
     from pipeinfer.cli.options import config_from_options, pipeline_options
     from pipeinfer.core.config import Config
-    from pipeinfer.core.verify import SamplingParams
+    from pipeinfer.core.sampling import SamplingParams
     from pipeinfer.wire.launcher import options_given
     model = tmp_path / "m.gguf"
     model.write_bytes(b"x" * 1000)

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pipeinfer.core.metrics import Stats
-from pipeinfer.core.verify import SamplingParams
+from pipeinfer.core.sampling import SamplingParams
 from pipeinfer.serving import link
 from pipeinfer.serving.job import DoneEvent, ErrorEvent
 

@@ -8,7 +8,7 @@ import pytest
 from pipeinfer.core.kvplan import CACHE_ENTRIES
 from pipeinfer.core.prefixcache import PrefixCache, common_prefix, reusable, whole_chunks
 from pipeinfer.core.protocol import KvOp
-from pipeinfer.core.verify import SamplingParams
+from pipeinfer.core.sampling import SamplingParams
 from pipeinfer.decide.scheduler import Request, generate
 from lanes import make
 from toy import target_alone

@@ -8,7 +8,7 @@ from pipeinfer.core import protocol
 from pipeinfer.core.kvplan import commit_ops, prefix_ops
 from pipeinfer.core.protocol import (HEADER_LEN, NO_RUN, Batch, Flag, Header, Kind, KvOp, Tag, cp, kv_ops, pack_sampling, rm,
                                 unpack_sampling)
-from pipeinfer.core.verify import Drawing, SamplingParams, group_rows, joined_sampling, one_sampling
+from pipeinfer.core.sampling import Drawing, SamplingParams, group_rows, joined_sampling, one_sampling
 
 
 # ---------------------------------------------------------------- frozen numbers (a static_assert)

@@ -16,7 +16,7 @@ from pipeinfer.core.kvplan import commit_ops, prefix_ops
 from pipeinfer.core.protocol import (HEAD_KINDS, HEADER_LEN, NO_RUN, WORKER_KINDS, Batch, Flag, Header, Kind, KvOp, Limits,
                                 ProtocolError, check_header, check_kv_ops, check_tokens, pack_sampling, payload_shapes,
                                 unpack_sampling)
-from pipeinfer.core.verify import SamplingParams, one_sampling
+from pipeinfer.core.sampling import SamplingParams, one_sampling
 
 LIM = Limits(n_batch=512, n_embd=1536, n_vocab=151936, n_seq_max=10, n_ctx=4096)
 FUZZ = settings(max_examples=400, deadline=500, suppress_health_check=[HealthCheck.too_slow])

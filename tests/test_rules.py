@@ -5,8 +5,8 @@ import pytest
 
 from pipeinfer.core.decoding import Constraint, Decoding, TokenLogprob
 from pipeinfer.core.protocol import (Limits, ProtocolError, RowRules, mask_words, pack_logprobs, unpack_logprobs)
-from pipeinfer.core.verify import (Node, SamplingParams, TreeRun, joined_sampling, one_sampling, row_logprobs, row_tokens,
-                                   run_logprobs, shaped_logits)
+from pipeinfer.core.sampling import SamplingParams, joined_sampling, one_sampling
+from pipeinfer.core.verify import Node, TreeRun, row_logprobs, row_tokens, run_logprobs, shaped_logits
 from pipeinfer.decide.head import token_logprobs
 from pipeinfer.decide.rules import RunRules, row_biases, row_contexts
 

@@ -14,7 +14,7 @@ from toy import V, logits_flat, logits_greedy, target_alone
 
 from pipeinfer.core.decoding import Constraint, Decoding
 from pipeinfer.core.protocol import mask_words
-from pipeinfer.core.verify import SamplingParams, one_sampling
+from pipeinfer.core.sampling import SamplingParams
 from pipeinfer.decide.actions import Launch
 from pipeinfer.decide.rules import RunRules
 from pipeinfer.decide.scheduler import Request
@@ -184,7 +184,7 @@ def test_kv_edits_go_after_every_run_held_before_them():
     def chunk(run_id, seq, tokens, pre=kv_ops()):
         n = len(tokens)
         return Launch(run_id, Batch(np.array(tokens, np.int32), np.arange(n, dtype=np.int32), [[seq]] * n,
-                                    np.zeros(n, np.int32), pre), False, -1, one_sampling(SamplingParams()))
+                                    np.zeros(n, np.int32), pre), False, -1, SamplingParams())
     pipe = Recorder()
     ex = Executor(pipe, BatchRules(batch_rows=8, depth=2, n_stages=2))
     ex.pace(16)
@@ -220,7 +220,7 @@ def test_a_draft_rides_only_rows_of_others_and_never_on_a_parent_a_stage_may_ski
 
     def run(run_id, seq, n, spec=False, parent=NO_RUN):
         return Launch(run_id, Batch(np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32), [[seq]] * n,
-                                    np.ones(n, np.int32), kv_ops()), spec, parent, one_sampling(SamplingParams()))
+                                    np.ones(n, np.int32), kv_ops()), spec, parent, SamplingParams())
     pipe = Recorder()
     ex = Executor(pipe, BatchRules(batch_rows=6, depth=2, n_stages=2))
     ex.pace(8)

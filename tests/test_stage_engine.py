@@ -12,7 +12,8 @@ from helpers import PROMPT
 from synth import make_llama_gguf
 from synth_arch import make_arch_gguf
 from pipeinfer.core.protocol import Batch, cp, kv_ops, rm
-from pipeinfer.core.verify import SamplingParams, one_sampling, row_tokens
+from pipeinfer.core.verify import row_tokens
+from pipeinfer.core.sampling import SamplingParams, one_sampling
 from pipeinfer.engine.stage import DecodeAborted, StageEngine, TokenEmbedder, anonymous_regions, name_key
 from pipeinfer.engine.stagefile import ensure_stage_file, read_info
 

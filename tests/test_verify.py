@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeinfer.core.verify import (Node, SamplingParams, TreeRun, consistent, is_useful, logits_to_probs, row_tokens,
-                              sample_at, verify)
+from pipeinfer.core.sampling import SamplingParams
+from pipeinfer.core.verify import Node, TreeRun, consistent, is_useful, logits_to_probs, row_tokens, sample_at, verify
 
 V = 8
 GREEDY = SamplingParams()

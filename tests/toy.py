@@ -25,7 +25,8 @@ from pipeinfer.decide.scheduler import Request, Scheduler, generate
 from pipeinfer.core.kvplan import PartitionPool, plan_partitions
 from pipeinfer.decide.port import Result
 from pipeinfer.core.protocol import NO_RUN, Batch, KvOp
-from pipeinfer.core.verify import SamplingParams, one_sampling, row_tokens, run_logprobs, sample_at
+from pipeinfer.core.verify import row_tokens, run_logprobs, sample_at
+from pipeinfer.core.sampling import SamplingParams, one_sampling
 
 V = 29
 PROMPT = [5, 17, 2, 9, 11, 3, 8, 1, 20, 14]

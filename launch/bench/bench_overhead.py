@@ -79,7 +79,8 @@ def _stage_variants(llama_cpp, eng, last: bool, counting_cb) -> dict:
     import numpy as np
 
     from pipeinfer.core.protocol import Batch, kv_ops, rm
-    from pipeinfer.core.verify import SamplingParams, one_sampling, row_tokens
+    from pipeinfer.core.verify import row_tokens
+    from pipeinfer.core.sampling import SamplingParams, one_sampling
     rng = np.random.default_rng(0)
     fill = rng.standard_normal((N_FILL, eng.n_embd), dtype=np.float32) * 0.1
     row = rng.standard_normal((1, eng.n_embd), dtype=np.float32) * 0.1

@@ -19,7 +19,7 @@ from .. import __version__
 from ..core.errors import UserError
 from ..core.files import prompt_path, read_prompt_file
 from ..core.results import results_row, write_row
-from ..core.verify import SamplingParams
+from ..core.sampling import SamplingParams
 from .guard import StopSignals, die, mpi_rank, mpi_size, run_guarded
 from ..wire.launcher import enter_workdir
 from ..core.config import CONFIG_ENV, Config, cells_reserve, check_fits

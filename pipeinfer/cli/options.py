@@ -12,7 +12,7 @@ import click
 from click.core import ParameterSource
 
 from ..core.errors import UserError
-from ..core.verify import SamplingParams
+from ..core.sampling import SamplingParams
 from ..engine.kernels import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, KERNELS
 from ..core.config import DRAFT_HEAD_AUTO, DRAFT_RIDES, MODES, PROMPT_CHUNK, Config, draft_label
 from .guard import installed, mpi_size

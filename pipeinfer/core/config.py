@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from .errors import UserError
-from .verify import SamplingParams
+from .sampling import SamplingParams
 
 MODES = ("iterative", "speculative", "pipeinfer")
 KERNELS = ("repack", "no-repack", "tiled", "fast")   # engine/kernels.py: what each means

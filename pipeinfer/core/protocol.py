@@ -342,7 +342,7 @@ def pack_sampling(sampling) -> np.ndarray:
 
 def unpack_sampling(buf: np.ndarray):
     """verify.RunSampling: every group's rows explicit but the last's (0: the rest), every value in range."""
-    from .verify import Drawing, SamplingParams
+    from .sampling import Drawing, SamplingParams
     if not isinstance(buf, np.ndarray) or buf.ndim != 2 or buf.shape[1:] != (SAMPLING_LEN,) or not len(buf) \
             or buf.dtype != np.int64:
         raise ProtocolError(f"malformed SAMPLING: {getattr(buf, 'shape', None)} {getattr(buf, 'dtype', type(buf))}")

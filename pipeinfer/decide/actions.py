@@ -14,20 +14,38 @@ from typing import Generic, TypeVar, Union
 import numpy as np
 
 from ..core.protocol import NO_RUN, Batch, RowRules, kv_ops
-from ..core.verify import RunSampling, joined_sampling
+from ..core.sampling import RunSampling, SamplingParams, joined_sampling, one_sampling
 from .batching import BatchRules, Held
 from .port import PipePort
 
 
 @dataclass(frozen=True)
 class Launch:
-    """Decode a run: `batch` at every stage (its prefix KV ops first), drawn by `sampling` at the last."""
+    """Decode a generation's run: `batch` at every stage (its prefix KV ops first), its output rows drawn by
+    `sampling` at the last, with top_logprobs log-probabilities each (None: none)."""
     run_id: int
     batch: Batch
     speculative: bool
     parent_id: int
-    sampling: RunSampling          # how the last stage draws the output rows (a generation's run: one group)
+    sampling: SamplingParams = SamplingParams()
+    top_logprobs: int | None = None
     rules: RowRules | None = None  # the constraint's masks and biases for the run's output rows
+
+
+@dataclass(frozen=True)
+class Run:
+    """What goes down the pipe: one generation's Launch, or several merged into one decode (merge), each one's output
+    rows drawn by its own group of `sampling`."""
+    run_id: int
+    batch: Batch
+    speculative: bool
+    parent_id: int
+    sampling: RunSampling
+    rules: RowRules | None = None
+
+    @classmethod
+    def of(cls, a: Launch) -> Run:
+        return cls(a.run_id, a.batch, a.speculative, a.parent_id, one_sampling(a.sampling, a.top_logprobs), a.rules)
 
 
 @dataclass(frozen=True)
@@ -58,7 +76,7 @@ class Member:
 
     @classmethod
     def of(cls, owner: object, a: "Launch") -> "Member":
-        return cls(owner, a.run_id, a.batch.n_outputs, a.sampling[0].top_logprobs)
+        return cls(owner, a.run_id, a.batch.n_outputs, a.top_logprobs)
 
 
 def mergeable(a: Action, batch_rows: int) -> bool:
@@ -70,7 +88,7 @@ def mergeable(a: Action, batch_rows: int) -> bool:
     return isinstance(a, Launch) and a.batch.n_tokens <= batch_rows
 
 
-def merge(launches: list[Launch]) -> Launch:
+def merge(launches: list[Launch]) -> Run:
     """One run of several generations' runs (mergeable): their rows and their KV edits in order, each one's output
     rows drawn by its own sampling and rules, under the newest run id (every stage takes run ids in launch order,
     and the others were drawn before it)."""
@@ -78,11 +96,11 @@ def merge(launches: list[Launch]) -> Launch:
     batch = Batch(np.concatenate([b.tokens for b in rows]), np.concatenate([b.pos for b in rows]),
                   [ids for b in rows for ids in b.seq_ids], np.concatenate([b.output for b in rows]),
                   kv_ops(*[tuple(op) for b in rows for op in b.prefix_ops.tolist()]))
-    sampling = joined_sampling([(x.sampling, x.batch.n_outputs) for x in launches])
+    sampling = joined_sampling([(one_sampling(x.sampling, x.top_logprobs), x.batch.n_outputs) for x in launches])
     rules = RowRules.joined([(x.rules, x.batch.n_outputs) for x in launches])
     # not speculative and of no parent: a stage never skips nor aborts it (a draft member's parent being cancelled
     # would take the others' certain rows with it); a cancelled member's rows are dropped at the head instead
-    return Launch(max(x.run_id for x in launches), batch, False, NO_RUN, sampling, rules)
+    return Run(max(x.run_id for x in launches), batch, False, NO_RUN, sampling, rules)
 
 
 def split(res, members: list[Member]) -> list:
@@ -173,7 +191,7 @@ class Executor(Generic[Owner]):
                     continue
             self.flush()
             if isinstance(a, Launch):
-                self._launch(a, [Member.of(owner, a)])
+                self._launch(Run.of(a), [Member.of(owner, a)])
             elif isinstance(a, Cancel):
                 shared = self._shared_ids()
                 ids = [r for r in a.run_ids if r not in shared]
@@ -195,9 +213,9 @@ class Executor(Generic[Owner]):
         if len(held) > 1:
             self.n_merged_runs += 1
             self.n_merged_rows += sum(a.batch.n_tokens for a in launches)
-        self._launch(merge(launches) if len(held) > 1 else launches[0], members)
+        self._launch(merge(launches) if len(held) > 1 else Run.of(launches[0]), members)
 
-    def _launch(self, a: Launch, members: list[Member]) -> None:
+    def _launch(self, a: Run, members: list[Member]) -> None:
         if a.sampling != self._sampling_sent:  # the last stage draws this run's tokens by these
             self.pipe.set_sampling(a.sampling)
             self._sampling_sent = a.sampling

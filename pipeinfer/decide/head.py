@@ -37,7 +37,7 @@ from ..core.kvplan import CANONICAL, PartitionPool, commit_ops, prefix_ops, reti
 from ..core.metrics import Stats, rss_mb
 from ..core.protocol import NO_RUN, Batch, cp, kv_ops
 from ..core.recurrent import chain_seq_ids, main_seq, state_seq
-from ..core.verify import Node, TreeRun, consistent, is_useful, one_sampling, verify
+from ..core.verify import Node, TreeRun, consistent, is_useful, verify
 from ..drafters.drafter import Cutoffs, Drafter, DraftNode, main_chain
 from .actions import Action, Cancel, EditKv, Launch
 from .draftsize import DraftSizer
@@ -470,8 +470,8 @@ class Head:
         batch = run_batch(run, pre_ops)
         self.flights[run.run_id] = fl
         rules = self.rules.for_run(run, self.accepted) if self.rules is not None else None
-        self._out.append(Launch(run.run_id, batch, fl.speculative, fl.parent_id,
-                                one_sampling(self.cfg.sampling, self.top_logprobs), rules))
+        self._out.append(Launch(run.run_id, batch, fl.speculative, fl.parent_id, self.cfg.sampling, self.top_logprobs,
+                                rules))
         self.stats.n_runs += 1
 
     def _emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:

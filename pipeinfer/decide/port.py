@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from ..core.protocol import Batch, RowRules
-from ..core.verify import RunSampling
+from ..core.sampling import RunSampling
 
 
 @dataclass

@@ -39,7 +39,7 @@ from ..core.kvplan import ContextBudget, PartitionPool, cells_reserve
 from ..core.metrics import Stats
 from ..core.prefixcache import whole_chunks
 from ..core.protocol import compact, kv_ops, rm
-from ..core.verify import SamplingParams
+from ..core.sampling import SamplingParams
 from .actions import EditKv, Executor
 from .batching import BatchRules, pipeline_depth, ride_cost_ms
 from .genconfig import GenConfig, check_gen_config

@@ -20,7 +20,8 @@ import llama_cpp
 import numpy as np
 
 from ..core.protocol import Batch, KvOp, RowRules, pack_logprobs
-from ..core.verify import RunSampling, row_tokens, run_logprobs
+from ..core.verify import row_tokens, run_logprobs
+from ..core.sampling import RunSampling
 from .kernels import DEFAULT_KERNELS, flash_attn_type, kv_cache_types, model_params
 
 LLAMA_MAX_SEQ = 256  # llama.cpp's cap on n_seq_max

@@ -23,7 +23,7 @@ from ..core.config import check_fits
 from ..wire.launcher import mpi_size
 from ..core.errors import UserError
 from ..core.results import results_row, write_row
-from ..core.verify import SamplingParams
+from ..core.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

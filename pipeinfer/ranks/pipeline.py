@@ -38,7 +38,7 @@ from ..core.protocol import (
     unpack_logprobs,
 )
 from ..core.topology import Topology
-from ..core.verify import RunSampling, SamplingParams, one_sampling
+from ..core.sampling import RunSampling, SamplingParams, one_sampling
 from ..decide.port import Result
 
 if TYPE_CHECKING:  # llama.cpp and MPI stay unimported where only the interface is used (the twin, twin/sim.py)

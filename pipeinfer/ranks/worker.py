@@ -38,7 +38,7 @@ from ..core.protocol import (
     unpack_sampling,
 )
 from ..core.topology import Topology
-from ..core.verify import RunSampling, SamplingParams, group_rows, one_sampling
+from ..core.sampling import RunSampling, SamplingParams, group_rows, one_sampling
 from ..engine.stage import DecodeAborted, StageEngine
 from ..wire.transport import Transport, bad_message
 

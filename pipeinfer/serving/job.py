@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Union
 
 from ..core.decoding import Decoding
-from ..core.verify import SamplingParams
+from ..core.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from ..core.metrics import Stats

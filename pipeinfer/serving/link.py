@@ -24,7 +24,7 @@ from dataclasses import MISSING, Field, dataclass, fields, is_dataclass
 from typing import ClassVar, Iterator, Union
 
 from ..core.decoding import TokenLogprob
-from ..core.verify import SamplingParams
+from ..core.sampling import SamplingParams
 
 
 class LinkError(ValueError):
