@@ -49,16 +49,16 @@ def test_a_resumed_answer_is_timed_across_its_jobs_and_says_when_nothing_was_dra
     one token, so a ttft of minus the clock); resumed_stats times the whole answer as the supervisor saw it."""
     from pipeinfer.core.metrics import Stats
     from pipeinfer.serving.answer import drafts_said
-    from pipeinfer.supervisor.supervisor import _Record, resumed_stats
+    from pipeinfer.supervisor.inflight import Record, resumed_stats
     last_job = Stats(n_generated=1, n_drafted=4, n_draft_accepted=3, t_start_s=5000.0, t_prompt_done_s=5000.5,
                      t_first_s=0.0, t_last_s=5001.0)
-    rec = _Record(1, None, None, tokens=list(range(12)), n_resumes=1, t_sent=10.0, t_token1=10.5, t_token2=10.7,
+    rec = Record(1, None, None, tokens=list(range(12)), n_resumes=1, t_sent=10.0, t_token1=10.5, t_token2=10.7,
                   t_token_last=25.7)
     st = resumed_stats(last_job, rec)
     assert st.n_generated == 12 and st.n_drafted == 4
     assert st.ttft_s == pytest.approx(0.2) and st.gen_tokens_per_s == pytest.approx(11 / 15.2)
     assert st.t_prompt_done_s - st.t_start_s == pytest.approx(0.5)
-    one = resumed_stats(last_job, _Record(2, None, None, tokens=[7], n_resumes=1, t_sent=3.0, t_token1=4.0,
+    one = resumed_stats(last_job, Record(2, None, None, tokens=[7], n_resumes=1, t_sent=3.0, t_token1=4.0,
                                           t_token_last=4.0))
     assert one.ttft_s == 0.0 and one.gen_tokens_per_s == 0.0
     assert drafts_said(st) == "acceptance 75%" and drafts_said(Stats(n_generated=9)) == "nothing drafted"
@@ -66,7 +66,7 @@ def test_a_resumed_answer_is_timed_across_its_jobs_and_says_when_nothing_was_dra
 
 def test_the_configuration_travels_whole_as_json():
     from pipeinfer.core.config import Config
-    from pipeinfer.core.verify import SamplingParams
+    from pipeinfer.core.sampling import SamplingParams
     config = Config("x.gguf", mode="speculative", threads="2,1", sampling=SamplingParams(0.7, 40, 0.9, -3),
                     draft="d.gguf", drafter="model", draft_at="thread", parallel=None, poll_s=0.001)
     assert Config.from_json(config.to_json()) == config

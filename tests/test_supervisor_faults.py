@@ -2,7 +2,7 @@
 (here the launcher raising RuntimeError or OSError) fails the requests in flight with an error naming the cause,
 /health reports it, and the server exits 1; a --rejoin probe that cannot be launched leaves the job serving.
 
-No MPI: supervisor._launch_command is replaced by FakeLauncher, whose job is this file run as a script: a fake
+No MPI: launch.launch_command (pipeinfer/supervisor/launch.py) is replaced by FakeLauncher, whose job is this file run as a script: a fake
 rank 0 that speaks the link (serving/link.py) and answers every job with letters, token i of an answer being
 letter i, so an answer resumed after a re-form equals the uninterrupted one.
 """
@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:  # run as a script (the fake rank 0, the wrapped C
 
 from pipeinfer.core.errors import UserError  # noqa: E402
 from pipeinfer.core.metrics import Stats  # noqa: E402
-from pipeinfer.core.verify import SamplingParams  # noqa: E402
+from pipeinfer.core.sampling import SamplingParams  # noqa: E402
 from pipeinfer.serving import link  # noqa: E402
 from pipeinfer.serving.job import DoneEvent, ErrorEvent  # noqa: E402
 
@@ -55,7 +55,7 @@ def fake_rank0(sock_path: str, hosts: list[str], fail_after: int | None, n_jobs_
     def read() -> None:
         for msg in rank0.messages():
             with lock:
-                if isinstance(msg, link.Job):
+                if isinstance(msg, link.Generate):
                     jobs[msg.id] = [len(msg.replay), len(msg.replay) + msg.n_predict]
                     seen.add(msg.id)
                 elif isinstance(msg, link.Cancel) and msg.id in jobs:
@@ -85,7 +85,7 @@ def fake_rank0(sock_path: str, hosts: list[str], fail_after: int | None, n_jobs_
 
 
 class FakeLauncher:
-    """Stands in for supervisor._launch_command. Job launches are counted from 1: `faults` maps a launch's number
+    """Stands in for launch.launch_command. Job launches are counted from 1: `faults` maps a launch's number
     to the exception it raises (once `gate` is set, if given: the test holds a launch to submit meanwhile); the
     first job fails after `fail_after` tokens once `n_jobs_first` jobs came. A --rejoin probe (`pipeinfer --version`) succeeds, or raises
     `probe_fault`."""
@@ -138,8 +138,8 @@ class Harness:
     """A Supervisor on two local slots with a FakeLauncher; what it logs, and each on_fatal call."""
 
     def __init__(self, monkeypatch, launcher: FakeLauncher, slots=("localhost", "localhost"), rejoin=False):
-        from pipeinfer.supervisor import supervisor
-        monkeypatch.setattr(supervisor, "_launch_command", launcher)
+        from pipeinfer.supervisor import launch, supervisor
+        monkeypatch.setattr(launch, "launch_command", launcher)
         monkeypatch.setattr(supervisor, "REJOIN_CHECK_S", 0.05)
         self.launcher, self.logs, self.fatal_calls = launcher, [], []
         from pipeinfer.core.config import Config
@@ -157,8 +157,8 @@ class Harness:
 
     def close(self) -> None:
         self.sup.stop()
-        self.sup._kill_child()
-        shutil.rmtree(self.sup._dir, ignore_errors=True)
+        self.sup.lifecycle.kill_child()
+        shutil.rmtree(self.sup.work_dir, ignore_errors=True)
 
 
 @pytest.fixture
@@ -193,7 +193,7 @@ def assert_failed_with(h: Harness, jobs, cause: str) -> None:
     assert h.sup.fatal == cause and h.fatal_calls == [cause]
     assert f"[serve] fatal: {cause}" in h.logs
     assert h.sup.load()["phase"] == "failed"
-    assert h.sup._child.poll() is not None
+    assert h.sup.lifecycle.child.process.poll() is not None
     with pytest.raises(RequestError) as later:
         h.sup.submit(h.job(5))
     assert later.value.status == 503 and cause in later.value.message
@@ -368,10 +368,10 @@ def _health(port: int) -> dict | None:
 
 
 def _serve_with(spec: str, argv: list[str]) -> None:
-    """The pipeinfer CLI with supervisor._launch_command a FakeLauncher (spec: FakeLauncher.from_json)."""
+    """The pipeinfer CLI with launch.launch_command a FakeLauncher (spec: FakeLauncher.from_json)."""
     from pipeinfer.cli.main import entry
-    from pipeinfer.supervisor import supervisor
-    supervisor._launch_command = FakeLauncher.from_json(spec)
+    from pipeinfer.supervisor import launch
+    launch.launch_command = FakeLauncher.from_json(spec)
     sys.argv = ["pipeinfer", *argv]
     entry()
 

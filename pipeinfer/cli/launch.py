@@ -196,7 +196,7 @@ def _keys_hidden(cmd: list[str]) -> list[str]:
 
 def _show_first_job(where, env: dict) -> None:
     """The launcher line of the supervised server's first job and its hostfile, as the server would start it."""
-    from ..supervisor.supervisor import first_job_command
+    from ..supervisor.launch import first_job_command
     with tempfile.TemporaryDirectory(prefix="pipeinfer-") as work:
         try:
             job, more = first_job_command(where, work, env)

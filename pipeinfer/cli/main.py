@@ -153,7 +153,7 @@ def _generate_supervised(args: GenerateArgs) -> None:
     if not (args.np or args.hostfile):
         raise UserError("--resume-on-failure and --rejoin need --np N or --hostfile HOSTS, run without mpiexec: the "
                         "process that resumes must outlive the MPI job")
-    from ..supervisor.supervisor import placement
+    from ..supervisor.placement import placement
     where = placement(args.np, args.hostfile, args.config)
     stop = StopSignals().install()
     if args.prompts:
@@ -428,7 +428,9 @@ def _supervise(args: ServeArgs) -> None:
     """`serve --np N` / `--hostfile HOSTS` outside mpiexec: the HTTP server here, the pipeline a child job that is
     re-formed on the slots that remain when a rank is lost (supervisor.py)."""
     from ..engine.tokenizer import Tokenizer
-    from ..supervisor.supervisor import Supervisor, placement, resumed_status
+    from ..supervisor.inflight import resumed_status
+    from ..supervisor.placement import placement
+    from ..supervisor.supervisor import Supervisor
     where = placement(args.np, args.hostfile, args.config)
     slots = where.slots
     _check_port_free(args.host, args.port)
@@ -571,7 +573,7 @@ def _check_serve(kw: dict):
     """ServeArgs.of, and for a supervised server where its job would run (supervisor.Placement, else None)."""
     args = ServeArgs.of(kw)
     if args.np or args.hostfile:
-        from ..supervisor.supervisor import placement
+        from ..supervisor.placement import placement
         return placement(args.np, args.hostfile, args.config)
     return None
 

@@ -160,7 +160,7 @@ class DraftService:
         may merge with it), so it needs to draft further to propose anything. When even that gives nothing,
         the chain is stopped until the head moves the context or lowers the cutoff."""
         t0 = time.perf_counter()
-        n = max(1, min(max(self.n_chunk, getattr(self.drafter, "ahead_chunk", 1)), self.horizon - len(self.ctx)))
+        n = max(1, min(max(self.n_chunk, self.drafter.ahead_chunk), self.horizon - len(self.ctx)))
         chain = self._draft(n)
         if not chain and n < RETRY_CHUNK:
             chain = self._draft(RETRY_CHUNK)

@@ -48,6 +48,7 @@ class Drafter(Protocol):
     asynchronous: bool          # drafts ahead beside the pipeline (the AheadDrafter methods), or in series
     remote: bool                # over a network link (--draft-at rank), not in rank 0's own process
     exact_batch: int | None     # the draft model's exact batch limit, reported with the statistics (None: none)
+    ahead_chunk: int            # tokens worth drafting per call when it drafts ahead
 
     def prefill(self, prompt: list[int]) -> None:
         """Take in the prompt ahead of the first draft (the head calls it while the target's pipeline
@@ -86,6 +87,10 @@ class InSeries:
     asynchronous = False
     remote = False
     exact_batch: int | None = None
+    ahead_chunk = 1             # tokens worth drafting per call when it drafts ahead (a translating drafter: more)
+
+    def close(self) -> None:
+        """Free what it loaded (a draft model's context)."""
 
 
 def top_candidates(logits: np.ndarray, k: int = 8) -> tuple[np.ndarray, np.ndarray]:
@@ -146,6 +151,9 @@ class ModelDrafter(InSeries):
         self._kv: list[int] = []                  # tokens in draft seq 0
         self._out: dict[int, np.ndarray] = {}     # n -> logits after self._kv[:n] (the last KEEP_LOGITS n)
         self.n_decodes = 0
+
+    def close(self) -> None:
+        self.engine.close()
 
     def _decode(self, batch: Batch) -> np.ndarray:
         """f32[n_outputs, n_vocab] logits of a batch (a pruned head's logits scattered into the vocabulary)."""

@@ -299,6 +299,9 @@ class TranslatingDrafter(InSeries):
         self.n_backoff = 0         # calls whose drafted text gave no target token (it did not fit the context,
                                    # merged with its last tokens, or was only an unsure last token)
 
+    def close(self) -> None:
+        self.drafter.close()
+
     # ---- cached tokenizer access
     def tpiece(self, t: int) -> bytes:
         b = self._tpieces.get(t)

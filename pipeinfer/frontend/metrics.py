@@ -14,7 +14,7 @@ Where the numbers come from, at no cost per token:
 - each stage's counters by rank and host (load()["stages"]: what the stage last reported to rank 0, at most a
   second old (protocol.StageReport; rank 0's own stage counted by rank 0): time in llama_decode, time waiting for
   work, runs decoded and their batch tokens, runs cancelled before they started and mid-decode, bytes it sent on.
-  A supervised server's add the jobs before a re-form to the current job's (supervisor.StageTotals), so they never
+  A supervised server's add the jobs before a re-form to the current job's (supervisor/health.StageTotals), so they never
   go backwards; a stage of a job that is gone keeps its last total.
 
 Latencies follow vLLM: time_to_first_token_seconds from the request's arrival (its wait for admission + the

@@ -176,7 +176,7 @@ def _supervised(sup) -> dict:
     """A supervised server: the current job as its rank 0 reported it when it attached, and the lost slots."""
     ready = sup.ready
     try:
-        config = sup._job_config()
+        config = sup.job_config()
     except Exception:  # noqa: BLE001 (a page must not fail on a supervisor between states)
         config = sup.config
     if ready is not None:
@@ -185,10 +185,10 @@ def _supervised(sup) -> dict:
                  for r, (h, pid) in enumerate(ready.ranks_at)]
         n_target, mem = ready.ranks, dict(zip((h for h, _ in ready.ranks_at), ready.mem_available))
     else:  # not attached yet: the slots, nothing known of them
-        ranks = [_rank(r, _local(h), None) for r, h in enumerate(sup._job_hosts())]
+        ranks = [_rank(r, _local(h), None) for r, h in enumerate(sup.job_hosts())]
         n_target, mem = len(sup.slots), {}
     draft = _draft(config, ranks, n_target)
-    for _place, (host, label) in sorted(getattr(sup, "_away", {}).items()):
+    for _place, (host, label) in sorted(sup.lost_slots.items()):
         lost = _rank(-1, _local(host), None)
         lost.update(rank=None, lost=True, reason=label, role="lost")
         ranks.append(lost)

@@ -79,7 +79,7 @@ def _run_supervised(args, where, tok, jobs: list[StdoutJob], on_done, stop):
 def generate_supervised(args, where, prompt, stop) -> None:
     """The generation under the supervisor; the answer on stdout, the statistics and a --results row as usual."""
     from ..engine.tokenizer import Tokenizer, encode_prompt
-    from .supervisor import resumed_status
+    from .inflight import resumed_status
     tok = Tokenizer(args.config.model)
     ids = encode_prompt(tok, prompt.text, bool(prompt.chat))
     job = StdoutJob(ids, args.config.n_predict, args.config.sampling, prompt.text, bool(prompt.chat), args.as_json)
@@ -113,8 +113,8 @@ def batch_supervised(args, where, stop) -> None:
     --parallel of them at once), each answer a JSON line as it finishes (batch.py's, with "resumed": how many
     times the job re-formed under it), and the jobs in flight resumed where a rank is lost."""
     from ..engine.tokenizer import Tokenizer, encode_prompt
-    from ..feeders.batch import answer_line, read_batch
-    from .supervisor import resumed_status
+    from ..serving.batchfile import answer_line, read_batch
+    from .inflight import resumed_status
     prompts = read_batch(args.prompts, chat=True if args.chat is None else args.chat,
                          n_predict=args.config.n_predict, sampling=args.config.sampling)
     if any(p.replay for p in prompts):

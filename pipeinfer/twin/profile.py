@@ -299,9 +299,8 @@ def measure_confidence(draft: str, target: str, prompt: list[int], text: str, to
     config = Config(target, draft=draft, drafter="model", n_ctx=RUN_N_CTX, max_branches=1, kernels=kernels,
                     draft_head=head_tokens)
     drafter = make_drafter(config, n_vocab=0, n_threads=threads, n_threads_batch=threads)(prompt, text, True)   # the same drafter, or translating through text (chat format)
-    inner = getattr(drafter, "drafter", drafter)          # the draft model itself (a translating drafter's inner one)
     drafter.prefill(prompt)
-    n_max = getattr(drafter, "ahead_chunk", 1)
+    n_max = drafter.ahead_chunk
     seq, pairs = list(prompt) + list(tokens), []
     for i in range(len(prompt), len(seq)):
         tree = drafter.draft(seq[:i], Cutoffs(0.0, 1.0, n_max, 1))
@@ -311,7 +310,7 @@ def measure_confidence(draft: str, target: str, prompt: list[int], text: str, to
         pairs.append([round(tree[0].prob, 4), int(tree[0].token == seq[i])])
         if tree[0].alt >= 0:
             pairs[-1] += [round(tree[0].alt_prob, 4), int(tree[0].alt == seq[i])]
-    inner.engine.close()
+    drafter.close()
     return pairs
 
 
