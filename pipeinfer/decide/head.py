@@ -245,12 +245,12 @@ class Head:
         self.n_cells_bound = 0              # cells any stage may hold: retired cells count until COMPACT
         self._n_draft = cfg.draft_max       # the last micro-batch size asked for
 
-    def lend(self, drafter: Drafter, pool: PartitionPool) -> None:
-        """This generation may speculate with `drafter` and the partitions of `pool`, until `give_back`."""
+    def hold_drafter(self, drafter: Drafter, pool: PartitionPool) -> None:
+        """This generation may speculate with `drafter` and the partitions of `pool`, until release_drafter."""
         self.pool = pool
         self.lease = DraftLease(drafter, pool, self.stats, self.accepted[:self._n_prompt], self.clock)
 
-    def give_back(self) -> Drafter:
+    def release_drafter(self) -> Drafter:
         """No more speculative runs (those in flight are verified as usual; the partitions stay to free theirs)."""
         lease, self.lease = self.lease, None
         return lease.end()
@@ -261,7 +261,7 @@ class Head:
         return self.lease is not None and self.lease.asynchronous
 
     def start(self, prompt: list[int], replay: list[int] = (), cached: tuple[int, int] | None = None) -> None:
-        """Plan the prompt's runs (prompt_runs; the scheduler feeds them between the other generations' tokens), then
+        """Plan the prompt's runs (prompt_runs; the scheduler feeds them, feed_prompt, between the other generations' tokens), then
         those of `replay`: tokens this answer already has (streamed before the pipeline was lost), decoded as first,
         so every token after them is the uninterrupted answer's; cfg.n_predict counts only the tokens after them."""
         if not prompt:
@@ -276,7 +276,7 @@ class Head:
         if self.lease is not None:
             self.lease.drafter.prefill(self.accepted)  # while the target's stages process the prompt
 
-    def feed(self) -> list[Action]:
+    def feed_prompt(self) -> list[Action]:
         """Launch the prompt's next run."""
         nodes, pre_ops = self.pending.pop(0)
         run = TreeRun(self._new_run_id(), nodes)
@@ -294,13 +294,13 @@ class Head:
         """Positions in sequence 0 once the prompt's pending runs are fed too."""
         return self.seq0_end + sum(len(nodes) for nodes, _ in self.pending)
 
-    def take(self, res: Result) -> Taken:
-        """One result of this generation's runs: verify and commit it, cancel what it made useless (then `follow`)."""
+    def take_result(self, res: Result) -> Taken:
+        """One result of this generation's runs: verify and commit it, cancel what it made useless (then after_result)."""
         self._handle(res)
         emitted, self._emitted = self._emitted, []
         return Taken(self._decided(), emitted)
 
-    def follow(self, stop: bool = False) -> list[Action]:
+    def after_result(self, stop: bool = False) -> list[Action]:
         """After a result: keep the next token covered, or, once done (or told to stop: a client left or a stop
         string matched), cancel everything in flight."""
         if self.asynchronous and self.cfg.mode == "pipeinfer" and not self._quiet():
@@ -400,7 +400,7 @@ class Head:
         self._prune_chain()
         self._cancel_useless()
 
-    def cover(self) -> list[Action]:
+    def cover_next(self) -> list[Action]:
         """Make sure some run in flight predicts the token after the last accepted one (once the prompt is fed)."""
         self._cover()
         return self._decided()

@@ -12,7 +12,7 @@ every stage is busy on work that is certain to be used, and no speculation beats
         first; its chunks are the ones it would take alone (other chunks change the numerics)
     lend: the oldest decoding generation holds the drafter while fewer decode than the pipeline is deep, alone,
         or where its draft rows pay riding the others' decodes (BatchRules.lends; in synchronous speculative mode
-        the one generation holds it and drafts a tree whenever its next token needs covering, Head.cover)
+        the one generation holds it and drafts a tree whenever its next token needs covering, Head.cover_next)
     speculate: while no result is waiting, the holder's micro-batches go out one by one (PipeInfer, with its
         reactive cutoffs), alone while a stage would idle (BatchRules.speculates_alone), else riding the rows held
     take the oldest result (launch order) and route it to the generations whose rows it carried (update): each
@@ -191,7 +191,7 @@ class Scheduler:
             return
         gens = list(self.gens)
         for i in plan.feeds:
-            self.executor.apply(gens[i], gens[i].head.feed())
+            self.executor.apply(gens[i], gens[i].head.feed_prompt())
         if self.executor.held != plan.held:
             raise RuntimeError(f"internal: the plan held {plan.held}, the executor holds {self.executor.held}")
         holder = self._lend(gens[plan.lend_to] if plan.lend_to is not None else None, plan.to_ride)
@@ -239,7 +239,7 @@ class Scheduler:
             start = self.slots.start(req.prompt, [(seq, h.req.prompt[:h.head.n_planned]) for seq, h in running.items()])
             if start is not None and start.seq in running:  # the copy must follow the chunks it copies at every stage
                 while running[start.seq].head.seq0_end < start.n:
-                    self.executor.apply(running[start.seq], running[start.seq].head.feed())
+                    self.executor.apply(running[start.seq], running[start.seq].head.feed_prompt())
         # in the chunks it takes alone (prompt_chunk, from position 0): other chunks change the numerics
         head.start(req.prompt, req.replay, cached=(start.seq, start.n) if start else None)
         head.stats.t_queue_s = max(0.0, head.stats.t_start_s - req.t_queued_s)
@@ -277,7 +277,7 @@ class Scheduler:
         for g in [g for g in self.gens if g.head.done]:
             self._finish(g)
         for g in self.gens:
-            self.executor.apply(g, g.head.cover())
+            self.executor.apply(g, g.head.cover_next())
 
     def idle_work(self) -> bool:
         """With nothing to generate: have the most recent cache entry's answer (and the rest of its prompt) decoded
@@ -302,10 +302,10 @@ class Scheduler:
         draft rows to ride counts as a ride's cost."""
         if want is not self.holder:
             if self.holder is not None:
-                self.holder.head.give_back()
+                self.holder.head.release_drafter()
             if want is not None:
                 t0 = self.clock()
-                want.head.lend(self.drafter_for(want.req.prompt, want.req.prompt_text, want.req.chat), self.pool)
+                want.head.hold_drafter(self.drafter_for(want.req.prompt, want.req.prompt_text, want.req.chat), self.pool)
                 if to_ride:
                     self._ride_tries.append((0, (self.clock() - t0) * 1e3))
                 self.stats.n_lends += 1
@@ -369,8 +369,8 @@ class Scheduler:
 
     def _route(self, g: Running, res: Result, follow: bool) -> None:
         """One generation's result: what it decided goes to the executor, what it emitted to its request; then,
-        unless it only collects its runs (follow False), it covers its next token or, told to stop, ends."""
-        taken: Taken = g.head.take(res)
+        unless it only collects its runs (follow False: no after_result), it covers its next token or, told to stop, ends."""
+        taken: Taken = g.head.take_result(res)
         self.executor.apply(g, taken.actions)
         for out in taken.emitted:
             if g.req.on_logprobs and out.logprobs is not None:
@@ -380,14 +380,14 @@ class Scheduler:
             if g.req.on_progress:
                 g.req.on_progress(g.head.stats, len(g.head.flights))
         if follow:
-            self.executor.apply(g, g.head.follow(stop=g.req.should_stop is not None and g.req.should_stop()))
+            self.executor.apply(g, g.head.after_result(stop=g.req.should_stop is not None and g.req.should_stop()))
 
     def _finish(self, g: Running) -> None:
         """Every run of a finished generation is back: deliver its answer; its slot holds its prompt as a cache
         entry, or waits for a COMPACT (a generation that ended before its prompt's last chunk went out holds only
         the chunks launched)."""
         if self.holder is g:
-            g.head.give_back()
+            g.head.release_drafter()
             self.holder = None
         self.gens.remove(g)
         head = g.head

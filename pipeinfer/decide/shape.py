@@ -7,8 +7,8 @@ the main chain (branch 0) and, at depth d, the sibling as a branch of its own th
 tokens (its KV sequence holds them, as a drafter's tree branch does). When the main token at depth d is wrong
 and the sibling right, verification takes the sibling and the target's token after it: one token more than
 the chain gives at that miss, for one row more in every stage's decode. Whether that pays depends on what a
-row costs: on hosts where a 2-token decode costs nearly twice a 1-token one (this project's machine at one
-thread: 24 / 45 / 67 ms), only a sibling likelier than about the chain's own acceptance does.
+row costs: on hosts where a 2-token decode costs nearly twice a 1-token one (CPU cores at one thread:
+docs/speculation.md), only a sibling likelier than about the chain's own acceptance does.
 """
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ def choose_draft_len(acceptance: float, stage_ms: list[list[float]], draft_ms: t
     launched after it is cancelled and the pipeline refills, which costs one pass through every stage at
     batch b. So the rate is gain / (bottleneck + (1 - a^b) x pass). Larger micro-batches pay off where
     batching is cheap and the pipeline is short; on CPUs where a 2-token decode costs nearly twice a 1-token
-    one (this project's AVX2 host: 42 / 74 / 122 ms for 1 / 2 / 3 tokens on half of Qwen2.5-1.5B), and on
-    deep pipelines, the answer is 1 unless the draft is nearly always right.
+    one (docs/speculation.md), and on deep pipelines, the answer is 1 unless the draft is nearly always right.
     """
     best, best_rate = 1, -1.0
     for b in range(1, cap + 1):

@@ -16,10 +16,8 @@ from ..core.config import DRAFT_HEAD_AUTO, PROMPT_CHUNK  # noqa: F401 (DRAFT_HEA
 from ..core.protocol import Batch, cp, kv_ops, rm
 from ..engine.kernels import DEFAULT_KERNELS, exact_batch_limit
 
-# --draft-head auto: a draft model's output projection keeps its 65,536 most frequent tokens (stagefile.head_tokens).
-# Gemma 3 270M's 262,144-token projection is 72% of its weights: one decode took 19.1 ms at 1 thread, 9.5 ms
-# pruned to 65,536 tokens (8.4 ms at 32,768), with bit-identical logits for the kept tokens. Its acceptance on
-# the three prompts went from 0.87-0.91 to 0.81-0.87 (0.78-0.86 at 32,768; launch/bench/bench_repeat.py --config).
+# --draft-head auto: a draft model's output projection keeps its 65,536 most frequent tokens (stagefile.head_tokens;
+# what it buys: docs/speculation.md, Draft head).
 
 
 @dataclass
@@ -96,8 +94,8 @@ class InSeries:
 def top_candidates(logits: np.ndarray, k: int = 8) -> tuple[np.ndarray, np.ndarray]:
     """The k most likely tokens, most likely first, and their probabilities: (i64[k], f64[k]).
 
-    A full softmax + argsort over a 262,144-token vocabulary (Gemma 3) took 20-50 ms per draft token on
-    this project's machine, more than the draft model's decode; argpartition and one exp pass take ~2 ms.
+    argpartition and one exp pass, not a full softmax and sort: over a 262,144-token vocabulary (Gemma 3) that
+    costs more than the draft model's decode (docs/speculation.md, Draft head).
     """
     k = min(k, len(logits))
     top = np.argpartition(-logits, k - 1)[:k]

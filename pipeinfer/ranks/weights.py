@@ -289,19 +289,19 @@ def _send_one(comm, dest: int, layout, rc, fd: int, poll_s: float, show, identit
 
 
 # ---------------------------------------------------------------- receiving
-def _receive(comm, item: Item, rc, poll_s: float, model_name: str, fp: str, d: Path) -> Path:
-    """Assemble item's file from the wire and the held files rc names (rc: its Recipe), check its digest against
-    rank 0's, and only then link it into the cache, under the model's identity the end message names (item's may be
-    "": rank 0 was still hashing the model), with the model's fingerprint fp beside it."""
+def _receive(comm, item: Item, recipe, poll_s: float, model_name: str, fingerprint: str, cache_dir: Path) -> Path:
+    """Assemble item's file from the wire and the held files its recipe names (stagecache.Recipe), check its digest
+    against rank 0's, and only then link it into the cache, under the model's identity the end message names (item's
+    may be "": rank 0 was still hashing the model), with the model's fingerprint beside it."""
     from mpi4py import MPI
-    incoming = stagecache.IncomingFile(d, item.file_name() if item.model_id else f"unnamed{item.file_name()}")
-    held = {name: os.open(d / name, os.O_RDONLY) for _, _, name, _ in rc.local}
+    incoming = stagecache.IncomingFile(cache_dir, item.file_name() if item.model_id else f"unnamed{item.file_name()}")
+    held = {name: os.open(cache_dir / name, os.O_RDONLY) for _, _, name, _ in recipe.local}
     try:
         hasher = stagecache.content_hash()
-        chunks = list(_chunks(rc.size))
-        wired = [(lo, hi, rc.wire_bytes(lo, hi)) for lo, hi in chunks]
+        chunks = list(_chunks(recipe.size))
+        wired = [(lo, hi, recipe.wire_bytes(lo, hi)) for lo, hi in chunks]
         wired = [c for c in wired if c[2]]
-        bufs = [np.empty(min(CHUNK, max(rc.size, 1)), np.uint8) for _ in range(min(IN_FLIGHT, max(len(wired), 1)))]
+        bufs = [np.empty(min(CHUNK, max(recipe.size, 1)), np.uint8) for _ in range(min(IN_FLIGHT, max(len(wired), 1)))]
         reqs: dict = {}
 
         def post(j):
@@ -313,7 +313,7 @@ def _receive(comm, item: Item, rc, poll_s: float, model_name: str, fp: str, d: P
             if j + len(bufs) < len(wired):
                 post(j + len(bufs))
 
-        chunk = np.empty(min(CHUNK, max(rc.size, 1)), np.uint8)
+        chunk = np.empty(min(CHUNK, max(recipe.size, 1)), np.uint8)
         j = 0  # the next message
         for lo, hi in chunks:
             wire = None  # this chunk's wire bytes, when it has some
@@ -324,7 +324,7 @@ def _receive(comm, item: Item, rc, poll_s: float, model_name: str, fp: str, d: P
             view = wire if whole else chunk[:hi - lo]  # a chunk that travelled whole: its bytes as they arrived
             if not whole:
                 try:
-                    rc.unpack(lo, view[:0] if wire is None else wire, held, view)
+                    recipe.unpack(lo, view[:0] if wire is None else wire, held, view)
                 except StageFileError as e:
                     raise UserError(f"rank {comm.Get_rank()} ({host_name()}): {e} (in its weights cache): "
                                     f"`pipeinfer models prune --model {item.model_id[:12]}` there and start again") \
@@ -349,7 +349,7 @@ def _receive(comm, item: Item, rc, poll_s: float, model_name: str, fp: str, d: P
     finally:
         for fd in held.values():
             os.close(fd)
-    stagecache.record(item, path, hasher.hexdigest(), model_name, d, source_fp=fp)
+    stagecache.record(item, path, hasher.hexdigest(), model_name, cache_dir, source_fp=fingerprint)
     return path
 
 
