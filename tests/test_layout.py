@@ -251,3 +251,23 @@ def test_every_module_path_named_in_a_docstring_exists():
                 if ref not in files and ref not in ends:
                     missing.append(f"{name}: {ref}")
     assert not missing, "docstrings naming files that are not there:\n" + "\n".join(sorted(set(missing)))
+
+
+def test_both_pipes_implement_the_port():
+    """decide/port.PipePort is declared once and both pipes implement it: the MPI ranks' Pipeline and the twin's
+    SimPipeline have every member it names, with the same parameters (the scheduler and executor use no other)."""
+    import inspect
+
+    from pipeinfer.decide.port import PipePort
+    from pipeinfer.ranks.pipeline import Pipeline
+    from pipeinfer.twin.sim import SimPipeline
+    members = [n for n in vars(PipePort) if not n.startswith("_")] + ["in_flight"]
+    assert {"launch", "set_sampling", "kv", "cancel", "result_ready", "next_result", "distributed"} <= set(members)
+    for pipe in (Pipeline, SimPipeline):
+        init = inspect.getsource(pipe.__init__)
+        for name in members:
+            assert hasattr(pipe, name) or f"self.{name}" in init, f"{pipe.__name__} lacks {name}"
+            port_member = getattr(PipePort, name, None)
+            if inspect.isfunction(port_member):
+                assert (list(inspect.signature(getattr(pipe, name)).parameters)
+                        == list(inspect.signature(port_member).parameters)), f"{pipe.__name__}.{name}"
