@@ -8,8 +8,8 @@ DEEP = BatchRules(batch_rows=8, depth=3, n_stages=3)
 
 
 def view(*gens: GenView, n_in_flight=0, held=Held(), row_cap=8, cells_other=0, reserve=10, n_ctx=4096,
-         mode="pipeinfer", holder=None) -> RoundView:
-    return RoundView(tuple(gens), holder, n_in_flight, held, row_cap, cells_other, reserve, n_ctx, mode)
+         mode="pipeinfer") -> RoundView:
+    return RoundView(tuple(gens), n_in_flight, held, row_cap, cells_other, reserve, n_ctx, mode)
 
 
 def never_rides(gen: int, n_rows: int) -> int:

@@ -32,7 +32,6 @@ class GenView:
 class RoundView:
     """What the scheduler sees as a round starts."""
     gens: tuple[GenView, ...]                 # admission order
-    holder: int | None                        # the generation the drafter is lent to (an index of gens)
     n_in_flight: int                          # runs in the pipe
     held: Held                                # rows held to share the next decode
     row_cap: int                              # next tokens per shared decode now

@@ -179,8 +179,7 @@ class Scheduler:
             tuple(GenView(tuple((len(nodes), len(ops)) for nodes, ops in g.head.pending), len(g.head.prompt_in_flight),
                           g.head.done, g.req.background, g.head.n_cells_bound + g.head.n_planned - g.head.seq0_end)
                   for g in self.gens),
-            self.gens.index(self.holder) if self.holder is not None else None, len(self.pipe.in_flight),
-            self.executor.held, self.executor.row_cap, self.slots.n_cells_dead + self.slots.n_cells_cached,
+            len(self.pipe.in_flight), self.executor.held, self.executor.row_cap, self.slots.n_cells_dead + self.slots.n_cells_cached,
             self.budget.reserve, self.cfg.n_ctx, self.cfg.mode)
 
     def _execute(self, plan: RoundPlan) -> None:
