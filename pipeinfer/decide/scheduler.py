@@ -127,7 +127,6 @@ class Scheduler:
         self._ride_tries: deque[tuple[int, float]] = deque(maxlen=32)  # (rides launched, head ms) per try or lend
         self._run_id = first_run_id
         self._n_requests = 0
-        self.last_plan: RoundPlan | None = None   # the plan of the last round (tests and the twin read it)
         self.stats = SchedulerStats()
 
     @property
@@ -170,8 +169,7 @@ class Scheduler:
         if not (self.gens and self.pipe.result_ready()):
             self._admit()
         if self.gens:
-            self.last_plan = plan_round(self._view(), self.rules, self._ride_len)
-            self._execute(self.last_plan)
+            self._execute(plan_round(self._view(), self.rules, self._ride_len))
 
     def _view(self) -> RoundView:
         """What the planner sees (planner.RoundView)."""
