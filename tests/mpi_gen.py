@@ -6,7 +6,15 @@ Usage: mpiexec -n N python -m mpi4py tests/mpi_gen.py '{"model": ..., "prompt": 
 import json
 import sys
 
-from pipeinfer.core.config import DEFAULT_KERNELS, Config
+from pipeinfer.core.config import (
+    DEFAULT_KERNELS,
+    Config,
+    DraftOptions,
+    ServingOptions,
+    SpeculationOptions,
+    StageOptions,
+    WireOptions,
+)
 from pipeinfer.core.decoding import Decoding
 from pipeinfer.core.sampling import SamplingParams
 from pipeinfer.ranks.startup import run
@@ -14,18 +22,22 @@ from pipeinfer.ranks.startup import run
 arg = sys.argv[1]
 cfg = json.loads(open(arg[1:]).read() if arg.startswith("@") else arg)  # @FILE: JSON from a file
 config = Config(
-    model=cfg["model"], mode=cfg.get("mode", "iterative"), n_predict=cfg["n"],
-    sampling=SamplingParams(cfg.get("temp", 0.0), 0, 1.0, cfg.get("seed", 0)),
-    p_accept=cfg.get("p_accept", 0.0), p_split=cfg.get("p_split", 1.0), draft_max=cfg.get("draft_max"),
-    max_branches=cfg.get("max_branches", 1), p_recovery=cfg.get("p_recovery", 0.0), p_decay=cfg.get("p_decay", 0.0),
-    cancel=cfg.get("cancel", True), continuous=cfg.get("continuous", True), n_batch=cfg.get("n_batch", 512), prompt_chunk=cfg.get("prompt_chunk", 63),
-    cache_prompt=cfg.get("cache_prompt", True),
-    stop_at_eos=False, adaptive_draft=cfg.get("micro_batch", "auto") == "auto", layer_split=cfg.get("split"),
-    threads=cfg.get("threads", "1"), n_ctx=cfg.get("n_ctx", 1024), draft=cfg.get("draft"),
-    drafter=cfg.get("drafter", "model"), replay_ref=cfg.get("replay_ref"),
-    replay_accuracy=cfg.get("replay_accuracy", 0.8), draft_vocab=cfg.get("draft_vocab", "auto"),
-    max_in_flight=cfg.get("max_in_flight", 8), stall_timeout=cfg.get("stall_timeout", 60.0),
-    draft_at=cfg.get("draft_at", "head"), kernels=cfg.get("kernels", DEFAULT_KERNELS))
+    model=cfg["model"], mode=cfg.get("mode", "iterative"),
+    stage=StageOptions(layer_split=cfg.get("split"), threads=cfg.get("threads", "1"), n_ctx=cfg.get("n_ctx", 1024),
+                       n_batch=cfg.get("n_batch", 512), prompt_chunk=cfg.get("prompt_chunk", 63),
+                       cache_prompt=cfg.get("cache_prompt", True), kernels=cfg.get("kernels", DEFAULT_KERNELS)),
+    draft=DraftOptions(model=cfg.get("draft"), drafter=cfg.get("drafter", "model"), at=cfg.get("draft_at", "head"),
+                       vocab=cfg.get("draft_vocab", "auto"), replay_ref=cfg.get("replay_ref"),
+                       replay_accuracy=cfg.get("replay_accuracy", 0.8)),
+    speculation=SpeculationOptions(
+        p_accept=cfg.get("p_accept", 0.0), p_split=cfg.get("p_split", 1.0), p_recovery=cfg.get("p_recovery", 0.0),
+        p_decay=cfg.get("p_decay", 0.0), max_branches=cfg.get("max_branches", 1),
+        max_in_flight=cfg.get("max_in_flight", 8), draft_max=cfg.get("draft_max"),
+        adaptive_draft=cfg.get("micro_batch", "auto") == "auto", cancel=cfg.get("cancel", True),
+        continuous=cfg.get("continuous", True)),
+    serving=ServingOptions(n_predict=cfg["n"], stop_at_eos=False,
+                           sampling=SamplingParams(cfg.get("temp", 0.0), 0, 1.0, cfg.get("seed", 0))),
+    wire=WireOptions(stall_timeout=cfg.get("stall_timeout", 60.0)))
 logprobs = []  # "logprobs": k asks the chosen token's log-probability (and the top k) at every position
 request = {} if cfg.get("logprobs") is None else {"decoding": Decoding(top_logprobs=cfg["logprobs"]),
                                                    "on_logprobs": logprobs.extend}

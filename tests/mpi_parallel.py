@@ -7,15 +7,18 @@ Usage: mpiexec -n N python -m mpi4py tests/mpi_parallel.py '{"model": ..., "prom
 import json
 import sys
 
-from pipeinfer.core.config import Config
+from pipeinfer.core.config import Config, DraftOptions, ServingOptions, SpeculationOptions, StageOptions
 from pipeinfer.ranks.startup import open_session
 
 cfg = json.loads(sys.argv[1])
-config = Config(model=cfg["model"], mode=cfg.get("mode", "iterative"), parallel=cfg.get("parallel", 2),
-                drafter=cfg.get("drafter", "ngram"), replay_ref=cfg.get("replay_ref"),
-                replay_accuracy=cfg.get("replay_accuracy", 0.8), draft_max=cfg.get("draft_max"),
-                adaptive_draft=cfg.get("micro_batch", "auto") == "auto", n_ctx=cfg.get("n_ctx", 512), threads="1",
-                stop_at_eos=False, cache_prompt=cfg.get("cache_prompt", True), p_accept=cfg.get("p_accept", 0.0),
+config = Config(model=cfg["model"], mode=cfg.get("mode", "iterative"),
+                stage=StageOptions(n_ctx=cfg.get("n_ctx", 512), threads="1",
+                                   cache_prompt=cfg.get("cache_prompt", True)),
+                draft=DraftOptions(drafter=cfg.get("drafter", "ngram"), replay_ref=cfg.get("replay_ref"),
+                                   replay_accuracy=cfg.get("replay_accuracy", 0.8)),
+                speculation=SpeculationOptions(draft_max=cfg.get("draft_max"), p_accept=cfg.get("p_accept", 0.0),
+                                               adaptive_draft=cfg.get("micro_batch", "auto") == "auto"),
+                serving=ServingOptions(parallel=cfg.get("parallel", 2), stop_at_eos=False),
                 set_by_user=frozenset(cfg.get("set_by_user", ())))
 session = open_session(config)
 if session is not None:

@@ -2,8 +2,9 @@
 (its tokens and, when asked, its log-probabilities).
 
 Usage: mpiexec -n N python -m mpi4py tests/mpi_requests.py @spec.json
-spec: {"config": {Config fields; sampling as a dict}, "requests": [{"prompt": [ids], "n": N, "decoding": {...},
-       "sampling": {...}}, ...], "at_once": false}
+spec: {"config": {"model": PATH, "mode": MODE, and options by their command-line names, as Config.with_options
+       takes them}, "requests": [{"prompt": [ids], "n": N, "decoding": {...}, "sampling": {...}}, ...],
+       "at_once": false}
 at_once: every request submitted to the scheduler together (up to the config's parallel generate at once); the
 answers are printed in request order.
 """
@@ -19,7 +20,8 @@ from pipeinfer.ranks.startup import open_session
 
 arg = sys.argv[1]
 spec = json.loads(open(arg[1:]).read() if arg.startswith("@") else arg)
-config = Config.from_json(json.dumps({**json.loads(Config(spec["config"]["model"]).to_json()), **spec["config"]}))
+options = dict(spec["config"])
+config = Config(options.pop("model"), mode=options.pop("mode", "pipeinfer")).with_options(**options)
 session = open_session(config)
 
 

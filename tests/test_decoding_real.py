@@ -120,7 +120,7 @@ def answers(tmp_path_factory):
     model = real_model("qwen2.5-coder-1.5b")
     tmp = tmp_path_factory.mktemp("decoding")
     requests = _requests(model)
-    base = {"model": model, "threads": "1", "n_ctx": 1024, "parallel": 1, "drafter": "ngram", "draft": None,
+    base = {"model": model, "threads": "1", "ctx_size": 1024, "parallel": 1, "drafter": "ngram", "draft": None,
             "draft_at": "head"}
     return model, requests, {
         "one process": _run(1, {**base, "mode": "iterative"}, requests, tmp),

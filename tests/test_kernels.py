@@ -192,12 +192,12 @@ def test_a_stage_with_the_same_kernel_key_takes_the_limit_measured_before(models
 def test_batch_rows_are_the_stages_exact_limit_unless_fast():
     """--batch-rows auto takes the smallest exact limit of the stages; more is one line naming the rank; --kernels
     fast (no limit measured) takes what it is given, 16 by default."""
-    from pipeinfer.core.config import Config
+    from pipeinfer.core.config import ServingOptions
     from pipeinfer.core.errors import UserError
     from pipeinfer.ranks.startup import FAST_BATCH_ROWS, _batch_rows
-    assert _batch_rows(Config("m.gguf"), [7, 3]) == 3
-    assert _batch_rows(Config("m.gguf", batch_rows=2), [7, 3]) == 2
+    assert _batch_rows(ServingOptions(), [7, 3]) == 3
+    assert _batch_rows(ServingOptions(batch_rows=2), [7, 3]) == 2
     with pytest.raises(UserError, match="--batch-rows 4 is more than the exact batch limit of 3 measured on rank 1"):
-        _batch_rows(Config("m.gguf", batch_rows=4), [7, 3])
-    assert _batch_rows(Config("m.gguf", kernels="fast"), [None, None]) == FAST_BATCH_ROWS
-    assert _batch_rows(Config("m.gguf", kernels="fast", batch_rows=32), [None, None]) == 32
+        _batch_rows(ServingOptions(batch_rows=4), [7, 3])
+    assert _batch_rows(ServingOptions(), [None, None]) == FAST_BATCH_ROWS   # --kernels fast: no limit measured
+    assert _batch_rows(ServingOptions(batch_rows=32), [None, None]) == 32

@@ -223,9 +223,7 @@ def test_launch_serve_is_the_supervised_server(tmp_path):
 
 
 def test_supervised_placement_takes_the_hostfiles_settings(tmp_path):
-    from dataclasses import replace
-
-    from pipeinfer.core.config import Config
+    from pipeinfer.core.config import Config, DraftOptions
     from pipeinfer.supervisor.placement import DraftHost, placement
     model = tmp_path / "m.gguf"
     model.write_bytes(b"x" * 1000)
@@ -234,12 +232,13 @@ def test_supervised_placement_takes_the_hostfiles_settings(tmp_path):
     setup = Config(str(model))
     where = placement(None, str(hf), setup)
     assert where.slots == ["a", "a", "b"]
-    assert (where.config.threads, where.config.layer_split) == ("4,4,2", "0.4,0.4,0.2")
+    assert (where.config.stage.threads, where.config.stage.layer_split) == ("4,4,2", "0.4,0.4,0.2")
     assert (where.footprint.weights_bytes, where.footprint.declared_gib) == (1000, {"a": 8.0})
-    user_threads = placement(2, str(hf), replace(setup, threads="1", set_by_user=frozenset({"threads"}))).config
+    user_threads = Config(str(model), set_by_user=frozenset({"threads"})).with_options(threads="1")
+    user_threads = placement(2, str(hf), user_threads).config.stage
     assert (user_threads.threads, user_threads.layer_split) == ("1", "0.5,0.5")  # the user's option wins
     hf.write_text("a\nd # pipeinfer: role=draft threads=2\n")  # the draft host: the job's last rank
-    with_draft = Config(str(model), draft=str(model), drafter="model", draft_at="thread")
+    with_draft = Config(str(model), draft=DraftOptions(model=str(model), drafter="model", at="thread"))
     where = placement(None, str(hf), with_draft)
     assert where.slots == ["a"] and where.draft == DraftHost("d", {"draft_at": "rank", "draft_threads": 2}, 1000)
     assert where.footprint.head_bytes == 0  # not beside rank 0 (until its host is lost)
@@ -264,7 +263,7 @@ def test_the_options_the_user_set_are_carried_in_the_config(tmp_path):
     @click.command()
     @pipeline_options
     def cmd(**kw):
-        seen.append(config_from_options(kw, n_predict=8, sampling=SamplingParams(), stop_at_eos=True))
+        seen.append(config_from_options(kw, sampling=SamplingParams(seed=3)))
     argv = ["-m", str(model), "--mode", "iterative", "--threads", "2", "--draft-threads=1"]
     result = CliRunner().invoke(cmd, argv)
     assert result.exit_code == 0, result.output
@@ -272,6 +271,30 @@ def test_the_options_the_user_set_are_carried_in_the_config(tmp_path):
     assert {"threads", "draft_threads", "model", "mode"} <= given and not given & {"threads_batch", "layer_split"}
     assert Config.from_json(seen[0].to_json()) == seen[0]
     assert options_given(argv + ["--", "--layer-split", "x"]) == frozenset({"threads", "draft_threads"})
+    result = CliRunner().invoke(cmd, ["-m", str(model), "-c", "2048", "--cache-prompt", "off", "--micro-batch", "fixed",
+                                      "--poll-us", "1000", "--fast-kernels", "-pr", "0.25", "--draft-head", "full"])
+    assert result.exit_code == 0, result.output
+    config = seen[1]    # each option in its section, as click gave it and OPTION_FIELDS converts it
+    assert (config.stage.n_ctx, config.stage.cache_prompt, config.stage.kernels) == (2048, False, "fast")
+    assert (config.speculation.adaptive_draft, config.speculation.p_recovery) == (False, 0.25)
+    assert (config.wire.poll_s, config.draft.head_tokens, config.serving.sampling.seed) == (0.001, None, 3)
+    assert (config.serving.parallel, config.speculation.draft_max, config.serving.batch_rows) == (1, None, None)
+
+
+def test_every_option_of_a_pipeline_run_has_its_place_in_the_config():
+    """Every option of generate and serve that the run's ranks read is a section's field by its click name
+    (OPTION_FIELDS), but the Config's own (model, mode), what a command makes of others (--fast-kernels: --kernels
+    fast; --temp, --top-k, --top-p, --seed: the sampling), and the front end's own."""
+    from dataclasses import fields
+
+    from pipeinfer.cli.main import main
+    from pipeinfer.core.config import OPTION_FIELDS, SECTIONS
+    for name, where in OPTION_FIELDS.items():
+        assert where.field in {f.name for f in fields(SECTIONS[where.section])}, name
+    generate, serve = ({p.name for p in main.commands[c].params} for c in ("generate", "serve"))
+    front_end = {"model", "mode", "fast_kernels", "results", "np", "hostfile", "rejoin"}
+    assert (generate & serve) - front_end <= set(OPTION_FIELDS)
+    assert {"replay_ref", "replay_accuracy", "replay_runner_up"} <= set(OPTION_FIELDS) & generate
 
 
 @pytest.mark.parametrize("args, given", [

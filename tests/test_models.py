@@ -461,7 +461,7 @@ def test_the_default_target_gets_the_default_draft_by_what_it_is_not_by_its_name
         f.truncate(MODELS[DEFAULT_TARGET].size)
     for model in (DEFAULT_TARGET, str(target), str(renamed)):
         setup = _pipeline_for("-m", model, "-p", "hi")
-        assert (setup.draft, setup.drafter) == (str(draft), "model"), model
+        assert (setup.draft.model, setup.draft.drafter) == (str(draft), "model"), model
         assert drafter_note(setup) == f"drafter: {draft.name} (thread)"
     same_size = tmp_path / "same-size.gguf"  # as large as the default target, but other bytes: another model
     with open(same_size, "wb") as f:
@@ -471,11 +471,11 @@ def test_the_default_target_gets_the_default_draft_by_what_it_is_not_by_its_name
     other.write_bytes(b"GGUF")
     for model in (same_size, other):
         setup = _pipeline_for("-m", str(model), "-p", "hi")
-        assert (setup.draft, setup.drafter) == (None, "ngram"), model   # no draft model known: n-grams
+        assert (setup.draft.model, setup.draft.drafter) == (None, "ngram"), model   # no draft model known: n-grams
         assert drafter_note(setup).startswith(f"drafter: ngram (for more accepted tokens with {model.name}, "
                                                "give --draft SMALL.gguf (a small model of the target's family")
     assert drafter_note(_pipeline_for("-m", str(other), "-p", "hi", "--drafter", "ngram")) == "drafter: ngram"
-    assert _pipeline_for("-m", str(target), "-p", "hi", "--mode", "iterative").draft is None
+    assert _pipeline_for("-m", str(target), "-p", "hi", "--mode", "iterative").draft.model is None
 
 
 def test_identify_reads_only_the_head_and_the_size(tmp_path):

@@ -18,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api_fakes import ScriptedSession, simple_template
-from pipeinfer.core.config import Config
+from pipeinfer.core.config import Config, DraftOptions, ServingOptions
 from pipeinfer.core.topology import LayerRange
 from pipeinfer.serving import link
 from pipeinfer.feeders.generator import Generator
@@ -105,7 +105,8 @@ def test_state_shape_and_its_numbers_move(client):
 
 def _head_session(draft_at: str = "head", n_world: int = 2):
     hosts = [("alpha", 100), ("beta", 200), ("beta", 300)][:n_world]
-    config = Config("t.gguf", draft="/m/draft.gguf", drafter="model", draft_at=draft_at, parallel=2)
+    config = Config("t.gguf", draft=DraftOptions(model="/m/draft.gguf", drafter="model", at=draft_at),
+                    serving=ServingOptions(parallel=2))
     return SimpleNamespace(ranges=[LayerRange(0, 3), LayerRange(3, 8)], threads=[4, 2], config=config,
                            live=SimpleNamespace(hosts=hosts, mem_available=[8 * 2**30, 4 * 2**30, 4 * 2**30][:n_world]))
 

@@ -36,12 +36,14 @@ def stop_supervised(p: subprocess.Popen, tag: str) -> None:
 
 
 def test_per_rank_options_follow_the_slots_left():
-    from pipeinfer.core.config import Config
-    first = Config("x.gguf", layer_split="0.2,0.3,0.5", threads="4,2,1", threads_batch="3", n_ctx=2048)
-    assert first.for_places([0, 2], 3) == Config("x.gguf", layer_split="0.2,0.5", threads="4,1", threads_batch="3",
-                                                 n_ctx=2048)
+    from pipeinfer.core.config import Config, StageOptions
+    first = Config("x.gguf", stage=StageOptions(layer_split="0.2,0.3,0.5", threads="4,2,1", threads_batch="3",
+                                                n_ctx=2048))
+    assert first.for_places([0, 2], 3) == Config("x.gguf", stage=StageOptions(
+        layer_split="0.2,0.5", threads="4,1", threads_batch="3", n_ctx=2048))
     assert first.for_places([0, 1, 2], 3) == first  # every slot back (--rejoin): the first job's configuration
-    assert Config("x.gguf", layer_split="auto").for_places([1], 2).layer_split == "auto"  # re-measured anyway
+    auto = Config("x.gguf").with_options(layer_split="auto")
+    assert auto.for_places([1], 2).stage.layer_split == "auto"  # re-measured anyway
 
 
 def test_a_resumed_answer_is_timed_across_its_jobs_and_says_when_nothing_was_drafted():
@@ -65,24 +67,58 @@ def test_a_resumed_answer_is_timed_across_its_jobs_and_says_when_nothing_was_dra
 
 
 def test_the_configuration_travels_whole_as_json():
-    from pipeinfer.core.config import Config
+    import json
+
+    from pipeinfer.core.config import Config, DraftOptions, ServingOptions, StageOptions, WireOptions
     from pipeinfer.core.sampling import SamplingParams
-    config = Config("x.gguf", mode="speculative", threads="2,1", sampling=SamplingParams(0.7, 40, 0.9, -3),
-                    draft="d.gguf", drafter="model", draft_at="thread", parallel=None, poll_s=0.001)
+    config = Config("x.gguf", mode="speculative", stage=StageOptions(threads="2,1"),
+                    serving=ServingOptions(sampling=SamplingParams(0.7, 40, 0.9, -3), parallel=None),
+                    draft=DraftOptions(model="d.gguf", drafter="model", at="thread"), wire=WireOptions(poll_s=0.001),
+                    set_by_user=frozenset({"threads", "draft"}))
     assert Config.from_json(config.to_json()) == config
+    nested = json.loads(config.to_json())   # a section per object, the sampling inside its section
+    assert nested["stage"]["threads"] == "2,1" and nested["serving"]["sampling"]["top_k"] == 40
+    assert nested["set_by_user"] == ["draft", "threads"]
     with pytest.raises(ValueError, match="unknown fields"):
         Config.from_json('{"model": "x.gguf", "no_such_option": 1}')
+    with pytest.raises(ValueError, match=r"unknown fields \['n_ctx', 'stage.no_such_option'\]"):
+        Config.from_json('{"model": "x.gguf", "n_ctx": 2048, "stage": {"no_such_option": 1}}')  # a flat one too
     with pytest.raises(ValueError, match="not a pipeinfer configuration"):
         Config.from_json("[1, 2]")
+    with pytest.raises(ValueError, match="not a pipeinfer configuration"):
+        Config.from_json('{"model": "x.gguf", "stage": 3}')
+
+
+def test_options_are_set_by_their_command_line_names_into_their_sections():
+    """Config.with_options: click's names and values, each into its section's field (core/config.OPTION_FIELDS),
+    as the hostfile's settings and start-up set them."""
+    from pipeinfer.core.config import Config
+    config = Config("x.gguf").with_options(ctx_size=2048, threads="4,2", draft_at="thread", draft_threads=2,
+                                           cache_prompt="off", micro_batch="fixed", poll_us=1000, ignore_eos=True)
+    assert (config.stage.n_ctx, config.stage.threads, config.stage.cache_prompt) == (2048, "4,2", False)
+    assert (config.draft.at, config.draft.threads) == ("thread", 2)
+    assert not config.speculation.adaptive_draft and not config.serving.stop_at_eos
+    assert config.wire.poll_s == pytest.approx(0.001)
+    with pytest.raises(ValueError, match="'n_ctx' is not an option of a pipeline run"):
+        config.with_options(n_ctx=1024)   # the field's name is not the option's (-c/--ctx-size)
+    with pytest.raises(ValueError, match="on or off"):
+        config.with_options(cache_prompt=False)
+    with pytest.raises(TypeError, match="Config.draft is a DraftOptions, not str"):
+        Config("x.gguf", draft="d.gguf")
 
 
 def test_a_configuration_that_contradicts_itself_is_refused_however_made():
     from dataclasses import replace
 
-    from pipeinfer.core.config import Config
+    from pipeinfer.core.config import Config, ServingOptions
     from pipeinfer.core.errors import UserError
+    ngram = Config("x.gguf", mode="pipeinfer").with_options(drafter="ngram")
     with pytest.raises(UserError, match="the draft rank has no draft model"):
-        replace(Config("x.gguf", mode="pipeinfer", drafter="ngram"), draft_at="rank")  # a hostfile's draft host, n-grams
+        ngram.with_options(draft_at="rank")  # a hostfile's draft host, n-grams
+    with pytest.raises(UserError, match="the draft rank has no draft model"):
+        replace(ngram, draft=replace(ngram.draft, at="rank"))
+    with pytest.raises(UserError, match="--mode speculative runs one request at a time"):
+        Config("x.gguf", mode="speculative", serving=ServingOptions(parallel=2))
 
 
 @pytest.fixture(scope="module")

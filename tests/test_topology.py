@@ -184,13 +184,13 @@ def test_a_supervisors_memory_check_takes_what_the_ranks_measured():
 
 
 def test_split_fractions_read_from_the_jobs_configuration():
-    from pipeinfer.core.config import Config
+    from pipeinfer.core.config import StageOptions
     from pipeinfer.supervisor.placement import split_fractions
-    assert split_fractions(Config("x", layer_split="0.25,0.75"), 2) == [0.25, 0.75]
-    assert split_fractions(Config("x", layer_split="1,3"), 2) == [1.0, 3.0]
-    assert split_fractions(Config("x", layer_split="auto"), 2) is None      # measured by the job: not known yet
-    assert split_fractions(Config("x", layer_split="1,2,3"), 2) is None     # the job itself refuses it, in one line
-    assert split_fractions(Config("x"), 2) is None
+    assert split_fractions(StageOptions(layer_split="0.25,0.75"), 2) == [0.25, 0.75]
+    assert split_fractions(StageOptions(layer_split="1,3"), 2) == [1.0, 3.0]
+    assert split_fractions(StageOptions(layer_split="auto"), 2) is None      # measured by the job: not known yet
+    assert split_fractions(StageOptions(layer_split="1,2,3"), 2) is None     # the job itself refuses it, in one line
+    assert split_fractions(StageOptions(), 2) is None
 
 
 # ---------------------------------------------------------------- plan_layers / balanced_counts

@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 import pytest
 
-from pipeinfer.drafters.drafter import Cutoffs
+from pipeinfer.drafters.drafter import Cutoffs, InSeries
 from pipeinfer.drafters.translating import (PrefixIndex, TranslatingDrafter, chain_text, heal_split, shift_spans, target_side,
                               translate, utf8_split)
 
@@ -246,7 +246,7 @@ def test_prefix_index_cache(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ whole drafter, oracle model
-class OracleDraftModel:
+class OracleDraftModel(InSeries):
     """Stands in for ModelDrafter: a 'model' that knows the text `script` and predicts its next draft token
     (the first token of the draft tokenization of the rest) with probability `p`, or its end of turn at the end;
     off the script it is unsure. Implements the parts TranslatingDrafter uses (sync, step)."""

@@ -91,11 +91,9 @@ class GenerateArgs:
     @classmethod
     def of(cls, kw: dict) -> GenerateArgs:
         supervised = kw["np"] or kw["hostfile"]
-        config = config_from_options(
-            kw, n_predict=kw["n_predict"], sampling=SamplingParams(kw["temp"], kw["top_k"], kw["top_p"], kw["seed"]),
-            stop_at_eos=not kw["ignore_eos"], parallel=kw["parallel"] if kw["prompts"] else 1,
-            replay_ref=kw["replay_ref"], replay_accuracy=kw["replay_accuracy"], replay_runner_up=kw["replay_runner_up"])
-        if config.drafter == "replay" and (kw["prompts"] or supervised):
+        config = config_from_options({**kw, "parallel": kw["parallel"] if kw["prompts"] else 1},
+                                     sampling=SamplingParams(kw["temp"], kw["top_k"], kw["top_p"], kw["seed"]))
+        if config.draft.drafter == "replay" and (kw["prompts"] or supervised):
             raise UserError("--drafter replay follows one reference answer: not with --prompts or --np/--hostfile")
         return cls(config, **own_fields(cls, kw, skip=("config",)))
 
@@ -220,7 +218,7 @@ class HeadOutput:
         from ..engine.tokenizer import StreamDecoder, Tokenizer, encode_prompt
         tok = Tokenizer(config.model)
         tokens = encode_prompt(tok, prompt.text, bool(prompt.chat))
-        check_fits(config, len(tokens), config.n_predict, n_target_ranks(config))
+        check_fits(config, len(tokens), config.serving.n_predict, n_target_ranks(config))
         return tok, tokens, StreamDecoder(tok)
 
     @property
@@ -291,8 +289,9 @@ def _report_failures(args: GenerateArgs, prompt: Prompt, head: HeadOutput) -> No
 def _print_report(config: Config, res) -> None:
     """The statistics on stderr after the text: mode, cutoffs, the layers of each rank, then Stats.report."""
     ranges = ", ".join(f"rank {i}: layers {r}" for i, r in enumerate(res.ranges))
-    cutoff = {"iterative": "", "speculative": f", cutoff -pa {config.p_accept:g}"}.get(
-        config.mode, f", cutoff -pa {config.p_accept:g} -pr {res.p_recovery:g}")
+    p_accept = config.speculation.p_accept
+    cutoff = {"iterative": "", "speculative": f", cutoff -pa {p_accept:g}"}.get(
+        config.mode, f", cutoff -pa {p_accept:g} -pr {res.p_recovery:g}")
     print(f"\n[pipeinfer] mode {config.mode}{cutoff}, {len(res.ranges)} rank(s): {ranges}", file=sys.stderr)
     print(f"[pipeinfer] {drafter_note(config)}", file=sys.stderr)
     print(res.stats.report(), file=sys.stderr)
@@ -355,8 +354,7 @@ class ServeArgs:
         if kw["drafter"] == "replay":
             raise UserError("--drafter replay is a benchmark instrument for generate, not for serve")
         from ..frontend.access import access_of
-        config = config_from_options(kw, n_predict=kw["n_predict"], sampling=SamplingParams(),
-                                     stop_at_eos=not kw["ignore_eos"], parallel=kw["parallel"])
+        config = config_from_options(kw, sampling=SamplingParams())
         return cls(config, kw["model"], access=access_of(kw),
                    **own_fields(cls, kw, skip=("config", "model_name", "access")))
 
@@ -463,7 +461,8 @@ def _serve_http(args: ServeArgs, generator, tok, ranks: str, stop: StopSignals) 
     from ..frontend.app import ServeConfig, create_app
     model_id = _model_id(args)
     config = args.config
-    app = create_app(ServeConfig(model_id, config.n_ctx, cells_reserve(config, n_target_ranks(config)), config.n_predict, webui=args.webui),
+    app = create_app(ServeConfig(model_id, config.stage.n_ctx, cells_reserve(config, n_target_ranks(config)),
+                                 config.serving.n_predict, webui=args.webui),
                      generator, tok, lambda messages: apply_chat(tok, messages), access=args.access)
     if stop.requested:
         return

@@ -1,6 +1,8 @@
 """The options of the commands that load the pipeline (`generate`, `serve`), as click declares them, and the one
-place they become the run's configuration (core/config.Config): `config_from_options` resolves the model files,
-the drafter and where it runs (`--draft-at auto` decided) and checks them against each other, once.
+place they become the run's configuration (core/config.Config): `config_from_options` puts each into its section's
+field by click's name (core/config.OPTION_FIELDS: the table lives in core, where a hostfile's settings are applied by
+the same names), resolves the model files, the drafter and where it runs (`--draft-at auto` decided) and checks them
+against each other, once.
 """
 from __future__ import annotations
 
@@ -14,7 +16,17 @@ from click.core import ParameterSource
 from ..core.errors import UserError
 from ..core.sampling import SamplingParams
 from ..engine.kernels import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, KERNELS
-from ..core.config import DRAFT_HEAD_AUTO, DRAFT_RIDES, MODES, PROMPT_CHUNK, Config, draft_label
+from ..core.config import (
+    DRAFT_HEAD_AUTO,
+    DRAFT_RIDES,
+    MODES,
+    OPTION_FIELDS,
+    PROMPT_CHUNK,
+    Config,
+    DraftOptions,
+    ServingOptions,
+    draft_label,
+)
 from .guard import installed, mpi_size
 
 
@@ -83,7 +95,8 @@ def speculation_options(f):
     return f
 
 
-# options of every command that loads the pipeline (generate, serve); one PipelineArgs field each
+# options of every command that loads the pipeline (generate, serve): -m and --mode are Config's own fields, every
+# other a section's field by its name (core/config.OPTION_FIELDS), but --fast-kernels (--kernels fast)
 PIPELINE_OPTIONS = [
     click.option("-m", "--model", default=None, help="target GGUF path or registry name [default: qwen2.5-coder-1.5b]"),
     click.option("--layer-split", default=None,
@@ -187,12 +200,11 @@ def _known_draft(model: str) -> str | None:
     return installed(name) if name else None
 
 
-def config_from_options(kw: dict, *, n_predict: int, sampling: SamplingParams, stop_at_eos: bool,
-                        parallel: int | None = 1, replay_ref: str | None = None,
-                        replay_accuracy: float = 0.8, replay_runner_up: float = 0.0) -> Config:
-    """The run's configuration from click's keyword arguments of PIPELINE_OPTIONS and what the command adds:
-    registry names resolved to files, the drafter and its place decided, the options checked against each other.
-    parallel: generations at once (None: 2 per stage, resolved at start-up)."""
+def config_from_options(kw: dict, *, sampling: SamplingParams | None = None) -> Config:
+    """The run's configuration from click's keyword arguments: each option into its section's field by its name
+    (core/config.OPTION_FIELDS, the one table of them), the sampling the command makes of its own options, registry
+    names resolved to files, the drafter and its place decided, the options checked against each other. An option
+    the command lacks keeps its field's default (parallel: 1; None: 2 per stage, resolved at start-up)."""
     from ..engine.models import DEFAULT_TARGET, resolve_model
     mode = kw["mode"]
     model = str(resolve_model(kw["model"] or DEFAULT_TARGET))
@@ -204,6 +216,7 @@ def config_from_options(kw: dict, *, n_predict: int, sampling: SamplingParams, s
     if draft_at == "auto":  # beside the pipeline where a model drafts continuously (docs/speculation.md)
         beside = mode == "pipeinfer" and drafter in ("model", "replay")
         draft_at = "thread" if beside else "head"
+    parallel = kw.get("parallel", 1)
     if mode == "speculative" and parallel is None:
         parallel = 1
     if draft_at == "rank" and drafter == "ngram" and mode != "iterative":
@@ -214,25 +227,17 @@ def config_from_options(kw: dict, *, n_predict: int, sampling: SamplingParams, s
     set_by_user = frozenset() if ctx is None else frozenset(
         name for name in ctx.params
         if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT))
-    return Config(
-        model=model, mode=mode, layer_split=kw["layer_split"], threads=kw["threads"],
-        threads_batch=kw["threads_batch"], n_ctx=kw["ctx_size"], n_batch=kw["batch_size"],
-        prompt_chunk=kw["prompt_chunk"], cache_prompt=kw["cache_prompt"] == "on",
-        kernels="fast" if kw["fast_kernels"] else kw["kernels"], draft=draft, drafter=drafter,
-        drafter_asked=kw["drafter"] is not None, draft_vocab=kw["draft_vocab"], draft_at=draft_at,
-        draft_threads=kw["draft_threads"], draft_head=kw["draft_head"], draft_max=kw["draft_max"],
-        adaptive_draft=kw["micro_batch"] == "auto", replay_ref=replay_ref, replay_accuracy=replay_accuracy,
-        replay_runner_up=replay_runner_up,
-        p_accept=kw["p_accept"], p_split=kw["p_split"], p_recovery=kw["p_recovery"], p_decay=kw["p_decay"],
-        max_branches=kw["max_branches"], max_in_flight=kw["max_in_flight"], cancel=kw["cancel"],
-        continuous=kw["continuous"], draft_rides=kw["draft_rides"], quiet_first=kw["quiet_first"], n_predict=n_predict, sampling=sampling,
-        stop_at_eos=stop_at_eos, parallel=parallel, batch_rows=kw["batch_rows"], poll_s=kw["poll_us"] / 1e6, stall_timeout=kw["stall_timeout"],
-        set_by_user=set_by_user)
+    options = {name: value for name, value in kw.items() if name in OPTION_FIELDS}
+    decided = {"draft": draft, "drafter": drafter, "draft_at": draft_at, "parallel": parallel,
+               "kernels": "fast" if kw["fast_kernels"] else kw["kernels"]}
+    first = Config(model, mode=mode, draft=DraftOptions(drafter_asked=kw["drafter"] is not None),
+                   serving=ServingOptions(sampling=sampling or SamplingParams()), set_by_user=set_by_user)
+    return first.with_options(**{**options, **decided})
 
 
 def n_target_ranks(config: Config) -> int:
     """The ranks that hold the target's stages under this launcher: every rank but the draft's (--draft-at rank)."""
-    return mpi_size() - (config.draft_at == "rank")
+    return mpi_size() - (config.draft.at == "rank")
 
 
 def drafter_note(config: Config) -> str:
@@ -240,7 +245,7 @@ def drafter_note(config: Config) -> str:
     if config.mode == "iterative":
         return "drafter: none (iterative)"
     note = f"drafter: {draft_label(config)}"
-    if config.drafter == "ngram" and not config.drafter_asked:
+    if config.draft.drafter == "ngram" and not config.draft.drafter_asked:
         from ..engine.drafts import draft_hint
         note += f" (for more accepted tokens with {Path(config.model).name}, give {draft_hint(config.model)})"
     return note

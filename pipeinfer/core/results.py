@@ -209,7 +209,7 @@ def results_row(config: Config, ranges, prompt_name: str, stats, peak_rss_mb: li
     return stats_row(
         stats, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"), mode=config.mode, target_model=Path(config.model).name,
         draft_model=draft_label(config), ranks=len(ranges),
-        layer_split=",".join(str(r.n_layers) for r in ranges if r is not None), threads=config.threads or "",
+        layer_split=",".join(str(r.n_layers) for r in ranges if r is not None), threads=config.stage.threads or "",
         prompt_name=prompt_name, peak_rss_max_mb=round(max(peak_rss_mb), 1) if peak_rss_mb else None,
         peak_rss_sum_mb=round(sum(peak_rss_mb), 1) if peak_rss_mb else None, status=status)
 

@@ -57,10 +57,10 @@ class DraftSizer:
     def draft_len(self) -> int:
         """Draft tokens for the next micro-batch: choose_draft_len on the measured costs and the running acceptance,
         or --draft-max without stage costs. A drafter beside the pipeline costs the head nothing per token."""
-        cut = self.cfg.cut
+        cutoffs = self.cfg.cutoffs
         if self.stage_ms is None or self.cfg.mode != "pipeinfer":
-            return cut.n_max
-        n = choose_draft_len(self.acceptance(), self.stage_ms, draft_cost_fit(self.draft_obs), cut.n_max)
+            return cutoffs.n_max
+        n = choose_draft_len(self.acceptance(), self.stage_ms, draft_cost_fit(self.draft_obs), cutoffs.n_max)
         self.stats.draft_len_hist[n] = self.stats.draft_len_hist.get(n, 0) + 1
         return n
 
@@ -69,7 +69,7 @@ class DraftSizer:
         0 (never), that or a micro-batch's size (always), or as shape.ride_len finds on the measured costs and the
         running acceptance (auto: 0 where they buy less than those rows, or without stage costs). draft_ms: what a
         ride has cost the head in drafting so far (the scheduler's ride costs), else the fit of the drafter's calls."""
-        cap = min(self.cfg.cut.n_max, self.cfg.batch_rows - n_rows)
+        cap = min(self.cfg.cutoffs.n_max, self.cfg.batch_rows - n_rows)
         if self.cfg.draft_rides == "never" or self.cfg.mode != "pipeinfer" or self.cfg.state_per_token or cap < 1:
             return 0
         k = 0
@@ -83,15 +83,15 @@ class DraftSizer:
     def with_siblings(self, chain: list[DraftNode], p_split: float) -> list[DraftNode]:
         """The chain with the runner-ups that pay as one-token siblings (shape.py): by the measured stage costs when
         there are any, else every runner-up >= p_split, within --max-branches and the batch cap."""
-        cut = self.cfg.cut
-        room = cut.max_branches - 1
+        cutoffs = self.cfg.cutoffs
+        room = cutoffs.max_branches - 1
         if self.stage_ms is None:
-            keep, depths = fixed_siblings(chain, cut.n_max, room, p_split)
+            keep, depths = fixed_siblings(chain, cutoffs.n_max, room, p_split)
             chain = chain[:keep]
         else:
             sibling_rate = (self.stats.n_siblings_right + 1.0) / (self.sib_promised + 1.0)
             depths = choose_siblings(chain, self.acceptance(), sibling_rate, self.stage_ms,
-                                     draft_cost_fit(self.draft_obs), cut.n_max, room, p_split)
+                                     draft_cost_fit(self.draft_obs), cutoffs.n_max, room, p_split)
         if depths:
             self.stats.n_siblings += len(depths)
         return add_siblings(chain, depths) if depths else chain

@@ -101,7 +101,8 @@ def prompt_runs(prompt: list[int], replay: list[int], chunk: int, canon: int,
     if cached is not None:
         src, first = cached
         if first % chunk or not 0 < first < len(prompt):
-            raise RuntimeError(f"internal: a cached start at {first} in a prompt of {len(prompt)} ({chunk}-token chunks)")
+            raise RuntimeError(f"internal: a cached start at {first} in a prompt of {len(prompt)} "
+                               f"({chunk}-token chunks)")
         pre = kv_ops(cp(src, canon, 0, first))
     runs = [(start, prompt[start:start + chunk]) for start in range(first, len(prompt), chunk)]
     runs += [(len(prompt) + k, [t]) for k, t in enumerate(replay)]
@@ -261,7 +262,7 @@ class Head:
         return self.lease is not None and self.lease.asynchronous
 
     def start(self, prompt: list[int], replay: list[int] = (), cached: tuple[int, int] | None = None) -> None:
-        """Plan the prompt's runs (prompt_runs; the scheduler feeds them, feed_prompt, between the other generations' tokens), then
+        """Plan the prompt's runs (prompt_runs; the scheduler feeds them, feed_prompt, between the others' tokens), then
         those of `replay`: tokens this answer already has (streamed before the pipeline was lost), decoded as first,
         so every token after them is the uninterrupted answer's; cfg.n_predict counts only the tokens after them."""
         if not prompt:
@@ -295,7 +296,8 @@ class Head:
         return self.seq0_end + sum(len(nodes) for nodes, _ in self.pending)
 
     def take_result(self, res: Result) -> Taken:
-        """One result of this generation's runs: verify and commit it, cancel what it made useless (then after_result)."""
+        """One result of this generation's runs: verify and commit it, cancel what it made useless (then
+        after_result)."""
         self._handle(res)
         emitted, self._emitted = self._emitted, []
         return Taken(self._decided(), emitted)
@@ -336,23 +338,23 @@ class Head:
         """Draft one micro-batch on the current speculation and launch it if the draft is confident (the cutoff
         then rises by p_recovery); if not, lower the cutoff by p_decay and return no actions, or return None:
         nothing more to speculate now. ride_rows: it rides a shared decode of that many other rows (ride_len)."""
-        cut = self.cfg.cut
+        cutoffs = self.cfg.cutoffs
         if not self.cfg.continuous and any(f.speculative and not f.cancelled for f in self.flights.values()):
             return None
-        p_accept = max(0.0, cut.p_accept + self.adjust)
+        p_accept = max(0.0, cutoffs.p_accept + self.adjust)
         if p_accept >= 1.0 or self._quiet():
             return None
         context = self._spec_context()
-        if len(context) >= min(self._n_prompt + self.cfg.n_predict, self.cfg.n_ctx - cut.n_max):
+        if len(context) >= min(self._n_prompt + self.cfg.n_predict, self.cfg.n_ctx - cutoffs.n_max):
             return None  # far enough ahead
         self._n_draft = self.sizer.ride_len(ride_rows) if ride_rows else self.sizer.draft_len()
         if self.asynchronous:
             self._steer_drafter(context)
-        tree, unconfident = self.lease.propose(context, Cutoffs(p_accept, max(0.0, cut.p_split + self.adjust),
-                                                                self._n_draft, cut.max_branches), self.sizer)
+        tree, unconfident = self.lease.propose(context, Cutoffs(p_accept, max(0.0, cutoffs.p_split + self.adjust),
+                                                                self._n_draft, cutoffs.max_branches), self.sizer)
         if tree:
-            if cut.max_branches > 1 and not ride_rows and all(n.branches == {0} for n in tree):
-                tree = self.sizer.with_siblings(tree, max(0.0, cut.p_split + self.adjust))
+            if cutoffs.max_branches > 1 and not ride_rows and all(n.branches == {0} for n in tree):
+                tree = self.sizer.with_siblings(tree, max(0.0, cutoffs.p_split + self.adjust))
             self._launch_spec(tree, context)
             self.adjust += self.cfg.p_recovery
             return self._decided()
@@ -409,7 +411,7 @@ class Head:
         if self.pending or covered(self.flights, self.accepted):
             return
         if self.cfg.mode == "speculative" and self.lease is not None:
-            tree = self.lease.drafter.draft(self.accepted, self.cfg.cut)
+            tree = self.lease.drafter.draft(self.accepted, self.cfg.cutoffs)
             self.stats.n_draft_calls += 1
             if tree:
                 self._launch_spec(tree, self.accepted, lead=True)

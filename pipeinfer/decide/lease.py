@@ -52,14 +52,14 @@ class DraftLease:
         down to confidence p_min."""
         self.ahead.steer(target, horizon, p_min, n_chunk)
 
-    def propose(self, context: list[int], cut: Cutoffs, sizer: DraftSizer) -> tuple[list[DraftNode], bool]:
-        """(a draft micro-batch after `context` within `cut`, whether the drafter was unconfident): what the drafter
-        beside the pipeline has ready on this chain, or a call of the drafter in series (its cost is what the
-        sizer prices micro-batches by)."""
+    def propose(self, context: list[int], cutoffs: Cutoffs, sizer: DraftSizer) -> tuple[list[DraftNode], bool]:
+        """(a draft micro-batch after `context` within the cutoffs, whether the drafter was unconfident): what the
+        drafter beside the pipeline has ready on this chain, or a call of the drafter in series (its cost is what
+        the sizer prices micro-batches by)."""
         if self.asynchronous:
-            return self.ahead.ready(context, cut.p_accept, cut.n_max)
+            return self.ahead.ready(context, cutoffs.p_accept, cutoffs.n_max)
         t0 = self.clock()
-        tree = self.drafter.draft(context, cut)
+        tree = self.drafter.draft(context, cutoffs)
         self.stats.n_draft_calls += 1
         if tree:
             sizer.drafted(len(tree), (self.clock() - t0) * 1e3)

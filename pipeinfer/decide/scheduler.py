@@ -177,7 +177,8 @@ class Scheduler:
             tuple(GenView(tuple((len(nodes), len(ops)) for nodes, ops in g.head.pending), len(g.head.prompt_in_flight),
                           g.head.done, g.req.background, g.head.n_cells_bound + g.head.n_planned - g.head.seq0_end)
                   for g in self.gens),
-            len(self.pipe.in_flight), self.executor.held, self.executor.row_cap, self.slots.n_cells_dead + self.slots.n_cells_cached,
+            len(self.pipe.in_flight), self.executor.held, self.executor.row_cap,
+            self.slots.n_cells_dead + self.slots.n_cells_cached,
             self.budget.reserve, self.cfg.n_ctx, self.cfg.mode)
 
     def _execute(self, plan: RoundPlan) -> None:
@@ -302,7 +303,8 @@ class Scheduler:
                 self.holder.head.release_drafter()
             if want is not None:
                 t0 = self.clock()
-                want.head.hold_drafter(self.drafter_for(want.req.prompt, want.req.prompt_text, want.req.chat), self.pool)
+                drafter = self.drafter_for(want.req.prompt, want.req.prompt_text, want.req.chat)
+                want.head.hold_drafter(drafter, self.pool)
                 if to_ride:
                     self._ride_tries.append((0, (self.clock() - t0) * 1e3))
                 self.stats.n_lends += 1
@@ -366,7 +368,8 @@ class Scheduler:
 
     def _route(self, g: Running, res: Result, follow: bool) -> None:
         """One generation's result: what it decided goes to the executor, what it emitted to its request; then,
-        unless it only collects its runs (follow False: no after_result), it covers its next token or, told to stop, ends."""
+        unless it only collects its runs (follow False: no after_result), it covers its next token or, told to stop,
+        ends."""
         taken: Taken = g.head.take_result(res)
         self.executor.apply(g, taken.actions)
         for out in taken.emitted:

@@ -1,50 +1,50 @@
 """The one drafter factory: which drafter a generation gets, and whether a draft model drafts in the
 target's vocabulary or through text (translating.py).
 
-`pipeinfer generate`/`serve` (ranks/startup.py) and `pipeinfer profile` (twin/profile.py) both build their
+`pipeinfer generate`/`serve` (ranks/draft_rank.drafter_of) and `pipeinfer profile` (twin/profile.py) both build their
 drafters here, so the same draft model is never run one way by the one and another way by the other.
 """
 from __future__ import annotations
 
+from ..core.config import DraftOptions
 from ..core.errors import UserError
-from ..core.config import Config
 from ..engine.kernels import draft_kernels
 
 
-def make_drafter(cfg: Config, *, n_vocab: int, n_threads: int, n_threads_batch: int):
-    """The drafter the run's configuration asks for: a callable (prompt tokens, prompt text, chat) -> Drafter.
+def make_drafter(draft: DraftOptions, *, target: str, mode: str, n_ctx: int, kernels: str, max_branches: int,
+                 seed: int, n_vocab: int, n_threads: int, n_threads_batch: int):
+    """The drafter the run's draft options ask for: a callable (prompt tokens, prompt text, chat) -> Drafter.
     Models are loaded once; a drafter that depends on the prompt (through text translation) is wrapped per prompt.
-    n_vocab: the target's vocabulary (replay's wrong proposals stay below it); the threads: where it runs."""
+    What it shares with the run: the target's path (its vocabulary), the mode (for the error of a missing draft),
+    the stages' context and kernels, the tree's branches, the sampling seed (replay's draws); n_vocab: the target's
+    vocabulary (replay's wrong proposals stay below it); the threads: where it runs."""
     from .drafter import ModelDrafter, NgramDrafter, ReplayDrafter
-    if cfg.drafter == "ngram":
+
+    def model(branches: int) -> ModelDrafter:  # 1: chains only (a translating drafter's inner model, replay's burner)
+        return ModelDrafter(draft.model, n_ctx=n_ctx, max_branches=branches, n_threads=n_threads,
+                            n_threads_batch=n_threads_batch, kernels=draft_kernels(kernels),
+                            head_tokens=draft.head_tokens)
+    if draft.drafter == "ngram":
         ngram = NgramDrafter()
         return lambda prompt, text, chat: ngram
-    if cfg.drafter == "replay":
-        replay = ReplayDrafter(_replay_reference(cfg.replay_ref), cfg.replay_accuracy, n_vocab,
-                               seed=cfg.sampling.seed, burner=_chain_model(cfg, n_threads, n_threads_batch) if cfg.draft else None)
-        replay.runner_up = cfg.replay_runner_up
+    if draft.drafter == "replay":
+        replay = ReplayDrafter(_replay_reference(draft.replay_ref), draft.replay_accuracy, n_vocab, seed=seed,
+                               burner=model(1) if draft.model else None)
+        replay.runner_up = draft.replay_runner_up
         return lambda prompt, text, chat: replay
-    if cfg.drafter != "model":
-        raise UserError(f"unknown drafter {cfg.drafter!r} (choose model, ngram or replay)")
-    if not cfg.draft:
-        raise UserError(f"mode {cfg.mode} needs --draft MODEL.gguf or --drafter ngram")
-    if translates(cfg.model, cfg.draft, cfg.draft_vocab):
+    if draft.drafter != "model":
+        raise UserError(f"unknown drafter {draft.drafter!r} (choose model, ngram or replay)")
+    if not draft.model:
+        raise UserError(f"mode {mode} needs --draft MODEL.gguf or --drafter ngram")
+    if translates(target, draft.model, draft.vocab):
         from ..engine.tokenizer import Tokenizer
         from .translating import TranslatingDrafter
-        inner = _chain_model(cfg, n_threads, n_threads_batch)
-        tok_tgt, tok_dft = Tokenizer(cfg.model), Tokenizer(cfg.draft)
+        inner = model(1)
+        tok_tgt, tok_dft = Tokenizer(target), Tokenizer(draft.model)
         return lambda prompt, text, chat: TranslatingDrafter(inner, tok_tgt, tok_dft, n_prompt=len(prompt),
                                                              prompt_text=text or "", chat=chat)
-    same = ModelDrafter(cfg.draft, n_ctx=cfg.n_ctx, max_branches=cfg.max_branches, n_threads=n_threads,
-                        n_threads_batch=n_threads_batch, kernels=draft_kernels(cfg.kernels), head_tokens=cfg.draft_head)
+    same = model(max_branches)
     return lambda prompt, text, chat: same
-
-
-def _chain_model(cfg: Config, n_threads: int, n_threads_batch: int):
-    """The draft model drafting chains only (one branch): a translating drafter's inner model, replay's burner."""
-    from .drafter import ModelDrafter
-    return ModelDrafter(cfg.draft, n_ctx=cfg.n_ctx, max_branches=1, n_threads=n_threads,
-                        n_threads_batch=n_threads_batch, kernels=draft_kernels(cfg.kernels), head_tokens=cfg.draft_head)
 
 
 def _replay_reference(path: str | None) -> list[int]:

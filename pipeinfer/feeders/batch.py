@@ -20,8 +20,8 @@ def run_batch(args, stop) -> None:
     from ..engine.tokenizer import Tokenizer, encode_prompt
     from ..ranks.startup import open_session
     config = args.config
-    prompts = read_batch(args.prompts, chat=True if args.chat is None else args.chat, n_predict=config.n_predict,
-                         sampling=config.sampling)
+    prompts = read_batch(args.prompts, chat=True if args.chat is None else args.chat,
+                         n_predict=config.serving.n_predict, sampling=config.serving.sampling)
     tok = Tokenizer(config.model)
     encoded = []
     for p in prompts:
@@ -30,7 +30,7 @@ def run_batch(args, stop) -> None:
             raise UserError(f"--prompts {args.prompts}: prompt {p.index} replays a token id outside the vocabulary "
                             f"({tok.n_vocab} tokens)")
         try:
-            check_fits(config, len(ids) + len(p.replay), p.n_predict, mpi_size() - (config.draft_at == "rank"))
+            check_fits(config, len(ids) + len(p.replay), p.n_predict, mpi_size() - (config.draft.at == "rank"))
         except UserError as e:
             raise UserError(f"--prompts {args.prompts}: prompt {p.index}: {e}") from None
         encoded.append(ids)

@@ -133,10 +133,11 @@ def _draft(config, ranks: list[dict], n_target: int) -> dict | None:
     """Where the draft runs (marked on its rank): None in iterative mode."""
     if config is None or getattr(config, "mode", None) == "iterative":
         return None
-    at = config.draft_at
-    kind = os.path.basename(config.draft) if config.drafter == "model" and config.draft else config.drafter
+    options = config.draft
+    at = options.at
+    kind = os.path.basename(options.model) if options.drafter == "model" and options.model else options.drafter
     rank = len(ranks) - 1 if at == "rank" and len(ranks) > n_target else 0
-    threads = config.draft_threads or (ranks[0]["threads"] if at != "rank" and ranks else None)
+    threads = options.threads or (ranks[0]["threads"] if at != "rank" and ranks else None)
     where = {"head": "in series on rank 0", "thread": "beside the pipeline on rank 0 (a thread)",
              "rank": f"its own rank ({rank})"}.get(at, at)
     draft = {"at": at, "rank": rank, "kind": kind, "threads": threads, "where": where}

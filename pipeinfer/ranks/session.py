@@ -8,7 +8,7 @@ import resource
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from ..core.config import Config
+from ..core.config import Config, Resolved
 from ..core.decoding import Decoding
 from ..core.kvplan import PartitionPool, garbage_seq
 from ..core.metrics import Stats
@@ -48,8 +48,9 @@ def peak_rss_mb() -> float:
 @dataclass
 class HeadSession:
     """Rank 0's end of a loaded pipeline: the scheduler of every generation on it, then the pipeline's shutdown."""
-    config: Config                      # the run's configuration, resolved (parallel: a number)
-    cfg: GenConfig                      # resolved: draft max, n_batch, n_ctx, p_recovery
+    config: Config                      # the run's options as given (their Nones decided in `resolved`)
+    resolved: Resolved                  # what start-up decided of the options left to it (parallel, draft max, ...)
+    cfg: GenConfig                      # the head's parameters: the options with `resolved` in place
     comm: MPI.Comm
     engine: StageEngine
     transport: Transport | None         # None on one rank
@@ -73,13 +74,13 @@ class HeadSession:
     @property
     def parallel(self) -> int:
         """Generations at once on this pipeline."""
-        return self.config.parallel
+        return self.resolved.parallel
 
     def scheduler(self) -> Scheduler:
         """The one loop of every generation on this pipeline: submit Requests made by `request` and step it."""
         if self._sched is None:
             self._sched = Scheduler(self.pipe, self.cfg, n_stages=self.pipe.topo.n_ranks,
-                                    n_parallel=self.config.parallel, pool=self.pool, drafter_for=self.drafter_for,
+                                    n_parallel=self.resolved.parallel, pool=self.pool, drafter_for=self.drafter_for,
                                     eos=self.eos, rules_for=self.rules_for)
         return self._sched
 
@@ -127,7 +128,8 @@ class HeadSession:
         def done(tokens: list[int], stats: Stats) -> None:
             self._n_runs += stats.n_runs
             self.n_generations += 1
-            stats.kernels, stats.exact_batch, stats.draft_at = self.config.kernels, self.exact_per_rank, self.config.draft_at
+            stats.kernels, stats.exact_batch = self.config.stage.kernels, self.exact_per_rank
+            stats.draft_at = self.config.draft.at
             if on_done is not None:
                 on_done(tokens, stats)
         return Request(list(prompt), self.cfg.n_predict if n_predict is None else n_predict,
@@ -151,11 +153,12 @@ class HeadSession:
         self.pipe.shutdown()
         if self.beside is not None:
             self.beside.close()
-        polite_barrier(self.comm, self.config.poll_s)
+        poll_s = self.config.wire.poll_s
+        polite_barrier(self.comm, poll_s)
         stage_stats = self.comm.gather(None, root=0)[1:]
         # every report a stage sent while serving is received before any stage goes on to end (and finalize MPI)
-        self.pipe.drain_reports({s["rank"]: s["n_reports"] for s in stage_stats}, self.config.poll_s)
-        polite_barrier(self.comm, self.config.poll_s)
+        self.pipe.drain_reports({s["rank"]: s["n_reports"] for s in stage_stats}, poll_s)
+        polite_barrier(self.comm, poll_s)
         rss = self.comm.gather(peak_rss_mb(), root=0)
         if self.live is not None:
             self.live.close()

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
-from ..core.config import Config
+from ..core.config import Config, Resolved, ServingOptions, StageOptions
 from ..core.errors import UserError
 from ..core.kvplan import PartitionPool, in_flight_limit, lane_count, lane_seq_max, plan_partitions
 from ..core.protocol import PROTOCOL_VERSION, Limits, kv_ops, rm
@@ -38,11 +38,10 @@ from ..engine.stagefile import (
     read_info,
     vocab_bound,
 )
-from ..drafters.factory import make_drafter
 from ..wire.transport import polite_barrier
 from .handshake import build_id
 from ..decide.genconfig import GenConfig, auto_p_recovery, gen_config
-from .draft_rank import draft_thread_count, serve_draft_rank
+from .draft_rank import draft_thread_count, drafter_of, serve_draft_rank
 from ..decide.batching import cost_sizes, default_parallel
 from .session import HeadSession, RunResult, peak_rss_mb
 
@@ -71,12 +70,13 @@ def run(config: Config, prompt: list[int] | Callable[[], list[int]] | None = Non
     finally:
         stats_per_rank, rss = session.close()
     stats.stage_stats = stats_per_rank
-    return RunResult(session.last_tokens, stats, session.ranges, rss, session.probe_ms, session.cfg.p_recovery)
+    return RunResult(session.last_tokens, stats, session.ranges, rss, session.probe_ms, session.resolved.p_recovery)
 
 
 def open_session(config: Config, comm=None) -> HeadSession | None:
-    """Load every rank's stage. Rank 0 gets a HeadSession; the other ranks serve the pipeline until the head
-    shuts it down, and get None."""
+    """Load every rank's stage. Rank 0 gets a HeadSession (with what start-up resolved of the options left to it,
+    Resolved, and the head's GenConfig made of it); the other ranks serve the pipeline until the head shuts it down,
+    and get None."""
     ranks = _join(config, comm)                 # one protocol and build; liveness; the draft rank split off
     config = _rank0_files(config, ranks)        # rank 0's model and draft; a draft rank's travel to it (weights.py)
     if ranks.is_draft:
@@ -85,14 +85,13 @@ def open_session(config: Config, comm=None) -> HeadSession | None:
         return None
     inputs = _head_inputs_soon(config.model, ranks.comm.Get_size() > 1) if ranks.comm.Get_rank() == 0 else None
     info = _agree_model(config, ranks)          # one target file on every stage
-    if has_recurrent_state(info.arch) and config.cache_prompt:  # no prompt cache for recurrent states
+    if has_recurrent_state(info.arch) and config.stage.cache_prompt:  # no prompt cache for recurrent states
         if "cache_prompt" in config.set_by_user and ranks.comm.Get_rank() == 0:
             log(f"[pipeinfer] --cache-prompt off: {info.arch} keeps a recurrent state, which exists only at the end of "
                 f"a cached prompt, not at every prefix a later prompt shares (core/recurrent.py)")
-        config = replace(config, cache_prompt=False)
+        config = config.with_options(cache_prompt="off")
     plan = _split_layers(config, ranks, info)   # threads and layers per rank
-    config = replace(config, parallel=resolved_parallel(config, len(plan.ranges)))
-    stage = _load_stage(config, ranks.comm, plan)
+    stage = _load_stage(config, ranks.comm, plan, resolved_parallel(config, len(plan.ranges)))
     if ranks.comm.Get_rank() != 0:
         _serve_stage(config, ranks, stage)
         return None
@@ -125,7 +124,8 @@ class _Stage:
     """This rank's loaded stage and the settings resolved on it (_load_stage)."""
     topo: Topology
     engine: StageEngine
-    cfg: GenConfig                # resolved: draft max, n_batch, n_ctx, p_recovery, stage costs
+    resolved: Resolved            # what start-up decided of the options left to it, the same on every stage
+    cfg: GenConfig                # the head's parameters: the options, `resolved` in place of their Nones
     exact_per_rank: list[int | None]
     n_part: int                   # KV partitions for speculative runs (kvplan.py)
     n_seq_max: int
@@ -145,9 +145,9 @@ def _join(config: Config, comm) -> _Ranks:
     live = None
     if world.Get_size() > 1:  # from here on, a rank that dies or goes silent is named and ends the job (liveness.py)
         from ..wire.liveness import Liveness
-        live = Liveness(world, config.stall_timeout)
+        live = Liveness(world, config.wire.stall_timeout)
         _agree(world, live, build_id(), "runs another build")
-    if config.draft_at != "rank":
+    if config.draft.at != "rank":
         return _Ranks(world, world, live=live)
     # the world's last rank drafts; the others are the target's stages
     if world.Get_size() < 2:
@@ -163,7 +163,8 @@ def resolved_parallel(config: Config, n_stages: int) -> int:
     decode); the synchronous speculative baseline runs one at a time."""
     if config.mode == "speculative":
         return 1
-    return config.parallel or default_parallel(n_stages, batching=config.batch_rows != 1)
+    serving = config.serving
+    return serving.parallel or default_parallel(n_stages, batching=serving.batch_rows != 1)
 
 
 def check_world_size(world_size: int, library_version: str) -> None:
@@ -183,11 +184,11 @@ def _agree_model(config: Config, ranks: _Ranks):
     def read():
         info = read_info(config.model)
         draft_arch = None
-        if config.draft and config.mode != "iterative":
+        if config.draft.model and config.mode != "iterative":
             # a missing, foreign or truncated draft fails here, before any model loads
-            draft_arch = read_info(config.draft).arch
+            draft_arch = read_info(config.draft.model).arch
         try:
-            check_recurrent_config(info.arch, config.mode, config.max_branches, draft_arch)
+            check_recurrent_config(info.arch, config.mode, config.speculation.max_branches, draft_arch)
         except UserError as e:
             raise StageFileError(str(e)) from None  # every rank reports it (below)
         return info
@@ -210,21 +211,22 @@ def _rank0_files(config: Config, ranks: _Ranks) -> Config:
     world = ranks.world
     if world.Get_size() == 1:
         return config
-    model, draft, drafter, draft_at = world.bcast((config.model, config.draft, config.drafter, config.draft_at), root=0)
-    config = replace(config, model=model, draft=draft, drafter=drafter, draft_at=draft_at)
-    if config.draft_at != "rank":
+    draft = config.draft
+    model, *rank0_draft = world.bcast((config.model, draft.model, draft.drafter, draft.at), root=0)
+    draft = replace(draft, **dict(zip(("model", "drafter", "at"), rank0_draft)))
+    config = replace(config, model=model, draft=draft)
+    if draft.at != "rank":
         return config
     from . import weights
     from ..engine.stagefile import STAGE_FORMAT
-    mine = {}
-    travels = [("model", ("vocab",), STAGE_FORMAT, "vocabulary")]
-    if config.draft and config.mode != "iterative":
-        travels.append(("draft", ("whole",), 0, "draft model"))
-    for field, want, fmt, what in travels:
-        src = getattr(config, field)
-        got = weights.obtain(world, src, want if ranks.is_draft else None, config.poll_s, fmt=fmt, what=what)
-        mine[field] = str(got or weights.local_view(src))
-    return replace(config, **mine) if ranks.is_draft else config
+
+    def obtain(src: str, want: tuple, fmt: int, what: str) -> str:  # collective: every rank of the world calls it
+        got = weights.obtain(world, src, want if ranks.is_draft else None, config.wire.poll_s, fmt=fmt, what=what)
+        return str(got or weights.local_view(src))
+    model = obtain(config.model, ("vocab",), STAGE_FORMAT, "vocabulary")
+    if draft.model and config.mode != "iterative":
+        draft = replace(draft, model=obtain(draft.model, ("whole",), 0, "draft model"))
+    return replace(config, model=model, draft=draft) if ranks.is_draft else config
 
 
 def _stage_file(config: Config, comm, start: int, end: int, with_vocab: bool):
@@ -242,22 +244,23 @@ def _stage_file(config: Config, comm, start: int, end: int, with_vocab: bool):
     if comm.Get_rank() == 0:
         with ThreadPoolExecutor(1, thread_name_prefix="pipeinfer-stage-file") as pool:
             own = pool.submit(ensure_stage_file, mine, start, end, with_vocab)
-            weights.obtain(comm, config.model, ("stage", start, end, with_vocab), config.poll_s, fmt=STAGE_FORMAT)
+            weights.obtain(comm, config.model, ("stage", start, end, with_vocab), config.wire.poll_s,
+                           fmt=STAGE_FORMAT)
             return own.result()
-    got = weights.obtain(comm, config.model, ("stage", start, end, with_vocab), config.poll_s, fmt=STAGE_FORMAT)
+    got = weights.obtain(comm, config.model, ("stage", start, end, with_vocab), config.wire.poll_s, fmt=STAGE_FORMAT)
     return got if got is not None else ensure_stage_file(mine, start, end, with_vocab=with_vocab)
 
 
 def _split_layers(config: Config, ranks: _Ranks, info) -> _LayerPlan:
     """Every rank's threads and layer range (--layer-split auto times each rank in turn), agreed by all."""
-    comm = ranks.comm
+    comm, stage = ranks.comm, config.stage
     rank, size = comm.Get_rank(), comm.Get_size()
     try:
         check_splittable(info, size)
-        threads = parse_per_rank_ints(config.threads, size, "--threads", default=max(1, (os.cpu_count() or 2) // size))
-        threads_b = parse_per_rank_ints(config.threads_batch, size, "--threads-batch", default=threads[rank])
+        threads = parse_per_rank_ints(stage.threads, size, "--threads", default=max(1, (os.cpu_count() or 2) // size))
+        threads_b = parse_per_rank_ints(stage.threads_batch, size, "--threads-batch", default=threads[rank])
         probe_ms = None
-        if config.layer_split is not None and config.layer_split.strip() == "auto" and size > 1:
+        if stage.layer_split is not None and stage.layer_split.strip() == "auto" and size > 1:
             kinds = None  # a hybrid's probe holds a layer of each kind, as every stage must (core/recurrent.py)
             if has_recurrent_state(info.arch):
                 kinds = comm.bcast(model_layer_kinds(config.model) if rank == 0 else None, root=0)
@@ -267,7 +270,7 @@ def _split_layers(config: Config, ranks: _Ranks, info) -> _LayerPlan:
         # the architecture's rules on where a stage may start and end (stagefile.RangeCheck), from rank 0's header:
         # the balanced split keeps to them, a split that breaks one ends the job here, on every rank, in one line
         check = comm.bcast(range_check(config.model) if rank == 0 and size > 1 else None, root=0)
-        ranges = plan_layers(config.layer_split, info.n_layer, size, layer_cost, tail_cost,
+        ranges = plan_layers(stage.layer_split, info.n_layer, size, layer_cost, tail_cost,
                              speeds=split_from_speeds(probe_ms) if probe_ms else None,
                              allowed=(lambda a, b: check.refusal(a, b) is None) if check else None)
         refused = next(filter(None, (check.refusal(r.start, r.end) for r in ranges)), None) if check else None
@@ -282,92 +285,94 @@ def _split_layers(config: Config, ranks: _Ranks, info) -> _LayerPlan:
     return _LayerPlan(info, threads, threads_b, ranges, probe_ms)
 
 
-def _load_stage(config: Config, comm, plan: _LayerPlan) -> _Stage:
-    """This rank's stage engine, the generation settings resolved on every stage, the links between them."""
+def _load_stage(config: Config, comm, plan: _LayerPlan, parallel: int) -> _Stage:
+    """This rank's stage engine, what start-up resolves on every stage (Resolved, and the head's GenConfig made of
+    it), the links between them. parallel: generations at once, resolved (resolved_parallel)."""
     rank, size = comm.Get_rank(), comm.Get_size()
     topo = Topology(rank, size, tuple(plan.ranges))
-    n_lanes = lane_count(config.parallel, config.cache_prompt)
+    stage, spec, poll_s = config.stage, config.speculation, config.wire.poll_s
+    n_lanes = lane_count(parallel, stage.cache_prompt)
     # a target with recurrent layers keeps each drafted token's state in a sequence of its own (core/recurrent.py):
     # its partitions hold draft_max sequences, which the exact batch limit does not bound (each token decodes alone)
     state_per_token = config.mode != "iterative" and has_recurrent_state(plan.info.arch)
-    if state_per_token:
-        config = replace(config, draft_max=config.draft_max or DEFAULT_DRAFT_MAX)
     if config.mode == "iterative":
         n_part, n_seq_max = 0, lane_seq_max(0, 1, n_lanes)
     else:
-        size_run = seqs_per_run(state_per_token, config.max_branches, config.draft_max or DEFAULT_DRAFT_MAX)
-        n_part, n_seq_max = plan_partitions(size_run, in_flight_limit(config.max_in_flight, size), n_lanes=n_lanes)
-    n_batch = min(config.n_batch, config.n_ctx)
+        size_run = seqs_per_run(state_per_token, spec.max_branches, spec.draft_max or DEFAULT_DRAFT_MAX)
+        n_part, n_seq_max = plan_partitions(size_run, in_flight_limit(spec.max_in_flight, size), n_lanes=n_lanes)
+    n_batch = min(stage.n_batch, stage.n_ctx)
     my = topo.my_range
     # rank 0's host's table of kernel keys: a stage like one measured before takes its exact batch limit (kernels.py)
-    known = comm.bcast(exact_table() if rank == 0 and config.kernels != "fast" else None, root=0)
+    known = comm.bcast(exact_table() if rank == 0 and stage.kernels != "fast" else None, root=0)
     path = _stage_file(config, comm, my.start, my.end, topo.is_last) if size > 1 else None
-    engine, exact, key = _load_engine(config, topo, plan.threads[rank], plan.threads_b[rank], n_batch, n_seq_max,
-                                      stage_path=path, known=known)
+    engine, exact, key = _load_engine(stage, topo, config.model if size == 1 else path, plan.threads[rank],
+                                      plan.threads_b[rank], n_batch, n_seq_max, known=known)
     if engine.recurrent != has_recurrent_state(plan.info.arch):
         raise RuntimeError(f"internal: llama.cpp {'keeps' if engine.recurrent else 'keeps no'} recurrent states for "
                            f"{plan.info.arch}, core/recurrent.py's tables say otherwise")
-    polite_barrier(comm, config.poll_s)  # ranks finish loading at different times: the early ones wait without spinning
+    polite_barrier(comm, poll_s)  # ranks finish loading at different times: the early ones wait without spinning
     exact_per_rank, keys = zip(*comm.allgather((exact, key)))
     exact_per_rank = list(exact_per_rank)
     if rank == 0 and size > 1 and exact is not None:
         record_exact({k: e for e, k in zip(exact_per_rank, keys) if k})  # what the next job's ranks may take
-    cfg = _resolve_gen(config, comm, engine, n_batch, exact_per_rank, state_per_token)
+    resolved = _resolve(config, comm, engine, exact_per_rank, parallel=parallel, n_batch=n_batch,
+                        state_per_token=state_per_token)
     transport = None
     if size > 1:
         from ..wire.transport import Transport
-        transport = Transport(comm.Dup(), comm.Dup(), poll_s=config.poll_s)
-    polite_barrier(comm, config.poll_s)  # every stage loaded before the clock starts
+        transport = Transport(comm.Dup(), comm.Dup(), poll_s=poll_s)
+    polite_barrier(comm, poll_s)  # every stage loaded before the clock starts
     n_vocab = comm.bcast(vocab_bound(config.model, plan.info) if rank == 0 else None, root=0)
     limits = Limits(n_batch=n_batch, n_embd=plan.info.n_embd, n_vocab=n_vocab,
-                    n_seq_max=n_seq_max, n_ctx=config.n_ctx)
-    return _Stage(topo, engine, cfg, exact_per_rank, n_part, n_seq_max, transport, limits)
+                    n_seq_max=n_seq_max, n_ctx=stage.n_ctx)
+    return _Stage(topo, engine, resolved, gen_config(config, resolved), exact_per_rank, n_part, n_seq_max, transport,
+                  limits)
 
 
-def _load_engine(config: Config, topo: Topology, n_threads: int, n_threads_batch: int, n_batch: int,
-                 n_seq_max: int, stage_path, known: dict | None = None):
-    """This rank's StageEngine (on several ranks, over its stage file: stage_path, _stage_file's; None on one rank),
-    its exact batch limit and the kernel key of that limit (kernels.py; None, None with --kernels fast)."""
+def _load_engine(stage: StageOptions, topo: Topology, path: str, n_threads: int, n_threads_batch: int, n_batch: int,
+                 n_seq_max: int, known: dict | None = None):
+    """This rank's StageEngine over `path` (on one rank, the model; on several, its stage file: _stage_file's), its
+    exact batch limit and the kernel key of that limit (kernels.py; None, None with --kernels fast)."""
     from ..engine.kernels import exact_batch_limit, kernel_key
     from ..engine.stage import StageEngine  # imports llama_cpp: after the cheap checks
-    if topo.n_ranks == 1:
-        path, embd_input = config.model, False
-    else:
-        path, embd_input = stage_path, True
-    engine = StageEngine(path, n_ctx=config.n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
+    embd_input = topo.n_ranks > 1
+    engine = StageEngine(path, n_ctx=stage.n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
                          n_threads=n_threads, n_threads_batch=n_threads_batch,
-                         embd_input=embd_input, capture_hidden=not topo.is_last, kernels=config.kernels)
-    if config.kernels == "fast":
+                         embd_input=embd_input, capture_hidden=not topo.is_last, kernels=stage.kernels)
+    if stage.kernels == "fast":
         return engine, None, None
-    exact = exact_batch_limit(engine, path, config.kernels, n_threads, n_threads_batch, known)
-    return engine, exact, kernel_key(path, config.kernels, n_threads, n_threads_batch, engine.embd_input,
+    exact = exact_batch_limit(engine, path, stage.kernels, n_threads, n_threads_batch, known)
+    return engine, exact, kernel_key(path, stage.kernels, n_threads, n_threads_batch, engine.embd_input,
                                      engine.capture_hidden)
 
 
-def _resolve_gen(config: Config, comm, engine, n_batch: int, exact_per_rank: list[int | None],
-                 state_per_token: bool = False) -> GenConfig:
-    """The head's GenConfig: the run's configuration with the draft max, n_batch and p_recovery resolved, and
-    with --micro-batch auto every stage's decode costs (stage_costs: every rank times its stage in turn)."""
-    cfg = gen_config(config, n_batch=n_batch,
-                     p_recovery=auto_p_recovery(comm.Get_size()) if config.p_recovery is None else config.p_recovery,
-                     batch_rows=_batch_rows(config, exact_per_rank))
+def _resolve(config: Config, comm, engine, exact_per_rank: list[int | None], *, parallel: int, n_batch: int,
+             state_per_token: bool) -> Resolved:
+    """What start-up decides of the options left to it, the same on every stage: p_recovery by the stages, the
+    draft max and batch rows within the exact batch limits, and with --micro-batch auto every stage's decode costs
+    (stage_costs: every rank times its stage in turn)."""
+    spec = config.speculation
+    batch_rows = _batch_rows(config.serving, exact_per_rank)
     # per-token states: every drafted token decodes alone, so the exact batch limit does not bound a micro-batch
-    cfg = replace(cfg, state_per_token=state_per_token,
-                  draft_max=config.draft_max if state_per_token else _draft_max(cfg, exact_per_rank))
-    if cfg.mode == "pipeinfer" and cfg.adaptive_draft and cfg.draft_max > 1:
-        sizes = cost_sizes(cfg.draft_max, cfg.batch_rows, config.parallel, comm.Get_size())
-        cfg = replace(cfg, stage_ms=stage_costs(comm, engine, cfg.draft_max, sizes, config.poll_s))
-    return cfg
+    draft_max = (spec.draft_max or DEFAULT_DRAFT_MAX) if state_per_token else \
+        _draft_max(config.mode, spec.draft_max, exact_per_rank)
+    stage_ms = None
+    if config.mode == "pipeinfer" and spec.adaptive_draft and draft_max > 1:
+        sizes = cost_sizes(draft_max, batch_rows, parallel, comm.Get_size())
+        stage_ms = stage_costs(comm, engine, draft_max, sizes, config.wire.poll_s)
+    return Resolved(parallel=parallel, n_batch=n_batch, prompt_chunk=min(config.stage.prompt_chunk, n_batch),
+                    p_recovery=auto_p_recovery(comm.Get_size()) if spec.p_recovery is None else spec.p_recovery,
+                    draft_max=draft_max, batch_rows=batch_rows, state_per_token=state_per_token, stage_ms=stage_ms)
 
 
 def _serve_stage(config: Config, ranks: _Ranks, stage: _Stage) -> None:
     """A stage rank: serve the pipeline until the head shuts it down, then report to rank 0 (HeadSession.close)."""
     from .worker import StageWorker
-    comm = ranks.comm
+    comm, poll_s = ranks.comm, config.wire.poll_s
     stats = StageWorker(stage.topo, stage.engine, stage.transport, stage.limits).serve()
-    polite_barrier(comm, config.poll_s)
+    polite_barrier(comm, poll_s)
     comm.gather(vars(stats), root=0)
-    polite_barrier(comm, config.poll_s)  # rank 0 has taken every report this stage sent (HeadSession.close)
+    polite_barrier(comm, poll_s)  # rank 0 has taken every report this stage sent (HeadSession.close)
     comm.gather(peak_rss_mb(), root=0)
     ranks.live.close()
     stage.engine.close()
@@ -398,38 +403,38 @@ def _open_head(config: Config, ranks: _Ranks, plan: _LayerPlan, stage: _Stage, i
     pool = None
     if cfg.mode != "iterative":
         pool = PartitionPool(stage.n_part, cfg.seqs_per_run, stage.n_seq_max,
-                             lane_count(config.parallel, config.cache_prompt))
+                             lane_count(stage.resolved.parallel, cfg.cache_prompt))
     drafter_for, beside = _head_drafter(config, ranks, plan, stage)
     eos = set() if not cfg.stop_at_eos else {t for t in tok.eos}
     if ranks.live is not None:
         ranks.live.in_flight = lambda: len(pipe.in_flight)
-    return HeadSession(config, cfg, ranks.comm, stage.engine, stage.transport, pipe, pool, drafter_for, tok, eos,
-                       plan.ranges, stage.exact_per_rank, stage.n_seq_max, plan.probe_ms, ranks.live, beside,
+    return HeadSession(config, stage.resolved, cfg, ranks.comm, stage.engine, stage.transport, pipe, pool, drafter_for,
+                       tok, eos, plan.ranges, stage.exact_per_rank, stage.n_seq_max, plan.probe_ms, ranks.live, beside,
                        threads=list(plan.threads))
 
 
 def _head_drafter(config: Config, ranks: _Ranks, plan: _LayerPlan, stage: _Stage):
     """The head's drafter_for (None in iterative mode) and the drafter beside the pipeline (--draft-at thread
     or rank; else None)."""
-    n_vocab = stage.limits.n_vocab
-    if config.draft_at == "rank":
+    n_vocab, n_ctx, poll_s = stage.limits.n_vocab, config.stage.n_ctx, config.wire.poll_s
+    if config.draft.at == "rank":
         from ..core.protocol import Tag
         from ..drafters.draftahead import DraftClient, MpiEnd
         from ..wire.transport import Transport
         draft_comm = ranks.draft_comm
-        end = MpiEnd(Transport(draft_comm, draft_comm, config.poll_s), draft_comm.Get_size() - 1, Tag.DRAFT_CTRL,
+        end = MpiEnd(Transport(draft_comm, draft_comm, poll_s), draft_comm.Get_size() - 1, Tag.DRAFT_CTRL,
                      Tag.PROPOSAL)
-        beside = DraftClient(end, config.n_ctx, n_vocab, config.poll_s)
+        beside = DraftClient(end, n_ctx, n_vocab, poll_s)
         return _begin_each(beside), beside
     if stage.cfg.mode == "iterative":
         return None, None
-    n_dft = draft_thread_count(config, plan.threads[0], stage.topo.n_ranks)
-    drafter_for = make_drafter(config, n_vocab=plan.info.n_vocab, n_threads=n_dft,
-                               n_threads_batch=n_dft if config.draft_threads else plan.threads_b[0])
-    if config.draft_at != "thread":
+    n_dft = draft_thread_count(config.draft, plan.threads[0], stage.topo.n_ranks)
+    drafter_for = drafter_of(config, n_vocab=plan.info.n_vocab, n_threads=n_dft,
+                             n_threads_batch=n_dft if config.draft.threads else plan.threads_b[0])
+    if config.draft.at != "thread":
         return drafter_for, None
     from ..drafters.draftahead import ThreadDrafter
-    beside = ThreadDrafter(drafter_for, config.n_ctx, n_vocab, config.poll_s)
+    beside = ThreadDrafter(drafter_for, n_ctx, n_vocab, poll_s)
     return _begin_each(beside.client), beside
 
 
@@ -460,32 +465,31 @@ def _smallest_limit(exact_per_rank: list[int | None]) -> int | None:
     return min(known) if known else None
 
 
-def _batch_rows(config: Config, exact_per_rank: list[int | None]) -> int:
+def _batch_rows(serving: ServingOptions, exact_per_rank: list[int | None]) -> int:
     """Next tokens of different generations per decode: --batch-rows, or the smallest exact batch limit of the stages
     (kernels.py: their rows keep the bits they get alone); more than that only with --kernels fast."""
-    limit = _smallest_limit(exact_per_rank)
+    limit, asked = _smallest_limit(exact_per_rank), serving.batch_rows
     if limit is None:  # --kernels fast: no limit, no exactness
-        return config.batch_rows or FAST_BATCH_ROWS
-    if config.batch_rows is None:
+        return asked or FAST_BATCH_ROWS
+    if asked is None:
         return limit
-    if config.batch_rows > limit:
-        raise UserError(f"--batch-rows {config.batch_rows} is more than the exact batch limit of {limit} measured on "
+    if asked > limit:
+        raise UserError(f"--batch-rows {asked} is more than the exact batch limit of {limit} measured on "
                         f"rank {exact_per_rank.index(limit)}: rows of a larger decode would not keep the bits they get "
                         f"alone (--kernels fast allows it and gives exactness up; --kernels no-repack is exact to larger "
                         f"batches on some hosts)")
-    return config.batch_rows
+    return asked
 
 
-def _draft_max(cfg: GenConfig, exact_per_rank: list[int | None]) -> int | None:
-    """The run's draft tokens per micro-batch: --draft-max, or the largest that keeps every stage's
-    verification batches within its exact batch limit (kernels.py); None in iterative mode."""
-    if cfg.mode == "iterative":
-        return cfg.draft_max
+def _draft_max(mode: str, asked: int | None, exact_per_rank: list[int | None]) -> int:
+    """The run's draft tokens per micro-batch: --draft-max (`asked`), or the largest that keeps every stage's
+    verification batches within its exact batch limit (kernels.py); in iterative mode, which drafts nothing,
+    --draft-max or the default."""
     limit = _smallest_limit(exact_per_rank)
-    if limit is None:  # --kernels fast: no limit, no exactness
-        return cfg.draft_max or DEFAULT_DRAFT_MAX
+    if mode == "iterative" or limit is None:  # --kernels fast: no limit, no exactness
+        return asked or DEFAULT_DRAFT_MAX
     try:
-        return resolve_draft_max(cfg.draft_max, limit, lead=cfg.mode == "speculative")
+        return resolve_draft_max(asked, limit, lead=mode == "speculative")
     except ValueError as e:
         raise UserError(f"{e} [limit measured on rank {exact_per_rank.index(limit)}]") from None
 

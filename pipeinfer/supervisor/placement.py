@@ -5,10 +5,10 @@ before every start of the job.
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.config import Config
+from ..core.config import Config, StageOptions
 from ..core.errors import UserError
 from ..engine.drafts import draft_hint
 
@@ -41,11 +41,11 @@ class Footprint:
         return memory_shortfall(slots, self.weights_bytes, self.head_bytes, available, fractions)
 
 
-def split_fractions(config, n_ranks: int) -> list[float] | None:
+def split_fractions(stage: StageOptions, n_ranks: int) -> list[float] | None:
     """A job's --layer-split fractions, or None (absent or balanced: about even in weight bytes, the output
     projection counted; even; auto: not known before the job measures; or not valid: the job itself says why)."""
     from ..core.topology import SPLIT_NAMES, SplitError, parse_split
-    value = config.layer_split
+    value = stage.layer_split
     if value is None or value.strip() in SPLIT_NAMES:
         return None
     try:
@@ -57,7 +57,8 @@ def split_fractions(config, n_ranks: int) -> list[float] | None:
 @dataclass(frozen=True)
 class DraftHost:
     """The hostfile's draft host (role=draft): the job's last rank runs the draft there (`settings`: draft_at rank,
-    draft_threads, as Config fields); when it is lost, the draft (`n_bytes` of it) moves beside rank 0."""
+    draft_threads, by their command-line names: Config.with_options); when it is lost, the draft (`n_bytes` of it)
+    moves beside rank 0."""
     name: str
     settings: dict
     n_bytes: int
@@ -81,24 +82,24 @@ def placement(np: int | None, hostfile: str | None, config: Config) -> Placement
     if mpi_size() > 1:
         raise UserError("--np/--hostfile start the pipeline's MPI job themselves: run pipeinfer without mpiexec")
     hosts, settings, draft = [], {}, None
-    draft_bytes = Path(config.draft).stat().st_size if config.draft else 0
+    draft_bytes = Path(config.draft.model).stat().st_size if config.draft.model else 0
     if hostfile:
         try:
             hosts = parse_hostfile(hostfile)
             n = np or sum(h.slots for h in hosts)
             ordered, draft_settings = with_draft_last(hosts, n, config.set_by_user)
             if ordered and ordered[-1].role == "draft":
-                if not config.draft:
+                if not config.draft.model:
                     raise ValueError(f"{ordered[-1].name} has role=draft but this run has no draft model: give "
                                      f"{draft_hint(config.model)}, or drop role=draft")
                 draft, ordered, n = DraftHost(ordered[-1].name, draft_settings, draft_bytes), ordered[:-1], n - 1
             slots = [h.name for h in rank_hosts(ordered, n)]
             settings = host_settings(ordered, n, config.set_by_user)
-            config = replace(config, **settings)
+            config = config.with_options(**settings)
         except (ValueError, OSError) as e:
             raise UserError(f"--hostfile {hostfile}: {e}") from None
     else:
         slots = ["localhost"] * np
-    beside = draft is None and config.draft_at != "rank"
+    beside = draft is None and config.draft.at != "rank"
     return Placement(slots, Footprint(Path(config.model).stat().st_size, draft_bytes if beside else 0,
                                       {h.name: h.mem for h in hosts if h.mem}), config, draft)

@@ -82,7 +82,8 @@ def generate_supervised(args, where, prompt, stop) -> None:
     from .inflight import resumed_status
     tok = Tokenizer(args.config.model)
     ids = encode_prompt(tok, prompt.text, bool(prompt.chat))
-    job = StdoutJob(ids, args.config.n_predict, args.config.sampling, prompt.text, bool(prompt.chat), args.as_json)
+    serving = args.config.serving
+    job = StdoutJob(ids, serving.n_predict, serving.sampling, prompt.text, bool(prompt.chat), args.as_json)
     resumed: list[int] = []
 
     def on_done(sup, _job, stats, finish, n_resumes=0):
@@ -116,7 +117,8 @@ def batch_supervised(args, where, stop) -> None:
     from ..serving.batchfile import answer_line, read_batch
     from .inflight import resumed_status
     prompts = read_batch(args.prompts, chat=True if args.chat is None else args.chat,
-                         n_predict=args.config.n_predict, sampling=args.config.sampling)
+                         n_predict=args.config.serving.n_predict,
+                         sampling=args.config.serving.sampling)
     if any(p.replay for p in prompts):
         raise UserError(f"--prompts {args.prompts}: 'replay' is not taken under --np/--hostfile (the supervisor "
                         "replays what it streamed itself)")

@@ -52,8 +52,8 @@ class Slots:
         n_places = len(self.places) + len([p for p in self.lost_slots if p != DRAFT_PLACE])
         config = config.for_places(self.places, n_places)
         if self.draft_host is not None:  # the draft on its host (the last rank), or, that host lost, beside rank 0
-            config = replace(config, **self.draft_host.settings) if self.draft_host_serving else \
-                replace(config, draft_at="thread")
+            config = config.with_options(**self.draft_host.settings) if self.draft_host_serving else \
+                config.with_options(draft_at="thread")
         return config
 
     def check_room(self, config: Config, host_mem: dict[str, int]) -> None:
@@ -61,7 +61,7 @@ class Slots:
         (`host_mem`: host -> bytes its ranks reported available when a job last started)."""
         if not self.hosts:
             raise UserError(f"no slot left to run the pipeline on (lost: {'; '.join(self.lost)})")
-        short = (self.footprint.shortfall(self.hosts, split_fractions(self.job_config(config), len(self.hosts)),
+        short = (self.footprint.shortfall(self.hosts, split_fractions(self.job_config(config).stage, len(self.hosts)),
                                           host_mem) if self.footprint else None)
         if short:
             raise UserError(f"the {len(self.hosts)} slot(s) left cannot hold the model: {short}" if self.lost else

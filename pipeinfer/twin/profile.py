@@ -24,7 +24,14 @@ from pathlib import Path
 import numpy as np
 
 from ..core.kvplan import plan_partitions
-from ..core.config import DRAFT_HEAD_AUTO, Config
+from ..core.config import (
+    DRAFT_HEAD_AUTO,
+    Config,
+    DraftOptions,
+    ServingOptions,
+    SpeculationOptions,
+    StageOptions,
+)
 from .cluster import PROMPT_PROBE_ROWS
 
 PROFILE_FORMAT = 1
@@ -246,8 +253,10 @@ N_CALIBRATION_TOKENS = 32
 
 def _iterative(opts: ProfileOptions, n_predict: int) -> Config:
     """A short iterative generation on the profiled layout, to the length asked (no stop at end of sequence)."""
-    return Config(opts.model, mode="iterative", layer_split=opts.layer_split, threads=opts.threads,
-                  kernels=opts.kernels, n_predict=n_predict, stop_at_eos=False, p_recovery=0.0)
+    return Config(opts.model, mode="iterative",
+                  stage=StageOptions(layer_split=opts.layer_split, threads=opts.threads, kernels=opts.kernels),
+                  speculation=SpeculationOptions(p_recovery=0.0),
+                  serving=ServingOptions(n_predict=n_predict, stop_at_eos=False))
 
 
 def measure_in_pipeline(comm, opts: ProfileOptions, n_vocab: int) -> dict | None:
@@ -296,9 +305,10 @@ def measure_confidence(draft: str, target: str, prompt: list[int], text: str, to
     cutoff (-pa) decides what is proposed and how much of it is right, and -ps which runner-ups could be siblings."""
     from ..drafters.drafter import Cutoffs
     from ..drafters.factory import make_drafter
-    config = Config(target, draft=draft, drafter="model", n_ctx=RUN_N_CTX, max_branches=1, kernels=kernels,
-                    draft_head=head_tokens)
-    drafter = make_drafter(config, n_vocab=0, n_threads=threads, n_threads_batch=threads)(prompt, text, True)   # the same drafter, or translating through text (chat format)
+    options = DraftOptions(model=draft, drafter="model", head_tokens=head_tokens)
+    drafter_for = make_drafter(options, target=target, mode="pipeinfer", n_ctx=RUN_N_CTX, kernels=kernels,
+                               max_branches=1, seed=0, n_vocab=0, n_threads=threads, n_threads_batch=threads)
+    drafter = drafter_for(prompt, text, True)   # the same drafter, or translating through text (chat format)
     drafter.prefill(prompt)
     n_max = drafter.ahead_chunk
     seq, pairs = list(prompt) + list(tokens), []

@@ -387,7 +387,8 @@ def rank_hosts(hosts: Sequence[Host], np: int) -> list[Host]:
     return ranks[:np]
 
 
-# the options a hostfile's settings may give (core/config field names); an option the user set wins over them
+# the options a hostfile's settings may give (command-line names, as core/config.OPTION_FIELDS and set_by_user name
+# them); an option the user set wins over them
 HOST_SET_OPTIONS = ("threads", "threads_batch", "layer_split", "draft_at", "draft_threads")
 _SHORT = {"threads": "-t", "threads_batch": "-tb"}  # their short spellings (cli/options.py)
 
@@ -413,8 +414,9 @@ def _fmt_weight(w: float) -> str:
 
 
 def host_settings(hosts: Sequence[Host], np: int, given: Collection[str] = ()) -> dict[str, str]:
-    """The run's options (core/config field names) that per-host settings give and the user did not set (`given`:
-    field names): threads=, threads_batch= and weight= (as --layer-split fractions), one value per rank."""
+    """The run's options (command-line names: Config.with_options) that per-host settings give and the user did not
+    set (`given`: the same names): threads=, threads_batch= and weight= (as --layer-split fractions), one value per
+    rank."""
     per_rank = rank_hosts(hosts, np)
     out: dict[str, str] = {}
     if any(h.threads for h in per_rank) and "threads" not in given:
@@ -436,7 +438,8 @@ def host_settings(hosts: Sequence[Host], np: int, given: Collection[str] = ()) -
 
 
 def option_args(settings: Mapping[str, object]) -> list[str]:
-    """Config field values as the command line spells them: {"threads_batch": "2,1"} -> --threads-batch 2,1."""
+    """Options by their command-line names as the command line spells them: {"threads_batch": "2,1"} ->
+    --threads-batch 2,1."""
     return [a for name, value in settings.items() for a in (f"--{name.replace('_', '-')}", str(value))]
 
 
