@@ -14,12 +14,17 @@ thread. Writes results/bench_repeat.csv (one row per run; `exact`: its tokens ar
 ARGS appended to `generate --mode pipeinfer` ({ref} stands for the replay instrument's reference), e.g.
     --config 'even=--draft gemma3-270m --draft-at thread' \
     --config '0.33=--draft gemma3-270m --draft-at thread --layer-split 0.33,0.67'
+
+--baseline PATH runs every configuration from that checkout too (a `git worktree` of what a change changes),
+labelled LABEL@base, right beside this checkout's in every round (which goes first alternating), each compared
+with its own checkout's iterative.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -42,14 +47,24 @@ def main() -> None:
     ap.add_argument("--config", action="append", default=[], metavar="LABEL=ARGS",
                     help="a PipeInfer configuration to measure instead of the headline ones (repeatable)")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_repeat.csv"))
+    ap.add_argument("--baseline", metavar="PATH", help="another checkout: every configuration also run from it (LABEL@base)")
     args = ap.parse_args()
     rows: list[dict] = []
     reference: dict[str, list[int]] = {}  # prompt -> iterative's tokens in round 0 (every run must match them)
 
     def run(prompt: str, rnd: int, label: str, extra: list[str]) -> dict:
+        out = None
+        sides = [None, args.baseline] if args.baseline else [None]
+        for where in sides[rnd % len(sides):] + sides[:rnd % len(sides)]:  # the checkout going first alternates
+            o = run_one(prompt, rnd, label + ("@base" if where else ""), extra, where)
+            out = o if where is None else out
+        return out
+
+    def run_one(prompt: str, rnd: int, label: str, extra: list[str], where: str | None) -> dict:
         cmd = PIPEINFER + ["generate", "--prompt-name", prompt, "-n", str(args.n), "-t", "1", "--ignore-eos",
                            "--json", "-q"] + extra
-        p, foreign = run_quietly(cmd, cwd=ROOT)
+        # `python -m` puts the working directory first on the path: another checkout's runs from there
+        p, foreign = run_quietly(cmd, cwd=where or ROOT, env=dict(os.environ, PYTHONPATH=where) if where else None)
         if p.returncode != 0:
             raise SystemExit(f"{prompt} {label} failed ({p.returncode}):\n{p.stderr[-3000:]}")
         out = json.loads(p.stdout.strip().splitlines()[-1])
@@ -92,10 +107,10 @@ def main() -> None:
     print(f"\n{'prompt':<13} {'config':<26} median tok/s  x iterative (rounds)      median TTFT x it.")
     for prompt in dict.fromkeys(r["prompt"] for r in rows):
         mine = [r for r in rows if r["prompt"] == prompt]
-        it = [r for r in mine if r["config"] == "iterative"]
-        it_tps = statistics.median(r["tokens_per_s"] for r in it)
-        it_ttft = statistics.median(r["ttft_s"] for r in it)
         for cfg in dict.fromkeys(r["config"] for r in mine):
+            it = [r for r in mine if r["config"] == "iterative" + ("@base" if cfg.endswith("@base") else "")]
+            it_tps = statistics.median(r["tokens_per_s"] for r in it)
+            it_ttft = statistics.median(r["ttft_s"] for r in it)
             runs = [r for r in mine if r["config"] == cfg]
             tps = statistics.median(r["tokens_per_s"] for r in runs)
             per_round = [r["tokens_per_s"] / next(i["tokens_per_s"] for i in it if i["round"] == r["round"]) for r in runs]
