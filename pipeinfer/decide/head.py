@@ -291,6 +291,11 @@ class Head:
         return out
 
     @property
+    def n_cells_held(self) -> int:
+        """Cells any stage may hold for this generation now: those its runs took, and its prompt's unfed chunks'."""
+        return self.n_cells_bound + self.n_planned - self.seq0_end
+
+    @property
     def n_planned(self) -> int:
         """Positions in sequence 0 once the prompt's pending runs are fed too."""
         return self.seq0_end + sum(len(nodes) for nodes, _ in self.pending)
@@ -307,13 +312,11 @@ class Head:
         string matched), cancel everything in flight."""
         if self.asynchronous and self.cfg.mode == "pipeinfer" and not self._quiet():
             self._steer_drafter()  # re-root it now, before this rank's next decode
-        if stop:
-            self.done = True
+        self.done = self.done or stop
         if self.done:
             self._cancel_all()
-        else:
-            self._cover()
-        return self._decided()
+            return self._decided()
+        return self.cover_next()
 
     def result(self) -> list[int]:
         """The generated tokens (after the prompt and any replayed ones)."""
@@ -404,19 +407,17 @@ class Head:
 
     def cover_next(self) -> list[Action]:
         """Make sure some run in flight predicts the token after the last accepted one (once the prompt is fed)."""
-        self._cover()
-        return self._decided()
-
-    def _cover(self) -> None:
         if self.pending or covered(self.flights, self.accepted):
-            return
+            return self._decided()
+        tree = []
         if self.cfg.mode == "speculative" and self.lease is not None:
             tree = self.lease.drafter.draft(self.accepted, self.cfg.cutoffs)
             self.stats.n_draft_calls += 1
-            if tree:
-                self._launch_spec(tree, self.accepted, lead=True)
-                return
-        self._launch_nonspec()
+        if tree:
+            self._launch_spec(tree, self.accepted, lead=True)
+        else:
+            self._launch_nonspec()
+        return self._decided()
 
     def _launch_nonspec(self) -> None:
         m = len(self.accepted)

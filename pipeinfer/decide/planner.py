@@ -65,9 +65,10 @@ def held_after(held: Held, n_rows: int, n_kv_ops: int, rules: BatchRules, row_ca
     return Held(held.n_rows + n_rows, held.n_next + (n_rows == 1))
 
 
-def cells_short(view: RoundView) -> bool:
-    """Whether one more round's runs might not fit the context: a token per generation and the speculation."""
-    return sum(g.cells for g in view.gens) + view.cells_other + len(view.gens) + view.cells_reserve > view.n_ctx
+def cells_short(n_cells: int, n_gens: int, reserve: int, n_ctx: int) -> bool:
+    """Whether one more round's runs might not fit the context beside the n_cells any stage may hold: a token for each
+    of n_gens generations and a round of speculative runs (reserve)."""
+    return n_cells + n_gens + reserve > n_ctx
 
 
 def plan_feeds(view: RoundView, rules: BatchRules) -> tuple[tuple[int, ...], Held]:
@@ -91,7 +92,9 @@ def plan_feeds(view: RoundView, rules: BatchRules) -> tuple[tuple[int, ...], Hel
 def plan_round(view: RoundView, rules: BatchRules, ride_len: Callable[[int, int], int]) -> RoundPlan:
     """The round's plan. ride_len(gen, n_rows): the draft tokens generation `gen` would ride on a decode of n_rows
     others' rows (DraftSizer.ride_len), asked only where the lend depends on it."""
-    if cells_short(view) and not all(g.done for g in view.gens):  # done ones only drain: they take no new cells
+    n_cells = sum(g.cells for g in view.gens) + view.cells_other
+    short = cells_short(n_cells, len(view.gens), view.cells_reserve, view.n_ctx)
+    if short and not all(g.done for g in view.gens):  # done ones only drain: they take no new cells
         return RoundPlan(compact=True)
     feeds, held = plan_feeds(view, rules)
     if view.mode == "iterative":

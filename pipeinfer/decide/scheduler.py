@@ -44,7 +44,7 @@ from .actions import EditKv, Executor
 from .batching import BatchRules, pipeline_depth, ride_cost_ms
 from .genconfig import GenConfig, check_gen_config
 from .head import Head, Taken
-from .planner import GenView, RoundPlan, RoundView, plan_round
+from .planner import GenView, RoundPlan, RoundView, cells_short, plan_round
 from .port import PipePort, Result
 from .slots import Slots
 
@@ -169,13 +169,13 @@ class Scheduler:
         if not (self.gens and self.pipe.result_ready()):
             self._admit()
         if self.gens:
-            self._execute(plan_round(self._view(), self.rules, self._ride_len))
+            self._execute(plan_round(self._view(), self.rules, lambda i, n_rows: self._ride_len(self.gens[i], n_rows)))
 
     def _view(self) -> RoundView:
         """What the planner sees (planner.RoundView)."""
         return RoundView(
             tuple(GenView(tuple((len(nodes), len(ops)) for nodes, ops in g.head.pending), len(g.head.prompt_in_flight),
-                          g.head.done, g.req.background, g.head.n_cells_bound + g.head.n_planned - g.head.seq0_end)
+                          g.head.done, g.req.background, g.head.n_cells_held)
                   for g in self.gens),
             len(self.pipe.in_flight), self.executor.held, self.executor.row_cap,
             self.slots.n_cells_dead + self.slots.n_cells_cached,
@@ -245,13 +245,12 @@ class Scheduler:
     def _cells_short(self, newcomer: int = 0) -> bool:
         """Whether one more round's runs might not fit: a token per generation and the speculation, and the cells a
         newcomer may need."""
-        return self._cells_bound() + len(self.gens) + self.budget.reserve + newcomer > self.cfg.n_ctx
+        return cells_short(self._cells_bound() + newcomer, len(self.gens), self.budget.reserve, self.cfg.n_ctx)
 
     def _cells_bound(self) -> int:
         """Cells any stage may hold now: the running generations' (and their unfed chunks'), the finished ones' until
         a COMPACT, the cache's."""
-        return (sum(g.head.n_cells_bound + g.head.n_planned - g.head.seq0_end for g in list(self.gens))
-                + self.slots.n_cells_dead + self.slots.n_cells_cached)
+        return sum(g.head.n_cells_held for g in list(self.gens)) + self.slots.n_cells_dead + self.slots.n_cells_cached
 
     def _compact(self) -> None:
         """Collect every run in flight, then have every stage keep only the canonical sequences of the generations
@@ -339,12 +338,12 @@ class Scheduler:
 
     def _rides_pay(self, g: Running, n_rows: int) -> bool:
         """Whether g's draft rows buy more than they cost riding a shared decode of n_rows others' rows."""
-        return self.rules.rides_pay(n_rows, lambda: self._ride_len(self.gens.index(g), n_rows))
+        return self.rules.rides_pay(n_rows, lambda: self._ride_len(g, n_rows))
 
-    def _ride_len(self, i: int, n_rows: int) -> int:
-        """Draft tokens generation i would ride on n_rows others' rows (its sizer's ride_len on the measured stage
-        costs, its running acceptance and what rides have cost the head)."""
-        return self.gens[i].head.sizer.ride_len(n_rows, ride_cost_ms(self._ride_tries))
+    def _ride_len(self, g: Running, n_rows: int) -> int:
+        """Draft tokens g would ride on n_rows others' rows (its sizer's ride_len on the measured stage costs, its
+        running acceptance and what rides have cost the head)."""
+        return g.head.sizer.ride_len(n_rows, ride_cost_ms(self._ride_tries))
 
     # ---------------------------------------------------------------- runs and results
     def _new_run_id(self) -> int:
