@@ -3,7 +3,8 @@ a group of launch/ (bench/, cluster/, twin/, docgen/) puts it and other groups o
 launcher beside this interpreter and the `pipeinfer` command under it (MPIEXEC, pipeinfer_cmd); a job's processes
 found by a tag in their environment (set on the command that starts it, inherited by its MPI ranks and a
 supervisor's jobs), so that a test or a benchmark ends its own processes and never another job's; a free loopback
-port; a headless Chromium; whether the emulated cluster (launch/cluster/netns-cluster.sh) can run here. Beside it,
+port; a headless Chromium; whether the emulated cluster (launch/cluster/netns-cluster.sh) can run here; a results
+CSV written (write_csv). Beside it,
 launch/quiet.py (timing on a shared machine) and launch/charts.py (the benchmarks' bar chart). A script of a group
 starts with
 
@@ -13,6 +14,7 @@ starts with
 tests/helpers.py puts launch/ on the path; nothing here imports the tests."""
 from __future__ import annotations
 
+import csv
 import os
 import shutil
 import signal
@@ -45,6 +47,18 @@ def pipeinfer_cmd(n_ranks: int | None = None, module: str = "pipeinfer") -> list
 
 
 JOB_TAG = "PIPEINFER_JOB_TAG"  # set on the command a test starts; its MPI ranks (and a supervisor's jobs) inherit it
+
+
+def write_csv(path, rows: list[dict], fields: list[str] | None = None, **writer_options) -> Path:
+    """rows as a CSV at path (its folder made if need be), one column per key of the first row unless `fields` names
+    them; writer_options go to csv.DictWriter (restval, extrasaction)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if fields is None else fields, **writer_options)
+        w.writeheader()
+        w.writerows(rows)
+    return path
 
 
 def new_tag() -> str:

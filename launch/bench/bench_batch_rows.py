@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
-from harness import ROOT  # noqa: E402
+from harness import ROOT, write_csv  # noqa: E402
 
 N_CELLS = 64  # each sequence's cells before its timed row (a short prompt's worth)
 
@@ -91,11 +91,7 @@ def main() -> None:
                          "build": numerics_id()})
             print(f"{kernels:10s} {b:3d} rows: {'exact' if exact[b] else 'DIFFERS':7s} {ms[b]:8.1f} ms  "
                   f"{b * ms[1] / ms[b]:5.2f}x one row's rows/s", flush=True)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(a.out, "w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(a.out, rows)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ is token for token iterative's.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
 from charts import grouped_bars  # noqa: E402
-from harness import ROOT, pipeinfer_cmd  # noqa: E402
+from harness import ROOT, pipeinfer_cmd, write_csv  # noqa: E402
 from quiet import run_quietly  # noqa: E402
 
 LAYOUTS = ("head", "thread", "rank")
@@ -84,10 +83,7 @@ def main() -> None:
         sp = [x for x in rows if x["prompt"] == r["prompt"] and x["mode"] == "speculative" and x["drafter"] == r["drafter"]]
         r["vs_speculative"] = round(r["tokens_per_s"] / sp[0]["tokens_per_s"], 3) if sp else ""
     out = Path(args.out)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[-1]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, rows, list(rows[-1]))
     print(f"\n{'prompt':<13} {'config':<28} tokens/s  x iterative  x speculative  ttft x it.  stale  exact")
     for r in rows:
         print(f"{r['prompt']:<13} {r['config']:<28} {r['tokens_per_s']:8.2f}  {r['vs_iterative']:11.2f}  "

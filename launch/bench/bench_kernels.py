@@ -11,7 +11,6 @@ decode call of b = 1..8 tokens after a 64-token context (ms per call and per tok
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
-from harness import ROOT  # noqa: E402
+from harness import ROOT, write_csv  # noqa: E402
 
 
 
@@ -70,11 +69,7 @@ def main() -> None:
                 print(f"{name:20s} {threads}t {kernels:9s} exact to {limit}: "
                       + ", ".join(f"b{b} {v:.1f} ms" for b, v in ms.items()), flush=True)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, rows)
     print(f"wrote {out}")
 
 

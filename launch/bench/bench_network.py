@@ -15,7 +15,6 @@ run) and results/bench_network.png (medians).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import re
@@ -27,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
 from charts import grouped_bars  # noqa: E402
-from harness import CLUSTER, MPIEXEC, ROOT  # noqa: E402
+from harness import CLUSTER, MPIEXEC, ROOT, write_csv  # noqa: E402
 
 BIN = Path(sys.executable).parent
 PROBE = re.compile(r"bandwidth ([0-9.]+) Mbit/s .*latency ([0-9.]+) us")
@@ -120,11 +119,7 @@ def main() -> None:
         print(f"{mode} (median of {args.repeats}): " + ", ".join(
             f"{net} {med[(net, mode)]:.2f} tok/s ({med[(net, mode)] / base:.2f}x local)" for net in networks))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, rows)
     plot(rows, out.with_suffix(".png"), args.draft_at)
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

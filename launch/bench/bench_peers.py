@@ -33,7 +33,6 @@ Each run waits for a quiet machine (launch/quiet.py).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import re
@@ -48,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
 from charts import grouped_bars  # noqa: E402
-from harness import CLUSTER, MPIEXEC, ROOT  # noqa: E402
+from harness import CLUSTER, MPIEXEC, ROOT, write_csv  # noqa: E402
 from quiet import run_quietly  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -257,15 +256,9 @@ def main() -> None:
     for r in rows:
         r["same_text"] = r["text"] == reference
     fields = ["round", "network", "system", "tokens_per_s", "foreign_cpu_pct", "same_text"]
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, rows, fields, extrasaction="ignore")
     summary = summarize(rows, networks, systems)
-    with open(out.with_name(out.stem + "_summary.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(summary[0]))
-        w.writeheader()
-        w.writerows(summary)
+    write_csv(out.with_name(out.stem + "_summary.csv"), summary)
     plot(summary, out.with_suffix(".png"))
     for r in summary:
         print(f"{r['network']:6s} {r['system']:12s} {r['median_tokens_per_s']:7.2f} tokens/s  "

@@ -13,7 +13,6 @@ this machine's 2 cores; 3 ranks x 1 thread oversubscribe them (the plan knows: a
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import shlex
@@ -25,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
-from harness import ROOT, on_path  # noqa: E402
+from harness import ROOT, on_path, write_csv  # noqa: E402
 
 on_path()
 import quiet  # noqa: E402
@@ -94,10 +93,7 @@ def main() -> None:
                          "measured_tokens_per_s": round(real, 3), "measured_over_predicted": round(real / predicted, 3),
                          "rounds": a.rounds, "n_predict": a.n, "command": lines[mode]})
         hosts.unlink()
-    with open(a.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(a.out, rows)
     print(f"{'ranks':>5} {'mode':<12} {'predicted':>10} {'measured':>10} {'ratio':>6}")
     for r in rows:
         print(f"{r['ranks']:>5} {r['mode']:<12} {r['predicted_tokens_per_s']:>10.2f} {r['measured_tokens_per_s']:>10.2f} "

@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
-from harness import ROOT, free_port, new_tag, on_path  # noqa: E402
+from harness import ROOT, free_port, new_tag, on_path, write_csv  # noqa: E402
 
 # this tree's pipeinfer, here and in every process started (the venv's editable install may point at another copy)
 on_path("bench", pythonpath=True)
@@ -418,10 +418,7 @@ def main() -> None:
             r.setdefault(k, "")
     cols = ["cache_prompt", "conversation", "turn", "status", "prompt_tokens", "completion_tokens", "sent_s", "ttft_s",
             "total_s", "server_queued_s", "server_prompt_s", "same_answer", "answer", "request_id", "serve_args"]
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, rows, cols)
     summary_csv = out.with_name(out.stem + "_summary.csv")
     with open(summary_csv, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["timestamp"] + list(on))

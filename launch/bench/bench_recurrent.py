@@ -27,7 +27,6 @@ Writes results/bench_recurrent.csv (one row per run) and prints the summary.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import subprocess
@@ -40,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
-from harness import MPIEXEC, ROOT, on_path  # noqa: E402
+from harness import MPIEXEC, ROOT, on_path, write_csv  # noqa: E402
 
 on_path()
 PROMPT = [1, 5, 9, 13, 22, 37, 41]
@@ -132,11 +131,7 @@ def main() -> None:
                     print(f"[{size} {setting} r{rnd}] {name:14s} {mode:9s} acc {acc:.2f}: "
                           f"{rows[-1]['tokens_per_s']:8.1f} "
                           f"tok/s, acceptance {rows[-1]['acceptance']:.2f}, exact {rows[-1]['exact']}", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.out, rows)
     summarize(rows, micro, accs)
 
 

@@ -22,7 +22,6 @@ with its own checkout's iterative.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import shlex
@@ -32,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
-from harness import ROOT, pipeinfer_cmd  # noqa: E402
+from harness import ROOT, pipeinfer_cmd, write_csv  # noqa: E402
 from quiet import run_quietly  # noqa: E402
 
 PIPEINFER = pipeinfer_cmd(2)
@@ -100,10 +99,7 @@ def main() -> None:
                         pi + ["--drafter", "replay", "--replay-ref", str(ref), "--replay-accuracy", acc,
                               "--draft", "gemma3-270m"])
     out = Path(args.out)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[-1]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, rows, list(rows[-1]))
     print(f"\n{'prompt':<13} {'config':<26} median tok/s  x iterative (rounds)      median TTFT x it.")
     for prompt in dict.fromkeys(r["prompt"] for r in rows):
         mine = [r for r in rows if r["prompt"] == prompt]

@@ -40,7 +40,6 @@ otherwise than `repack` and a prompt's cells depend on its chunks).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -53,7 +52,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
-from harness import ROOT, free_port, new_tag, on_path  # noqa: E402
+from harness import ROOT, free_port, new_tag, on_path, write_csv  # noqa: E402
 
 on_path("bench")
 from bench_peers import llama_bin, ngl_same_split  # noqa: E402
@@ -267,10 +266,7 @@ def main() -> None:
                     raise SystemExit(f"{row['system']} at {row['clients']} clients answered prompt {key[0]} otherwise")
         else:
             row.pop("texts")
-    with open(a.out + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(a.out + ".csv", rows)
     summary = []
     for n in map(int, a.clients.split(",")):
         med = {s: {k: statistics.median(r[k] for r in rows if r["system"] == s and r["clients"] == n)
@@ -282,10 +278,7 @@ def main() -> None:
                     row[f"x_{peer}"] = round(med[s]["tokens_per_s"] / med[peer]["tokens_per_s"], 2)
             summary.append(row)
             print(json.dumps(row), flush=True)
-    with open(a.out + "_summary.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, list(summary[0]))
-        w.writeheader()
-        w.writerows(summary)
+    write_csv(a.out + "_summary.csv", summary)
     print(f"exact: every pipeinfer answer the same under every load ({len(texts)} prompts); rows in {a.out}.csv",
           file=sys.stderr)
 

@@ -12,7 +12,6 @@ generation speed; same_text: the two launchers' texts are identical. Prints the 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import shutil
@@ -24,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
 import quiet  # noqa: E402
-from harness import CLUSTER, JOB_TAG, MPIEXEC, ROOT, new_tag, on_path  # noqa: E402
+from harness import CLUSTER, JOB_TAG, MPIEXEC, ROOT, new_tag, on_path, write_csv  # noqa: E402
 from quiet import elapsed, run_quietly, timed  # noqa: E402
 
 on_path()
@@ -110,11 +109,7 @@ def main() -> None:
           f"x{med['srun']['startup_s'] / med['mpiexec']['startup_s']:.3f}; tokens/s srun "
           f"{med['srun']['tokens_per_s']:.2f} / mpiexec {med['mpiexec']['tokens_per_s']:.2f} = "
           f"x{med['srun']['tokens_per_s'] / med['mpiexec']['tokens_per_s']:.3f}; same text: {len(texts) == 1}")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(a.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(a.out, rows)
     print(f"wrote {a.out}")
 
 

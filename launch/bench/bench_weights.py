@@ -26,7 +26,6 @@ are in every row alike). Rows:
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import re
 import shutil
@@ -38,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
-from harness import CLUSTER, MPIEXEC, ROOT  # noqa: E402
+from harness import CLUSTER, MPIEXEC, ROOT, write_csv  # noqa: E402
 from quiet import elapsed, run_quietly, timed  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -291,10 +290,7 @@ def main() -> None:
     finally:
         netns(a.rate, "down", str(a.hosts))
     keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
-    with open(a.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(a.out, rows, keys)
     print(f"wrote {a.out}")
 
 

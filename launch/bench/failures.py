@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
-from harness import ROOT, netns_unavailable  # noqa: E402
+from harness import ROOT, netns_unavailable, write_csv  # noqa: E402
 
 FAULTS = [sys.executable, str(ROOT / "tests" / "faults.py")]
 
@@ -114,10 +114,7 @@ def main() -> None:
         old = _old_rows(a.out)
         keys = [(c["name"], mpi) for c in cases for mpi in mpis]  # each case's MPICH row, then its Open MPI row
         rows = [measured.get(k) or old[k] for k in keys if measured.get(k) or k in old]
-        with open(a.out + ".csv", "w", newline="") as f:
-            w = csv.DictWriter(f, COLS, extrasaction="ignore")
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(a.out + ".csv", rows, COLS, extrasaction="ignore")
         table = _table(rows)
         Path(a.out + ".md").write_text(table + "\n")
         print(table)

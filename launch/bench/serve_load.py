@@ -65,7 +65,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
-from harness import CLUSTER, MPIEXEC, ROOT, free_port, headless_chromium, new_tag, rank_pids, tagged_env  # noqa: E402
+from harness import (CLUSTER, MPIEXEC, ROOT, free_port, headless_chromium, new_tag, rank_pids, tagged_env, write_csv)  # noqa: E402
 
 
 PROMPTS = [
@@ -457,14 +457,9 @@ def main() -> None:
                                                                    else ""))
     text = "\n".join(lines + ratios) + "\n"
     print("\n".join(ratios))
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    with open(out.with_name(out.stem + "_summary.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for x in summaries for k in x)), restval="")
-        w.writeheader()
-        w.writerows(summaries)
+    write_csv(out, rows)
+    write_csv(out.with_name(out.stem + "_summary.csv"), summaries, list(dict.fromkeys(k for x in summaries for k in x)),
+              restval="")
     out.with_suffix(".txt").write_text(text)
     if args.sweep:
         plot_sweep(out.with_name(out.stem + "_summary.csv"), out.with_suffix(".png"))

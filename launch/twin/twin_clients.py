@@ -23,13 +23,12 @@ output tokens at clients = stages and 2 x stages, to show what prompt work costs
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
-from harness import ROOT, on_path  # noqa: E402
+from harness import ROOT, on_path, write_csv  # noqa: E402
 
 on_path("twin")
 
@@ -120,10 +119,7 @@ def main() -> None:
                     rows.append(run_one(cluster, n_stages, schedule, n_clients, args, n, n))
                     print_row(rows[-1])
     out = Path(args.out)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, rows)
     main_rows = [r for r in rows if r["n_prompt"] == args.n_prompt and r["n_predict"] == args.n_predict
                  and r["parallel"] in (1, default_parallel(r["stages"]))]
     plot(main_rows, out.with_suffix(".png"), args)

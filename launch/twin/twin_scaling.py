@@ -27,14 +27,13 @@ for 8 hosts at 0.9 agreement.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
-from harness import ROOT, on_path  # noqa: E402
+from harness import ROOT, on_path, write_csv  # noqa: E402
 
 on_path()
 
@@ -82,10 +81,7 @@ def main() -> None:
     for model in SHAPES:
         rows += scale_to(prof, model, profiled, args.n)
     out = Path(args.out)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, rows)
     pngs = [out.with_suffix(".png") if m is LLAMA_70B else out.with_name(f"{out.stem}_{m.label.lower()}.png")
             for m in SHAPES]
     for model, png in zip(SHAPES, pngs):

@@ -16,14 +16,13 @@ p50 latency for each client count (the issue's goal: within 20%).
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
-from harness import ROOT, on_path  # noqa: E402
+from harness import ROOT, on_path, write_csv  # noqa: E402
 
 on_path("bench")  # bench/serve_load.py, the real load
 
@@ -75,10 +74,7 @@ def main() -> None:
                       "tokens_per_s_ratio": round(real["tokens_per_s"] / sim.tokens_per_s, 3),
                       "measured_p50_s": real["p50_s"], "predicted_p50_s": round(sim.p50_latency_s, 3),
                       "p50_ratio": round(real["p50_s"] / sim.p50_latency_s, 3), "lost_or_different": real["bad"]})
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(table[0]))
-        w.writeheader()
-        w.writerows(table)
+    write_csv(out, table)
     for t in table:
         print(f"{t['clients']:>3} clients ({t['n_prompt']} + {t['n_predict']} tokens): tokens/s measured "
               f"{t['measured_tokens_per_s']:.2f}, twin {t['predicted_tokens_per_s']:.2f} (x{t['tokens_per_s_ratio']:.2f}); "

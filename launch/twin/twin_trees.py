@@ -22,13 +22,12 @@ Writes the CSV and a plot beside it (speedup over iterative by host count).
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
-from harness import ROOT, on_path  # noqa: E402
+from harness import ROOT, on_path, write_csv  # noqa: E402
 
 on_path("twin")
 
@@ -94,10 +93,7 @@ def main() -> None:
                           + (f", siblings {rows[-1]['siblings']} ({rows[-1]['siblings_right']} right)"
                              if rows[-1]["siblings"] else ""), flush=True)
     out = Path(args.out)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, rows)
     plot(rows, out.with_suffix(".png"), many)
     print(f"wrote {out} and {out.with_suffix('.png')} ({time.perf_counter() - t0:.0f} s of simulation)")
 
