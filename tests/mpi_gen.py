@@ -45,5 +45,6 @@ res = run(config, cfg["prompt"], prompt_text=cfg.get("prompt_text"), chat=cfg.ge
 if res is not None:
     print("RESULT " + json.dumps({"tokens": res.tokens, "stats": res.stats.to_dict(),
                                   "logprobs": [x.logprob for x in logprobs],
-                                  "ranges": [[r.start, r.end] for r in res.ranges], "rss_mb": res.peak_rss_mb,
+                                  "ranges": [[r.start, r.end] for r in res.ranges], "threads": res.threads,
+                                  "rss_mb": res.peak_rss_mb,
                                   "probe_ms": res.probe_ms_per_layer, "p_recovery": res.p_recovery}))

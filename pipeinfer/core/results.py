@@ -15,7 +15,7 @@ target_model      target GGUF (path or name)
 draft_model       draft GGUF; empty for single/iterative
 ranks             number of MPI ranks (int)
 layer_split       per-rank layer weights as given, e.g. "0.1,0.45,0.45"
-threads           per-rank thread counts as given, e.g. "2,2,2"
+threads           per-rank thread counts, e.g. "2,2,2" (as start-up resolved them; as given when unknown)
 prompt_name       prompt file stem, e.g. "code", "story", "encyclopedia"
 n_prompt_tokens   prompt length in tokens (int)
 n_generated       output tokens produced (int), including the token sampled
@@ -203,13 +203,15 @@ def read_results(path: str | os.PathLike) -> list[dict]:
 
 
 def results_row(config: Config, ranges, prompt_name: str, stats, peak_rss_mb: list[float] | None = None,
-                 status: str = "ok") -> dict:
+                 status: str = "ok", threads: list[int] | None = None) -> dict:
     """A --results row of a generation: `status` is "ok" or "failed: REASON" (ranges may then be unknown: None
-    per rank); peak RSS per rank when known (generate has it, a served request not)."""
+    per rank); peak RSS per rank when known (generate has it, a served request not); each rank's threads as
+    start-up resolved them when known, else as given."""
     return stats_row(
         stats, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"), mode=config.mode, target_model=Path(config.model).name,
         draft_model=draft_label(config), ranks=len(ranges),
-        layer_split=",".join(str(r.n_layers) for r in ranges if r is not None), threads=config.stage.threads or "",
+        layer_split=",".join(str(r.n_layers) for r in ranges if r is not None),
+        threads=",".join(map(str, threads)) if threads else config.stage.threads or "",
         prompt_name=prompt_name, peak_rss_max_mb=round(max(peak_rss_mb), 1) if peak_rss_mb else None,
         peak_rss_sum_mb=round(sum(peak_rss_mb), 1) if peak_rss_mb else None, status=status)
 

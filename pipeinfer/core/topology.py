@@ -175,10 +175,11 @@ def memory_shortfall(slots: list[str], weights_bytes: int, head_bytes: int, avai
     return None
 
 
-def parse_per_rank_ints(text: str | None, n_ranks: int, name: str, default: int) -> list[int]:
-    """'4,8,8' -> one value per rank; a single value applies to every rank; None -> default."""
+def parse_per_rank_ints(text: str | None, n_ranks: int, name: str, default: int | list[int]) -> list[int]:
+    """'4,8,8' -> one value per rank; a single value applies to every rank; None -> default (one value, or one
+    per rank)."""
     if text is None or str(text).strip() == "":
-        return [default] * n_ranks
+        return list(default) if isinstance(default, list) else [default] * n_ranks
     try:
         values = [int(x) for x in str(text).replace("/", ",").split(",") if x.strip()]
     except ValueError:

@@ -42,7 +42,7 @@ from ..core.config import DEFAULT_DRAFT_MAX, DEFAULT_KERNELS, KERNELS  # noqa: F
 PROBE_MAX_BATCH = 8   # batch sizes probed: 1..8 (micro-batches on CPUs are 1-4 tokens; 8 shows the tiled kernel)
 TILED_PROBE_SIZES = (2, 3, 4, 5, 8, 16, 32)  # --kernels tiled: users' rows up to 32 (64+ rows tile the attention)
 TILED_FORCE_ENV = "GGML_CPU_TILED_MM_FORCE"   # ggml-cpu/tiled/tiled.cpp, read once per process at the first multiply
-PROBE_FORMAT = 4      # bump when the probe or the numerics change: invalidates cached limits (4: bf16 values on 2+ threads)
+PROBE_FORMAT = 5      # bump when the probe or the numerics change: invalidates cached limits (5: bf16 values on any threads)
 
 
 # Extra buffer types of ggml's CPU backend that pipeinfer never loads weights into. "AMX": a build of llama.cpp
@@ -133,18 +133,21 @@ def flash_attn_type(kernels: str) -> int:
             else llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
 
 
-def kv_cache_types(kernels: str, n_threads: int) -> tuple[int, int]:
-    """(K, V) cache types (ggml_type): llama.cpp's f16 and f16, except f16 keys and bf16 values for an exact setting
-    whose one-row decodes run on more than one thread.
+def kv_cache_types(kernels: str) -> tuple[int, int]:
+    """(K, V) cache types (ggml_type): f16 keys and bf16 values in every exact setting, on any thread count;
+    llama.cpp's f16 and f16 under `fast`.
 
     ggml's CPU flash attention splits one query row over 512+ cells across the threads when K and V are both f16,
     and merges the parts: on 2+ threads a row decoded alone then differs from the same row in a batch (0.33 in a
     logit, Qwen2.5-Coder-1.5B, 2 threads, 300 cells), so a verified draft or a batched user would not get the bits
-    the target gives one token at a time. On one thread the split is one part and the bits are the same. K and V of
-    different types keep every row on the one-row kernel (llama.cpp casts an f32 cache to f16; q8_0 would need head
-    sizes that are multiples of 32; bf16 fits any, in f16's bytes, and costs about 8% per token at 1000 cells)."""
+    the target gives one token at a time. K and V of different types keep every row on the one-row kernel, whose
+    bits do not depend on the thread count either (each thread takes whole rows and heads): so one value type on
+    1 thread as on many gives the same greedy answer on any number of threads, ranks and hosts (an f16 cache on
+    1 thread parted from the bf16 one on 2 at the 41st token of the held-out printing-press prompt). llama.cpp
+    casts an f32 cache to f16; q8_0 would need head sizes that are multiples of 32; bf16 fits any, in f16's bytes,
+    and costs about 8% per token at 1000 cells."""
     f16, bf16 = 1, 30
-    return (f16, bf16) if kernels != "fast" and n_threads > 1 else (f16, f16)
+    return (f16, f16) if kernels == "fast" else (f16, bf16)
 
 
 @lru_cache(maxsize=1)

@@ -239,7 +239,7 @@ class StageEngine:
         cparams.kv_unified = True  # sequences share one cell pool; seq_cp only tags cells
         cparams.no_perf = True
         cparams.flash_attn_type = flash_attn_type(kernels)  # kernels.py: which settings are batch-invariant
-        cparams.type_k, cparams.type_v = kv_cache_types(kernels, n_threads)
+        cparams.type_k, cparams.type_v = kv_cache_types(kernels)
         self._captured: list[np.ndarray] = []
         self._capture_name = f"l_out-{self.n_layer - 1}".encode() if capture_hidden else None
         arch = model_arch(self.model)

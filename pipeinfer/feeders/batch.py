@@ -48,7 +48,8 @@ def run_batch(args, stop) -> None:
                 finish = "stopped" if stop.requested else ("length" if len(tokens) >= p.n_predict else "stop")
                 print(answer_line(p, session.tok.decode(tokens), tokens, finish, stats), flush=True)
                 if args.results:
-                    write_row(args.results, results_row(config, session.ranges, f"{name}:{p.index}", stats))
+                    write_row(args.results, results_row(config, session.ranges, f"{name}:{p.index}", stats,
+                                                        threads=session.threads))
             sched.submit(session.request(ids, n_predict=p.n_predict, sampling=p.sampling, prompt_text=p.text,
                                          chat=p.chat, should_stop=lambda: stop.requested, on_done=done,
                                          replay=list(p.replay), cache_prompt=p.cache_prompt))

@@ -2,19 +2,17 @@
 head until the head ends the session; and what the draft needs from the run's options, wherever it runs."""
 from __future__ import annotations
 
-import os
-
 from ..core.config import Config, DraftOptions
 from ..drafters.factory import make_drafter
 from ..engine.stagefile import read_info, vocab_bound
 
 
-def draft_thread_count(draft: DraftOptions, threads_rank0: int, n_world: int) -> int:
-    """--draft-threads, else rank 0's threads beside its stage (head, thread), or the cores shared by the ranks
-    on its own rank (the target's default: cores / ranks)."""
+def draft_thread_count(draft: DraftOptions, threads_rank0: int, own_cores: int) -> int:
+    """--draft-threads, else rank 0's threads beside its stage (head, thread), or on its own rank the cores that rank
+    may use (core/cpus.default_threads, as for a stage)."""
     if draft.threads:
         return draft.threads
-    return threads_rank0 if draft.at != "rank" else max(1, (os.cpu_count() or 2) // n_world)
+    return threads_rank0 if draft.at != "rank" else own_cores
 
 
 def drafter_of(config: Config, *, n_vocab: int, n_threads: int, n_threads_batch: int):
@@ -26,7 +24,7 @@ def drafter_of(config: Config, *, n_vocab: int, n_threads: int, n_threads_batch:
                         n_threads_batch=n_threads_batch)
 
 
-def serve_draft_rank(config: Config, draft_comm, n_world: int) -> None:
+def serve_draft_rank(config: Config, draft_comm, cores: int) -> None:
     """The draft rank (--draft-at rank): load the draft, then draft ahead for the head until it ends the session."""
     from ..core.protocol import Tag
     from ..drafters.draftahead import DraftService, MpiEnd, lower_priority
@@ -34,7 +32,7 @@ def serve_draft_rank(config: Config, draft_comm, n_world: int) -> None:
     info = read_info(config.model)  # the target's vocabulary: token ids, and a translating drafter's tokenizer
     drafter_for = None
     if config.mode != "iterative":
-        n = draft_thread_count(config.draft, 0, n_world)
+        n = draft_thread_count(config.draft, 0, cores)
         drafter_for = drafter_of(config, n_vocab=info.n_vocab, n_threads=n, n_threads_batch=n)
     from ..wire.transport import Transport
     end = MpiEnd(Transport(draft_comm, draft_comm, config.wire.poll_s), 0, Tag.PROPOSAL, Tag.DRAFT_CTRL)

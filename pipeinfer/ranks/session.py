@@ -39,6 +39,7 @@ class RunResult:
     peak_rss_mb: list[float]
     probe_ms_per_layer: list[float] | None = None  # --layer-split auto's measurements, one per rank
     p_recovery: float = 0.0                         # the recovery factor used (-pr auto resolved)
+    threads: list[int] | None = None                # each target rank's threads, as start-up resolved them
 
 
 def peak_rss_mb() -> float:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
 from ..core.config import Config, Resolved, ServingOptions, StageOptions
+from ..core import cpus
 from ..core.errors import UserError
 from ..core.kvplan import PartitionPool, in_flight_limit, lane_count, lane_seq_max, plan_partitions
 from ..core.protocol import PROTOCOL_VERSION, Limits, kv_ops, rm
@@ -70,7 +71,8 @@ def run(config: Config, prompt: list[int] | Callable[[], list[int]] | None = Non
     finally:
         stats_per_rank, rss = session.close()
     stats.stage_stats = stats_per_rank
-    return RunResult(session.last_tokens, stats, session.ranges, rss, session.probe_ms, session.resolved.p_recovery)
+    return RunResult(session.last_tokens, stats, session.ranges, rss, session.probe_ms, session.resolved.p_recovery,
+                     session.threads)
 
 
 def open_session(config: Config, comm=None) -> HeadSession | None:
@@ -80,7 +82,7 @@ def open_session(config: Config, comm=None) -> HeadSession | None:
     ranks = _join(config, comm)                 # one protocol and build; liveness; the draft rank split off
     config = _rank0_files(config, ranks)        # rank 0's model and draft; a draft rank's travel to it (weights.py)
     if ranks.is_draft:
-        serve_draft_rank(config, ranks.draft_comm, ranks.world.Get_size())
+        serve_draft_rank(config, ranks.draft_comm, ranks.cores)
         ranks.live.close()
         return None
     inputs = _head_inputs_soon(config.model, ranks.comm.Get_size() > 1) if ranks.comm.Get_rank() == 0 else None
@@ -104,6 +106,7 @@ class _Ranks:
     """Where this rank stands once every rank runs the same protocol and build (_join)."""
     world: MPI.Comm               # every rank started
     comm: MPI.Comm                # the target's stages: the world, less the draft rank with --draft-at rank
+    cores: int                    # this rank's threads when -t does not say (core/cpus.default_threads)
     draft_comm: MPI.Comm | None = None  # --draft-at rank: a duplicate of the world, the head's link to the draft rank
     live: Liveness | None = None  # several ranks
     is_draft: bool = False        # this rank is the draft rank
@@ -147,15 +150,28 @@ def _join(config: Config, comm) -> _Ranks:
         from ..wire.liveness import Liveness
         live = Liveness(world, config.wire.stall_timeout)
         _agree(world, live, build_id(), "runs another build")
+    cores = _host_threads(world)
     if config.draft.at != "rank":
-        return _Ranks(world, world, live=live)
+        return _Ranks(world, world, cores, live=live)
     # the world's last rank drafts; the others are the target's stages
     if world.Get_size() < 2:
         raise UserError("--draft-at rank needs a rank of its own for the draft: start one more rank than the "
                         "target's stages (mpiexec -n N+1)")
     is_draft = world.Get_rank() == world.Get_size() - 1
     stages = world.Split(1 if is_draft else 0, world.Get_rank())
-    return _Ranks(world, stages, draft_comm=world.Dup(), live=live, is_draft=is_draft)
+    return _Ranks(world, stages, cores, draft_comm=world.Dup(), live=live, is_draft=is_draft)
+
+
+def _host_threads(world) -> int:
+    """This rank's default threads (core/cpus.default_threads), collective over the world: the ranks that share
+    memory with this one (MPI's COMM_TYPE_SHARED: its host) exchange the CPU sets they may run on."""
+    from mpi4py import MPI
+    mine = cpus.affinity()
+    host = world.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return cpus.default_threads(mine, host.allgather(mine), host.Get_rank(), os.environ)
+    finally:
+        host.Free()
 
 
 def resolved_parallel(config: Config, n_stages: int) -> int:
@@ -257,7 +273,8 @@ def _split_layers(config: Config, ranks: _Ranks, info) -> _LayerPlan:
     rank, size = comm.Get_rank(), comm.Get_size()
     try:
         check_splittable(info, size)
-        threads = parse_per_rank_ints(stage.threads, size, "--threads", default=max(1, (os.cpu_count() or 2) // size))
+        cores = comm.allgather(ranks.cores)
+        threads = parse_per_rank_ints(stage.threads, size, "--threads", default=cores)
         threads_b = parse_per_rank_ints(stage.threads_batch, size, "--threads-batch", default=threads[rank])
         probe_ms = None
         if stage.layer_split is not None and stage.layer_split.strip() == "auto" and size > 1:
@@ -428,7 +445,7 @@ def _head_drafter(config: Config, ranks: _Ranks, plan: _LayerPlan, stage: _Stage
         return _begin_each(beside), beside
     if stage.cfg.mode == "iterative":
         return None, None
-    n_dft = draft_thread_count(config.draft, plan.threads[0], stage.topo.n_ranks)
+    n_dft = draft_thread_count(config.draft, plan.threads[0], ranks.cores)
     drafter_for = drafter_of(config, n_vocab=plan.info.n_vocab, n_threads=n_dft,
                              n_threads_batch=n_dft if config.draft.threads else plan.threads_b[0])
     if config.draft.at != "thread":

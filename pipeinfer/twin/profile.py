@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core.cpus import affinity, physical_cores
 from ..core.kvplan import plan_partitions
 from ..core.config import (
     DRAFT_HEAD_AUTO,
@@ -346,7 +347,7 @@ def measure_on_head(opts: ProfileOptions, n_layer: int, threads: int) -> dict:
     extra: dict = {"layer_model": measure_layer_model(opts.model, n_layer, opts.probe_layers, threads,
                                                       opts.max_batch, opts.kernels)}
     extra["ms_by_threads"] = measure_threads(opts.model, n_layer, opts.probe_layers, opts.kernels,
-                                             min(MAX_THREADS_TIMED, os.cpu_count() or 1))
+                                             min(MAX_THREADS_TIMED, physical_cores(affinity())))
     extra["serial_share"] = round(serial_share_from(extra["ms_by_threads"]), 4)
     if opts.draft:
         # as serve loads it beside these stages (repacked beside tiled ones)
@@ -382,7 +383,7 @@ def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
         path = opts.model if n_stages == 1 else ensure_stage_file(opts.model, lr.start, lr.end, with_vocab=last)
         rec = measure_stage(path, embd_input=n_stages > 1, last=last, threads=threads[r], max_batch=opts.max_batch,
                             kernels=opts.kernels, exact=True)
-        records[r] = {"rank": r, "host": host_name(), "machine": machine_id(), "cores": os.cpu_count() or 1,
+        records[r] = {"rank": r, "host": host_name(), "machine": machine_id(), "cores": physical_cores(affinity()),
                       "threads": threads[r], "layers": [lr.start, lr.end], "last": last, **rec}
     extra = measure_on_head(opts, info.n_layer, threads[0]) if rank == 0 else {}
     links = []
