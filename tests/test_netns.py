@@ -162,3 +162,17 @@ def test_supervised_generate_survives_a_cut_link(tmp_path):
     assert r["exit_code"] == 0 and not r["traceback"], r["stderr_tail"]
     F.check_resumed(case, r)
 
+
+
+def test_one_rank_per_host_takes_every_core_of_its_host(models, tmp_path):
+    """Two emulated hosts, one rank each, no -t: each rank runs on its host's cores (MPI says no other rank shares
+    its memory), where two ranks on one host take half each (tests/test_threads.py)."""
+    from pipeinfer.core import cpus
+    cfg = {"model": str(models["q8"]), "prompt": PROMPT, "n": 4, "threads": None}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    p = _netns_run(["2", "--", sys.executable, "-m", "mpi4py", str(ROOT / "tests" / "mpi_gen.py"),
+                    f"@{tmp_path}/cfg.json"])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    out = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    assert out["threads"] == [cpus.physical_cores(cpus.affinity())] * 2
+    _cleaned_up()
