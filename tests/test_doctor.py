@@ -33,6 +33,55 @@ def test_each_problem_is_one_line(change, need, mem, line):
     assert len(found) == 1 and found[0].startswith(line), found
 
 
+@pytest.mark.parametrize("change, first, line", [
+    (dict(model="Permission denied"), True, "h1: cannot read the model: Permission denied (rank 0 runs here"),
+    (dict(task_cpus=16, slurm_cpus=1), False, "h1: Slurm gave its task 1 CPU of 16: ask for the node's cores"),
+    (dict(task_cpus=1), False, "h1: this process may run on 1 CPU of 16 (taskset or a cgroup)"),
+    (dict(slurm_mem=4 * GiB), False, "h1: not enough memory in the Slurm job: its share needs 6.0 GiB, the job may "
+                                     "use 4.0 GiB on a node (sbatch --mem=0: all of it)"),
+])
+def test_what_a_node_of_an_allocation_can_lack(change, first, line):
+    found = problems("h1", replace(HERE, host="h1", **change), None, HERE, Need(6 * GiB, 1), first=first)
+    assert len(found) == 1 and found[0].startswith(line), found
+
+
+def test_a_node_without_the_model_is_no_problem_but_rank_0s():
+    """Only rank 0's host reads the model; the others receive their layers."""
+    elsewhere = replace(HERE, host="h1", model="No such file or directory")
+    assert problems("h1", elsewhere, None, HERE, None) == []
+    assert problems("h1", replace(HERE, host="h1", slurm_cpus=16, task_cpus=16), None, HERE, None, first=True) == []
+
+
+def test_the_clock_inside_the_probes_window_is_no_skew():
+    """An srun step probes every node at once: a clock within the step's window (this host's, sent to back) is
+    right, one outside it by more than 2 s is off by that much."""
+    assert problems("h1", replace(HERE, host="h1", clock=1005.0), None, HERE, None, window=(1000.0, 1008.0)) == []
+    found = problems("h1", replace(HERE, host="h1", clock=1012.0), None, HERE, None, window=(1000.0, 1008.0))
+    assert found == ["h1: its clock is 4.0 s off this host's (run NTP: logs and timings compare badly)"]
+
+
+def test_a_probe_line_of_another_version_is_read():
+    from dataclasses import asdict
+
+    from pipeinfer.wire.doctor import facts_of
+    assert facts_of({**asdict(HERE), "a_later_field": 1}) == HERE
+
+
+def test_a_slurm_tasks_facts(tmp_path, monkeypatch):
+    from pipeinfer.ranks.handshake import build_id
+    for name, value in (("SLURM_JOB_ID", "7"), ("SLURM_CPUS_PER_TASK", "3"), ("SLURM_MEM_PER_NODE", "2048"),
+                        ("SLURMD_NODENAME", "h1"), ("SLURM_TMPDIR", str(tmp_path))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("PIPEINFER_CACHE", raising=False)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    f = facts(build_id(), str(model))
+    assert (f.slurm_cpus, f.slurm_mem, f.slurm_node, f.cache, f.model) == (3, 2 * GiB, "h1",
+                                                                           str(tmp_path / "pipeinfer"), "readable")
+    assert f.task_cpus == len(os.sched_getaffinity(0))
+    assert facts(build_id(), str(tmp_path / "none")).model == "No such file or directory"
+
+
 def test_an_unreachable_host_says_why():
     assert problems("h2", None, "ssh: connect to host h2 port 22: No route to host", HERE, None) == [
         "h2: unreachable: ssh: connect to host h2 port 22: No route to host"]

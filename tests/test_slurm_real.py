@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from helpers import (JOBS, PROMPT_TEXT, ROOT, Server, free_port, job_references,
 pytestmark = pytest.mark.mpi
 
 SCRIPT = str(ROOT / "launch" / "cluster" / "slurm-netns.sh")
+SERVE_SCRIPT = ROOT / "launch" / "cluster" / "slurm-serve.sbatch"
+KEY = "sk-team-0123456789"
 DAEMONS = ("slurmctld", "slurmd", "sinfo", "srun", "salloc", "sbatch", "scontrol", "munged", "nsenter")
 PIPEINFER = [sys.executable, "-m", "pipeinfer"]
 
@@ -103,6 +106,26 @@ def test_slurm_launch_in_an_allocation_runs_one_job(slurm, models):
         p.stderr[-2000:]
 
 
+def test_slurm_doctor_inside_an_allocation(slurm, models):
+    """`pipeinfer doctor` in `salloc -N 3` without a hostfile: one srun step probes h0, h1 and h2 (each node's
+    scratch the cache it names), one MPI step measures the links; whole nodes pass. Without --exclusive or
+    --cpus-per-task, Slurm gave each task one CPU of the node's: a problem on every node, exit 1."""
+    doctor = [*PIPEINFER, "doctor", "-m", str(models["q8"])]
+    env = {k: v for k, v in slurm.items() if k != "PIPEINFER_STAGE_CACHE"}
+    whole = _run(["salloc", "-N", "3", "--exclusive", *doctor], env)
+    assert whole.returncode == 0 and "doctor: 3 host(s), no problem found" in whole.stdout, whole.stdout + whole.stderr
+    state = Path(slurm["SLURM_CONF"]).parent
+    for node in ("h0", "h1", "h2"):
+        assert re.search(rf"^{node}: pipeinfer .* free disk in {state}/tmp-{node}/pipeinfer, the model readable$",
+                         whole.stdout, re.M), whole.stdout
+    assert len(re.findall(r"^link h0 -> h[12]: ", whole.stdout, re.M)) == 2, whole.stdout
+    if os.cpu_count() > 1:
+        one = _run(["salloc", "-N", "3", "-n", "3", *doctor], env)
+        lines = [line for line in one.stdout.splitlines() if line.startswith("problem: ")]
+        assert one.returncode == 1 and len(lines) == 3, one.stdout
+        assert all(f"Slurm gave its task 1 CPU of {os.cpu_count()}" in line for line in lines), lines
+
+
 def test_slurm_tasks_started_alone_say_which_plugin(slurm, models):
     """srun with a PMI plugin the mpich wheel does not speak (--mpi=none) starts three one-rank jobs: each says so
     in one line naming --mpi=pmi2, and exits non-zero, before any model loads."""
@@ -164,30 +187,60 @@ def test_slurm_rejoin_after_a_short_outage(slurm, models, tmp_path):
         code = _interrupt(srv)
     assert code == 0, srv.text()[-3000:]
 
-def test_slurm_end_of_allocation_drains_and_exits_0(slurm, models, tmp_path):
-    """launch/cluster/slurm-serve.sbatch serves on the allocation's first node (h0) and says how to reach it; it gets
-    Slurm's end-of-allocation signal (the batch shell's SIGTERM, as its `--signal=B:TERM@300` sends it; here on
-    demand with `scancel --batch --signal=TERM`): the answer in flight completes, and the job ends with exit code 0."""
+def _submit_service(slurm: dict, models, folder: Path, port: int) -> tuple[str, dict]:
+    """slurm-serve.sbatch submitted from `folder` with the team's key file there (chmod 600) and no stage cache of
+    the tests': stage files go to each node's scratch. (the job's id, the environment it was given)"""
+    keys = folder / "pipeinfer-keys.txt"
+    keys.write_text(f"# the team\n{KEY}\n")
+    keys.chmod(0o600)
+    env = {k: v for k, v in slurm.items() if k not in ("PIPEINFER_STAGE_CACHE", "PIPEINFER_CACHE")}
+    env.update(PIPEINFER_PORT=str(port))
+    sub = subprocess.run(["sbatch", "--parsable", "-N", "3", "-o", str(folder / "serve.out"), str(SERVE_SCRIPT),
+                          "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048"], capture_output=True,
+                         text=True, env=env, cwd=folder, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    return sub.stdout.strip().split(";")[0], env
+
+
+def _address(folder: Path, out: Path, env: dict, timeout: float = 240) -> str:
+    """The base URL launch/cluster/slurm-address.py prints from the job's address file once the server answers."""
+    p = subprocess.run([sys.executable, str(ROOT / "launch" / "cluster" / "slurm-address.py"),
+                        str(folder / "pipeinfer-serve.address"), "--wait", str(timeout)], capture_output=True,
+                       text=True, env=env, timeout=timeout + 60)
+    assert p.returncode == 0, (p.stderr, out.read_text()[-3000:] if out.exists() else "")
+    return p.stdout.strip().removesuffix("/v1")
+
+
+def _ask(base: str, key: str | None, max_tokens: int = 600) -> dict:
+    body = json.dumps({"model": "t-q8", "prompt": PROMPT_TEXT, "max_tokens": max_tokens, "temperature": 0.0,
+                       "top_p": 0.95, "seed": 0}).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(base + "/v1/completions", body, headers)
+    return json.loads(urllib.request.urlopen(req, timeout=300).read())
+
+
+def test_slurm_service_with_a_key_file_and_node_local_cache(slurm, models, tmp_path):
+    """launch/cluster/slurm-serve.sbatch serves on the allocation's first node (h0): its address file holds h0's
+    address (Slurm's NodeAddr), which slurm-address.py turns into the base URL; the key comes from the team's key
+    file (a request without it gets 401; the key is in no command line: not in `scontrol show job`, not in the
+    job's output); each node's stage files are on its node-local scratch (SLURM_TMPDIR; the job has no
+    PIPEINFER_STAGE_CACHE). Slurm's end-of-allocation stop (the batch shell's SIGTERM; here on demand with `scancel --batch
+    --signal=TERM`): the answer in flight completes, the job ends with exit code 0, the address file is gone."""
     refs = job_references(models["q8"])
     port = free_port()
     out = tmp_path / "serve.out"
-    sub = _run(["sbatch", "--parsable", "-N", "3", "-o", str(out), str(ROOT / "launch" / "cluster" / "slurm-serve.sbatch"),
-                "-m", str(models["q8"]), "--mode", "iterative", "-c", "2048"], dict(slurm, PIPEINFER_PORT=str(port)))
-    assert sub.returncode == 0, sub.stderr
-    job = sub.stdout.strip().split(";")[0]
-    base = f"http://10.77.0.1:{port}"   # h0's address: the batch script runs on the first node
+    job, env = _submit_service(slurm, models, tmp_path, port)
     try:
-        wait_until(lambda: _get(base + "/health") is not None, 180, lambda: out.read_text()[-3000:], every=1)
+        base = _address(tmp_path, out, env)
+        assert base == f"http://10.77.0.1:{port}"   # h0's NodeAddr: the batch script runs on the first node
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _ask(base, None, 4)
+        assert refused.value.code == 401
         answer: dict = {}
-
-        def ask() -> None:
-            body = json.dumps({"model": "t-q8", "prompt": PROMPT_TEXT, "max_tokens": 600, "temperature": 0.0,
-                               "top_p": 0.95, "seed": 0}).encode()
-            req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
-            answer.update(json.loads(urllib.request.urlopen(req, timeout=300).read()))
-        asking = threading.Thread(target=ask)
+        asking = threading.Thread(target=lambda: answer.update(_ask(base, KEY)))
         asking.start()
         wait_until(lambda: (h := _get(base + "/health")) and h["generating"], 60, "the request never started")
+        assert KEY not in _job_record(job, slurm) and KEY not in out.read_text()
         assert _run(["scancel", "--batch", "--signal=TERM", job], slurm).returncode == 0
         asking.join(300)
         assert answer["choices"][0]["finish_reason"] == "length", answer
@@ -198,6 +251,30 @@ def test_slurm_end_of_allocation_drains_and_exits_0(slurm, models, tmp_path):
     finally:
         _run(["scancel", job], slurm)
     assert universal_newlines(answer["choices"][0]["text"]) == refs[0]
+    assert not (tmp_path / "pipeinfer-serve.address").exists()
+    state_dir = Path(slurm["SLURM_CONF"]).parent
+    for node in ("h0", "h1", "h2"):
+        assert list((state_dir / f"tmp-{node}" / "pipeinfer" / "stages").glob(f"{models['q8'].stem}.*")), node
+
+
+@pytest.mark.slow
+def test_slurm_service_requeues_itself_near_the_time_limit(slurm, models, tmp_path):
+    """Slurm's signal before the time limit (`--signal=B:USR1@300`; here on demand): the service drains, requeues
+    itself (`scontrol requeue`), Slurm starts the same job again (Restarts=1), its address file names where it
+    serves now, and it answers with the same text."""
+    port = free_port()
+    out = tmp_path / "serve.out"
+    job, env = _submit_service(slurm, models, tmp_path, port)
+    try:
+        base = _address(tmp_path, out, env)
+        first = _ask(base, KEY, 24)["choices"][0]["text"]
+        assert _run(["scancel", "--batch", "--signal=USR1", job], slurm).returncode == 0
+        wait_until(lambda: "Restarts=1" in _job_record(job, slurm), 120, lambda: out.read_text()[-3000:], every=1)
+        again = _address(tmp_path, out, env, timeout=400)   # Slurm holds a requeued job ~2 minutes
+        assert _ask(again, KEY, 24)["choices"][0]["text"] == first
+        assert f"requeueing job {job}" in out.read_text() and f"start 1 of job {job}" in out.read_text()
+    finally:
+        _run(["scancel", job], slurm)
 
 
 def _interrupt(srv: Server) -> int:

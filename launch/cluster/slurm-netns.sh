@@ -90,7 +90,8 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SwitchType=switch/none
 MpiDefault=none
-# every task learns its emulated host (pipeinfer reads PIPEINFER_HOST; Slurm also sets SLURMD_NODENAME)
+# every task learns its emulated host (pipeinfer reads PIPEINFER_HOST; Slurm also sets SLURMD_NODENAME) and its
+# node-local scratch (SLURM_TMPDIR)
 TaskProlog=$DIR/task-prolog.sh
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
@@ -110,7 +111,9 @@ EOF
         mkdir -p "$DIR/slurmd-h$i" "$DIR/tmp-h$i"
     done >>"$CONF"
     echo "PartitionName=emu Nodes=h[0-$((n - 1))] Default=YES MaxTime=INFINITE State=UP" >>"$CONF"
-    printf '#!/bin/sh\necho "export PIPEINFER_HOST=$SLURMD_NODENAME"\n' >"$DIR/task-prolog.sh"
+    # and its node-local scratch, as sites set SLURM_TMPDIR (a folder per node: what pipeinfer's caches use there)
+    printf '#!/bin/sh\necho "export PIPEINFER_HOST=$SLURMD_NODENAME"\necho "export SLURM_TMPDIR=%s/tmp-$SLURMD_NODENAME"\n' \
+        "$DIR" >"$DIR/task-prolog.sh"
     chmod 755 "$DIR/task-prolog.sh"
     # MPI over the links: UCX_TLS=tcp, FI_PROVIDER=tcp as netns-cluster.sh; under srun the mpich wheel on its OFI
     # netmod, as `pipeinfer launch` runs it (a UCX address makes PMI-1 lines the pmi2 plugin reads in pieces:

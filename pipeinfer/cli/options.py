@@ -103,7 +103,9 @@ PIPELINE_OPTIONS = [
                  help="layers per rank: balanced (equal time per stage, by the weights a token reads in each layer and "
                       "in the output projection), even (equal layer counts), auto (balanced at each rank's measured "
                       "speed), or fractions, rank 0 first, e.g. 0.2,0.4,0.4 [default: balanced]"),
-    click.option("-t", "--threads", default=None, help="threads per rank for single-token decodes: one value or a,b,c"),
+    click.option("-t", "--threads", default=None,
+                 help="threads per rank for single-token decodes: one value or a,b,c [default: the physical cores "
+                      "each rank may run on, shared with the ranks of its host; SLURM_CPUS_PER_TASK in a Slurm job]"),
     click.option("-tb", "--threads-batch", default=None, help="threads per rank for batch decodes [default: --threads]"),
     click.option("-c", "--ctx-size", default=4096, show_default=True, type=click.IntRange(16), help="KV cache size per stage"),
     click.option("-b", "--batch-size", default=512, show_default=True, type=click.IntRange(1), help="largest batch per decode"),
@@ -128,7 +130,7 @@ PIPELINE_OPTIONS = [
                       "for a draft model (or the replay instrument, which spends one's compute) in pipeinfer mode, "
                       "else head"),
     click.option("--draft-threads", default=None, type=click.IntRange(1),
-                 help="threads of the draft model [default: rank 0's --threads; on its own rank: cores / ranks]"),
+                 help="threads of the draft model [default: rank 0's --threads; on its own rank: as a stage's -t]"),
     click.option("--draft-head", default="auto", show_default=True, callback=lambda c, p, v: _draft_head(v),
                  help=f"tokens the draft model's output projection keeps, the most frequent first: a number, full, or auto "
                       f"({DRAFT_HEAD_AUTO:,}); the draft proposes only those, the output stays exact"),
@@ -153,6 +155,9 @@ PIPELINE_OPTIONS = [
     click.option("--stall-timeout", default=60.0, show_default=True, type=click.FloatRange(0),
                  help="seconds without a heartbeat from a rank before the job ends naming it (0: only lost ranks "
                       "are detected; docs/failures.md)"),
+    click.option("--start-timeout", default=None, type=click.FloatRange(1), metavar="SECONDS",
+                 help="with --np/--hostfile: seconds the pipeline's job may take to start [default: the models' "
+                      "size at 50 MiB/s, at least 600]"),
 ]
 
 

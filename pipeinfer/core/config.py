@@ -42,7 +42,7 @@ CONFIG_ENV = "PIPEINFER_CONFIG"  # a supervised job's configuration, as JSON (Co
 class StageOptions:
     """How each stage loads and decodes its layers."""
     layer_split: str | None = None          # balanced | even | auto | fractions (core/topology.plan_layers)
-    threads: str | None = None              # per rank: one value or a,b,c (None: cores / ranks, in the layer plan)
+    threads: str | None = None              # per rank: one value or a,b,c (None: core/cpus.default_threads)
     threads_batch: str | None = None        # per rank, batch decodes (None: threads)
     n_ctx: int = 4096
     n_batch: int = 512                      # largest batch a stage decodes (within n_ctx: Resolved.n_batch)
@@ -101,6 +101,8 @@ class WireOptions:
     """How the ranks wait for each other."""
     poll_s: float = 0.0005                  # sleep between message probes while waiting
     stall_timeout: float = 60.0             # wire/liveness.py: a rank silent this long ends the job (0: only losses)
+    start_timeout: float | None = None      # supervisor/child.py: seconds a supervised job may take to start
+                                            # (None: from the models' size)
 
 
 # the sections of a Config: its field name -> the section's class
@@ -166,6 +168,7 @@ OPTION_FIELDS: dict[str, OptionField] = {
     "batch_rows": OptionField("serving", "batch_rows"),
     "poll_us": OptionField("wire", "poll_s", lambda us: us / 1e6),
     "stall_timeout": OptionField("wire", "stall_timeout"),
+    "start_timeout": OptionField("wire", "start_timeout"),
 }
 
 

@@ -1,15 +1,18 @@
-"""Files every part shares: the cache root, derived-file paths, atomic writes, the prompt files.
+"""Files every part shares: the cache roots, derived-file paths, atomic writes, the prompt files.
 
-The cache (``$PIPEINFER_CACHE`` or ``~/.cache/pipeinfer``) holds fetched models (``models/``) and files
-derived from them (``stages/``: stage files, pruned heads, exact-batch probes, prefix indexes), each
-keyed by its source's identity so a changed source is never served a stale file.
+The cache (``$PIPEINFER_CACHE`` or ``~/.cache/pipeinfer``) holds fetched models (``models/``). Files derived from
+them (``stages/``: stage files, pruned heads, exact-batch probes, prefix indexes, each keyed by its source's
+identity so a changed source is never served a stale file) and weights received from another host (``weights/``)
+go under the node cache: the same folder, except in a Slurm job without ``$PIPEINFER_CACHE``, where they go to
+the node-local scratch (``$SLURM_TMPDIR``, else ``$TMPDIR``), not to a home directory that is usually NFS with a
+quota.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 # prompts/ beside the package: the benchmark prompts (code, story, encyclopedia)
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
@@ -21,10 +24,22 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "pipeinfer"
 
 
+def node_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The root of this node's derived and received files: ``$PIPEINFER_CACHE`` when set; in a Slurm job
+    (SLURM_JOB_ID) ``$SLURM_TMPDIR/pipeinfer``, else ``$TMPDIR/pipeinfer`` (the first of them that is a folder);
+    else ``cache_dir()``."""
+    environ = os.environ if environ is None else environ
+    if not environ.get("PIPEINFER_CACHE") and environ.get("SLURM_JOB_ID"):
+        for scratch in (environ.get("SLURM_TMPDIR"), environ.get("TMPDIR")):
+            if scratch and Path(scratch).expanduser().is_dir():
+                return Path(scratch).expanduser() / "pipeinfer"
+    return cache_dir()
+
+
 def stage_cache_dir() -> Path:
-    """Where derived files live: ``$PIPEINFER_STAGE_CACHE`` or ``cache_dir() / "stages"``."""
+    """Where derived files live: ``$PIPEINFER_STAGE_CACHE`` or ``node_cache_dir() / "stages"``."""
     env = os.environ.get("PIPEINFER_STAGE_CACHE")
-    return Path(env) if env else cache_dir() / "stages"
+    return Path(env) if env else node_cache_dir() / "stages"
 
 
 def derived_path(src: str | os.PathLike, label: str, ext: str, *key: object) -> Path:

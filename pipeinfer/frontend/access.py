@@ -56,6 +56,9 @@ def read_keys(keys: tuple[str, ...] | list[str], key_file: str | None) -> tuple[
         out += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
         if not out:
             raise UserError(f"--api-key-file {key_file}: no key in it")
+        if Path(key_file).stat().st_mode & 0o004:  # a shared cluster's other users could read the keys
+            print(f"[pipeinfer] warning: --api-key-file {key_file} is readable by every user (chmod 600 {key_file})",
+                  file=sys.stderr, flush=True)
     for i, k in enumerate(out):
         if not k or not k.isascii() or not k.isprintable() or " " in k:
             raise UserError(f"API key #{i + 1} is empty or not printable ASCII without spaces (not shown)")

@@ -13,7 +13,7 @@ from ..core.config import CONFIG_ENV, Config
 from ..core.errors import UserError
 from ..serving import link
 from . import launch
-from .child import START_TIMEOUT_S, ChildJob
+from .child import START_TIMEOUT_S, ChildJob, models_bytes, start_timeout_s
 from .failures import StartFailed, last_error
 from .slots import DRAFT_PLACE, Slots
 
@@ -68,16 +68,22 @@ class JobLifecycle:
             hosts = self.slots.job_hosts()
             command, more = launch.job_command(hosts, self.work_dir, env)
             self.child = ChildJob(command, {**env, **more}, hosts, len(self.slots.hosts),
-                                  os.path.join(self.work_dir, f"job{self.n_reforms}.log"))
+                                  os.path.join(self.work_dir, f"job{self.n_reforms}.log"), self.start_limit())
             conn = self.child.await_rank0(listener)
         finally:
             listener.close()
         return self.greet(conn)
 
+    def start_limit(self) -> float:
+        """Seconds the job may take until its rank 0 attaches: --start-timeout, else from the models' size."""
+        config = self.config
+        return start_timeout_s(models_bytes((config.model, config.draft.model)), config.wire.start_timeout)
+
     def greet(self, conn: socket.socket) -> tuple[link.Link, link.Ready]:
         """Rank 0's link on `conn` once it said Ready (its ranks' pids and what their hosts have available noted);
         UserError where it says anything else, or nothing in time."""
-        conn.settimeout(START_TIMEOUT_S)  # a rank 0 that connects and says nothing must not hold the start
+        # a rank 0 that connects and says nothing must not hold the start
+        conn.settimeout(self.child.start_timeout if self.child else START_TIMEOUT_S)
         rank0 = link.Link(conn, link.TO_SUPERVISOR)
         try:
             ready, why = rank0.receive(), None

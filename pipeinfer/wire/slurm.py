@@ -126,6 +126,16 @@ def srun_probe(host: str, python: str = sys.executable, srun: str = "srun") -> l
     return [srun, "--mpi=none", f"--nodelist={host}", "--nodes=1", "--ntasks=1", "--overlap", python, "-m", "pipeinfer", "--version"]
 
 
+def srun_each_node(alloc: Allocation, pipeinfer_args: Sequence[str], python: str = sys.executable,
+                   srun: str = "srun") -> list[str]:
+    """A step of one task on every node of the allocation that runs ``python -m pipeinfer ARGS`` without MPI
+    (`doctor`'s probe): each task has the CPUs a rank there would have (the job's on its node, unbound), and a
+    node that fails leaves the others' answers."""
+    n = len(alloc.nodes)
+    return [srun, "--mpi=none", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--cpu-bind=none",
+            "--overlap", "--kill-on-bad-exit=0", python, "-m", "pipeinfer", *pipeinfer_args]
+
+
 def srun_world_mismatch(world_size: int, library: str, environ: Mapping[str, str]) -> str | None:
     """One line when srun started more tasks than MPI sees: the ranks came up as jobs of one process each, since
     srun's PMI plugin is not one the MPI library speaks."""
