@@ -391,7 +391,7 @@ def answer_events(tokens_per_call: list[list[int]], stops: list[str]) -> list[tu
     from pipeinfer.serving.answer import Answer
     events: list = []
     job = SimpleNamespace(stops=stops, push=events.append, cancelled=threading.Event(), n_predict=99, meter=None,
-                          prompt_tokens=[1], request_id="r", t_queued_s=0.0)
+                          prompt_tokens=[1], request_id="r", t_queued_s=0.0, t_first_token_s=0.0)
     ans = Answer(job, FakeTokenizer())
     k = 0
     for tokens in tokens_per_call:
@@ -544,8 +544,7 @@ def test_each_malformed_field_is_a_400_naming_it(api, path, fields, param, words
     assert api.session.requests == []
 
 
-def test_unknown_model_and_bodies_that_are_not_json(api):
-    assert_error(post(api, "/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404), "model", code="model_not_found")
+def test_bodies_that_are_not_json(api):
     for raw in (b"{not json", b"[1, 2]", b""):
         r = api.client.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
         assert r.status_code == 400, r.text
@@ -658,6 +657,59 @@ def test_the_openai_package_reads_every_shape(openai_client):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="fake", messages=msgs, response_format={"type": "yaml"})
     assert e.value.body["param"] == "response_format.type"
-    with pytest.raises(openai.NotFoundError):
-        c.chat.completions.create(model="other", messages=msgs)
+    assert c.chat.completions.create(model="other", messages=msgs, max_tokens=2).model == "fake"
     assert [m.id for m in c.models.list().data] == ["fake"]
+
+
+# ------------------------------------------------------------------------------------ model names: --alias
+ALIASES = ("gpt-4o-mini", "fake", "claude-3-5-haiku-latest")
+
+
+@pytest.fixture(scope="module")
+def aliased():
+    """An app serving the model "fake" also as ALIASES (`serve --alias`), over this module's fake session."""
+    session = FakeSession()
+    gen = Generator(session, max_queue=64, log=lambda _msg: None)
+    gen.start()
+    app = create_app(ServeConfig("fake", N_CTX, 4, DEFAULT_MAX, aliases=ALIASES), gen, session.tok, chat_template)
+    with TestClient(app) as client:
+        yield client
+    gen.stop()
+
+
+def test_models_list_the_id_then_each_alias_once(aliased):
+    data = aliased.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == ["fake", "gpt-4o-mini", "claude-3-5-haiku-latest"]
+    assert all(m["max_model_len"] == N_CTX and m["meta"]["n_ctx"] == N_CTX for m in data)
+
+
+@pytest.mark.parametrize("asked, named", [("gpt-4o-mini", "gpt-4o-mini"), ("claude-3-5-haiku-latest",
+                                          "claude-3-5-haiku-latest"), ("fake", "fake"), ("no-such-model", "fake")])
+def test_every_api_answers_any_model_and_names_a_listed_one(aliased, asked, named):
+    """As llama-server: any name gets the answer; the reply names the model as asked when that name is listed (the
+    id or an alias), else by its id. The same on the OpenAI, Anthropic and Responses routes, streamed or not."""
+    user = [{"role": "user", "content": "hi"}]
+    calls = {"/v1/completions": {"prompt": "ba", "max_tokens": 3},
+             "/v1/chat/completions": {"messages": user, "max_tokens": 3},
+             "/v1/messages": {"messages": user, "max_tokens": 3},
+             "/v1/responses": {"input": "hi", "max_output_tokens": 3}}
+    for path, body in calls.items():
+        r = aliased.post(path, json={"model": asked, **body})
+        assert r.status_code == 200, (path, r.text)
+        assert r.json()["model"] == named, path
+    with aliased.stream("POST", "/v1/chat/completions", json={"model": asked, "stream": True, **calls[
+            "/v1/chat/completions"]}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks and {c["model"] for c in chunks} == {named}
+    with aliased.stream("POST", "/v1/messages", json={"model": asked, "stream": True, **calls["/v1/messages"]}) as r:
+        starts = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and "message_start" in line]
+    assert [s["message"]["model"] for s in starts] == [named]
+    r = aliased.post("/v1/messages/count_tokens", json={"model": asked, "messages": user})
+    assert r.status_code == 200 and r.json()["input_tokens"] > 0
+
+
+def test_without_aliases_any_model_is_answered_by_the_id(api):
+    assert complete(api, prompt="x", max_tokens=2)["model"] == "fake"
+    assert post(api, "/v1/completions", {"model": "gpt-4", "prompt": "x", "max_tokens": 2})["model"] == "fake"
+    assert [m["id"] for m in api.client.get("/v1/models").json()["data"]] == ["fake"]

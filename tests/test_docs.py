@@ -248,3 +248,26 @@ def test_the_glossary_defines_the_words_of_the_path():
 def test_a_missing_glossary_entry_is_caught():
     assert {"rank", "stage", "stage file", "hub", "liveness hub", "split", "layer split"} <= glossary_entries()
     assert "no such term" not in glossary_entries()
+
+
+# ------------------------------------------------------------------------------------ the words `plan` prints
+#: Words `pipeinfer plan` prints that a reader looks up: each one it prints has a glossary entry.
+PLAN_TERMS = ("interleaving", "one row", "serial share", "closed-loop", "profiled draft", "exact batch limit")
+PLAN_HOSTS = """\
+xeon-a    # pipeinfer: cores=16 mem=64 mem_bw=60 disk=500 link=1000
+xeon-b    # pipeinfer: cores=16 mem=64 mem_bw=60 disk=500 link=1000
+laptop    # pipeinfer: role=draft cores=4 mem=8 mem_bw=20 disk=50 link=1000
+"""
+
+
+def test_the_glossary_defines_the_words_plan_prints(tmp_path):
+    from click.testing import CliRunner
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(PLAN_HOSTS)
+    r = CliRunner().invoke(main, ["plan", "--machines", str(hosts), "--model-size", "70b-q4_k_m", "-n", "8",
+                                  "--clients", "2"])
+    assert r.exit_code == 0, r.output
+    printed = [t for t in PLAN_TERMS if re.search(rf"(?<![\w-]){re.escape(t)}(?!\w)", r.output, re.I)]
+    assert printed == list(PLAN_TERMS), f"this run no longer prints {set(PLAN_TERMS) - set(printed)}: run one that does"
+    missing = [t for t in printed if t not in glossary_entries()]
+    assert not missing, f"plan prints {missing} but docs/glossary.md has no entry for them"

@@ -20,6 +20,7 @@ from ..core.errors import UserError
 from ..core.files import prompt_path, read_prompt_file
 from ..core.results import results_row, write_row
 from ..core.sampling import SamplingParams
+from ..decide.batching import default_parallel_text
 from .guard import StopSignals, die, mpi_rank, mpi_size, run_guarded
 from ..wire.launcher import enter_workdir
 from ..core.config import CONFIG_ENV, Config, cells_reserve, check_fits
@@ -62,7 +63,7 @@ def main() -> None:
 @click.option("--prompts", default=None,
               help="a file of prompts (one per line, or JSON lines): run them all, several at once; one JSON line each")
 @click.option("--parallel", default=None, type=click.IntRange(1, 64),
-              help="with --prompts: prompts generated at once [default: 2 per pipeline stage]")
+              help=f"with --prompts: prompts generated at once [default: {default_parallel_text()}]")
 @supervision_options("the generation")
 @click.option("--resume-on-failure", is_flag=True, help="the same as --np/--hostfile's supervision (which it needs)")
 def generate(**kw) -> None:
@@ -134,15 +135,15 @@ def _generate(kw: dict) -> None:
     finally:
         head.close_status()
     status = f"stopped: {stop.signal_name}" if stop.requested else "ok"
-    head.end_text(res.tokens, ranges=[[r.start, r.end] for r in res.ranges], stats=res.stats.to_dict(),
-                  peak_rss_mb=res.peak_rss_mb, status=status)
+    head.end_text(res.tokens, ranges=[[r.start, r.end] for r in res.ranges], threads=res.threads,
+                  stats=res.stats.to_dict(), peak_rss_mb=res.peak_rss_mb, status=status)
     if stop.requested:
         print(f"[pipeinfer] stopped by {stop.signal_name} after {len(res.tokens)} tokens", file=sys.stderr, flush=True)
     if not args.quiet:
         _print_report(config, res)
     if args.results:
         write_row(args.results, results_row(config, res.ranges, prompt.name, res.stats, res.peak_rss_mb,
-                                              status=status))
+                                              status=status, threads=res.threads))
 
 
 def _generate_supervised(args: GenerateArgs) -> None:
@@ -288,7 +289,9 @@ def _report_failures(args: GenerateArgs, prompt: Prompt, head: HeadOutput) -> No
 
 def _print_report(config: Config, res) -> None:
     """The statistics on stderr after the text: mode, cutoffs, the layers of each rank, then Stats.report."""
-    ranges = ", ".join(f"rank {i}: layers {r}" for i, r in enumerate(res.ranges))
+    threads = res.threads or [None] * len(res.ranges)
+    ranges = ", ".join(f"rank {i}: layers {r}" + (f" on {t} thread{'s' * (t != 1)}" if t else "")
+                       for i, (r, t) in enumerate(zip(res.ranges, threads)))
     p_accept = config.speculation.p_accept
     cutoff = {"iterative": "", "speculative": f", cutoff -pa {p_accept:g}"}.get(
         config.mode, f", cutoff -pa {p_accept:g} -pr {res.p_recovery:g}")
@@ -301,23 +304,27 @@ def _print_report(config: Config, res) -> None:
 @pipeline_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (0.0.0.0: every interface)")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--alias", default=None, help="model id clients ask for [default: the registry name or the file's stem]")
+@click.option("--alias", "aliases", multiple=True, metavar="NAME",
+              help="a name of the model for clients, listed in /v1/models and named in the replies that ask for it "
+                   "(repeatable; the first is the model's id) [default id: the registry name or the file's stem]; "
+                   "requests for any other name are answered too")
 @click.option("-n", "--n-predict", default=256, show_default=True, type=click.IntRange(1),
               help="max_tokens of a request that gives none (within the context)")
 @click.option("--max-queue", default=16, show_default=True, type=click.IntRange(1),
               help="requests waiting beyond those generating; more get 503 with Retry-After")
 @click.option("--results", default=None, help="append one CSV row per request to this file")
 @click.option("--parallel", default=None, type=click.IntRange(1, 64),
-              help="requests generated at once [default: 2 per pipeline stage; 1: one after another]")
+              help=f"requests generated at once [default: {default_parallel_text()}; 1: one after another]")
 @supervision_options("every request")
 @click.option("--ignore-eos", is_flag=True, help="generate past the end-of-sequence token (every answer max_tokens "
               "long: load tests and benchmarks)")
 @click.option("--webui/--no-webui", default=True, show_default=True,
               help="the cluster's live page (and a chat) at / (GET /state: its JSON)")
-@click.option("--api-key", "api_key", multiple=True, metavar="KEY", help="require `Authorization: Bearer KEY` (or "
-              "x-api-key) on every route but /health and the page (/, /static/*: no data; it sends the key typed "
-              "into it) (repeatable; --api-key-file keeps keys out of `ps`)")
-@click.option("--api-key-file", default=None, metavar="FILE", help="API keys, one a line (# comments)")
+@click.option("--api-key", "api_key", multiple=True, metavar="KEY", envvar="PIPEINFER_API_KEY", help="require "
+              "`Authorization: Bearer KEY` (or x-api-key) on every route but /health and the page (/, /static/*: no "
+              "data; it sends the key typed into it) (repeatable; --api-key-file or $PIPEINFER_API_KEY keep keys "
+              "out of `ps`)")
+@click.option("--api-key-file", default=None, metavar="FILE", help="API keys, one a line (# comments); chmod 600 it")
 @click.option("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
 @click.option("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
 @click.option("--max-body-bytes", default=4 * 2**20, show_default=True, type=click.IntRange(1024),
@@ -335,10 +342,10 @@ def serve(**kw) -> None:
 class ServeArgs:
     """`pipeinfer serve`'s options: the run's configuration (what every rank gets), then the HTTP server's."""
     config: Config
-    model_name: str | None  # -m as given: the model id clients ask for, unless --alias
+    model_name: str | None  # -m as given: the model's id, unless --alias
     host: str
     port: int
-    alias: str | None
+    aliases: tuple[str, ...]
     max_queue: int
     results: str | None
     np: int | None
@@ -462,7 +469,7 @@ def _serve_http(args: ServeArgs, generator, tok, ranks: str, stop: StopSignals) 
     model_id = _model_id(args)
     config = args.config
     app = create_app(ServeConfig(model_id, config.stage.n_ctx, cells_reserve(config, n_target_ranks(config)),
-                                 config.serving.n_predict, webui=args.webui),
+                                 config.serving.n_predict, webui=args.webui, aliases=args.aliases),
                      generator, tok, lambda messages: apply_chat(tok, messages), access=args.access)
     if stop.requested:
         return
@@ -475,7 +482,7 @@ def _serve_http(args: ServeArgs, generator, tok, ranks: str, stop: StopSignals) 
         print(warning, file=sys.stderr, flush=True)
     backstop = args.access.max_connections + 16 if args.access.max_connections else None  # idle connections too
     _http_server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                timeout_graceful_shutdown=5, ssl_certfile=args.ssl_certfile,
+                                timeout_graceful_shutdown=DRAIN_TIMEOUT_S, ssl_certfile=args.ssl_certfile,
                                 ssl_keyfile=args.ssl_keyfile, limit_concurrency=backstop), stop).run()
 
 
@@ -487,6 +494,11 @@ def _served_row(args: ServeArgs, ranges, job, stats, finish: str, status: str = 
         write_row(args.results, results_row(args.config, ranges, f"serve:{finish}", stats, status=status))
     except UserError as e:  # the answer went out; a row that cannot be written must not stop the server
         print(f"[serve] {job.request_id}: {e}", file=sys.stderr, flush=True)
+
+
+# a stop (Ctrl-C, SIGTERM, Slurm's signal before the time limit) lets the answers in flight complete for this long;
+# a second Ctrl-C ends them at once
+DRAIN_TIMEOUT_S = 240.0
 
 
 def _http_server(config, stop: StopSignals):
@@ -515,11 +527,11 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def _model_id(args: ServeArgs) -> str:
-    """The model id clients ask for: --alias, else a registry name as it is, else the file's stem."""
+    """The model's id: the first --alias, else a registry name as it is, else the file's stem."""
     from ..engine.models import DEFAULT_TARGET
     name = args.model_name or DEFAULT_TARGET
     is_file = Path(name).suffix.lower() == ".gguf" or Path(name).exists()
-    return args.alias or (Path(name).stem if is_file else name)
+    return args.aliases[0] if args.aliases else (Path(name).stem if is_file else name)
 
 
 # ------------------------------------------------------------------------------------ --results rows

@@ -28,6 +28,11 @@ def default_parallel(n_stages: int, batching: bool = False) -> int:
     return max(1, min(MAX_PARALLEL, per_stage * n_stages))
 
 
+def default_parallel_text() -> str:
+    """default_parallel in words, as every help text and docs/serving.md say it (tests/test_defaults_docs.py)."""
+    return f"{PARALLEL_PER_STAGE_BATCHED} per pipeline stage ({PARALLEL_PER_STAGE} with --batch-rows 1)"
+
+
 def pipeline_depth(n_stages: int, stage_ms: tuple[tuple[float, ...], ...] | None) -> int:
     """Runs in flight that keep the slowest stage busy: the pass time over the slowest stage's time,
     ceil(sum of stages' single-token ms / max), never more than the stages. On a balanced pipeline that is

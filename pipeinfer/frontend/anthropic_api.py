@@ -14,7 +14,8 @@ here (not by FastAPI) so that a malformed one is not answered in OpenAI's shape.
 
     field                   what the server does
     ----------------------  -----------------------------------------------------------------------------------
-    model                   must be the served model's id (404 not_found_error)
+    model                   any name is answered (llama-server's rule); the reply names it when it is the
+                            model's id or an --alias, else the model's id (submit.reply_model)
     max_tokens              required, >= 1; prompt + max_tokens must fit the context (400)
     messages                roles user / assistant; content a string or blocks text, tool_use, tool_result;
                             image, document, thinking ... blocks refused (400)
@@ -42,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..serving.job import RequestError, Settings, sampling_of
 from .sse import JobStream, event
-from .submit import ServeConfig, check_model, read_body, validation_error, with_seed
+from .submit import ServeConfig, read_body, reply_model, validation_error, with_seed
 from .tools import (CallArgs, CallEnd, CallFailed, CallStart, Text, ToolError, from_anthropic_messages,
                     from_anthropic_tools, new_call_id)
 from .turn import Block, Conversation, Outcome, Turn, arguments_object, fold, render
@@ -239,13 +240,12 @@ def register_anthropic(app: FastAPI, cfg: ServeConfig, generator, tokenizer, app
     async def messages(request: Request):
         async def work():
             req = await read_body(request, MessagesRequest, validation_error)
-            check_model(cfg, req.model)
             conv = conversation(req)
             settings = Settings(req.max_tokens, "max_tokens", sampling_of(req.temperature, req.top_p, req.top_k),
                                 tuple(req.stop_sequences or ()), cache_prompt=req.cache_prompt is not False)
             turn = Turn(cfg, tokenizer, apply_chat_template, conv, settings, call_id=lambda: new_call_id("toolu_"))
             await turn.start(generator, request)
-            reply = MessageReply(cfg.model_id, turn)
+            reply = MessageReply(reply_model(cfg, req.model), turn)
             if req.stream:
                 return with_seed(JobStream(reply.stream(), [turn.job]), settings.sampling.seed)
             return with_seed(await reply.whole(), settings.sampling.seed)
@@ -255,7 +255,6 @@ def register_anthropic(app: FastAPI, cfg: ServeConfig, generator, tokenizer, app
     async def count_tokens(request: Request):
         async def work():
             req = await read_body(request, CountTokensRequest, validation_error)
-            check_model(cfg, req.model)
             conv = conversation(req)
             return {"input_tokens": len(render(conv, tokenizer, apply_chat_template).tokens)}
         return await guarded(work)

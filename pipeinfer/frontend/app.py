@@ -10,11 +10,12 @@ Routes: each API module registers its own, and renders the one kind of result ev
 events) in its API's shape: OpenAI's POST /v1/chat/completions and /v1/completions (openai_api.py, replies in
 openai_reply.py), Anthropic's POST /v1/messages and /v1/messages/count_tokens (anthropic_api.py), OpenAI's POST
 /v1/responses (responses_api.py); streamed answers are server-sent events (sse.py). This module adds GET /v1/models
-(with the context: llama-server's `meta` and vLLM's `max_model_len`), GET /health and llama-server's POST /tokenize
-and /detokenize, then the page (page.py: / and /state), /metrics (metrics.py) and the access gate (access.py).
+(the model's id and each --alias, with the context: llama-server's `meta` and vLLM's `max_model_len`), GET /health
+and llama-server's POST /tokenize and /detokenize, then the page (page.py: / and /state), /metrics (metrics.py) and
+the access gate (access.py).
 Every error but those Anthropic's routes answer in their own shape (anthropic_api.py), an unknown route and a wrong
 method too, is OpenAI's JSON: `{"error": {"message", "type", "param", "code"}}`: 400 for a malformed field (named
-in `param`) or a request that does not fit the context, 404 for an unknown model or route, 405 for a wrong method,
+in `param`) or a request that does not fit the context, 404 for an unknown route, 405 for a wrong method,
 503 + Retry-After when the queue is full, 500 when the pipeline failed.
 
 A request goes down in one line: its API module parses the body into Prompts and Settings (serving/job.py; the
@@ -122,8 +123,8 @@ def _info_routes(app: FastAPI, cfg: ServeConfig, generator, tokenizer) -> None:
     @app.get("/v1/models")
     async def models():
         meta = {"n_ctx": cfg.n_ctx, "n_ctx_train": _n_ctx_train(tokenizer), "n_vocab": tokenizer.n_vocab}
-        return {"object": "list", "data": [{"id": cfg.model_id, "object": "model", "created": 0,
-                                            "owned_by": "pipeinfer", "max_model_len": cfg.n_ctx, "meta": meta}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pipeinfer",
+                                            "max_model_len": cfg.n_ctx, "meta": meta} for name in cfg.model_names]}
 
 
 def _token_routes(app: FastAPI, tokenizer) -> None:

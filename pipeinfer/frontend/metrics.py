@@ -17,9 +17,10 @@ Where the numbers come from, at no cost per token:
   A supervised server's add the jobs before a re-form to the current job's (supervisor/health.StageTotals), so they never
   go backwards; a stage of a job that is gone keeps its last total.
 
-Latencies follow vLLM: time_to_first_token_seconds from the request's arrival (its wait for admission + the
-prompt) to its first token; inter_token_latency_seconds one observation per request, its mean gap between tokens
-after the first (Stats.itl_s); e2e_request_latency_seconds from the request's arrival to its last token.
+Latencies follow vLLM: time_to_first_token_seconds from the request's arrival to its first token (its wait for
+admission, the prompt's processing and the way back: serving.job.time_to_first_token_s, what the request log says);
+inter_token_latency_seconds one observation per request, its mean gap between tokens after the first
+(Stats.itl_s); e2e_request_latency_seconds from the request's arrival to its last token.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ..serving.job import time_to_first_token_s
 
 P = "pipeinfer:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
@@ -98,8 +101,8 @@ class ServerMetrics:
         self.runs.inc(stats.n_runs)
         self.spec_runs.inc(stats.n_spec_runs)
         self.cancelled_runs.inc(stats.n_cancelled)
-        if stats.n_generated and stats.t_prompt_done_s:
-            self.ttft.observe(max(0.0, stats.t_queue_s + stats.t_prompt_done_s - stats.t_start_s))
+        if job.t_first_token_s:
+            self.ttft.observe(time_to_first_token_s(job))
         if stats.n_generated > 1:
             self.itl.observe(stats.itl_s)
         self.e2e.observe(max(0.0, time.perf_counter() - job.t_queued_s))

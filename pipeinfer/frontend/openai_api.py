@@ -6,7 +6,8 @@ Every field, and what the server does with it (C: chat, T: completions; llama-se
 
     field                              what the server does
     ---------------------------------  ---------------------------------------------------------------------------
-    model                              must be the served model's id (404 model_not_found otherwise)
+    model                              any name is answered (llama-server's rule); the reply names it when it is
+                                       the model's id or an --alias, else the model's id (submit.reply_model)
     messages (C)                       roles system, developer (as system), user, assistant, tool; text content
                                        parts joined; any other content part refused (400); an assistant's
                                        tool_calls [{id, type: function, function: {name, arguments: JSON text of
@@ -68,7 +69,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..core.decoding import MAX_TOP_LOGPROBS, Constraint, Decoding
 from ..serving.job import Prompt, RequestError, Settings, bad, new_request_id, sampling_of
 from .openai_reply import CHAT, COMPLETION, ReplyKind, respond
-from .submit import ServeConfig, acheck_constraint, check_model, check_token_ids, submit_request, with_seed
+from .submit import ServeConfig, acheck_constraint, check_token_ids, reply_model, submit_request, with_seed
 from .tools import ToolError, check_tools
 from .turn import AnswerFormat, Conversation, answer_format, render
 
@@ -340,19 +341,18 @@ def register_openai(app: FastAPI, cfg: ServeConfig, generator, tokenizer, apply_
         request_id = new_request_id()
         jobs, events = submit_request(generator, cfg, prompts, settings, request, request_id)
         want_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return with_seed(await respond(kind, cfg.model_id, req.stream, want_usage, prompts, jobs, events, request_id,
-                                       fmt.parser if fmt is not None else None), settings.sampling.seed)
+        reply = await respond(kind, reply_model(cfg, req.model), req.stream, want_usage, prompts, jobs, events,
+                              request_id, fmt.parser if fmt is not None else None)
+        return with_seed(reply, settings.sampling.seed)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        check_model(cfg, req.model)
         refuse_unsupported(req)
         return await answer(request, COMPLETION, req, completion_prompts(req.prompt, tokenizer), req.logprobs,
                             req.max_tokens, "max_tokens")
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
-        check_model(cfg, req.model)
         top = chat_top_logprobs(req)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         conv = chat_conversation(req)

@@ -5,7 +5,8 @@ by serving.job.sampling_of); errors are OpenAI's shape (serving.job.RequestError
 
     field                   what the server does
     ----------------------  -----------------------------------------------------------------------------------
-    model                   must be the served model's id (404 model_not_found)
+    model                   any name is answered (llama-server's rule); the reply names it when it is the
+                            model's id or an --alias, else the model's id (submit.reply_model)
     input                   a string (one user message), or a list of items: messages {role user / assistant /
                             system / developer, content: a string or input_text / output_text parts},
                             function_call {call_id, name, arguments} and function_call_output {call_id, output};
@@ -36,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..serving.job import RequestError, Settings, bad, sampling_of
 from .sse import JobStream, event
-from .submit import ServeConfig, check_model, read_body, validation_error, with_seed
+from .submit import ServeConfig, read_body, reply_model, validation_error, with_seed
 from .openai_api import Common, ResponseFormat, constraint_of
 from .tools import CallArgs, CallEnd, CallFailed, CallStart, Text, ToolError, check_tools
 from .turn import Block, Conversation, Outcome, Turn, fold
@@ -308,7 +309,6 @@ def register_responses(app: FastAPI, cfg: ServeConfig, generator, tokenizer, app
     async def responses(request: Request):
         try:
             req = await read_body(request, ResponsesRequest, validation_error)
-            check_model(cfg, req.model)
             conv = _conversation(req)
             settings = Settings(req.max_output_tokens, "max_output_tokens", sampling_of(req.temperature, req.top_p),
                                 cache_prompt=req.cache_prompt is not False)
@@ -321,7 +321,7 @@ def register_responses(app: FastAPI, cfg: ServeConfig, generator, tokenizer, app
             traceback.print_exc()
             err = RequestError(500, f"internal error: {type(e).__name__}: {e}")
             return JSONResponse(err.body(), status_code=500)
-        reply = ResponseReply(cfg.model_id, req, turn)
+        reply = ResponseReply(reply_model(cfg, req.model), req, turn)
         if req.stream:
             return with_seed(JobStream(reply.stream(), [turn.job]), settings.sampling.seed)
         try:

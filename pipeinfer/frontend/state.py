@@ -26,6 +26,8 @@ import threading
 import time
 from collections import deque
 
+from ..serving.job import time_to_first_token_s
+
 BUSY_WINDOW_S = 5.0
 BUSY_NOTE = (f"busy share: time in llama_decode / (that + time waiting for work), over the last "
              f"{BUSY_WINDOW_S:.0f} s of each stage's own counts (reported once a second); rank 0 waits for a result "
@@ -90,7 +92,7 @@ class Meter:
 
     def on_done(self, job, stats, finish: str) -> None:
         row = {"id": job.request_id, "prompt_tokens": len(job.prompt_tokens), "tokens": stats.n_generated,
-               "tokens_per_s": round(stats.gen_tokens_per_s, 2), "ttft_s": round(stats.ttft_s, 3),
+               "tokens_per_s": round(stats.gen_tokens_per_s, 2), "ttft_s": round(time_to_first_token_s(job), 3),
                "acceptance": round(stats.acceptance_rate, 3) if stats.n_drafted else None, "finish": finish,
                "at": time.time()}
         with self._lock:

@@ -1,9 +1,9 @@
 """A route's common work, whatever its API: a body read and checked (`read_body`, for the routes that answer its
-errors in their own shape; `check_model`, a constraint before any token: `check_constraint`); a request's Prompts
-and Settings (serving/job.py, made by the API module) sent down to the generator in one move (`submit_request`:
-one Job per choice, each checked against the context, then every one queued), its events coming back as
-`(choice index, event)`; `collect` gathers them into one Choice each for a whole answer. Every sampled reply
-names its seed (`with_seed`).
+errors in their own shape; a constraint before any token: `check_constraint`); the model a reply names
+(`reply_model`); a request's Prompts and Settings (serving/job.py, made by the API module) sent down to the
+generator in one move (`submit_request`: one Job per choice, each checked against the context, then every one
+queued), its events coming back as `(choice index, event)`; `collect` gathers them into one Choice each for a whole
+answer. Every sampled reply names its seed (`with_seed`).
 """
 from __future__ import annotations
 
@@ -26,6 +26,12 @@ class ServeConfig:
     cells_reserve: int      # KV cells runs in flight may take beyond the prompt and the answer
     default_max_tokens: int
     webui: bool = True      # the web page at / (frontend/page.py; --no-webui turns it off)
+    aliases: tuple[str, ...] = ()  # more names of the model (--alias), listed in /v1/models after model_id
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names /v1/models lists: the model's id, then its aliases (each once)."""
+        return tuple(dict.fromkeys((self.model_id, *self.aliases)))
 
 
 # the response header that names the seed a request sampled with (choice j: + j), the one it asked for or the one
@@ -65,10 +71,11 @@ def validation_error(e: ValidationError) -> RequestError:
     return RequestError(400, f"{where or 'body'}: {msg}", param=where or None)
 
 
-def check_model(cfg: ServeConfig, model: str) -> None:
-    if model != cfg.model_id:
-        raise RequestError(404, f"the model '{model}' does not exist; this server has '{cfg.model_id}'",
-                           param="model", code="model_not_found")
+def reply_model(cfg: ServeConfig, asked: str) -> str:
+    """The model a reply names: the name the request asked for when it is one of the served names (the model's id
+    or an --alias), else the model's id. Any name is answered, as llama-server does: one model is served, and an
+    application that hard-codes another model's name still gets its answers (--alias lists that name too)."""
+    return asked if asked in cfg.model_names else cfg.model_id
 
 
 def check_token_ids(ids, n_vocab: int, param: str) -> list[int]:

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Callable
 
 from ..core.decoding import TokenLogprob
-from .job import DoneEvent, TextEvent
+from .job import DoneEvent, TextEvent, time_to_first_token_s
 
 # OpenAI's floor for a log-probability: -inf (a token a constraint forbids) is not JSON
 LOGPROB_FLOOR = -9999.0
@@ -104,16 +105,19 @@ class _Aligned:
 class Answer:
     """One job's text (and log-probabilities) on its way out, as TextEvents, then its DoneEvent."""
 
-    def __init__(self, job, tok):
+    def __init__(self, job, tok, clock: Callable[[], float] = time.perf_counter):
         from ..engine.tokenizer import StreamDecoder
         self.job, self.dec, self.stop = job, StreamDecoder(tok), StopMatcher(job.stops)
         self.lps = _Aligned(tok)
-        self.t_start_s = time.perf_counter()
+        self.clock = clock  # the clock of job.t_queued_s
+        self.t_start_s = clock()
 
     def on_logprobs(self, lps: list[TokenLogprob]) -> None:
         self.lps.add(lps)
 
     def on_tokens(self, tokens: list[int]) -> None:
+        if tokens and not self.job.t_first_token_s:
+            self.job.t_first_token_s = self.clock()
         if (meter := self.job.meter) is not None:  # the web page's counters (state.Meter)
             meter.on_tokens(len(tokens))
         self.lps.place(tokens)
@@ -138,7 +142,7 @@ class Answer:
         queued = stats.t_queue_s or (self.t_start_s - job.t_queued_s)
         log(f"[serve] {job.request_id}: {len(job.prompt_tokens)} prompt + {stats.n_generated} tokens, "
             f"queued {queued:.2f} s, prompt {stats.t_prompt_done_s - stats.t_start_s:.2f} s, "
-            f"ttft {stats.ttft_s:.3f} s, {stats.gen_tokens_per_s:.2f} tokens/s, "
+            f"ttft {time_to_first_token_s(job):.3f} s, {stats.gen_tokens_per_s:.2f} tokens/s, "
             f"{drafts_said(stats)}, {finish}")
         if on_done is not None:
             on_done(job, stats, finish)

@@ -134,12 +134,21 @@ class Generation(Protocol):
     cache_prompt: bool               # false: neither starts from the prompt cache nor leaves its prompt in it
     cancelled: threading.Event
     request_id: str
-    t_queued_s: float
+    t_queued_s: float                # when it arrived (time.perf_counter, on the process it arrived at)
+    t_first_token_s: float           # when its first token reached its answer (answer.Answer; 0: none yet)
     meter: TokenMeter | None
 
     def push(self, event: Event) -> None: ...
 
     def on_token_ids(self, tokens: list[int]) -> None: ...
+
+
+def time_to_first_token_s(job: Generation) -> float:
+    """Time to first token as the server reports it (its request log, /metrics, the page): from the request's
+    arrival to its first token reaching its answer, so the wait for admission, the prompt's processing and (on a
+    supervised server) the way back from rank 0 all count, as in vLLM's metric; 0 when no token came. `generate`
+    and the --results rows keep the paper's TTFT instead (core/metrics.Stats.ttft_s: from the end of the prompt)."""
+    return max(0.0, job.t_first_token_s - job.t_queued_s) if job.t_first_token_s else 0.0
 
 
 class Generator(Protocol):
@@ -173,6 +182,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     request_id: str = field(default_factory=new_request_id)
     t_queued_s: float = field(default_factory=time.perf_counter)
+    t_first_token_s: float = 0.0     # set by answer.Answer (time_to_first_token_s)
     meter: TokenMeter | None = None  # the live page's counters (frontend/state.py sets it)
 
     def push(self, event: Event) -> None:

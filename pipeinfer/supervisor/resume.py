@@ -29,7 +29,7 @@ class StdoutJob:
         self.decoding, self.meter = Decoding(), None
         self.prompt_text, self.chat, self.stops, self.as_json = prompt_text, chat, [], as_json
         self.request_id = uuid.uuid4().hex[:24]
-        self.t_queued_s = time.perf_counter()
+        self.t_queued_s, self.t_first_token_s = time.perf_counter(), 0.0
         self.cancelled = threading.Event()
         self.finished = threading.Event()
         self.tokens: list[int] = []
