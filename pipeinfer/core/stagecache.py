@@ -8,7 +8,8 @@ re-form that gives the host another range moves only that range. The folder hold
 ``index.json``:
 
 - ``identity``: what a model file on this host is, the content hash of its bytes, remembered by (path, size, mtime,
-  inode) so that a 40 GB file is read once, not at every start;
+  inode) so that a 40 GB file is read once, not at every start; a split GGUF's, the hash of its parts' bytes in
+  order, remembered by every part's;
 - ``files``: each cached file's size, digest (checked as it arrived, before llama.cpp ever opened it), a sampled
   digest (size, first and last MiB: checked at every start, so a truncated or overwritten file is fetched again),
   its source model, and when it was last used (``pipeinfer models prune`` drops the least recently used first).
@@ -40,7 +41,7 @@ from typing import Iterable
 
 import xxhash
 
-from .files import cache_dir
+from .files import node_cache_dir
 
 MIB = 1 << 20
 INDEX = "index.json"
@@ -56,9 +57,9 @@ def content_hash(data: bytes = b""):
 
 
 def weights_dir() -> Path:
-    """This host's weights cache: ``$PIPEINFER_WEIGHTS_CACHE`` or ``cache_dir() / "weights"``."""
+    """This host's weights cache: ``$PIPEINFER_WEIGHTS_CACHE`` or ``node_cache_dir() / "weights"``."""
     env = os.environ.get("PIPEINFER_WEIGHTS_CACHE")
-    return Path(env).expanduser() if env else cache_dir() / "weights"
+    return Path(env).expanduser() if env else node_cache_dir() / "weights"
 
 
 def host_view(path: str | os.PathLike) -> Path:
@@ -136,14 +137,20 @@ def read_index(d: Path) -> dict:
     return index
 
 
-def identity_key(path: str | os.PathLike) -> str:
+def identity_key(path: str | os.PathLike, parts: tuple = ()) -> str:
+    """path|size|mtime|inode, and each further part's size|mtime|inode (parts: a split GGUF's files after the
+    first)."""
     st = os.stat(path)
-    return f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    for p in parts:
+        st = os.stat(p)
+        key += f"|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    return key
 
 
-def file_digest(path: str | os.PathLike, start: int = 0, end: int | None = None) -> str:
-    """The content hash (hex) of bytes [start, end) of a file."""
-    hasher = content_hash()
+def file_digest(path: str | os.PathLike, start: int = 0, end: int | None = None, hasher=None) -> str:
+    """The content hash (hex) of bytes [start, end) of a file (fed to hasher, when given, after what it has)."""
+    hasher = hasher or content_hash()
     with open(path, "rb") as f:
         f.seek(start)
         left = (os.path.getsize(path) if end is None else end) - start
@@ -156,22 +163,26 @@ def file_digest(path: str | os.PathLike, start: int = 0, end: int | None = None)
     return hasher.hexdigest()
 
 
-def known_identity(path: str | os.PathLike, d: Path | None = None) -> str | None:
-    """The model's identity if the index has it (nothing hashed)."""
+def known_identity(path: str | os.PathLike, d: Path | None = None, parts: tuple = ()) -> str | None:
+    """The model's identity if the index has it (nothing hashed); parts: a split GGUF's files after path."""
     with locked_index(d, write=False) as index:
-        return index["identity"].get(identity_key(path))
+        return index["identity"].get(identity_key(path, parts))
 
 
-def model_identity(path: str | os.PathLike, d: Path | None = None) -> tuple[str, float]:
-    """(content hash of the whole file, seconds spent hashing it now: 0 when the index knew it). Remembered by (path,
-    size, mtime, inode): a file replaced or touched is hashed again."""
-    key = identity_key(path)
+def model_identity(path: str | os.PathLike, d: Path | None = None, parts: tuple = ()) -> tuple[str, float]:
+    """(content hash of the whole file, or of a split GGUF's files path, *parts in order; seconds spent hashing it
+    now: 0 when the index knew it). Remembered by (path, size, mtime, inode) of each file: a file replaced or touched
+    is hashed again."""
+    key = identity_key(path, parts)
     with locked_index(d, write=False) as index:
         known = index["identity"].get(key)
     if known:
         return known, 0.0
     t0 = time.perf_counter()
-    digest = file_digest(path)
+    hasher = content_hash()
+    for f in (path, *parts):
+        file_digest(f, hasher=hasher)
+    digest = hasher.hexdigest()
     dt = time.perf_counter() - t0
     with locked_index(d) as index:
         ids = index["identity"]

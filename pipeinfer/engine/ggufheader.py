@@ -3,6 +3,9 @@
 gguf.GGUFReader builds numpy views of every field and tensor (about 20 s for Qwen2.5-1.5B's 151,936
 vocabulary strings on a loaded 2-core machine); start-up needs a handful of scalars, the vocabulary
 size and one tensor's location, so we walk the header once with struct and skip what we don't need.
+
+A split GGUF (llama.cpp's gguf-split set, gguf_parts.py) reads as one model from its first part: the first part's
+key-values, every part's tensors, each TensorInfo naming the file that holds its data (`file`).
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]  # ggml order: ne[0] (row length) first
     ggml_type: int
-    offset: int             # absolute file offset of the data
+    offset: int             # absolute offset of the data in `file`
+    file: str = ""          # the file holding the data: the one read, or a part of a split GGUF
 
     @property
     def row_bytes(self) -> int:
@@ -46,16 +50,65 @@ class Header:
     fields: dict            # key -> scalar / str / list (arrays kept when asked, else their length)
     tensors: dict[str, TensorInfo]
     spans: dict = None      # key -> (value type, first byte of its type tag, end of its value): the raw bytes
+    files: tuple[str, ...] = ()  # the model's files: the parts of a split GGUF in order, or the one file
 
 
 def read_header(path, keep_arrays: tuple[str, ...] = ()) -> Header:
-    """Metadata and tensor infos. Arrays are replaced by their length unless their key is in keep_arrays.
+    """Metadata and tensor infos of a model: a GGUF, or a split GGUF from its first part (the first part's
+    key-values, every part's tensors; gguf_parts.SplitSetError for a later part or a missing one). Arrays are
+    replaced by their length unless their key is in keep_arrays.
 
-    Cached per (file, size, mtime): start-up reads the same header from the CLI, the runner and the
+    Cached per (file, size, mtime) of every part: start-up reads the same header from the CLI, the runner and the
     head's embedder; callers must not modify the result.
     """
+    from .gguf_parts import SPLIT_COUNT, SPLIT_NO, is_split, part_paths
+    first = read_file_header(path, keep_arrays)
+    no, count = first.fields.get(SPLIT_NO), first.fields.get(SPLIT_COUNT)
+    if not is_split(no, count):
+        return first
+    stats = []
+    for f in part_paths(path, no, count):
+        st = os.stat(f)
+        stats.append((f, st.st_size, st.st_mtime_ns))
+    return _read_set(tuple(stats), tuple(keep_arrays))
+
+
+def model_files(path) -> tuple[str, ...]:
+    """The files of the model at path, validated: its parts in order for a split GGUF, else (path,)."""
+    return read_header(path).files
+
+
+def model_size(path) -> int:
+    """Bytes of the model at path: the sum of its parts for a split GGUF (whose parts are always named
+    NAME-0000K-of-0000N.gguf: llama.cpp finds them by name); any other file's own size, unread."""
+    from .gguf_parts import part_name
+    if part_name(path) is None:
+        return os.path.getsize(path)
+    return sum(os.path.getsize(f) for f in model_files(path))
+
+
+def read_file_header(path, keep_arrays: tuple[str, ...] = ()) -> Header:
+    """One file's own header (a part of a split GGUF as it is: its split keys, its share of the tensors)."""
     st = os.stat(path)
     return _read_header(os.fspath(path), st.st_size, st.st_mtime_ns, tuple(keep_arrays))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_set(stats: tuple[tuple[str, int, int], ...], keep_arrays: tuple[str, ...]) -> Header:
+    """The header of a split GGUF from its parts' (path, size, mtime) in order."""
+    from .gguf_parts import SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS, SplitSetError, check_part, check_tensor_count
+    files = tuple(f for f, _, _ in stats)
+    first = read_file_header(files[0], keep_arrays)
+    tensors = dict(first.tensors)
+    for i, f in enumerate(files[1:], 1):
+        part = read_file_header(f)
+        check_part(f, i, len(files), part.fields.get(SPLIT_NO), part.fields.get(SPLIT_COUNT))
+        twice = next((n for n in part.tensors if n in tensors), None)
+        if twice is not None:
+            raise SplitSetError(f"split GGUF {files[0]}: tensor {twice} is in two parts (parts of different sets?)")
+        tensors.update(part.tensors)
+    check_tensor_count(files[0], len(tensors), first.fields.get(SPLIT_TENSORS))
+    return Header(first.fields, tensors, first.spans, files)
 
 
 @functools.lru_cache(maxsize=8)
@@ -84,8 +137,8 @@ def _read_header(path: str, size: int, mtime_ns: int, keep_arrays: tuple[str, ..
             infos.append((name, shape, cur.unpack("<I"), cur.unpack("<Q")))
         align = int(fields.get("general.alignment", 32))
         start = (cur.offset + align - 1) // align * align
-        tensors = {n: TensorInfo(n, s, t, start + o) for n, s, t, o in infos}
-        return Header(fields, tensors, spans)
+        tensors = {n: TensorInfo(n, s, t, start + o, path) for n, s, t, o in infos}
+        return Header(fields, tensors, spans, (path,))
 
 
 class _Cursor:
@@ -160,5 +213,7 @@ class _Cursor:
 
 
 def tensor_rows(path, info: TensorInfo) -> np.ndarray:
-    """A 2-D tensor as a read-only memmap of raw rows: uint8[ne1, bytes_per_row]."""
-    return np.memmap(path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.shape[1], info.row_bytes))
+    """A 2-D tensor as a read-only memmap of raw rows: uint8[ne1, bytes_per_row], from the file holding it (a part of
+    the split GGUF at path)."""
+    return np.memmap(info.file or path, dtype=np.uint8, mode="r", offset=info.offset,
+                     shape=(info.shape[1], info.row_bytes))

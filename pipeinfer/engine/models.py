@@ -18,14 +18,20 @@ and click are needed.
 
 Cache layout: ``$PIPEINFER_CACHE`` (default ``~/.cache/pipeinfer``), models in
 ``models/`` below it.
+
+A model given by path may be a split GGUF (llama.cpp's gguf-split set, gguf_parts.py): it is named by its first
+part (``NAME-00001-of-0000N.gguf``), its size is the sum of its parts, and a later part or a missing one is refused
+in one line.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -55,6 +61,7 @@ __all__ = [
     "get_spec",
     "identify",
     "is_installed",
+    "model_files",
     "model_path",
     "models_dir",
     "pip_download",
@@ -199,6 +206,8 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     raw = os.fspath(name_or_path)
     given = Path(raw).expanduser()
     if given.is_file():
+        if not _a_later_rank():
+            model_files(given)  # a split GGUF: named by its first part, every part present
         return given
     if _a_later_rank():  # only rank 0's host needs the file: start-up takes rank 0's path and sends what is missing
         return model_path(raw) if raw in MODELS else given
@@ -214,7 +223,22 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
                 f"model '{raw}' is incomplete or corrupt at {p} ({size} bytes, expected {spec.size}): {hint}"
             )
         return p
-    raise ModelError(f"model file not found: {raw}")
+    first = sorted(given.parent.glob(f"{glob.escape(given.stem)}-00001-of-*.gguf")) if given.suffix == ".gguf" else []
+    hint = f" (a split GGUF is named by its first part: {first[0]})" if first else ""
+    raise ModelError(f"model file not found: {raw}{hint}")
+
+
+def model_files(path: str | os.PathLike) -> tuple[str, ...]:
+    """The files of the model at path (a split GGUF's parts in order, else the file itself); ModelError, one line,
+    for a later part of a split GGUF or one with a part missing. A file that is not a GGUF is left to its reader."""
+    from .gguf_parts import SplitSetError
+    from .ggufheader import NotGGUF, model_files as files
+    try:
+        return files(path)
+    except SplitSetError as e:
+        raise ModelError(str(e)) from None
+    except (NotGGUF, OSError, UnicodeDecodeError, ValueError, struct.error):
+        return (os.fspath(path),)
 
 
 def _a_later_rank() -> bool:
@@ -229,11 +253,12 @@ def _a_later_rank() -> bool:
 
 def identify(path: str | os.PathLike) -> str | None:
     """The registered model a file is, by its content (its size and the sha256 of its first HEAD_BYTES), not by
-    its name or place: a copy of the default model under any name is the default model. None: not registered."""
+    its name or place: a copy of the default model under any name is the default model. A split GGUF is identified
+    by its first part: its size is the sum of its parts, its head the first part's. None: not registered."""
     p = Path(path)
     try:
-        size = p.stat().st_size
-    except OSError:
+        size = sum(os.path.getsize(f) for f in model_files(p))
+    except (OSError, ModelError):
         return None
     candidates = [spec for spec in MODELS.values() if spec.size == size and spec.head_sha256]
     if not candidates:

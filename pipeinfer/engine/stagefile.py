@@ -6,7 +6,8 @@ metadata arrays sliced to the range, and every rule llama.cpp derives from the l
 (SPLIT_RULES: one verified architecture each; others are refused). A stage that does not produce logits gets a 4-token dummy
 vocabulary and [4, n_embd] embedding/output tensors, so marking all its rows as outputs (needed to
 capture hidden states) costs no vocabulary-sized projection. Files are cached, keyed by the source's
-identity (path, size, mtime) and the range.
+identity (path, size, mtime) and the range. A split GGUF (gguf_parts.py) is a source like another, named by its
+first part: its stage files take tensors from every part, drop the split keys and are named after the set.
 """
 from __future__ import annotations
 
@@ -326,10 +327,13 @@ class ModelInfo:
 
 def read_info(path: str | os.PathLike) -> ModelInfo:
     """Architecture and sizes from a GGUF header (fast: see ggufheader.py)."""
+    from .gguf_parts import SplitSetError
     from .ggufheader import NotGGUF, read_header
     try:
         header = read_header(path)
         fields = header.fields
+    except SplitSetError as e:
+        raise StageFileError(str(e)) from None
     except (NotGGUF, OSError, UnicodeDecodeError, struct.error) as e:
         raise StageFileError(f"{path}: not a GGUF file ({e})") from None
     arch = fields.get("general.architecture")
@@ -368,16 +372,20 @@ def layer_costs(path: str | os.PathLike) -> tuple[list[float], float]:
 
 
 def _check_tensor_data(path, tensors) -> None:
-    """Every tensor's data lies inside the file (a truncated copy fails here, not inside llama.cpp)."""
-    size = os.path.getsize(path)
+    """Every tensor's data lies inside its file (a truncated copy, or part of a split GGUF, fails here, not inside
+    llama.cpp)."""
+    sizes: dict[str, int] = {}
     for t in tensors.values():
+        file = t.file or os.fspath(path)
+        if file not in sizes:
+            sizes[file] = os.path.getsize(file)
         try:
             end = t.offset + t.nbytes
         except (ValueError, KeyError):
-            raise StageFileError(f"{path}: tensor {t.name} has ggml type {t.ggml_type}, unknown to this build") from None
-        if end > size:
-            raise StageFileError(f"{path}: truncated GGUF: tensor {t.name} needs bytes up to {end:,}, "
-                                 f"the file has {size:,} (an incomplete download or copy?)")
+            raise StageFileError(f"{file}: tensor {t.name} has ggml type {t.ggml_type}, unknown to this build") from None
+        if end > sizes[file]:
+            raise StageFileError(f"{file}: truncated GGUF: tensor {t.name} needs bytes up to {end:,}, "
+                                 f"the file has {sizes[file]:,} (an incomplete download or copy?)")
 
 
 def _field(reader, key):
@@ -433,7 +441,29 @@ def check_splittable(info: ModelInfo, n_stages: int) -> None:
 
 def stage_path(src: str | os.PathLike, start: int, end: int, with_vocab: bool) -> Path:
     label = f"L{start}-{end}{'' if with_vocab else '.novocab'}"
-    return derived_path(src, label, "gguf", start, end, with_vocab, STAGE_FORMAT)
+    return _derived(src, label, "gguf", start, end, with_vocab, STAGE_FORMAT)
+
+
+def _derived(src: str | os.PathLike, label: str, ext: str, *key: object) -> Path:
+    """core.files.derived_path of a model: for a split GGUF keyed by every part's identity too and named after the
+    set (NAME.L0-14..., not NAME-00001-of-00003.L0-14...)."""
+    from .gguf_parts import set_stem
+    from .ggufheader import model_files
+    files = model_files(src)
+    if len(files) == 1:
+        return derived_path(src, label, ext, *key)
+    parts = [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files[1:]]
+    out = derived_path(src, label, ext, *key, *parts)
+    return out.with_name(set_stem(src) + out.name[len(Path(src).stem):])
+
+
+def source_reader(src):
+    """What _stage_writer reads src with: gguf.GGUFReader for one file, HeaderReader (every part's tensors) for a
+    split GGUF."""
+    import gguf
+
+    from .ggufheader import model_files
+    return HeaderReader(src) if len(model_files(src)) > 1 else gguf.GGUFReader(str(src), "r")
 
 
 def ensure_stage_file(src: str | os.PathLike, start: int, end: int, with_vocab: bool) -> Path:
@@ -452,11 +482,13 @@ def write_stage_file(src, dst, start: int, end: int, with_vocab: bool) -> None:
 
 @dataclass(frozen=True)
 class Piece:
-    """Bytes [offset, offset + nbytes) of a stage file: from the source at src_offset, or `data` (src_offset -1)."""
+    """Bytes [offset, offset + nbytes) of a stage file: from the source at src_offset (of its part src_part, for a
+    split GGUF), or `data` (src_offset -1)."""
     offset: int
     nbytes: int
     src_offset: int = -1
     data: bytes = b""
+    src_part: int = 0
 
 
 @dataclass(frozen=True)
@@ -468,9 +500,10 @@ class StageLayout:
     size: int
     pieces: tuple[Piece, ...]
 
-    def read(self, src_fd: int, offset: int, buf: np.ndarray) -> int:
+    def read(self, src_fd, offset: int, buf: np.ndarray) -> int:
         """Fill buf (a uint8 array) with the file's bytes from offset; returns how many (the rest of the
-        file when shorter)."""
+        file when shorter). src_fd: the source's open fd, or the fds of a split GGUF's parts in order."""
+        fds = (src_fd,) if isinstance(src_fd, int) else tuple(src_fd)
         n = min(len(buf), self.size - offset)
         view = memoryview(buf)[:n]
         pos, end = offset, offset + n  # pos: where the bytes written so far end
@@ -484,7 +517,7 @@ class StageLayout:
             if p.src_offset < 0:
                 view[a - offset:b - offset] = p.data[a - p.offset:b - p.offset]
             else:
-                got = os.preadv(src_fd, [view[a - offset:b - offset]], p.src_offset + a - p.offset)
+                got = os.preadv(fds[p.src_part], [view[a - offset:b - offset]], p.src_offset + a - p.offset)
                 if got != b - a:
                     raise StageFileError(f"short read of the source at {p.src_offset + a - p.offset:,}")
         if pos < end:
@@ -559,24 +592,30 @@ def recipe(layout: StageLayout, held: dict[str, StageLayout]) -> Recipe:
     for name, lay in sorted(held.items()):
         for p in lay.pieces:
             if p.src_offset >= 0:
-                have.setdefault((p.src_offset, p.nbytes), (name, p.offset))
+                have.setdefault((p.src_part, p.src_offset, p.nbytes), (name, p.offset))
     local = []
     for p in layout.pieces:
-        if p.src_offset >= 0 and (p.src_offset, p.nbytes) in have:
-            name, at = have[(p.src_offset, p.nbytes)]
+        if p.src_offset >= 0 and (p.src_part, p.src_offset, p.nbytes) in have:
+            name, at = have[(p.src_part, p.src_offset, p.nbytes)]
             local.append((p.offset, p.nbytes, name, at))
     return Recipe(layout.size, tuple(local))
 
 
 def stage_layout(src, start: int, end: int, with_vocab: bool, reader=None) -> StageLayout:
-    """The layout of the stage file for layers [start, end) of src (see StageLayout); reader: src's GGUFReader, when
-    several layouts are made (parsing a large vocabulary takes seconds)."""
+    """The layout of the stage file for layers [start, end) of src (see StageLayout); reader: src's GGUFReader (or
+    HeaderReader), when several layouts are made (parsing a large vocabulary takes seconds)."""
+    return _layout(lambda head: _stage_writer(src, head, start, end, with_vocab, reader))
+
+
+def _layout(make_writer) -> StageLayout:
+    """The layout of the file make_writer(path) would write: (writer with its key-values added, its [(name, data,
+    type)] tensors, the source's reader)."""
     import tempfile
 
     import gguf
     with tempfile.TemporaryDirectory(prefix="pipeinfer-layout-") as d:
         head = Path(d) / "header.gguf"
-        writer, tensors, reader = _stage_writer(src, head, start, end, with_vocab, reader)
+        writer, tensors, reader = make_writer(head)
         for name, data, ttype in tensors:
             writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, ttype)
         writer.write_header_to_file()
@@ -587,11 +626,13 @@ def stage_layout(src, start: int, end: int, with_vocab: bool, reader=None) -> St
         header = head.read_bytes()
     pieces = [Piece(0, len(header), -1, header)]
     pos = len(header)
-    base = reader.data.ctypes.data
+    parts = [(m.ctypes.data, m.nbytes) for m in (reader.parts if isinstance(reader, HeaderReader) else [reader.data])]
     for _, data, _ in tensors:  # as GGUFWriter.write_tensor_data pads: to the alignment before, by size after
         pos = gguf.GGUFWriter.ggml_pad(pos, align)
-        if base <= data.ctypes.data < base + reader.data.nbytes:  # raw data of the source, as it is
-            pieces.append(Piece(pos, data.nbytes, data.ctypes.data - base))
+        at = data.ctypes.data
+        part = next((i for i, (base, n) in enumerate(parts) if base <= at < base + n), None)
+        if part is not None:  # raw data of the source, as it is
+            pieces.append(Piece(pos, data.nbytes, at - parts[part][0], src_part=part))
         else:
             pieces.append(Piece(pos, data.nbytes, -1, np.ascontiguousarray(data).tobytes()))
         pos += gguf.GGUFWriter.ggml_pad(data.nbytes, align)
@@ -602,19 +643,10 @@ def vocab_layout(src, reader=None) -> StageLayout:
     """A GGUF with src's key-values and no tensors: what a host that runs only the draft needs of the target
     (read_info, its tokenizer with vocab_only: llama.cpp skips the tensors)."""
     import tempfile
-
-    import gguf
-    reader = reader or gguf.GGUFReader(str(src), "r")
-    arch = _field(reader, "general.architecture")
+    reader = reader or source_reader(src)
     with tempfile.TemporaryDirectory(prefix="pipeinfer-layout-") as d:
         head = Path(d) / "vocab.gguf"
-        writer = (_raw_writer() if isinstance(reader, HeaderReader) else gguf.GGUFWriter)(str(head), arch)
-        for field in reader.fields.values():
-            if field.name.startswith("GGUF.") or field.name == "general.architecture":
-                continue
-            vtype = field.types[0]
-            writer.add_key_value(field.name, field.contents(), vtype,
-                                 sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+        writer = _copy_writer(reader, head)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -623,10 +655,36 @@ def vocab_layout(src, reader=None) -> StageLayout:
     return StageLayout(len(data), (Piece(0, len(data), -1, data),))
 
 
-def whole_layout(src) -> StageLayout:
-    """A file as it is (a draft model that travels whole)."""
-    size = os.path.getsize(src)
-    return StageLayout(size, (Piece(0, size, 0),))
+def whole_layout(src, reader=None) -> StageLayout:
+    """A file as it is (a draft model that travels whole); a split GGUF as one GGUF of its key-values (less the split
+    keys) and every part's tensors, as they are."""
+    from .ggufheader import model_files
+    if len(model_files(src)) == 1:
+        size = os.path.getsize(src)
+        return StageLayout(size, (Piece(0, size, 0),))
+    reader = reader or HeaderReader(src)
+    return _layout(lambda head: (_copy_writer(reader, head), [(t.name, t.data, t.tensor_type)
+                                                              for t in reader.tensors], reader))
+
+
+def _copy_writer(reader, dst):
+    """A GGUFWriter to dst with every key-value of reader's source but GGUF's own and a split GGUF's split keys."""
+    import gguf
+    writer = _writer_for(reader, dst, _field(reader, "general.architecture"))
+    for field in reader.fields.values():
+        if _not_copied(field.name):
+            continue
+        vtype = field.types[0]
+        writer.add_key_value(field.name, field.contents(), vtype,
+                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    return writer
+
+
+def _not_copied(key: str) -> bool:
+    """Keys a file written from a source never copies: GGUF's own, the architecture (the writer adds it) and a
+    split GGUF's split keys (what pipeinfer writes is one file; llama.cpp would look for its other parts)."""
+    from .gguf_parts import SPLIT_KEYS
+    return key.startswith("GGUF.") or key == "general.architecture" or key in SPLIT_KEYS
 
 
 class _RawValue:
@@ -653,7 +711,8 @@ class HeaderReader:
     """What _stage_writer reads of a GGUF, from the fast header reader (ggufheader.py) in milliseconds, where
     gguf.GGUFReader builds a numpy view of every vocabulary string (7.8 s for Qwen2.5-1.5B's 151,936 beside the
     other ranks): the architecture's own keys decoded (per-layer arrays included), every other key kept as the
-    source's raw bytes, tensors as read-only memmap views shaped as GGUFReader shapes them."""
+    source's raw bytes, tensors as read-only memmap views shaped as GGUFReader shapes them, from every part of a
+    split GGUF (`parts`: one memmap per file, in order; `data`: the first)."""
 
     def __init__(self, src):
         import gguf
@@ -665,7 +724,9 @@ class HeaderReader:
         keep = tuple(k for k, (vt, _, _) in first.spans.items() if vt == gguf.GGUFValueType.ARRAY
                      and (k.startswith(f"{arch}.") or k in own))
         header = read_header(src, keep_arrays=keep)
-        self.data = np.memmap(src, dtype=np.uint8, mode="r")
+        self.parts = [np.memmap(f, dtype=np.uint8, mode="r") for f in header.files]
+        self.data = self.parts[0]
+        maps = dict(zip(header.files, self.parts))
         self.fields = {}
         for key, value in header.fields.items():
             vtype, a, b = header.spans[key]
@@ -683,11 +744,18 @@ class HeaderReader:
         for t in header.tensors.values():  # as GGUFReader._build_tensors does
             qtype = gguf.GGMLQuantizationType(t.ggml_type)
             np_dims = tuple(reversed(t.shape))
+            raw = maps[t.file][t.offset:t.offset + t.nbytes]
             if qtype in simple:
-                data = self.data[t.offset:t.offset + t.nbytes].view(simple[qtype]).reshape(np_dims)
+                data = raw.view(simple[qtype]).reshape(np_dims)
             else:
-                data = self.data[t.offset:t.offset + t.nbytes].reshape(gguf.quant_shape_to_byte_shape(np_dims, qtype))
+                data = raw.reshape(gguf.quant_shape_to_byte_shape(np_dims, qtype))
             self.tensors.append(_Tensor(t.name, qtype, t.shape, data))
+
+
+def _writer_for(reader, dst, arch: str):
+    """A GGUFWriter to dst for what reader reads: one that copies HeaderReader's raw key-values as they are."""
+    import gguf
+    return (_raw_writer() if isinstance(reader, HeaderReader) else gguf.GGUFWriter)(str(dst), arch)
 
 
 def _raw_writer():
@@ -706,7 +774,7 @@ def _stage_writer(src, dst, start: int, end: int, with_vocab: bool, reader=None)
     """(a GGUFWriter to dst with the stage's key-values added, its [(name, data, type)] tensors, the source's
     reader)."""
     import gguf
-    reader = reader or gguf.GGUFReader(str(src), "r")
+    reader = reader or source_reader(src)
     arch = _field(reader, "general.architecture")
     n_all = int(_field(reader, f"{arch}.block_count"))
     n_layer = n_all - int(_field(reader, f"{arch}.nextn_predict_layers") or 0)
@@ -715,7 +783,7 @@ def _stage_writer(src, dst, start: int, end: int, with_vocab: bool, reader=None)
         raise StageFileError(f"layer range [{start}, {end}) outside the model's {n_layer} layers")
     check_splittable(ModelInfo(arch, n_layer, n_embd, 0), 2 if (start, end) != (0, n_layer) else 1)
 
-    writer = (_raw_writer() if isinstance(reader, HeaderReader) else gguf.GGUFWriter)(str(dst), arch)
+    writer = _writer_for(reader, dst, arch)
     for name, value, vtype, sub_type in _stage_metadata(reader, arch, n_all, n_layer, start, end, with_vocab):
         writer.add_key_value(name, value, vtype, sub_type=sub_type)
     if not with_vocab:
@@ -756,8 +824,7 @@ def _stage_metadata(reader, arch: str, n_all: int, n_layer: int, start: int, end
     per_layer_skip = {f"{arch}.{k}" for k in NOT_PER_LAYER}
     for field in reader.fields.values():
         name, vtype = field.name, field.types[0]
-        if name.startswith("GGUF.") or name == "general.architecture" or name in drop or name in extra \
-                or (not with_vocab and name.startswith("tokenizer.")):
+        if _not_copied(name) or name in drop or name in extra or (not with_vocab and name.startswith("tokenizer.")):
             continue
         value = field.contents()
         if name == f"{arch}.block_count":
@@ -840,7 +907,7 @@ def head_tokens(tokens: list[bytes], token_types: list[int], n_keep: int) -> np.
 def pruned_head_path(src: str | os.PathLike, keep: np.ndarray) -> Path:
     # keyed by the kept ids themselves: a file's rows always match the ids its logits are scattered to
     ids = hashlib.sha256(np.ascontiguousarray(keep, dtype=np.int32).tobytes()).hexdigest()[:16]
-    return derived_path(src, f"head{len(keep)}", "gguf", ids, PRUNED_FORMAT)
+    return _derived(src, f"head{len(keep)}", "gguf", ids, PRUNED_FORMAT)
 
 
 def ensure_pruned_head(src: str | os.PathLike, n_keep: int) -> tuple[Path, np.ndarray]:
@@ -866,13 +933,12 @@ def write_pruned_head(src, dst, keep: np.ndarray) -> None:
     its own table no longer holds every token; the tokenizer fields become a placeholder vocabulary of
     len(keep) tokens (text goes through src's own tokenizer)."""
     import gguf
-    reader = gguf.GGUFReader(str(src), "r")
+    reader = source_reader(src)
     arch = _field(reader, "general.architecture")
-    writer = gguf.GGUFWriter(str(dst), arch)
+    writer = _writer_for(reader, dst, arch)
     for field in reader.fields.values():
         name = field.name
-        if name.startswith("GGUF.") or name in ("general.architecture", f"{arch}.vocab_size") \
-                or name.startswith("tokenizer."):
+        if _not_copied(name) or name == f"{arch}.vocab_size" or name.startswith("tokenizer."):
             continue
         vtype = field.types[0]
         sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None

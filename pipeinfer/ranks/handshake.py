@@ -28,15 +28,24 @@ MIB = 1 << 20
 
 
 def model_fingerprint(path: str | os.PathLike) -> str:
-    """'SIZE:SHA256[:16]' of the header, the first MiB of tensor data and the last MiB (see module docstring)."""
-    st = os.stat(path)
-    return _fingerprint(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    """'SIZE:SHA256[:16]' of the header, the first MiB of tensor data and the last MiB (see module docstring); of a
+    split GGUF, the parts' sizes summed and their fingerprints hashed in order (a host whose later part differs is
+    another model)."""
+    from ..engine.ggufheader import model_files
+    parts = []
+    for f in model_files(path):
+        st = os.stat(f)
+        parts.append(_fingerprint(os.path.abspath(f), st.st_size, st.st_mtime_ns))
+    if len(parts) == 1:
+        return parts[0]
+    size = sum(int(p.split(":")[0]) for p in parts)
+    return f"{size}:{hashlib.sha256(','.join(parts).encode()).hexdigest()[:16]}"
 
 
 @functools.lru_cache(maxsize=8)
 def _fingerprint(path: str, size: int, mtime_ns: int) -> str:
-    from ..engine.ggufheader import read_header
-    h = read_header(path)
+    from ..engine.ggufheader import read_file_header
+    h = read_file_header(path)
     data_start = min((t.offset for t in h.tensors.values()), default=size)
     sha = hashlib.sha256()
     with open(path, "rb") as f:

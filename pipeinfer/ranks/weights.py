@@ -7,7 +7,8 @@ One call is collective over the ranks that take part:
 1. rank 0 sends the model's cheap fingerprint (handshake.model_fingerprint); a rank whose host has a file with that
    fingerprint at rank 0's path writes its stage itself, as before. When every rank does, that is all.
 2. Otherwise rank 0 names the model by its content (core/stagecache.model_identity: the content hash of the whole
-   file, once, remembered by path, size, mtime and inode), and every other rank looks in its host's weights cache
+   file, or of a split GGUF's parts in order, once, remembered by path, size, mtime and inode), and every other rank
+   looks in its host's weights cache
    for the file it needs under that name, checked (size, sampled digest). A rank whose host has another file under
    the same path (a different model, or a copy cut short) is never served it: it takes the cache's or rank 0's
    bytes. When rank 0 has not hashed the model yet, it hashes it in a thread while the first file travels (once per
@@ -166,15 +167,18 @@ class _Source:
 
     def __init__(self, src: str):
         from concurrent.futures import ThreadPoolExecutor
+
+        from ..engine.ggufheader import model_files
         self.src = src
+        self.files = model_files(src)  # a split GGUF's parts in order (each layout's pieces name theirs), or src
         self.layouts: dict = {}  # receiving rank -> StageLayout
         self.recipes: dict = {}  # receiving rank -> Recipe
         self._reader = None
-        self.ident = stagecache.known_identity(src)
+        self.ident = stagecache.known_identity(src, parts=self.files[1:])
         self._hashing = None
         if self.ident is None:
             pool = ThreadPoolExecutor(1, thread_name_prefix="pipeinfer-model-hash")
-            self._hashing = pool.submit(stagecache.model_identity, src)
+            self._hashing = pool.submit(stagecache.model_identity, src, None, self.files[1:])
             pool.shutdown(wait=False)
 
     def identity(self, sending: bool = True) -> str:
@@ -183,7 +187,7 @@ class _Source:
         if self.ident is None:
             self.ident, dt = self._hashing.result()
             if not _quiet:
-                size = os.path.getsize(self.src)
+                size = sum(os.path.getsize(f) for f in self.files)
                 when = "while the first file travelled" if sending else "before the hosts looked in their caches"
                 _log(f"[pipeinfer] weights: identified {Path(self.src).name} by its {stagecache.HASH} in {dt:.1f} s "
                      f"({dt / (size / 2**30):.2f} s/GiB; once per file on this host, {when})")
@@ -201,7 +205,7 @@ class _Source:
             return stage_layout(self.src, want[1], want[2], bool(want[3]), reader=self.reader())
         if want[0] == "vocab":
             return vocab_layout(self.src, reader=self.reader())
-        return whole_layout(self.src)
+        return whole_layout(self.src, reader=self.reader() if len(self.files) > 1 else None)
 
     def plan(self, needs: list):
         """(receivers in order, each one's Recipe) or the one-line refusal of a host without room. A receiver's
@@ -226,21 +230,22 @@ class _Source:
     def send_all(self, comm, order: list[int], needs: list[Need], poll_s: float, what: str) -> None:
         global last_report
         last_report = []
-        fd = os.open(self.src, os.O_RDONLY)
+        fds = [os.open(f, os.O_RDONLY) for f in self.files]
         try:
             for r in order:
                 host = needs[r].host
                 rc = self.recipes[r]
                 t0 = time.perf_counter()
                 show = _Progress(f"rank {r} ({host})", rc.wire_bytes())
-                _send_one(comm, r, self.layouts[r], rc, fd, poll_s, show, self.identity)
+                _send_one(comm, r, self.layouts[r], rc, fds, poll_s, show, self.identity)
                 dt = time.perf_counter() - t0
                 kept = rc.size - rc.wire_bytes()
                 show.done(dt, kept)
                 last_report.append({"rank": r, "host": host, "bytes": rc.wire_bytes(), "kept": kept, "seconds": dt,
                                     "what": what})
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
 
 
 # ---------------------------------------------------------------- sending (rank 0)
@@ -250,7 +255,7 @@ def _chunks(size: int):
         yield lo, min(lo + CHUNK, size)
 
 
-def _send_one(comm, dest: int, layout, rc, fd: int, poll_s: float, show, identity) -> None:
+def _send_one(comm, dest: int, layout, rc, fds: list[int], poll_s: float, show, identity) -> None:
     """Stream the wire bytes of one file (rc: its Recipe) to rank dest, chunk by chunk, IN_FLIGHT messages in
     flight; then its end: the digest of the whole file as it is to be (the held bytes too: the receiver checks what
     it assembled, end to end) and the model's (identity(): the name the host caches the file under)."""
@@ -266,7 +271,7 @@ def _send_one(comm, dest: int, layout, rc, fd: int, poll_s: float, show, identit
         if reqs[k] is not None:
             wait_politely(reqs[k], poll_s)
             reqs[k] = None
-        n = layout.read(fd, lo, reads[k])
+        n = layout.read(fds, lo, reads[k])
         _in_slices(reads[k][:n], [hasher.update], reqs)
         parts = rc.wire(lo, hi)
         if not parts:

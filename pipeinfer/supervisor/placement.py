@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..core.config import Config, StageOptions
 from ..core.errors import UserError
 from ..engine.drafts import draft_hint
+from ..engine.ggufheader import model_size
 
 _LOCAL_NAMES = ("localhost", "127.0.0.1")
 
@@ -82,7 +82,7 @@ def placement(np: int | None, hostfile: str | None, config: Config) -> Placement
     if mpi_size() > 1:
         raise UserError("--np/--hostfile start the pipeline's MPI job themselves: run pipeinfer without mpiexec")
     hosts, settings, draft = [], {}, None
-    draft_bytes = Path(config.draft.model).stat().st_size if config.draft.model else 0
+    draft_bytes = model_size(config.draft.model) if config.draft.model else 0
     if hostfile:
         try:
             hosts = parse_hostfile(hostfile)
@@ -101,5 +101,5 @@ def placement(np: int | None, hostfile: str | None, config: Config) -> Placement
     else:
         slots = ["localhost"] * np
     beside = draft is None and config.draft.at != "rank"
-    return Placement(slots, Footprint(Path(config.model).stat().st_size, draft_bytes if beside else 0,
+    return Placement(slots, Footprint(model_size(config.model), draft_bytes if beside else 0,
                                       {h.name: h.mem for h in hosts if h.mem}), config, draft)

@@ -23,8 +23,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.cpus import affinity, physical_cores
-from ..core.kvplan import plan_partitions
 from ..core.config import (
     DRAFT_HEAD_AUTO,
     Config,
@@ -33,6 +31,9 @@ from ..core.config import (
     SpeculationOptions,
     StageOptions,
 )
+from ..core.cpus import affinity, physical_cores
+from ..core.kvplan import plan_partitions
+from ..engine.ggufheader import model_size
 from .cluster import PROMPT_PROBE_ROWS
 
 PROFILE_FORMAT = 1
@@ -352,7 +353,7 @@ def measure_on_head(opts: ProfileOptions, n_layer: int, threads: int) -> dict:
     if opts.draft:
         # as serve loads it beside these stages (repacked beside tiled ones)
         extra["draft"] = measure_draft(opts.draft, threads, draft_kernels(opts.kernels), target=opts.model)
-        extra["draft"]["file_bytes"] = os.path.getsize(opts.draft)
+        extra["draft"]["file_bytes"] = model_size(opts.draft)
     extra["head_overhead_ms"] = measure_head_overhead_ms()
     return extra
 
@@ -429,6 +430,6 @@ def run_profile(opts: ProfileOptions, comm=None) -> dict | None:
             "shared_slowdown": round(max(1.0, statistics.median(shared)), 3) if shared else 1.0,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "model": {"path": os.path.basename(opts.model), "n_layer": info.n_layer, "n_embd": info.n_embd,
-                      "n_vocab": info.n_vocab, "file_bytes": os.path.getsize(opts.model),
+                      "n_vocab": info.n_vocab, "file_bytes": model_size(opts.model),
                       **dict(zip(("active_layer_bytes", "out_bytes"), weight_bytes(opts.model)))},
             "ranks": [records[r] for r in range(n_stages)], "links": links, **extra}
