@@ -218,7 +218,9 @@ def test_launch_serve_is_the_supervised_server(tmp_path):
     # the dry run also shows the server's first job as it would start it: its launcher with --mpi-arg's options
     assert lines[1] == "# the pipeline's first job, as the server starts it:"
     assert " -n 2 " in lines[2] and " -iface eth1 " in lines[2] and lines[2].endswith("rank0.sock")
-    assert lines[3:] == ["# its hostfile:", "# x:2"]
+    assert lines[3:5] == ["# its hostfile:", "# x:2"]
+    # then each rank's layers, threads and RAM, and the host's (the hostfile describes no mem=: not checked)
+    assert [ln.split(":")[0] for ln in lines[5:]] == ["# rank 0 x", "# rank 1 x", "# host x"]
     assert os.environ.get("PIPEINFER_MPI_ARGS") == before   # the options went to the job's command, not this process
 
 

@@ -154,12 +154,14 @@ def test_plan_prints_fit_split_speeds_and_the_command(tmp_path):
     r = _plan(tmp_path, FOUR, "--model-size", "70b-q4_k_m", "-n", "32")
     assert r.exit_code == 0, r.output
     assert "fits: every host" in r.output and "first start:" in r.output and "time to first token" in r.output
-    assert "pipeinfer launch --hostfile" in r.output.splitlines()[-1] and "--draft-at rank" in r.output
+    recommended = [ln for ln in r.output.splitlines() if ln.startswith("pipeinfer launch --hostfile")]
+    assert len(recommended) == 1 and "--draft-at rank" in recommended[0] and "--layer-split" in recommended[0]
+    assert "the fastest command's hosts:" in r.output and "verdict:" in r.output
     clients = _plan(tmp_path, FOUR, "--model-size", "70b-q4_k_m", "-n", "16", "--clients", "4")
     assert clients.exit_code == 0, clients.output
     assert "recommended: --parallel" in clients.output
-    run = clients.output.splitlines()[-1]
-    assert "-- serve" in run and "--parallel" in run and "--batch-rows" in run
+    run = next(ln for ln in clients.output.splitlines() if ln.startswith("run: "))
+    assert "-- serve" in run and "--parallel" in run and "--batch-rows" in run and " -c " in run
 
 
 def test_plan_refuses_in_one_line(tmp_path):
@@ -170,3 +172,52 @@ def test_plan_refuses_in_one_line(tmp_path):
     assert r.exit_code == 1 and "cores" in r.output and "Traceback" not in r.output
     r = _plan(tmp_path, FOUR)
     assert r.exit_code == 2 and "-m MODEL.gguf or --model-size" in r.output
+
+
+def test_plan_clients_sizes_the_context_and_says_when_the_load_does_not_fit(tmp_path):
+    """20 clients of 2000 + 256 tokens: -c for all of them at once (not serve's 4096), or, where the hosts' RAM does
+    not hold that, the most it holds, in one line."""
+    from pipeinfer.twin.plan import load_cells, parallel_within
+    assert load_cells(20, 2000, 256, 3) >= 20 * 2256 and load_cells(20, 2000, 256, 3) % 256 == 0
+    assert parallel_within(load_cells(7, 2000, 256, 3), 2000, 256, 3) == 7
+    home = "d # pipeinfer: cores=16 mem=64 mem_bw=60\nl # pipeinfer: cores=8 mem=32 mem_bw=40\n"
+    r = _plan(tmp_path, home, "--model-size", "70b-q4_k_m", "-n", "16", "--n-prompt", "200", "--clients", "20")
+    assert r.exit_code == 0, r.output
+    run = next(ln for ln in r.output.splitlines() if ln.startswith("run: "))
+    assert f" -c {load_cells(20, 200, 16, 2)} " in run and "does not fit" not in r.output
+    small = home.replace("mem=64", "mem=30").replace("mem=32", "mem=24")
+    r = _plan(tmp_path, small, "--model-size", "70b-q4_k_m", "-n", "256", "--n-prompt", "2000", "--clients", "20")
+    assert r.exit_code == 0, r.output
+    short = [ln for ln in r.output.splitlines() if ln.startswith("the load does not fit")]
+    assert len(short) == 1 and "need -c" in short[0]
+
+
+def test_moe_rows_read_other_experts():
+    """A mixture of experts' second row reads other experts: a memory-bound decode of 2 rows costs more than one,
+    a dense model's the same; the named MoE sizes hold their published active shares."""
+    moe, dense = NAMED_TARGETS["qwen3-235b-a22b-q4_k_m"], T70
+    assert moe.read_layer_bytes(1) == moe.active_layer_bytes
+    assert moe.active_layer_bytes < moe.read_layer_bytes(2) < moe.read_layer_bytes(64) <= moe.layer_bytes
+    assert moe.read_layer_bytes(10_000) == pytest.approx(moe.layer_bytes)
+    assert dense.read_layer_bytes(4) == dense.active_layer_bytes
+    slow = Machine("m", cores=64, mem_bw_gbps=20)
+    n = moe.n_layer
+    one = CAL.stage_ms(slow, 64, moe.active_stage_bytes(n, True), 1, moe.read_stage_bytes(n, True, 1))
+    two = CAL.stage_ms(slow, 64, moe.active_stage_bytes(n, True), 2, moe.read_stage_bytes(n, True, 2))
+    assert two > 1.5 * one
+    for name, active_b in (("qwen3-30b-a3b-q4_k_m", 3.3), ("glm-4.5-air-q4_k_m", 12), ("gpt-oss-120b-mxfp4", 5.1),
+                           ("deepseek-v3-q4_k_m", 37)):
+        t = NAMED_TARGETS[name]
+        total = t.n_layer * t.layer_bytes + t.embd_bytes + t.out_bytes
+        active = t.n_layer * t.active_layer_bytes + t.out_bytes
+        assert active / total == pytest.approx(active_b / {"qwen3-30b-a3b-q4_k_m": 30.5, "glm-4.5-air-q4_k_m": 106,
+                                                           "gpt-oss-120b-mxfp4": 117, "deepseek-v3-q4_k_m": 671}[name],
+                                               rel=0.35), name
+
+
+def test_size_names_are_one_lookup():
+    from pipeinfer.twin.machines import named_draft_hint, named_target
+    assert named_target("70B-Q4_K_M.gguf") is NAMED_TARGETS["70b-q4_k_m"] and named_target("nope") is None
+    assert "Llama-3.2-1B" in named_draft_hint("llama-3.3-70b-q4_k_m") and named_draft_hint("x.gguf") is None
+    r = CliRunner().invoke(cli, ["models", "drafts", "70b-q4_k_m"])
+    assert r.exit_code == 0 and "Llama-3.2-1B" in r.output

@@ -10,14 +10,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
 from ..core.errors import UserError
-from ..wire.launcher import (HOW_TO_LOAD, MPI_KINDS, MPI_NAMES, build_command, choose_launcher, hostfile_text,
-                             mpi4py_library, parse_hostfile, signal_to_pass_on)
+from ..wire.launcher import (HOW_TO_LOAD, MPI_KINDS, MPI_NAMES, Host, build_command, choose_launcher, hostfile_text,
+                             job_plan, mpi4py_library, parse_hostfile, rank_hosts, signal_to_pass_on)
 from ..wire.slurm import TASK_FILE_ENV, allocation, allocation_hosts, srun_command
 from .options import CheckedCommand
 
@@ -60,7 +60,12 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
                 Path(hostfile_path).write_text(hostfile_text(hosts))
             serve_args = ["--hostfile", hostfile_path] + (["--np", str(np_)] if np_ else []) + list(pipeinfer_args[1:])
             where = _check(command, serve_args, resolve=dry_run)
-            return _launch_supervised_serve(mpi_args, dry_run, serve_args, where)
+            _launch_supervised_serve(mpi_args, dry_run, serve_args, where)
+            if dry_run and where is not None:
+                by_name = {h.name: h for h in hosts}
+                _show_ranks(where.config, [by_name.get(n, Host(n)) for n in where.slots],
+                            by_name.get(where.draft.name) if where.draft else None)
+            return None
         library = mpi4py_library()
         if mpi != "auto" and mpi != library.kind:
             raise RuntimeError(f"--mpi {mpi}, but mpi4py loads {library.name}: every rank would run as a separate "
@@ -84,7 +89,7 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     try:
-        _check(command, cmd[cmd.index("pipeinfer", cmd.index("mpi4py")) + 1:], resolve=dry_run)
+        checked = _check(command, cmd[cmd.index("pipeinfer", cmd.index("mpi4py")) + 1:], resolve=dry_run)
     except click.ClickException:
         if out_hostfile is None:
             Path(hostfile).unlink(missing_ok=True)
@@ -96,6 +101,11 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
         click.echo(f"# {what} {hostfile}:\n" + Path(hostfile).read_text().rstrip(), err=True)
         if out_hostfile is None:  # nothing will run it: leave no temporary file behind
             Path(hostfile).unlink(missing_ok=True)
+        if getattr(checked, "config", None) is not None:
+            ordered, _ = job_plan(hosts, np_, pipeinfer_args, accepts)
+            per_rank = rank_hosts(ordered, np_)
+            draft = per_rank[-1] if per_rank[-1].role == "draft" else None
+            _show_ranks(checked.config, per_rank[:-1] if draft else per_rank, draft)
         return
     try:
         rc = _run_forwarding_signals(cmd, "slurm" if slurm is not None else mpi, {**os.environ, **env})
@@ -114,6 +124,80 @@ def _without_draft_host(name: str, hosts: list, accepts) -> list:
         return hosts
     click.echo(f"[pipeinfer] launch: {name} runs no draft rank: {draft.name} (role=draft) is left out", err=True)
     return [h for h in hosts if h is not draft]
+
+
+@dataclass(frozen=True)
+class RankNeed:
+    """What one rank of a dry run holds: its layers, threads (None: its default, not known here) and RAM."""
+    host: Host
+    start: int
+    end: int
+    threads: int | None
+    weights: float    # bytes of its stage's weights
+    cache: float      # its context: KV cache (and a hybrid's states)
+    draft: float      # the draft's file, on the rank that runs it
+    runtime: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.cache + self.draft + self.runtime
+
+
+def rank_needs(config, stages: list[Host], draft_host: Host | None) -> list[RankNeed]:
+    """Each stage rank's layers (as start-up plans them: core/topology.plan_layers over the GGUF header's
+    stagefile.layer_costs), threads (-t, else the host's described cores shared among its ranks as core/cpus.share
+    deals them) and RAM (twin/machines.Target.rank_ram_bytes, as `plan` prices it; the draft's file beside rank 0,
+    or on the draft host's rank, last)."""
+    from ..core.cpus import share
+    from ..core.topology import parse_per_rank_ints, plan_layers
+    from ..engine.stagefile import layer_costs, read_info
+    from ..twin.machines import GIB, RUNTIME_GIB, context_seqs, target_from_gguf
+    info, target = read_info(config.model), target_from_gguf(config.model)
+    n = len(stages)
+    layer_cost, tail = layer_costs(config.model)
+    split = config.stage.layer_split
+    ranges = plan_layers(None if split is None or split.strip() == "auto" else split, info.n_layer, n, layer_cost, tail)
+    index = [sum(h.name == s.name for s in stages[:i]) for i, h in enumerate(stages)]
+    default = [share(h.cores, sum(s.name == h.name for s in stages), k) if h.cores else 0
+               for h, k in zip(stages, index)]
+    threads = parse_per_rank_ints(config.stage.threads, n, "--threads", default=default)
+    draft = float(Path(config.draft.model).stat().st_size) if config.mode != "iterative" and config.draft.model else 0.0
+    beside_head = draft_host is None or config.draft.at != "rank"
+    n_seq, n_ctx = context_seqs(target, n), config.stage.n_ctx
+    needs = []
+    for i, (h, rr) in enumerate(zip(stages, ranges)):
+        first, last = i == 0, i == n - 1
+        cache = rr.n_layers * target.cache_bytes_per_layer(n_ctx, n_seq)
+        needs.append(RankNeed(h, rr.start, rr.end, threads[i] or None, target.stage_bytes(rr.n_layers, first, last),
+                              cache, draft if first and beside_head else 0.0, RUNTIME_GIB * GIB))
+    if draft_host is not None and not beside_head:
+        threads_d = config.draft.threads or (draft_host.threads or draft_host.cores)
+        needs.append(RankNeed(draft_host, 0, 0, threads_d, 0.0, 0.0, draft, RUNTIME_GIB * GIB))
+    return needs
+
+
+def _show_ranks(config, stages: list[Host], draft_host: Host | None) -> None:
+    """A dry run's line per rank (host, layers, threads, RAM) and per described host (RAM against its mem=); a
+    host that would not hold its ranks ends the dry run in one line."""
+    from ..twin.machines import GIB
+    try:
+        needs = rank_needs(config, stages, draft_host)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(f"launch --dry-run: {e}") from None
+    for r, need in enumerate(needs):
+        what = "the draft" if need.end == 0 else f"layers {need.start}-{need.end}"
+        threads = "default threads" if need.threads is None else f"{need.threads} threads"
+        click.echo(f"# rank {r} {need.host.name}: {what}, {threads}, {need.total / GIB:.1f} GiB of RAM (weights "
+                   f"{need.weights / GIB:.1f} + KV cache {need.cache / GIB:.1f} + draft {need.draft / GIB:.1f} + "
+                   f"runtime {need.runtime / GIB:.1f})", err=True)
+    for host in dict.fromkeys(need.host.name for need in needs):
+        ranks = [r for r, need in enumerate(needs) if need.host.name == host]
+        total = sum(needs[r].total for r in ranks) / GIB
+        mem = next(need.host.mem for need in needs if need.host.name == host)
+        click.echo(f"# host {host}: {total:.1f} GiB of RAM" + (f" of its {mem:g} (mem=)" if mem else ""), err=True)
+        if mem is not None and total > mem:
+            raise click.ClickException(f"launch --dry-run: {host} would need {total:.1f} GiB of RAM for rank(s) "
+                                       f"{', '.join(map(str, ranks))}, its hostfile line gives mem={mem:g}")
 
 
 def _temporary(prefix: str) -> str:

@@ -108,8 +108,9 @@ def prune_cmd(max_size: str | None, model: str | None) -> None:
 def drafts_cmd(target: str | None) -> None:
     """Which small model drafts for a target: the table, or the line for TARGET (a GGUF or a registry name)."""
     from ..engine.drafts import draft_hint, table
+    from ..twin.machines import named_draft_hint
     if target:
-        click.echo(draft_hint(resolve_model(target)))
+        click.echo(named_draft_hint(target) or draft_hint(resolve_model(target)))
         return
     rows = [("target family", "architecture (tokenizer)", "draft", "where"), *table()]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]

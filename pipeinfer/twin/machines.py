@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..core.topology import layer_ranges
 
@@ -57,8 +57,14 @@ class Machine:
 
     @property
     def rank_threads(self) -> int:
-        """Threads per rank: the hostfile's threads=, else the cores shared by the host's ranks."""
-        return self.threads or max(1, self.cores // self.slots)
+        """Threads of the host's first rank: the hostfile's threads=, else its share of the cores (thread_of)."""
+        return self.thread_of(0)
+
+    def thread_of(self, index: int) -> int:
+        """Threads of the host's rank `index` (0..slots-1) when -t does not say: the hostfile's threads=, else the
+        described cores dealt among its ranks as a rank takes them by default (core/cpus.share)."""
+        from ..core.cpus import share
+        return self.threads or share(self.cores, self.slots, index)
 
 
 def machines_from_hosts(hosts) -> list[Machine]:
@@ -92,6 +98,9 @@ class Target:
     # mean bytes per layer of one sequence's recurrent state (hybrids: recurrent_state_bytes over the recurrent
     # layers, spread over all), which llama.cpp allocates for every sequence id of the context (n_seq_max)
     state_bytes_per_seq_layer: float = 0.0
+    n_expert: int = 0                # routed experts per layer (0: dense)
+    n_expert_used: int = 0           # experts one token reads per layer
+    expert_layer_bytes: float = 0.0  # mean bytes per layer of the routed experts, all of them
 
     def cache_bytes_per_layer(self, n_ctx: int, n_seq: int) -> float:
         """What one (mean) layer's context holds beside its weights: its KV cache for n_ctx positions, its recurrent
@@ -105,28 +114,134 @@ class Target:
         """Bytes a one-token decode of the stage streams (the embedding is a row lookup, not a read)."""
         return n_layers * self.active_layer_bytes + (self.out_bytes if last else 0.0)
 
+    def experts_read(self, rows: int) -> float:
+        """Distinct experts a decode of `rows` rows reads in a layer, each row routed to n_expert_used of n_expert
+        independently and alike: E x (1 - (1 - k/E)^rows); k for one row, all E for many (0 for a dense model)."""
+        if not self.n_expert:
+            return 0.0
+        return self.n_expert * (1.0 - (1.0 - self.n_expert_used / self.n_expert) ** max(1, rows))
 
-def _named(name, arch, pre, n_layer, n_embd, n_vocab, n_head_kv, head_dim, file_gb, draft_gb, active_params_share=1.0,
-           embd_bits=4.5, out_bits=Q6_K_BITS) -> Target:
+    def read_layer_bytes(self, rows: int) -> float:
+        """Mean bytes per layer a decode of `rows` rows reads: what one row reads, and for a mixture of experts the
+        bytes of the other experts the further rows are routed to (a dense layer reads the same for any rows)."""
+        if not self.n_expert:
+            return self.active_layer_bytes
+        per_expert = self.expert_layer_bytes / self.n_expert
+        return self.active_layer_bytes + per_expert * (self.experts_read(rows) - self.n_expert_used)
+
+    def read_stage_bytes(self, n_layers: int, last: bool, rows: int) -> float:
+        """Bytes a decode of `rows` rows of the stage reads (rows = 1: active_stage_bytes)."""
+        return n_layers * self.read_layer_bytes(rows) + (self.out_bytes if last else 0.0)
+
+    def rank_ram_bytes(self, n_layers: int, first: bool, last: bool, n_ctx: int, n_seq: int = 1) -> float:
+        """RAM one stage rank holds: its weights (every expert), its context (KV cache for n_ctx cells, a hybrid's
+        states for n_seq sequence ids) and RUNTIME_GIB (what `plan` prices and `launch --dry-run` checks)."""
+        return (self.stage_bytes(n_layers, first, last) + n_layers * self.cache_bytes_per_layer(n_ctx, n_seq)
+                + RUNTIME_GIB * GIB)
+
+
+def _named(name, arch, pre, n_layer, n_embd, n_vocab, n_head_kv, head_dim, file_gb, draft_gb, embd_bits=4.5,
+           out_bits=Q6_K_BITS, moe: "Moe | None" = None, kv_bytes: float | None = None) -> Target:
+    """A target from its published shape and file size: the layers hold the file less the token embeddings and the
+    output projection (Q4_K_M quantizes those Q4_K and Q6_K); a mixture of experts' routed share of a layer's bytes
+    is its share of the layer's parameters (Moe.routed_share)."""
     embd = n_vocab * n_embd * embd_bits / 8
     out = n_vocab * n_embd * out_bits / 8
     layer = (file_gb * 1e9 - embd - out) / n_layer
-    return Target(name, arch, n_layer, n_embd, n_vocab, layer, layer * active_params_share, embd, out,
-                  2 * n_head_kv * head_dim * 2, file_gb * 1e9, draft_gb * 1e9, pre)
+    kv = kv_bytes if kv_bytes is not None else 2 * n_head_kv * head_dim * 2
+    if moe is None:
+        return Target(name, arch, n_layer, n_embd, n_vocab, layer, layer, embd, out, kv, file_gb * 1e9,
+                      draft_gb * 1e9, pre)
+    experts = layer * moe.routed_share(n_embd, n_layer)
+    active = layer - experts + experts * moe.n_used / moe.n_expert
+    return Target(name, arch, n_layer, n_embd, n_vocab, layer, active, embd, out, kv, file_gb * 1e9, draft_gb * 1e9,
+                  pre, n_expert=moe.n_expert, n_expert_used=moe.n_used, expert_layer_bytes=experts)
 
 
-#: Targets named by size (their published shapes and Q4 file sizes), for a plan before any download; the draft
-#: is the pairing's (engine/drafts.py, by the tokenizer): Llama-3.2-1B Q4_K_M 0.81 GB, Qwen2.5-0.5B 0.40 GB, Qwen3-0.6B
-#: 0.48 GB; Llama 2's tokenizer has none of its family, so Gemma 3 270M translated through text, 0.25 GB.
+@dataclass(frozen=True)
+class Moe:
+    """A mixture of experts' shape, from its config.json: routed experts (n_expert of n_ff each, n_used per token),
+    shared experts' and dense layers' FFN widths, attention (query heads x head_dim; kv_dim: the K and V
+    projections' output), the first n_dense layers dense."""
+    n_expert: int
+    n_used: int
+    n_ff: int
+    attn: int             # parameters of a layer's attention projections
+    n_ff_shared: int = 0
+    n_dense: int = 0
+    n_ff_dense: int = 0
+
+    def routed_share(self, n_embd: int, n_layer: int) -> float:
+        """The routed experts' share of the layers' parameters (the router and norms neglected)."""
+        routed = (n_layer - self.n_dense) * self.n_expert * 3 * n_embd * self.n_ff
+        rest = (n_layer * self.attn + (n_layer - self.n_dense) * 3 * n_embd * self.n_ff_shared
+                + self.n_dense * 3 * n_embd * self.n_ff_dense)
+        return routed / (routed + rest)
+
+
+def _attn(n_embd: int, n_head: int, n_head_kv: int, head_dim: int) -> int:
+    """q, k, v and o projections' parameters."""
+    return n_embd * head_dim * (2 * n_head + 2 * n_head_kv)
+
+
+def _llama70(name: str) -> Target:
+    return _named(name, "llama", "llama-bpe", 80, 8192, 128256, 8, 128, 42.52, 0.81)
+
+
+def _qwen235() -> Target:
+    return _named("Qwen3-235B-A22B Q4_K_M", "qwen3moe", "qwen2", 94, 4096, 151936, 4, 128, 142.6, 0.48,
+                  moe=Moe(128, 8, 1536, _attn(4096, 64, 4, 128)))
+
+
+#: Targets named by size, for a plan before any download: their published shapes (config.json: layers, width,
+#: vocabulary, KV heads x head_dim, experts) and the sizes of their usual GGUF files (Q4_K_M; gpt-oss ships MXFP4).
+#: The draft is the pairing's (engine/drafts.py, by the tokenizer): Llama-3.2-1B Q4_K_M 0.81 GB, Qwen2.5-0.5B 0.40 GB,
+#: Qwen3-0.6B 0.48 GB; a family without a small sibling of its tokenizer (Llama 2, GLM, gpt-oss, DeepSeek) drafts
+#: with Gemma 3 270M translated through text, 0.25 GB. gpt-oss's sliding-window layers keep 128 cells and
+#: DeepSeek's MLA cache is (512 + 64) + 512 f16 per cell and layer; the first is priced as a full cache (an upper
+#: bound), the second as llama.cpp keeps it.
 NAMED_TARGETS = {
     "8b-q4_k_m": _named("Llama-3.1-8B Q4_K_M", "llama", "llama-bpe", 32, 4096, 128256, 8, 128, 4.92, 0.81),
     "32b-q4_k_m": _named("Qwen2.5-32B Q4_K_M", "qwen2", "qwen2", 64, 5120, 152064, 8, 128, 19.85, 0.40),
-    "70b-q4_k_m": _named("Llama-3-70B Q4_K_M", "llama", "llama-bpe", 80, 8192, 128256, 8, 128, 42.52, 0.81),
+    "70b-q4_k_m": _llama70("Llama-3-70B Q4_K_M"),
+    "llama-3.3-70b-q4_k_m": _llama70("Llama-3.3-70B Q4_K_M"),
     "70b-q4_0": _named("Llama-2-70B Q4_0", "llama", "default", 80, 8192, 32000, 8, 128, 38.87, 0.25, out_bits=4.5),
-    "235b-a22b-q4_k_m": _named("Qwen3-235B-A22B Q4_K_M", "qwen3moe", "qwen2", 94, 4096, 151936, 4, 128, 142.6, 0.48,
-                               active_params_share=22 / 235),
+    "235b-a22b-q4_k_m": _qwen235(),
+    "qwen3-235b-a22b-q4_k_m": _qwen235(),
+    "qwen3-30b-a3b-q4_k_m": _named("Qwen3-30B-A3B Q4_K_M", "qwen3moe", "qwen2", 48, 2048, 151936, 4, 128, 18.56, 0.48,
+                                   moe=Moe(128, 8, 768, _attn(2048, 32, 4, 128))),
+    "glm-4.5-air-q4_k_m": _named("GLM-4.5-Air Q4_K_M", "glm4moe", "glm4", 46, 4096, 151552, 8, 128, 72.9, 0.25,
+                                 moe=Moe(128, 8, 1408, _attn(4096, 96, 8, 128), n_ff_shared=1408, n_dense=1,
+                                         n_ff_dense=10944)),
+    "gpt-oss-120b-mxfp4": _named("gpt-oss-120b MXFP4", "gpt-oss", "gpt-4o", 36, 2880, 201088, 8, 64, 63.4, 0.25,
+                                 embd_bits=8.5, out_bits=8.5, moe=Moe(128, 4, 2880, _attn(2880, 64, 8, 64))),
+    "gpt-oss-20b-mxfp4": _named("gpt-oss-20b MXFP4", "gpt-oss", "gpt-4o", 24, 2880, 201088, 8, 64, 12.1, 0.25,
+                                embd_bits=8.5, out_bits=8.5, moe=Moe(32, 4, 2880, _attn(2880, 64, 8, 64))),
+    "deepseek-v3-q4_k_m": _named("DeepSeek-V3 Q4_K_M", "deepseek2", "deepseek-v3", 61, 7168, 129280, 1, 0, 404.4,
+                                 0.25, moe=Moe(256, 8, 2048, 187_105_280, n_ff_shared=2048, n_dense=3,
+                                               n_ff_dense=18432), kv_bytes=(576 + 512) * 2),
     "405b-q4_k_m": _named("Llama-3.1-405B Q4_K_M", "llama", "llama-bpe", 126, 16384, 128256, 8, 128, 243.0, 0.81),
 }
+
+
+def named_target(name: str) -> Target | None:
+    """The target a size name names (NAMED_TARGETS; any case, `.gguf` allowed), or None: `plan --model-size` and
+    `models drafts SIZE` share it."""
+    key = name.strip().lower().removesuffix(".gguf")
+    return NAMED_TARGETS.get(key)
+
+
+def named_draft_hint(name: str) -> str | None:
+    """What to pass as --draft for a target named by size (engine/drafts.py's pairing by its tokenizer), or None
+    when the name is not a size."""
+    t = named_target(name)
+    if t is None:
+        return None
+    from ..engine.drafts import TRANSLATED, Tokenizer, pairing_for
+    p = pairing_for(Tokenizer(t.arch, t.pre, t.n_vocab))
+    if p is TRANSLATED:
+        return f"--draft gemma3-270m ({t.name}: no small model shares its tokenizer, one drafts through text)"
+    return f"--draft {p.file} ({p.family}: {p.draft}, the same tokenizer; from {p.source})"
 
 
 def recurrent_state_bytes(arch: str, f: dict) -> float:
@@ -149,7 +264,7 @@ def target_from_gguf(path) -> Target:
     import os
 
     from ..core.recurrent import ATTN, RECR, layer_kinds
-    from ..engine.ggufheader import read_header
+    from ..engine.ggufheader import model_size, read_header
     arch = read_header(path).fields["general.architecture"]
     per_layer = (f"{arch}.attention.head_count_kv", f"{arch}.attention.recurrent_layers")
     header = read_header(path, keep_arrays=per_layer)
@@ -165,18 +280,21 @@ def target_from_gguf(path) -> Target:
     head_dim = int(f.get(f"{arch}.attention.key_length", n_embd // max(1, n_head)))
     used, experts = f.get(f"{arch}.expert_used_count"), f.get(f"{arch}.expert_count")
     share = int(used) / int(experts) if used and experts else 1.0
-    every = active = 0.0
+    every = active = experts_bytes = 0.0
     for name, t in tensors.items():
         if name.startswith("blk.") and int(name.split(".")[1]) < n_layer:
             every += t.nbytes
             active += t.nbytes * (share if "_exps" in name else 1.0)
+            experts_bytes += t.nbytes if "_exps" in name else 0.0
     embd = tensors["token_embd.weight"].nbytes if "token_embd.weight" in tensors else 0.0
     out_t = tensors.get("output.weight") or tensors.get("token_embd.weight")
     norm = tensors.get("output_norm.weight")
     out = sum(t.nbytes for t in (out_t, norm) if t is not None)
     return Target(os.path.basename(os.fspath(path)), arch, n_layer, n_embd, int(f.get("tokenizer.ggml.tokens", 0)),
                   every / n_layer, active / n_layer, float(embd), float(out), 2.0 * n_head_kv * head_dim * 2,
-                  float(os.path.getsize(path)), pre=str(f.get("tokenizer.ggml.pre", "")), state_bytes_per_seq_layer=state)
+                  float(model_size(path)), pre=str(f.get("tokenizer.ggml.pre", "")), state_bytes_per_seq_layer=state,
+                  n_expert=int(experts or 0) if used else 0, n_expert_used=int(used or 0) if experts else 0,
+                  expert_layer_bytes=experts_bytes / n_layer if used and experts else 0.0)
 
 
 # ==================================================================== the host model
@@ -235,16 +353,21 @@ class Calibration:
         """Bytes per ms m streams weights at (inf where its bandwidth is not described)."""
         return math.inf if not m.mem_bw_gbps else m.mem_bw_gbps * 1e6 * self.bw_efficiency
 
-    def stage_ms(self, m: Machine, threads: int, active_bytes: float, rows: int) -> float:
-        """One decode of `rows` rows of a stage streaming active_bytes on m (rows past the profiled table: the
-        table's last ratio grown linearly to the prompt rate at 64 rows, as cluster.StageCost does)."""
+    def stage_ms(self, m: Machine, threads: int, active_bytes: float, rows: int,
+                 read_bytes: float | None = None) -> float:
+        """One decode of `rows` rows of a stage whose one row reads active_bytes on m, the rows together
+        `read_bytes` (None: active_bytes; a mixture of experts' further rows read other experts:
+        Target.read_stage_bytes). Compute: active_bytes at one row times the profiled cost of `rows` rows over one
+        (rows past the profiled table: the table's last ratio grown linearly to the prompt rate at 64 rows, as
+        cluster.StageCost does); memory: the bytes read, streamed once for all rows."""
         compute = active_bytes / self.compute_rate(m, threads)
         b = len(self.batch_ratio)
         if rows <= b:
             ratio = self.batch_ratio[rows - 1]
         else:
             ratio = max(self.batch_ratio[-1], rows * self.prompt_ratio)
-        return max(active_bytes / self.memory_rate(m), compute * ratio) + self.fixed_ms
+        streamed = active_bytes if read_bytes is None else read_bytes
+        return max(streamed / self.memory_rate(m), compute * ratio) + self.fixed_ms
 
     def draft_ms(self, m: Machine, threads: int, draft_bytes: float) -> float:
         """A draft of draft_bytes per token on m: the profiled draft's cost scaled by bytes and compute rate,
@@ -303,7 +426,7 @@ GIB = float(1 << 30)
 def ranks_of(machines: list[Machine]) -> list[RankPlan]:
     """Ranks as `pipeinfer launch` places them: host by host, a role=draft host last."""
     stage_hosts = [m for m in machines if m.role != "draft"]
-    out = [RankPlan(0, m, m.rank_threads) for m in stage_hosts for _ in range(m.slots)]
+    out = [RankPlan(0, m, m.thread_of(i)) for m in stage_hosts for i in range(m.slots)]
     out += [RankPlan(0, m, m.rank_threads, draft=True) for m in machines if m.role == "draft"]
     for i, r in enumerate(out):
         r.rank = i
@@ -382,9 +505,21 @@ def place(machines: list[Machine], target: Target, cal: Calibration, n_ctx: int 
     return ranks
 
 
-def fit(ranks: list[RankPlan], target: Target, n_ctx: int = N_CTX, draft_bytes: float = 0.0) -> list[HostFit]:
-    """RAM and disk each host needs (its ranks together: weights, KV cache, a hybrid's recurrent states for every
-    sequence id, context_seqs) against what it has; a line per shortfall."""
+def with_counts(ranks: list[RankPlan], counts: list[int]) -> list[RankPlan]:
+    """The ranks with the stage ranks holding `counts` layers each, in order (another split of the same hosts)."""
+    out, start, stages = [], 0, iter(counts)
+    for r in ranks:
+        n = 0 if r.draft else next(stages)
+        out.append(replace(r, layers=(start, start + n) if not r.draft else (0, 0)))
+        start += n
+    return out
+
+
+def fit(ranks: list[RankPlan], target: Target, n_ctx: int = N_CTX, draft_bytes: float = 0.0,
+        draft_beside_head: bool = False) -> list[HostFit]:
+    """RAM and disk each host needs (its ranks together: Target.rank_ram_bytes, a hybrid's recurrent states for
+    every sequence id, context_seqs; the draft on the role=draft host, or with `draft_beside_head` beside rank 0)
+    against what it has; a line per shortfall."""
     fits: dict[str, HostFit] = {}
     n_seq = context_seqs(target, sum(1 for r in ranks if not r.draft))
     for r in ranks:
@@ -395,7 +530,8 @@ def fit(ranks: list[RankPlan], target: Target, n_ctx: int = N_CTX, draft_bytes: 
             continue
         n = r.layers[1] - r.layers[0]
         weights = target.stage_bytes(n, r.first, r.last)
-        hf.ram_gib += (weights + n * target.cache_bytes_per_layer(n_ctx, n_seq) + RUNTIME_GIB * GIB) / GIB
+        hf.ram_gib += (target.rank_ram_bytes(n, r.first, r.last, n_ctx, n_seq)
+                       + (draft_bytes if draft_beside_head and r.rank == 0 else 0.0)) / GIB
         hf.disk_gib += (weights + (target.file_bytes if r.first else 0.0)) / GIB
     for hf in fits.values():
         m = hf.machine
@@ -444,21 +580,22 @@ def described_profile(machines: list[Machine], target: Target, cal: Calibration,
     for r in stages:
         n = r.layers[1] - r.layers[0]
         active = target.active_stage_bytes(n, r.last)
-        ms = [cal.stage_ms(r.machine, r.threads, active, rows) for rows in range(1, b + 1)]
-        prompt = cal.stage_ms(r.machine, r.threads, active, 64) / 64
+        ms = [cal.stage_ms(r.machine, r.threads, active, rows, target.read_stage_bytes(n, r.last, rows))
+              for rows in range(1, b + 1)]
+        prompt = cal.stage_ms(r.machine, r.threads, active, 64, target.read_stage_bytes(n, r.last, 64)) / 64
         records.append({"rank": r.rank, "host": r.machine.name, "machine": r.machine.name, "cores": r.machine.cores,
                         "threads": r.threads, "layers": list(r.layers), "last": r.last,
                         "ms_by_batch": ms, "prompt_ms_per_token": prompt})
     # the layer model of the target on a host like the first stage's (the search prices other splits with it,
     # each rank by its speed relative to this model)
     r0 = stages[0]
-    one_layer = [cal.stage_ms(r0.machine, r0.threads, target.active_layer_bytes, rows) - cal.fixed_ms
-                 for rows in range(1, b + 1)]
+    one_layer = [cal.stage_ms(r0.machine, r0.threads, target.active_layer_bytes, rows,
+                              target.read_layer_bytes(rows)) - cal.fixed_ms for rows in range(1, b + 1)]
     out = [cal.stage_ms(r0.machine, r0.threads, target.out_bytes, rows) - cal.fixed_ms for rows in range(1, b + 1)]
     lm = {"probe_layers": 1, "fixed_ms": [cal.fixed_ms] * b, "layer_ms": one_layer, "out_ms": out,
           "prompt_fixed_ms_per_token": cal.fixed_ms / 64,
-          "prompt_layer_ms_per_token": (cal.stage_ms(r0.machine, r0.threads, target.active_layer_bytes, 64)
-                                        - cal.fixed_ms) / 64,
+          "prompt_layer_ms_per_token": (cal.stage_ms(r0.machine, r0.threads, target.active_layer_bytes, 64,
+                                                     target.read_layer_bytes(64)) - cal.fixed_ms) / 64,
           "prompt_out_ms_per_token": (cal.stage_ms(r0.machine, r0.threads, target.out_bytes, 64) - cal.fixed_ms) / 64}
     links = []
     for i, r in enumerate(stages):

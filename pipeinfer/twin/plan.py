@@ -42,6 +42,7 @@ from .sim import (
 
 PLAN_P_RECOVERY = (None, 0.1, 0.25, 0.5)   # None: auto (0.5 / (ranks - 1))
 PLAN_P_ACCEPT = (0.1, 0.3, 0.5, 0.7)
+GIB_ = float(1 << 30)
 REFERENCE_PROFILE = Path(__file__).with_name("reference_profile.json")  # plan --machines' default calibration
 TIE = 0.005          # a configuration tried later must be this much faster to win (the even split, then simpler ones)
 TREE_BRANCHES = 4                          # --max-branches plan tries beside the chain (1)
@@ -180,17 +181,38 @@ def search(prof: dict, *, agreement: float, n_predict: int, exact_limit: int, dr
     return best
 
 
+def split_counts(prof: dict, fractions: list[float] | None) -> list[int]:
+    """Layers of each stage rank in a configuration: `fractions` through core/topology.layer_ranges, as start-up
+    applies --layer-split, or the profile's own split (None)."""
+    if fractions is None:
+        return [r["layers"][1] - r["layers"][0] for r in prof["ranks"]]
+    return [rr.n_layers for rr in layer_ranges(prof["model"]["n_layer"], fractions)]
+
+
+def split_option(counts: list[int]) -> str:
+    """--layer-split as layer counts (40,26,14): fractions layer_ranges turns back into exactly those counts (each
+    share n_layer x c / n_layer is the integer c, no remainder to round)."""
+    return "--layer-split " + ",".join(map(str, counts))
+
+
+def threads_option(threads: list[int]) -> str:
+    return "-t " + (",".join(map(str, threads)) if len(set(threads)) > 1 else str(threads[0]))
+
+
 def launch_line(prof: dict, cand: Candidate, hostfile: str = "hosts.txt", model: str | None = None,
-                draft: str | None = None) -> str:
+                draft: str | None = None, n_ctx: int | None = None, draft_threads: int | None = None) -> str:
+    """The command that runs `cand` as the twin priced it: the split (split_option) and the threads always
+    explicit, -c where a context was sized (n_ctx), the draft's threads on a host of its own (draft_threads)."""
     parts = [f"pipeinfer launch --hostfile {hostfile} -- generate --mode {cand.mode}"]
     if model:
         parts.append(f"-m {model}")
     if draft and cand.mode != "iterative":
         parts.append(f"--draft {draft}")
-    if cand.fractions:
-        parts.append("--layer-split " + ",".join(f"{f:g}" for f in cand.fractions))
-    threads = [r["threads"] for r in prof["ranks"]]
-    parts.append("-t " + ",".join(map(str, threads)) if len(set(threads)) > 1 else f"-t {threads[0]}")
+    if len(prof["ranks"]) > 1:
+        parts.append(split_option(split_counts(prof, cand.fractions)))
+    parts.append(threads_option([r["threads"] for r in prof["ranks"]]))
+    if n_ctx:
+        parts.append(f"-c {n_ctx}")
     if cand.mode != "iterative":
         parts += [f"--draft-max {cand.draft_max}", f"-pa {cand.p_accept:g}"]
         if cand.mode == "pipeinfer":
@@ -199,6 +221,8 @@ def launch_line(prof: dict, cand: Candidate, hostfile: str = "hosts.txt", model:
                 parts.append(f"--max-branches {cand.branches}")
         # the twin's placements: in series on the head, or a host of its own (a hostfile line with role=draft)
         parts.append("--draft-at rank" if cand.draft_on == "own" else "--draft-at head")
+        if cand.draft_on == "own" and draft_threads:
+            parts.append(f"--draft-threads {draft_threads}")
     return " ".join(parts)
 
 
@@ -213,6 +237,7 @@ class Described:
     target: object       # machines.Target
     calibration: object  # machines.Calibration
     n_ctx: int
+    draft_bytes: float = 0.0
 
     def split_ok(self, fractions: list[float]) -> bool:
         """Whether another split of the stage ranks fits each one's RAM (plan's search tries such splits)."""
@@ -227,6 +252,38 @@ class Described:
     @property
     def problems(self) -> list[str]:
         return [p for f in self.fits for p in f.problems]
+
+    @property
+    def draft_rank(self):
+        """The role=draft host's rank (machines.RankPlan), or None."""
+        return next((r for r in self.ranks if r.draft), None)
+
+    def priced(self, counts: list[int], with_draft: bool) -> "Priced":
+        """The hosts holding `counts` layers per stage rank (a command's split): ranks, RAM and disk, first start;
+        the draft, `with_draft`, on its role=draft host or beside rank 0."""
+        from .machines import first_start_s, fit, with_counts
+        ranks = with_counts(self.ranks, counts)
+        draft = self.draft_bytes if with_draft else 0.0
+        fits = fit(ranks, self.target, self.n_ctx, draft, draft_beside_head=self.draft_rank is None)
+        return Priced(ranks, fits, first_start_s(ranks, self.target, draft))
+
+
+@dataclass
+class Priced:
+    """What one command's split asks of the described hosts."""
+    ranks: list          # machines.RankPlan, with their layers
+    fits: list           # machines.HostFit
+    first_start_s: float
+
+    @property
+    def problems(self) -> list[str]:
+        return [p for f in self.fits for p in f.problems]
+
+    def ram_line(self) -> str:
+        """One line: each host's RAM need / has."""
+        has = lambda x: "?" if x is None else f"{x:g}"  # noqa: E731
+        return "RAM need/has (GiB): " + ", ".join(f"{f.machine.name} {f.ram_gib:.1f}/{has(f.machine.mem_gib)}"
+                                                 for f in self.fits)
 
 
 def describe(hostfile: str, target, prof: dict, *, n_ctx: int, latency_us: float, draft_bytes: float) -> Described:
@@ -246,19 +303,22 @@ def describe(hostfile: str, target, prof: dict, *, n_ctx: int, latency_us: float
     dprof, ranks = described_profile(machines, target, cal, prof, n_ctx=n_ctx, latency_us=latency_us,
                                      draft_bytes=draft_bytes)
     return Described(dprof, ranks, fit(ranks, target, n_ctx, draft_bytes), first_start_s(ranks, target, draft_bytes),
-                     target, cal, n_ctx)
+                     target, cal, n_ctx, draft_bytes)
 
 
-def fit_table(d: Described) -> str:
-    """A line per rank: host, threads, layers, its decode of one row; a line per host: RAM and disk."""
+def fit_table(d: Described, priced: Priced | None = None) -> str:
+    """A line per rank: host, threads, layers, its decode of one row (the host model's); a line per host: RAM
+    and disk (of `priced`, a command's split; None: the described split)."""
+    ranks, fits = (priced.ranks, priced.fits) if priced else (d.ranks, d.fits)
+    t, cal = d.target, d.calibration
     lines = [f"{'rank':<5}{'host':<16}{'threads':>8}  {'layers':<10}{'one row':>10}"]
-    by_rank = {r["rank"]: r for r in d.profile["ranks"]}
-    for r in d.ranks:
+    for r in ranks:
         what = "the draft" if r.draft else f"{r.layers[0]}-{r.layers[1]}" + (" +out" if r.last else "")
-        ms = f"{by_rank[r.rank]['ms_by_batch'][0]:8.1f} ms" if r.rank in by_rank else ""
+        n = r.layers[1] - r.layers[0]
+        ms = "" if r.draft else f"{cal.stage_ms(r.machine, r.threads, t.active_stage_bytes(n, r.last), 1):8.1f} ms"
         lines.append(f"{r.rank:<5}{r.machine.name:<16}{r.threads:>8}  {what:<10}{ms:>10}")
     lines.append(f"{'host':<16}{'RAM need/has (GiB)':>22}{'disk need/has (GiB)':>22}")
-    for f in d.fits:
+    for f in fits:
         has = lambda x: "?" if x is None else f"{x:g}"  # noqa: E731
         lines.append(f"{f.machine.name:<16}{f'{f.ram_gib:.1f} / {has(f.machine.mem_gib)}':>22}"
                      f"{f'{f.disk_gib:.1f} / {has(f.machine.disk_gib)}':>22}")
@@ -277,13 +337,13 @@ class LoadRow:
 
 def serve_load(prof: dict, *, n_clients: int, n_parallel: int, n_predict: int, n_prompt: int, agreement: float,
                propose: float = 1.0, confidence: list | None = None, base: GenConfig = GenConfig(stop_at_eos=False),
-               draft_on: str = "head", requests_per_client: int = 4) -> list[LoadRow]:
+               draft_on: str = "head", requests_per_client: int = 4, n_ctx: int | None = None) -> list[LoadRow]:
     """`n_clients` closed-loop clients on the profiled cluster, served three ways: one generation at a time with
     PipeInfer (--parallel 1: a request's fastest answer, the others queue), interleaving (iterative, n_parallel
     generations, nothing speculative) and the default (pipeinfer with n_parallel: interleaving, the generations'
     next tokens sharing decodes up to the profile's exact batch limit, the drafter lent where a stage would idle).
     PipeInfer's micro-batches are as start-up sizes them: --draft-max's default within the profile's exact batch
-    limit."""
+    limit. n_ctx: the stages' context (None: room for every slot's request at once)."""
     cluster = build_cluster(prof, Shape(draft_on=draft_on))
     cap = int(prof.get("exact_batch", 3))
     rows = []
@@ -294,18 +354,18 @@ def serve_load(prof: dict, *, n_clients: int, n_parallel: int, n_predict: int, n
                       batch_rows=cap if label == "default" else 1)
         res = simulate_clients(cluster, gen, n_clients=n_clients, n_requests=max(4, requests_per_client * n_clients),
                                n_prompt=n_prompt, n_parallel=parallel, agreement=agreement, propose=propose,
-                               confidence=confidence)
+                               confidence=confidence, n_ctx=n_ctx)
         rows.append(LoadRow(label, mode, parallel, res))
     return rows
 
 
 def recommend_serving(prof: dict, *, n_clients: int, n_predict: int, n_prompt: int, agreement: float,
                       propose: float = 1.0, confidence: list | None = None, draft_on: str = "head",
-                      requests_per_client: int = 4) -> LoadRow:
+                      requests_per_client: int = 4, n_ctx: int | None = None) -> LoadRow:
     """The default schedule's --parallel and --batch-rows for this load: --parallel from the stage count up to the
     clients (1, 2 and 4 per stage, and every client), --batch-rows from 1 to the exact batch limit (the most that
     keeps every answer what it is alone, which `auto` asks each host for); the fastest, ties (within TIE) to the
-    lower p50 latency."""
+    lower p50 latency. n_ctx: the stages' context (None: room for every slot's request at once)."""
     from ..decide.batching import MAX_PARALLEL
     cluster = build_cluster(prof, Shape(draft_on=draft_on))
     n = len(prof["ranks"])
@@ -317,7 +377,7 @@ def recommend_serving(prof: dict, *, n_clients: int, n_predict: int, n_prompt: i
                       draft_max=resolve_draft_max(None, cap, lead=False), batch_rows=rows)
         res = simulate_clients(cluster, gen, n_clients=n_clients, n_requests=max(4, requests_per_client * n_clients),
                                n_prompt=n_prompt, n_parallel=parallel, agreement=agreement, propose=propose,
-                               confidence=confidence)
+                               confidence=confidence, n_ctx=n_ctx)
         row = LoadRow("--batch-rows " + ("auto" if rows == cap > 1 else str(rows)), "pipeinfer", parallel, res)
         if best is None or res.tokens_per_s > best.result.tokens_per_s * (1 + TIE) or (
                 res.tokens_per_s >= best.result.tokens_per_s * (1 - TIE)
@@ -334,6 +394,123 @@ def load_table(rows: list[LoadRow]) -> str:
                      f"({100 * r.fraction_of_limit:5.1f}% of the limit)   latency p50 {r.p50_latency_s:7.2f} s, "
                      f"p95 {r.p95_latency_s:7.2f} s")
     return "\n".join(lines)
+
+
+CTX_ROUND = 256  # -c as plan sizes it: rounded up to this
+
+
+def load_cells(n_parallel: int, n_prompt: int, n_predict: int, n_stages: int) -> int:
+    """-c that lets n_parallel requests of n_prompt + n_predict tokens run at once on every stage (the scheduler
+    admits a request while its cells fit, kvplan.ContextBudget): their cells, a token each more (planner.cells_short)
+    and a round of speculative runs (kvplan.cells_reserve, the partitions start-up plans by default), rounded up."""
+    from ..core.config import DEFAULT_DRAFT_MAX
+    from ..core.kvplan import cells_reserve, in_flight_limit, plan_partitions
+    n_part = plan_partitions(1, in_flight_limit(None, n_stages))[0]
+    cells = n_parallel * (n_prompt + n_predict + 1) + cells_reserve(n_part, DEFAULT_DRAFT_MAX)
+    return -(-cells // CTX_ROUND) * CTX_ROUND
+
+
+def parallel_within(n_ctx: int, n_prompt: int, n_predict: int, n_stages: int) -> int:
+    """The most requests of n_prompt + n_predict tokens that run at once in a context of n_ctx (load_cells's
+    inverse; at least 1)."""
+    n = 1
+    while load_cells(n + 1, n_prompt, n_predict, n_stages) <= n_ctx:
+        n += 1
+    return n
+
+
+# ==================================================================== one host, and copies of it
+@dataclass
+class OneHost:
+    """One described host holding the whole model as one process: its one-stream speed alone and with the draft
+    beside it (synchronous speculation, `draft_max` tokens a round), and its throughput serving `rows` requests
+    at once."""
+    name: str
+    threads: int
+    ram_gib: float
+    tokens_per_s: float
+    spec_tokens_per_s: float
+    draft_max: int
+    serve_tokens_per_s: float = 0.0
+
+    @property
+    def best(self) -> tuple[str, float]:
+        return max((("speculative", self.spec_tokens_per_s), ("iterative", self.tokens_per_s)), key=lambda m: m[1])
+
+
+def speculative_tokens(agreement: float, k: int) -> float:
+    """Tokens one round of synchronous speculation yields: the accepted prefix of k drafted tokens, each right with
+    probability `agreement` independently, and the target's own next token: (1 - a^(k+1)) / (1 - a)."""
+    a = min(agreement, 0.999999)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def one_hosts(d: Described, *, agreement: float, exact_limit: int, n_prompt: int = 64, n_predict: int = 128,
+              clients: int = 1) -> list[OneHost]:
+    """Each stage host that holds the whole model, its KV cache and the draft in its RAM, priced by the host model
+    as one process on all its cores (the twin simulates 2 or more ranks, so this is the roofline's arithmetic):
+    a token costs the whole model's one-row decode; speculation k draft tokens then k + 1 rows
+    (speculative_tokens of them right), k up to the exact batch limit less the lead token; serving, a copy on each
+    such host takes its share of `clients`: that many rows a decode (up to the limit), each request's prompt at
+    the prompt rate."""
+    from ..core.cpus import share
+    t, cal = d.target, d.calibration
+    ram = (t.rank_ram_bytes(t.n_layer, True, True, d.n_ctx) + d.draft_bytes) / GIB_
+    hosts = [m for m in dict.fromkeys(r.machine for r in d.ranks if not r.draft) if m.mem_gib is None or ram <= m.mem_gib]
+    rows = max(1, min(-(-clients // max(1, len(hosts))), exact_limit))  # each copy's share of the clients
+    active = t.active_stage_bytes(t.n_layer, True)
+    out = []
+    for m in hosts:
+        threads = m.threads or share(m.cores, 1, 0)
+
+        def ms(rows: int) -> float:
+            return cal.stage_ms(m, threads, active, rows, t.read_stage_bytes(t.n_layer, True, rows)) + \
+                cal.head_overhead_ms
+        draft_ms = cal.draft_ms(m, threads, d.draft_bytes)
+        spec = max((speculative_tokens(agreement, k) * 1e3 / (k * draft_ms + ms(k + 1)), k)
+                   for k in range(1, max(1, exact_limit - 1) + 1))
+        per_request_ms = n_prompt * ms(64) / 64 + n_predict * ms(rows) / rows  # of the host's time
+        out.append(OneHost(m.name, threads, ram, 1e3 / ms(1), spec[0], spec[1], n_predict * 1e3 / per_request_ms))
+    return out
+
+
+def one_host_line(h: OneHost, model: str, draft: str | None, n_ctx: int, serve_parallel: int | None = None) -> str:
+    """The command that runs the model on host h alone (one process: run it there, or through `launch` with a
+    hostfile of that host's line): generate in its faster mode, or with serve_parallel a server."""
+    mode, _ = h.best
+    if serve_parallel:
+        return f"pipeinfer serve -m {model} -t {h.threads} -c {n_ctx} --parallel {serve_parallel}"
+    parts = [f"pipeinfer generate --mode {mode} -m {model}"]
+    if mode == "speculative" and draft:
+        parts += [f"--draft {draft}", f"--draft-max {h.draft_max}"]
+    return " ".join(parts + [f"-t {h.threads}", f"-c {n_ctx}"])
+
+
+def verdict(pipeline_tps: float, hosts: list[OneHost], what: str = "one stream") -> str:
+    """One line: whether a pipeline is the tool for `what`, against the fastest host alone."""
+    if not hosts:
+        return "verdict: no host holds the model alone: a pipeline is how it runs here"
+    best = max(hosts, key=lambda h: h.best[1])
+    mode, tps = best.best
+    if tps > pipeline_tps * (1 + TIE):
+        return (f"verdict: a pipeline is the wrong tool here for {what}: {best.name} alone is {tps / pipeline_tps:.2f}x "
+                f"faster ({tps:.2f} tokens/s, {mode})")
+    return (f"verdict: the pipeline is {pipeline_tps / tps:.2f}x {best.name} alone ({tps:.2f} tokens/s, {mode}), "
+            f"the fastest single host")
+
+
+def replica_verdict(pipeline_tps: float, hosts: list[OneHost], clients: int) -> str:
+    """One line: the pipeline under `clients` against a copy of the model on every host that holds it alone, the
+    clients shared among the copies behind one endpoint (a load balancer in front of one `serve` per host)."""
+    if not hosts:
+        return "verdict: no host holds the model alone: a pipeline is how it serves here"
+    total = sum(h.serve_tokens_per_s for h in hosts)
+    copies = f"{hosts[0].name} alone" if len(hosts) == 1 else \
+        f"{len(hosts)} copies of the model ({', '.join(h.name for h in hosts)}) behind one endpoint"
+    if total > pipeline_tps * (1 + TIE):
+        return (f"verdict: a pipeline is the wrong tool here for {clients} clients: {copies} would serve about "
+                f"{total:.2f} tokens/s, {total / pipeline_tps:.2f}x")
+    return f"verdict: the pipeline serves {pipeline_tps / total:.2f}x what {copies} would ({total:.2f} tokens/s)"
 
 
 # ==================================================================== plan --conversations: multi-turn chat
