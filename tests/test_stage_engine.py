@@ -207,7 +207,7 @@ def test_a_row_alone_is_the_row_in_a_batch_on_two_threads_past_512_cells(monkeyp
     path = real_model("qwen2.5-coder-1.5b")
     alone, in_batch = _row_alone_and_in_a_batch(path, n_threads=2, n_cells=300)  # 300 used cells: a 512-cell view
     assert np.array_equal(alone, in_batch)
-    monkeypatch.setattr(stage, "kv_cache_types", lambda kernels: (1, 1))  # f16 and f16
+    monkeypatch.setattr(stage, "kv_cache_types", lambda kernels, one_type: (1, 1))  # f16 and f16
     alone, in_batch = _row_alone_and_in_a_batch(path, n_threads=2, n_cells=300)
     assert not np.array_equal(alone, in_batch)
     alone, in_batch = _row_alone_and_in_a_batch(path, n_threads=1, n_cells=300)  # one thread: one part, same bits

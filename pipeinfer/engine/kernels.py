@@ -133,9 +133,10 @@ def flash_attn_type(kernels: str) -> int:
             else llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
 
 
-def kv_cache_types(kernels: str) -> tuple[int, int]:
+def kv_cache_types(kernels: str, one_type: bool = False) -> tuple[int, int]:
     """(K, V) cache types (ggml_type): f16 keys and bf16 values in every exact setting, on any thread count;
-    llama.cpp's f16 and f16 under `fast`.
+    llama.cpp's f16 and f16 under `fast`, and where the model needs one type (`one_type`: multi-head latent
+    attention keeps V inside K's cells).
 
     ggml's CPU flash attention splits one query row over 512+ cells across the threads when K and V are both f16,
     and merges the parts: on 2+ threads a row decoded alone then differs from the same row in a batch (0.33 in a
@@ -145,9 +146,13 @@ def kv_cache_types(kernels: str) -> tuple[int, int]:
     1 thread as on many gives the same greedy answer on any number of threads, ranks and hosts (an f16 cache on
     1 thread parted from the bf16 one on 2 at the 41st token of the held-out printing-press prompt). llama.cpp
     casts an f32 cache to f16; q8_0 would need head sizes that are multiples of 32; bf16 fits any, in f16's bytes,
-    and costs about 8% per token at 1000 cells."""
+    and costs about 8% per token at 1000 cells. A model of one cache type keeps f16: with bf16 keys too, DeepSeek
+    3.2's synthetic model parted from its own iterative answer on 3 ranks (its indexer), so on 2+ threads past 512
+    cells its rows may split (docs/design.md, Exactness)."""
     f16, bf16 = 1, 30
-    return (f16, f16) if kernels == "fast" else (f16, bf16)
+    if kernels == "fast":
+        return f16, f16
+    return (f16, f16) if one_type else (f16, bf16)
 
 
 @lru_cache(maxsize=1)

@@ -76,9 +76,20 @@ TOKEN_INPUT_ONLY = {"glm4": b"embd", "glm4moe": b"embd",
 
 def model_arch(model) -> str:
     """general.architecture of a loaded llama.cpp model."""
+    return _meta(model, "general.architecture") or ""
+
+
+def _meta(model, key: str) -> str | None:
+    """A metadata value of a loaded llama.cpp model, as text; None where the model has no such key."""
     buf = ctypes.create_string_buffer(64)
-    n = llama_cpp.llama_model_meta_val_str(model, b"general.architecture", buf, len(buf))
-    return buf.value.decode() if n > 0 else ""
+    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode() if n >= 0 else None
+
+
+def one_cache_type(model, arch: str) -> bool:
+    """Whether llama.cpp needs this model's K and V caches of one type: its multi-head latent attention keeps V
+    inside K's cells (llama-context.cpp: is_mla() or DeepSeek 4; key_length_mla in the file)."""
+    return arch == "deepseek4" or _meta(model, f"{arch}.attention.key_length_mla") is not None
 
 
 _GGML = None
@@ -239,10 +250,10 @@ class StageEngine:
         cparams.kv_unified = True  # sequences share one cell pool; seq_cp only tags cells
         cparams.no_perf = True
         cparams.flash_attn_type = flash_attn_type(kernels)  # kernels.py: which settings are batch-invariant
-        cparams.type_k, cparams.type_v = kv_cache_types(kernels)
+        arch = model_arch(self.model)
+        cparams.type_k, cparams.type_v = kv_cache_types(kernels, one_type=one_cache_type(self.model, arch))
         self._captured: list[np.ndarray] = []
         self._capture_name = f"l_out-{self.n_layer - 1}".encode() if capture_hidden else None
-        arch = model_arch(self.model)
         self._input_name = (SCALES_EVERY_INPUT.get(arch) or TOKEN_INPUT_ONLY.get(arch)) if embd_input else None
         self._token_carrier = embd_input and arch in TOKEN_INPUT_ONLY  # hidden states ride on token 0's rows
         self._input_rows = 0  # rows written into the input tensor by the last decode
