@@ -60,3 +60,18 @@ def test_share_deals_every_core_and_at_least_one_each():
         for n in range(1, 10):
             got = [cpus.share(cores, n, i) for i in range(n)]
             assert sum(got) == max(cores, n) and max(got) - min(got) <= 1 and min(got) >= 1
+
+
+def test_a_slurm_steps_tasks_on_one_node_share_it_when_mpi_does_not_say(tmp_path):
+    """srun --cpu-bind=none, 2 tasks on each of 2 nodes of 2 cores, MPI seeing each rank alone: Slurm's counts."""
+    sysfs = _sysfs(tmp_path, {0: "0", 1: "1"})
+    node = frozenset({0, 1})
+    step = {"SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1", "SLURM_CPUS_ON_NODE": "2"}
+    assert [cpus.default_threads(node, [node], 0, dict(step, SLURM_LOCALID=str(i)), sysfs) for i in range(2)] == [1, 1]
+    one_each = dict(step, SLURM_STEP_TASKS_PER_NODE="1(x2)", SLURM_LOCALID="0")
+    assert cpus.default_threads(node, [node], 0, one_each, sysfs) == 2
+    # tasks Slurm bound to CPUs of their own share nothing
+    bound = dict(step, SLURM_LOCALID="0")
+    assert cpus.default_threads(frozenset({0}), [frozenset({0})], 0, bound, sysfs) == 1
+    assert cpus.slurm_node_sharing(node, {}) is None
+    assert cpus.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]

@@ -106,6 +106,21 @@ def test_slurm_launch_in_an_allocation_runs_one_job(slurm, models):
         p.stderr[-2000:]
 
 
+def test_slurm_ranks_take_the_cpus_slurm_gave_their_task(slurm, models):
+    """No -t in an allocation: `-c 1` gives each task 1 CPU (SLURM_CPUS_PER_TASK), so each rank runs 1 thread; a rank
+    alone on a whole node runs every core of it; whole nodes with a task per CPU (salloc's default) share each node's
+    cores among its ranks (Slurm's step counts: MPI sees these emulated nodes' ranks apart)."""
+    from pipeinfer.core import cpus
+    args = [a for a in _generate_args(models, n=8) if a not in ("-t", "1")] + ["--json"]
+    assert "-t" not in args
+    node = cpus.physical_cores(cpus.affinity())  # the emulated nodes are this machine's namespaces
+    for salloc, want in ((["-c", "1"], [1, 1]), (["--exclusive", "--ntasks-per-node=1"], [node, node]),
+                         (["--exclusive"], [cpus.share(node, node, i) for i in range(node)] * 2)):
+        p = _run(["salloc", "-N", "2", *salloc, *PIPEINFER, "launch", "--", *args], slurm)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert json.loads(p.stdout.strip().splitlines()[-1])["threads"] == want, salloc
+
+
 def test_slurm_doctor_inside_an_allocation(slurm, models):
     """`pipeinfer doctor` in `salloc -N 3` without a hostfile: one srun step probes h0, h1 and h2 (each node's
     scratch the cache it names), one MPI step measures the links; whole nodes pass. Without --exclusive or

@@ -15,13 +15,13 @@ one process; each rank says so in one line (launcher.world_size_mismatch), namin
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Collection, Mapping, Sequence
 
+from ..core.cpus import expand_tasks_per_node
 from .launcher import Host, job_plan, rank_hosts
 
 SRUN_MPI = {"mpich": "pmi2", "openmpi": "pmix"}   # the srun --mpi plugin each MPI's library speaks
@@ -42,17 +42,6 @@ class Allocation:
 
 def in_allocation(environ: Mapping[str, str]) -> bool:
     return bool(environ.get("SLURM_JOB_ID"))
-
-
-def expand_tasks_per_node(text: str) -> list[int]:
-    """SLURM_TASKS_PER_NODE's compact form, one count per node: "2(x3),1" -> [2, 2, 2, 1]."""
-    counts: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
-        if m is None:
-            raise ValueError(f"SLURM_TASKS_PER_NODE={text!r}: cannot read {part!r}")
-        counts += [int(m.group(1))] * int(m.group(2) or 1)
-    return counts
 
 
 def hostnames(nodelist: str, scontrol: str = "scontrol") -> list[str]:
