@@ -45,5 +45,5 @@ def test_models_drafts_prints_the_table_and_a_targets_line():
                                          ("32b-q4_k_m", "qwen2.5-0.5b-instruct-q8_0.gguf"),
                                          ("235b-a22b-q4_k_m", "Qwen3-0.6B-Q8_0.gguf")])
 def test_a_target_named_by_size_gets_the_draft_of_its_tokenizer(size, draft):
-    from pipeinfer.cli.twin_cmds import _usual_draft
+    from pipeinfer.cli.plan_cmd import _usual_draft
     assert _usual_draft(None, size) == draft

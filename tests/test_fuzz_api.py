@@ -1,6 +1,6 @@
 """schemathesis against the OpenAPI schema the app publishes (GET /openapi.json), over the scripted head session
 (tests/api_fakes.py): bodies generated from the schema, valid (positive) and not (negative), for every operation,
-`model` always the served one (else every valid case is a 404); no answer may be a
+`model` always the served one (the answers name the model asked when it is served); no answer may be a
 5xx, and the server answers a normal request afterwards. Bounded: FUZZ_EXAMPLES examples per operation,
 derandomized (the same cases every run). The routes that read their body by hand (Anthropic's /v1/messages*,
 /v1/responses) publish no body schema: their pydantic models are added to the fuzzed copy."""
@@ -32,7 +32,7 @@ def _with_hand_read_bodies(raw: dict) -> dict:
             for name, sub in model.model_json_schema(ref_template="#/components/schemas/{model}").get(
                     "$defs", {}).items():
                 raw.setdefault("components", {}).setdefault("schemas", {}).setdefault(name, sub)
-    for body in raw.get("components", {}).get("schemas", {}).values():  # the served model, or every case is a 404
+    for body in raw.get("components", {}).get("schemas", {}).values():  # the served model: answers then name it
         if "model" in body.get("properties", {}):
             body["properties"]["model"] = {"type": "string", "enum": ["fake"]}
     for op in (o for item in raw["paths"].values() for o in item.values()):

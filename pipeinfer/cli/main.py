@@ -598,7 +598,8 @@ def _register() -> None:
     from .launch import launch_cmd
     from .models_cmd import models_group
     from .plot import plot_cmd
-    from .twin_cmds import plan_cmd, profile_cmd, simulate_cmd
+    from .plan_cmd import plan_cmd
+    from .twin_cmds import profile_cmd, simulate_cmd
     main.add_command(simulate_cmd)
     main.add_command(plan_cmd)
     main.add_command(profile_cmd)

@@ -209,7 +209,7 @@ def config_from_options(kw: dict, *, sampling: SamplingParams | None = None) -> 
     """The run's configuration from click's keyword arguments: each option into its section's field by its name
     (core/config.OPTION_FIELDS, the one table of them), the sampling the command makes of its own options, registry
     names resolved to files, the drafter and its place decided, the options checked against each other. An option
-    the command lacks keeps its field's default (parallel: 1; None: 2 per stage, resolved at start-up)."""
+    the command lacks keeps its field's default (parallel: 1; None: per stage, resolved at start-up: decide/batching.default_parallel)."""
     from ..engine.models import DEFAULT_TARGET, resolve_model
     mode = kw["mode"]
     model = str(resolve_model(kw["model"] or DEFAULT_TARGET))
