@@ -1,6 +1,7 @@
 """Split GGUFs (llama.cpp's gguf-split sets, NAME-00001-of-0000N.gguf) everywhere pipeinfer reads a GGUF: the headers,
 stage files, layouts that travel, the registry, `models drafts`, `plan -m`, and every mode on 2 and 3 ranks, from sets
 written by llama.cpp's own gguf-split (launch/gguf_split.py builds it from the vendored llama.cpp)."""
+import json
 import os
 import shutil
 import subprocess
@@ -340,3 +341,24 @@ def test_real_qwen_from_three_parts_generates_the_single_files_tokens(qwen_parts
     assert "weights: sent rank 1" in travelled.stderr
     (name,) = _cached(tmp_path, 1)
     assert ".L" in name
+
+
+@pytest.mark.real
+@pytest.mark.mpi
+@pytest.mark.parametrize("n_ranks", [2, 3])
+def test_real_qwen_from_three_parts_every_mode_gives_the_single_files_tokens(qwen_parts, n_ranks):
+    """The demo target in 3 parts: iterative, speculative and PipeInfer (the Gemma draft, translated) on 2 and 3
+    ranks give the single file's iterative tokens."""
+    gemma = real_model("gemma3-270m")
+    args = ["generate", "-q", "--json", "-p", "def quicksort(items):", "-n", "32", "--temp", "0", "-t", "1"]
+    single = cli(args + ["--mode", "iterative", "-m", qwen_parts.one], n=2, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    want = json.loads(single.stdout.strip().splitlines()[-1])["tokens"]
+    assert len(want) == 32
+    for mode in ("iterative", "speculative", "pipeinfer"):
+        draft = [] if mode == "iterative" else ["--draft", gemma]
+        p = cli(args + ["--mode", mode, "-m", str(qwen_parts.parts[0])] + draft, n=n_ranks, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        assert got["tokens"] == want, mode
+        assert len(got["ranges"]) == n_ranks
