@@ -84,3 +84,16 @@ def test_a_served_request_logs_what_metrics_and_the_page_report():
     assert re.search(r"^pipeinfer:time_to_first_token_seconds_count 1\.0$", page, re.M), page
     assert abs(observed - ttft) <= 0.0005 and abs(recent[0]["ttft_s"] - ttft) <= 0.0005, (line, observed, recent)
     assert ttft + 0.01 >= queued + prompt, line   # 2 decimals each for the wait and the prompt
+
+
+def test_an_event_for_a_stopped_server_is_dropped():
+    """A generation thread that pushes after the server's event loop closed (a stop with answers in flight) does not
+    raise: no one is left to read the event."""
+    import asyncio
+
+    from pipeinfer.core.sampling import SamplingParams
+    from pipeinfer.serving.job import Job
+    loop = asyncio.new_event_loop()
+    job = Job([1, 2], 4, SamplingParams(0.0, 0, 1.0, 0), [], None, False, loop)
+    loop.close()
+    job.push(object())

@@ -186,7 +186,10 @@ class Job:
     meter: TokenMeter | None = None  # the live page's counters (frontend/state.py sets it)
 
     def push(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, event))
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, event))
+        except RuntimeError:  # the server's event loop has closed (it stopped): no one is left to read the event
+            pass
 
     def on_token_ids(self, tokens: list[int]) -> None:
         """The ids as they come (a supervised generate keeps them for its results row); a client needs only text."""
