@@ -186,7 +186,8 @@ def _show_ranks(config, stages: list[Host], draft_host: Host | None) -> None:
         raise click.ClickException(f"launch --dry-run: {e}") from None
     for r, need in enumerate(needs):
         what = "the draft" if need.end == 0 else f"layers {need.start}-{need.end}"
-        threads = "default threads" if need.threads is None else f"{need.threads} threads"
+        threads = ("default threads" if need.threads is None
+                   else f"{need.threads} thread{'s' * (need.threads != 1)}")
         click.echo(f"# rank {r} {need.host.name}: {what}, {threads}, {need.total / GIB:.1f} GiB of RAM (weights "
                    f"{need.weights / GIB:.1f} + KV cache {need.cache / GIB:.1f} + draft {need.draft / GIB:.1f} + "
                    f"runtime {need.runtime / GIB:.1f})", err=True)
