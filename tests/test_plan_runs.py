@@ -42,7 +42,8 @@ def sparse_gguf(path: Path, t: Target, n_head: int = 64) -> Path:
     w.add_string("tokenizer.ggml.pre", t.pre)
     w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(t.n_vocab)])
     i8 = np.dtype(np.int8)
-    w.add_tensor_info("token_embd.weight", [int(t.embd_bytes)], i8, int(t.embd_bytes), gguf.GGMLQuantizationType.I8)
+    rows = int(t.embd_bytes) // t.n_embd  # 2-D, as every GGUF's embedding (its second dimension is read as the vocabulary)
+    w.add_tensor_info("token_embd.weight", [rows, t.n_embd], i8, rows * t.n_embd, gguf.GGMLQuantizationType.I8)
     for il in range(t.n_layer):
         w.add_tensor_info(f"blk.{il}.ffn_down.weight", [int(t.layer_bytes)], i8, int(t.layer_bytes),
                           gguf.GGMLQuantizationType.I8)
@@ -52,7 +53,7 @@ def sparse_gguf(path: Path, t: Target, n_head: int = 64) -> Path:
     w.write_ti_data_to_file()
     w.close()
     data_start = -(-path.stat().st_size // 32) * 32
-    ends = sum(-(-n // 32) * 32 for n in [int(t.embd_bytes), *[int(t.layer_bytes)] * t.n_layer, int(t.out_bytes)])
+    ends = sum(-(-n // 32) * 32 for n in [rows * t.n_embd, *[int(t.layer_bytes)] * t.n_layer, int(t.out_bytes)])
     os.truncate(path, data_start + ends)
     return path
 

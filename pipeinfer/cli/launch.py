@@ -145,23 +145,26 @@ class RankNeed:
 
 def rank_needs(config, stages: list[Host], draft_host: Host | None) -> list[RankNeed]:
     """Each stage rank's layers (as start-up plans them: core/topology.plan_layers over the GGUF header's
-    stagefile.layer_costs), threads (-t, else the host's described cores shared among its ranks as core/cpus.share
-    deals them) and RAM (twin/machines.Target.rank_ram_bytes, as `plan` prices it; the draft's file beside rank 0,
+    stagefile.layer_costs and the architecture's range rules; `auto`, timed at start-up, shown balanced), threads
+    (-t, else the host's described cores shared among its ranks as core/cpus.share deals them) and RAM (twin/machines.Target.rank_ram_bytes, as `plan` prices it; the draft's file beside rank 0,
     or on the draft host's rank, last)."""
     from ..core.cpus import share
     from ..core.topology import parse_per_rank_ints, plan_layers
-    from ..engine.stagefile import layer_costs, read_info
+    from ..engine.ggufheader import model_size
+    from ..engine.stagefile import layer_costs, range_check, read_info
     from ..twin.machines import GIB, RUNTIME_GIB, context_seqs, target_from_gguf
     info, target = read_info(config.model), target_from_gguf(config.model)
     n = len(stages)
     layer_cost, tail = layer_costs(config.model)
     split = config.stage.layer_split
-    ranges = plan_layers(None if split is None or split.strip() == "auto" else split, info.n_layer, n, layer_cost, tail)
+    check = range_check(config.model) if n > 1 else None  # the architecture's rules on where a stage may start
+    ranges = plan_layers(None if split is None or split.strip() == "auto" else split, info.n_layer, n, layer_cost, tail,
+                         allowed=(lambda a, b: check.refusal(a, b) is None) if check else None)
     index = [sum(h.name == s.name for s in stages[:i]) for i, h in enumerate(stages)]
     default = [share(h.cores, sum(s.name == h.name for s in stages), k) if h.cores else 0
                for h, k in zip(stages, index)]
     threads = parse_per_rank_ints(config.stage.threads, n, "--threads", default=default)
-    draft = float(Path(config.draft.model).stat().st_size) if config.mode != "iterative" and config.draft.model else 0.0
+    draft = float(model_size(config.draft.model)) if config.mode != "iterative" and config.draft.model else 0.0
     beside_head = draft_host is None or config.draft.at != "rank"
     n_seq, n_ctx = context_seqs(target, n), config.stage.n_ctx
     needs = []
