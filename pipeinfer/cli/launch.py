@@ -146,8 +146,9 @@ class RankNeed:
 def rank_needs(config, stages: list[Host], draft_host: Host | None) -> list[RankNeed]:
     """Each stage rank's layers (as start-up plans them: core/topology.plan_layers over the GGUF header's
     stagefile.layer_costs and the architecture's range rules; `auto`, timed at start-up, shown balanced), threads
-    (-t, else the host's described cores shared among its ranks as core/cpus.share deals them) and RAM (twin/machines.Target.rank_ram_bytes, as `plan` prices it; the draft's file beside rank 0,
-    or on the draft host's rank, last)."""
+    (-t, else the host's described cores shared among its ranks as core/cpus.share deals them) and RAM
+    (twin/machines.Target.rank_ram_bytes, as `plan` prices it; the draft's file beside rank 0, or on the draft host's
+    rank, last)."""
     from ..core.cpus import share
     from ..core.topology import parse_per_rank_ints, plan_layers
     from ..engine.ggufheader import model_size
