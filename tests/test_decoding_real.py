@@ -190,18 +190,20 @@ def test_logprobs_are_the_same_in_every_mode(answers):
 
 
 def test_logprobs_equal_llama_cpp_pythons_own(answers):
-    """Ours (the last stage's; the same on 2 ranks in every mode, above) against llama-cpp-python's own Llama on the same file and
-    kernels (--kernels repack: flash attention on, the repacked weights; engine/kernels.py), decoding the prompt
-    and then our answer a token at a time as the one-process run does: the log-softmax of its raw logits."""
+    """Ours (the last stage's; the same on 2 ranks in every mode, above) against llama-cpp-python's own Llama on the
+    same file and kernels (--kernels repack: flash attention on, the repacked weights, the cache types of
+    engine/kernels.kv_cache_types), decoding the prompt and then our answer a token at a time as the one-process run
+    does: the log-softmax of its raw logits."""
     import llama_cpp
     import numpy as np
     from llama_cpp import Llama
 
-    from pipeinfer.engine.kernels import UNUSED_EXTRA_BUFFERS, drop_extra_buffer_types
+    from pipeinfer.engine.kernels import UNUSED_EXTRA_BUFFERS, drop_extra_buffer_types, kv_cache_types
     model, requests, by_mode = answers
     drop_extra_buffer_types(UNUSED_EXTRA_BUFFERS)
+    type_k, type_v = kv_cache_types("repack")
     llm = Llama(model, n_ctx=1024, n_threads=1, n_batch=PROMPT_CHUNK, n_ubatch=PROMPT_CHUNK, flash_attn=True,
-                verbose=False)  # the prompt in pipeinfer's chunks
+                type_k=type_k, type_v=type_v, verbose=False)  # the prompt in pipeinfer's chunks
     for req, ans in list(zip(requests, by_mode["one process"]))[:2]:
         prompt, tokens = req["prompt"], ans["tokens"][:12]
         llm.reset()

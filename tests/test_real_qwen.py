@@ -53,10 +53,13 @@ def prompt_tokens(qwen, name):
 
 def greedy_reference(qwen, prompt, n=256):
     import llama_cpp
-    # pipeinfer's default numerics (kernels.py): llama.cpp's repacked weights, with flash attention
-    # the prompt in pipeinfer's chunks; 1 thread, like each stage in these tests
+
+    from pipeinfer.engine.kernels import kv_cache_types
+    # pipeinfer's default numerics (kernels.py): llama.cpp's repacked weights, with flash attention and its cache
+    # types; the prompt in pipeinfer's chunks; 1 thread, like each stage in these tests
+    type_k, type_v = kv_cache_types("repack")
     llm = llama_cpp.Llama(model_path=qwen, n_ctx=1024, n_batch=PROMPT_CHUNK, n_ubatch=PROMPT_CHUNK, n_threads=1,
-                          n_threads_batch=1, flash_attn=True, verbose=False)
+                          n_threads_batch=1, flash_attn=True, type_k=type_k, type_v=type_v, verbose=False)
     assert llm.model_params.use_extra_bufts, "the reference uses llama.cpp's repacked weights, as pipeinfer does"
     llm.eval(prompt)
     out, gaps = [], []
