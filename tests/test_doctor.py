@@ -16,7 +16,8 @@ HERE = HostFacts("h0", "0.1.0", BUILD, "/opt/pipeinfer", "0.3.36", "3.11.7", 20 
 
 
 def test_a_healthy_host_has_no_problem():
-    assert problems("h1", replace(HERE, host="h1"), None, HERE, Need(10 * GiB, 10 * GiB), rtt_s=0.1) == []
+    assert problems("h1", replace(HERE, host="h1"), None, HERE, Need(10 * GiB, 10 * GiB),
+                    window=(HERE.clock - 0.1, HERE.clock + 0.1)) == []
 
 
 @pytest.mark.parametrize("change, need, mem, line", [
@@ -29,7 +30,7 @@ def test_a_healthy_host_has_no_problem():
     (dict(clock=1010.0), None, None, "h1: its clock is 10.0 s off this host's"),
 ])
 def test_each_problem_is_one_line(change, need, mem, line):
-    found = problems("h1", replace(HERE, host="h1", **change), None, HERE, need, mem)
+    found = problems("h1", replace(HERE, host="h1", **change), None, HERE, need, mem, window=(HERE.clock, HERE.clock))
     assert len(found) == 1 and found[0].startswith(line), found
 
 
@@ -114,7 +115,8 @@ def test_probes_in_a_pinned_port_range_go_one_at_a_time(tmp_path, monkeypatch, p
         time.sleep(0.1)
         with lock:
             running[0] -= 1
-        return replace(HERE, host=name, clock=time.time()), None, 0.01
+        t0 = time.time()
+        return replace(HERE, host=name, clock=t0), None, (t0, t0 + 0.01)
     monkeypatch.setattr(doctor_cmd, "_probe", probe)
     monkeypatch.setattr(doctor_cmd, "_links", lambda names, *_: (
         [{"from": "h0", "to": n, "bandwidth_bit_s": 1e9, "latency_s": 1e-5} for n in names[1:]], None))

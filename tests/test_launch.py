@@ -600,3 +600,12 @@ def test_dry_run_refuses_what_would_not_run(tmp_path, monkeypatch, command, why)
     assert res.exit_code == 1 and res.output.count("\n") == 1, res.output
     assert why.format(hf=hf) in res.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hosts", "llama3.gguf"]  # no translated hostfile left
+
+
+def test_a_draft_host_leaves_the_stage_hosts_descriptions(tmp_path):
+    """With a role=draft host, the stage hosts keep their mem= and cores= (the dry run checks and deals them)."""
+    from pipeinfer.wire.launcher import job_plan, parse_hostfile, rank_hosts
+    (tmp_path / "hosts").write_text("a # pipeinfer: mem=4 cores=8\nb # pipeinfer: mem=6 cores=4\n"
+                                    "c # pipeinfer: role=draft mem=2 cores=2\n")
+    ordered, _ = job_plan(parse_hostfile(str(tmp_path / "hosts")), 3, ["generate"])
+    assert [(h.name, h.mem, h.cores) for h in rank_hosts(ordered, 3)] == [("a", 4, 8), ("b", 6, 4), ("c", 2, 2)]

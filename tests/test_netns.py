@@ -176,3 +176,21 @@ def test_one_rank_per_host_takes_every_core_of_its_host(models, tmp_path):
     out = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[7:])
     assert out["threads"] == [cpus.physical_cores(cpus.affinity())] * 2
     _cleaned_up()
+
+
+def test_unequal_hosts_each_rank_counts_its_own_cores(models, tmp_path):
+    """Two emulated hosts, h1 given one CPU of this machine's (NETNS_CPUS: its processes' affinity), no -t: the rank
+    on h0 runs every core, the one on h1 its one, and the text is one process's."""
+    from pipeinfer.core import cpus
+    here = cpus.physical_cores(cpus.affinity())
+    if here < 2:
+        pytest.skip("needs 2 cores to make the hosts unequal")
+    cfg = {"model": str(models["q8"]), "prompt": PROMPT, "n": 16, "threads": None}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    p = _netns_run(["2", "--", sys.executable, "-m", "mpi4py", str(ROOT / "tests" / "mpi_gen.py"),
+                    f"@{tmp_path}/cfg.json"], NETNS_CPUS="h1:1")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    out = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    assert out["threads"] == [here, 1]
+    assert out["tokens"] == mpirun(1, dict(cfg, mode="iterative", threads="1"))["tokens"]
+    _cleaned_up()

@@ -41,6 +41,7 @@
 # in which DIR/hI/stages and DIR/hI/weights are bind-mounted over the pipeinfer cache's stages/ and weights/, and,
 # on every host but h0, an empty read-only tmpfs over each folder of NETNS_HIDE (default: the cache's models/), so
 # that only h0 has the model (docs/cluster.md, weights travel). NETNS_HIDE= (empty) hides nothing.
+# CPUs: NETNS_CPUS="h1:0 h2:1" gives those hosts only those CPUs (netns-exec: taskset), unequal hosts.
 #
 # Latency: netem is missing from some kernels (this project's machines among them), and without it
 # tc cannot add delay; the script then says so and shapes the rate only. A real Ethernet hop adds

@@ -26,7 +26,8 @@ SRUN_PROBE_TIMEOUT_S = 120.0   # one step over every node: Python and pipeinfer 
 PORT_RANGE_VARS = ("MPIEXEC_PORT_RANGE", "MPICH_PORT_RANGE")  # MPICH's Hydra binds its control port in that range
 LINKS_TIMEOUT_S = 120.0
 
-Probed = dict[str, tuple[HostFacts | None, str | None, float]]   # host -> (its facts, why not, round trip)
+# host -> (its facts, why not, this host's clock when its probe was sent and when it came back)
+Probed = dict[str, tuple[HostFacts | None, str | None, tuple[float, float]]]
 # a job of one rank per host that runs `pipeinfer ARGS`: (names, args, its hostfile) -> (argv, environment to add)
 JobCommand = Callable[[list[str], list[str], str], tuple[list[str], dict[str, str]]]
 
@@ -62,11 +63,8 @@ def doctor_cmd(hostfile_path, model, mpi_args, probe, links) -> None:
     path = str(_model_path(model)) if model else None
     probe_args = ["doctor", "--probe"] + (["-m", path] if path else [])
     here = facts(build_id())
-    window = None
     if slurm:
-        t0 = time.time()
         probed = _probe_allocation(slurm, probe_args)
-        window = (t0, time.time())
     else:
         # mpiexecs started at once in a pinned port range (docs/cluster.md, ports) race for its ports: Hydra's
         # "unable to create PMI port" would name a healthy host unreachable; so there the probes go one at a time
@@ -76,9 +74,9 @@ def doctor_cmd(hostfile_path, model, mpi_args, probe, links) -> None:
     needs = _needs(hosts, path) if path else {}
     found: list[str] = []
     for name in names:
-        got, why, rtt = probed[name]
-        found += problems(name, got, why, here, needs.get(name), _declared_mem(hosts, name), rtt,
-                          first=name == names[0], window=window)
+        got, why, probe_window = probed[name]
+        found += problems(name, got, why, here, needs.get(name), _declared_mem(hosts, name),
+                          first=name == names[0], window=probe_window)
         if got is not None:
             click.echo(_summary(name, got))
     reachable = [n for n in names if probed[n][0] is not None]
@@ -158,16 +156,21 @@ def _last_words(p: subprocess.CompletedProcess) -> str | None:
     return tail[-1] if tail else None
 
 
-def _probe(name: str, args: list[str], job: JobCommand) -> tuple[HostFacts | None, str | None, float]:
-    """(the host's facts, None, round trip) or (None, why not, 0)."""
-    lines, why, rtt = _job([name], args, job, PROBE_TIMEOUT_S)
+def _probe(name: str, args: list[str], job: JobCommand) -> tuple[HostFacts | None, str | None, tuple[float, float]]:
+    """(the host's facts, None, this host's clock when the probe was sent and when it came back) or (None, why not,
+    that window): the host's clock must read within the window (a loaded machine only widens it)."""
+    t0 = time.time()
+    lines, why, _ = _job([name], args, job, PROBE_TIMEOUT_S)
+    window = (t0, time.time())
     if why is None and not lines:
         why = "the probe printed nothing"
-    return (None, why, 0.0) if why else (facts_of(lines[0]), None, rtt)
+    return (None, why, window) if why else (facts_of(lines[0]), None, window)
 
 
 def _probe_allocation(alloc: Allocation, args: list[str]) -> Probed:
-    """Every node of the allocation probed by one srun step (a task per node): node -> (facts, why not, 0)."""
+    """Every node of the allocation probed by one srun step (a task per node): node -> (facts, why not, the step's
+    window)."""
+    t0 = time.time()
     try:
         p = subprocess.run(srun_each_node(alloc, args, srun=_srun()), capture_output=True, text=True,
                            timeout=SRUN_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
@@ -182,7 +185,8 @@ def _probe_allocation(alloc: Allocation, args: list[str]) -> Probed:
             got[f.slurm_node or f.host] = f
     why = why or "srun: its task printed nothing"
     why = why if why.startswith("srun") else f"srun: {why}"
-    return {n: (got[n], None, 0.0) if n in got else (None, why, 0.0) for n in alloc.nodes}
+    window = (t0, time.time())
+    return {n: (got[n], None, window) if n in got else (None, why, window) for n in alloc.nodes}
 
 
 def _links(names: list[str], job: JobCommand) -> tuple[list[dict], str | None]:

@@ -104,11 +104,11 @@ class Need:
 
 
 def problems(host: str, got: HostFacts | None, why_not: str | None, here: HostFacts, need: Need | None,
-             mem_declared_gib: float | None = None, rtt_s: float = 0.0, *, first: bool = False,
+             mem_declared_gib: float | None = None, *, first: bool = False,
              window: tuple[float, float] | None = None) -> list[str]:
     """One line per problem of `host` (`got`: its probe's facts; `why_not`: why the probe failed; `first`: rank 0's
-    host, which must read the model; `window`: this host's clock when the probe was sent and when it came back,
-    instead of here.clock and the round trip)."""
+    host, which must read the model; `window`: this host's clock when the probe was sent and when it came back: the
+    host's clock must read within it, give or take CLOCK_SKEW_S, however long a loaded machine took)."""
     if got is None:
         return [f"{host}: unreachable: {why_not}"]
     out = []
@@ -136,10 +136,7 @@ def problems(host: str, got: HostFacts | None, why_not: str | None, here: HostFa
             out.append(f"{host}: not enough disk for its stage files: {need.disk / GiB:.1f} GiB needed, "
                        f"{got.disk_free / GiB:.1f} GiB free under its pipeinfer cache" +
                        (f" ({got.cache})" if got.cache else ""))
-    if window is not None:
-        skew = max(0.0, window[0] - got.clock, got.clock - window[1])
-    else:
-        skew = abs(got.clock + rtt_s / 2 - here.clock)
+    skew = max(0.0, window[0] - got.clock, got.clock - window[1]) if window else 0.0
     if skew > CLOCK_SKEW_S:
         out.append(f"{host}: its clock is {skew:.1f} s off this host's (run NTP: logs and timings compare badly)")
     return out

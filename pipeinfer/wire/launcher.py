@@ -80,7 +80,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Collection, Iterable, Mapping, Sequence
 
@@ -461,7 +461,7 @@ def with_draft_last(hosts: Sequence[Host], np: int,
     stages, left = [], np - 1
     for h in hosts:
         if h.role == "stage" and left > 0:
-            stages.append(Host(h.name, min(h.slots, left), h.threads, h.threads_batch, h.weight))
+            stages.append(replace(h, slots=min(h.slots, left)))  # its settings and description kept
             left -= stages[-1].slots
     if left > 0:
         raise ValueError(f"np={np} exceeds the {np - 1 - left} stage slots + 1 draft slot in the hostfile")
