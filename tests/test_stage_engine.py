@@ -136,25 +136,24 @@ def test_weights_in_huge_pages_give_the_same_bits(tmp_path, monkeypatch):
 
 
 @pytest.mark.real
-def test_where_a_sequence_s_cells_sit_changes_large_batches_only():
+def test_where_a_sequence_s_cells_sit_changes_large_batches_only(monkeypatch):
     """What exactness under load rests on, measured on the real Qwen2.5-Coder-1.5B (--kernels repack: flash
     attention): a batch of up to 63 rows gives the same logits bit for bit wherever the sequence's cells sit (other
-    sequences' cells before them, or between its own), and so do the 1-4 row decodes after it; a batch of 64 rows
-    or more goes through llama.cpp's tiled flash attention, whose result depends on the cells' offset mod 64 (up
-    to ~1 in a logit). So a prompt chunk of 64+ tokens that lands elsewhere than it would alone (a newcomer under
-    --parallel, a prompt after cached entries) is not the cold answer's: prompts must be decoded in chunks of at
-    most 63 tokens, or their cells placed at the same offset mod 64."""
+    sequences' cells before them, or between its own), and so do the 1-4 row decodes after it. With f16 keys and
+    values a batch of 64 rows or more goes through llama.cpp's tiled flash attention, whose result depends on the
+    cells' offset mod 64 (up to ~1 in a logit): so prompts are decoded in chunks of at most 63 tokens. The exact
+    settings' bf16 values (engine/kernels.kv_cache_types) keep 64 rows on the one-row kernel too, wherever they sit."""
     from helpers import real_model
+    from pipeinfer.engine import stage
     from pipeinfer.engine.tokenizer import Tokenizer
     path = real_model("qwen2.5-coder-1.5b")
     tok = Tokenizer(path)
     prompt = tok.encode("Write a Python function that parses a CSV file into a list of dictionaries, with a docstring "
                         "and type hints, and explain each step of it in a short comment. " * 2)
     tok.close()
-    eng = StageEngine(path, n_ctx=512, n_batch=128, n_seq_max=2, n_threads=1, n_threads_batch=1, embd_input=False,
-                      capture_hidden=False)
+    assert len(prompt) >= 64
 
-    def last_logits(n: int, fill: int) -> np.ndarray:
+    def last_logits(eng, n: int, fill: int) -> np.ndarray:
         eng.clear_kv()
         if fill:  # another sequence's cells first
             g = np.arange(100, 100 + fill, dtype=np.int32)
@@ -164,15 +163,24 @@ def test_where_a_sequence_s_cells_sit_changes_large_batches_only():
         eng.decode_tokens(Batch(toks, np.arange(n, dtype=np.int32), [[0]] * n, np.eye(1, n, n - 1, dtype=np.int32)[0],
                                 kv_ops()), None, one_sampling(SamplingParams()))
         return eng._logits(n)[0].copy()
-    assert len(prompt) >= 64
+
+    def engine():
+        return StageEngine(path, n_ctx=512, n_batch=128, n_seq_max=2, n_threads=1, n_threads_batch=1,
+                           embd_input=False, capture_hidden=False)
+    eng = engine()
     try:
-        for n, fill in ((63, 1), (63, 20), (40, 30)):
-            assert np.array_equal(last_logits(n, 0), last_logits(n, fill)), (n, fill)
-        assert np.array_equal(last_logits(64, 0), last_logits(64, 64))      # the same offset mod 64
-        assert not np.array_equal(last_logits(64, 0), last_logits(64, 1))  # another offset: other bits
+        for n, fill in ((63, 1), (63, 20), (40, 30), (64, 64), (64, 1)):
+            assert np.array_equal(last_logits(eng, n, 0), last_logits(eng, n, fill)), (n, fill)
     finally:
         eng.close()
-
+    monkeypatch.setattr(stage, "kv_cache_types", lambda kernels, one_type: (1, 1))  # f16 and f16
+    eng = engine()
+    try:
+        assert np.array_equal(last_logits(eng, 63, 0), last_logits(eng, 63, 1))
+        assert np.array_equal(last_logits(eng, 64, 0), last_logits(eng, 64, 64))      # the same offset mod 64
+        assert not np.array_equal(last_logits(eng, 64, 0), last_logits(eng, 64, 1))  # another offset: other bits
+    finally:
+        eng.close()
 
 
 def _row_alone_and_in_a_batch(path, n_threads: int, n_cells: int) -> tuple[np.ndarray, np.ndarray]:
