@@ -381,3 +381,31 @@ def assert_served_and_stopped(job: ServeJob) -> None:
             or "[pipeinfer] stopping: the pipeline's job finishes the requests in progress" in err  # supervised
             ), err[-3000:]
     assert "pipeinfer: error" not in err and "Traceback" not in err and "was lost" not in err, err[-3000:]
+
+
+def host_envs(tmp: Path, n: int) -> list[dict]:
+    """Per-rank environments of emulated hosts on one machine: rank 0 sees the real file system; every other rank an
+    empty one under a folder of its own (PIPEINFER_HOST_ROOT: no model). Each has caches of its own (weights, stage
+    files, exact batch limits)."""
+    out = []
+    for r in range(n):
+        env = {"PIPEINFER_CACHE": str(tmp / f"cache{r}"), "PIPEINFER_STAGE_CACHE": str(tmp / f"stages{r}")}
+        if r:
+            (tmp / f"root{r}").mkdir(exist_ok=True)
+            env["PIPEINFER_HOST_ROOT"] = str(tmp / f"root{r}")
+        out.append(env)
+    return out
+
+
+def run_on_hosts(args: list[str], hosts: list[dict], env=None, timeout: float = 120, wait=True):
+    """`pipeinfer ARGS` on one rank per entry of `hosts` (host_envs), each with its environment; a Popen when not
+    `wait`."""
+    cmd = [MPIEXEC]
+    for i, h in enumerate(hosts):
+        cmd += ([":"] if i else []) + ["-n", "1"]
+        for k, v in h.items():
+            cmd += ["-env", k, v]
+        cmd += [sys.executable, "-m", "mpi4py", "-m", "pipeinfer"] + args
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

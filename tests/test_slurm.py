@@ -82,7 +82,7 @@ def in_allocation(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_NODELIST", "h[0-2]")
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "1(x3)")
     monkeypatch.setattr(slurm, "hostnames", fake_names)
-    monkeypatch.setattr("pipeinfer.cli.launch.shutil.which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr("pipeinfer.wire.slurm.shutil.which", lambda name: f"/usr/bin/{name}")
 
 
 def test_launch_in_an_allocation_runs_srun(in_allocation, tmp_path):
@@ -207,7 +207,7 @@ def test_doctor_inside_an_allocation_uses_srun(in_allocation, monkeypatch):
         return subprocess.CompletedProcess(cmd, 0, json.dumps(link) + "\n", "")
     monkeypatch.setattr(doctor_cmd.subprocess, "run", fake_run)
     monkeypatch.setattr(doctor_cmd, "facts", lambda build: replace(here, clock=time.time()))
-    monkeypatch.setattr(doctor_cmd.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr("pipeinfer.wire.slurm.shutil.which", lambda name: f"/usr/bin/{name}")
     res = CliRunner().invoke(main, ["doctor"])
     assert res.exit_code == 1, res.output
     assert ran[0][:3] == ["/usr/bin/srun", "--mpi=none", "--nodes=3"] and ran[0][-2:] == ["doctor", "--probe"]

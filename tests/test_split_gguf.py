@@ -4,8 +4,6 @@ written by llama.cpp's own gguf-split (launch/gguf_split.py builds it from the v
 import json
 import os
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from helpers import MPIEXEC, PROMPT, cli, mpirun, real_model
+from helpers import PROMPT, cli, host_envs, mpirun, real_model, run_on_hosts
 from gguf_split import ToolUnavailable, gguf_split_binary, split_gguf
 from synth import PERTURB_FOR_AGREEMENT, make_llama_gguf, reference_greedy
 
@@ -245,29 +243,6 @@ def test_every_mode_from_the_parts_gives_the_single_files_tokens(split, ref, mod
 GEN = ["generate", "-p", "hi", "-n", "8", "-t", "1"]
 
 
-def _hosts(tmp: Path, n: int) -> list[dict]:
-    """Per-rank environments as tests/test_weights_mpi.py makes them: rank 0 sees the real file system, every other
-    rank an empty one under a folder of its own (PIPEINFER_HOST_ROOT); each its own caches."""
-    out = []
-    for r in range(n):
-        env = {"PIPEINFER_CACHE": str(tmp / f"cache{r}"), "PIPEINFER_STAGE_CACHE": str(tmp / f"stages{r}")}
-        if r:
-            (tmp / f"root{r}").mkdir(exist_ok=True)
-            env["PIPEINFER_HOST_ROOT"] = str(tmp / f"root{r}")
-        out.append(env)
-    return out
-
-
-def _run(args: list[str], hosts: list[dict], timeout: float = 180) -> subprocess.CompletedProcess:
-    cmd = [MPIEXEC]
-    for i, h in enumerate(hosts):
-        cmd += ([":"] if i else []) + ["-n", "1"]
-        for k, v in h.items():
-            cmd += ["-env", k, v]
-        cmd += [sys.executable, "-m", "mpi4py", "-m", "pipeinfer"] + args
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-
-
 def _cached(tmp: Path, r: int) -> list[str]:
     d = tmp / f"cache{r}" / "weights"
     return sorted(p.name for p in d.iterdir() if p.suffix == ".gguf") if d.exists() else []
@@ -277,13 +252,13 @@ def _cached(tmp: Path, r: int) -> list[str]:
 def test_the_first_start_sends_the_hosts_their_stages_from_the_parts(split, tmp_path):
     from pipeinfer.core import stagecache
     args = GEN + ["--mode", "iterative", "-m"]
-    reference = _run(args + [str(split.one)], [{}, {}, {}])
+    reference = run_on_hosts(args + [str(split.one)], [{}, {}, {}])
     assert reference.returncode == 0, reference.stderr[-3000:]
-    hosts = _hosts(tmp_path, 3)
+    hosts = host_envs(tmp_path, 3)
     partial = tmp_path / "root1" / split.first.relative_to("/")  # host 1 holds the first part alone
     partial.parent.mkdir(parents=True)
     partial.write_bytes(split.first.read_bytes())
-    p = _run(args + [str(split.first)], hosts)
+    p = run_on_hosts(args + [str(split.first)], hosts)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout == reference.stdout
     assert "weights: sent rank 1" in p.stderr and "weights: sent rank 2" in p.stderr
@@ -291,7 +266,7 @@ def test_the_first_start_sends_the_hosts_their_stages_from_the_parts(split, tmp_
     for r in (1, 2):
         (name,) = _cached(tmp_path, r)
         assert name.startswith(ident[:32])
-    again = _run(args + [str(split.first)], hosts)
+    again = run_on_hosts(args + [str(split.first)], hosts)
     assert again.returncode == 0 and again.stdout == reference.stdout, again.stderr[-3000:]
     assert "weights: sent" not in again.stderr
 
@@ -299,11 +274,11 @@ def test_the_first_start_sends_the_hosts_their_stages_from_the_parts(split, tmp_
 @pytest.mark.mpi
 def test_a_draft_rank_gets_a_split_draft_whole_and_the_split_targets_vocabulary(split, tmp_path):
     args = GEN + ["--mode", "pipeinfer", "--draft-at", "rank", "-m", str(split.first), "--draft", str(split.dparts[0])]
-    reference = _run(args, [{}, {}, {}])
+    reference = run_on_hosts(args, [{}, {}, {}])
     assert reference.returncode == 0, reference.stderr[-3000:]
-    hosts = _hosts(tmp_path, 3)
+    hosts = host_envs(tmp_path, 3)
     hosts[1] = {"PIPEINFER_CACHE": str(tmp_path / "cache1")}  # the second stage's host has the model
-    p = _run(args, hosts)
+    p = run_on_hosts(args, hosts)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout == reference.stdout
     names = _cached(tmp_path, 2)
@@ -335,7 +310,7 @@ def test_real_qwen_from_three_parts_generates_the_single_files_tokens(qwen_parts
     assert parts.stdout == single.stdout and single.stdout.strip()
     # a host without the model receives its stage, made from the parts, from rank 0
     loud = [a for a in args if a != "-q"]
-    travelled = _run(loud + [str(qwen_parts.parts[0])], _hosts(tmp_path, 2), timeout=600)
+    travelled = run_on_hosts(loud + [str(qwen_parts.parts[0])], host_envs(tmp_path, 2), timeout=600)
     assert travelled.returncode == 0, travelled.stderr[-3000:]
     assert travelled.stdout == single.stdout
     assert "weights: sent rank 1" in travelled.stderr

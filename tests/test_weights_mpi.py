@@ -7,46 +7,17 @@ namespace per host."""
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import MPIEXEC, new_tag, rank_pids, kill_tagged, tagged_env, wait_until
+from helpers import host_envs, kill_tagged, new_tag, rank_pids, run_on_hosts, tagged_env, wait_until
 from synth import make_llama_gguf
 
 pytestmark = pytest.mark.mpi
 
 GEN = ["generate", "-p", "hi", "-n", "8", "--mode", "iterative", "-t", "1"]
-
-
-def _hosts(tmp: Path, n: int) -> list[dict]:
-    """Per-rank environments: rank 0 sees the real file system; every other rank an empty one (no model). Each has
-    caches of its own (weights, stage files, exact batch limits)."""
-    out = []
-    for r in range(n):
-        env = {"PIPEINFER_CACHE": str(tmp / f"cache{r}"), "PIPEINFER_STAGE_CACHE": str(tmp / f"stages{r}")}
-        if r:
-            (tmp / f"root{r}").mkdir(exist_ok=True)
-            env["PIPEINFER_HOST_ROOT"] = str(tmp / f"root{r}")
-        out.append(env)
-    return out
-
-
-def _run(args: list[str], hosts: list[dict], env=None, timeout: float = 120, wait=True):
-    cmd = [MPIEXEC]
-    for i, h in enumerate(hosts):
-        if i:
-            cmd.append(":")
-        cmd += ["-n", "1"]
-        for k, v in h.items():
-            cmd += ["-env", k, v]
-        cmd += [sys.executable, "-m", "mpi4py", "-m", "pipeinfer"] + args
-    if not wait:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _cached(tmp: Path, r: int) -> list[str]:
@@ -62,7 +33,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    p = _run(GEN + ["-m", str(model)], [{}, {}, {}])
+    p = run_on_hosts(GEN + ["-m", str(model)], [{}, {}, {}])
     assert p.returncode == 0, p.stderr[-3000:]
     return p.stdout
 
@@ -70,8 +41,8 @@ def reference(model):
 def test_a_host_without_the_file_gets_it_and_the_next_start_moves_nothing(tmp_path, model, reference):
     from pipeinfer.core import stagecache
     from pipeinfer.ranks.handshake import model_fingerprint
-    hosts = _hosts(tmp_path, 3)
-    p = _run(GEN + ["-m", str(model)], hosts)
+    hosts = host_envs(tmp_path, 3)
+    p = run_on_hosts(GEN + ["-m", str(model)], hosts)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout == reference
     assert "weights: sent rank 1" in p.stderr and "weights: sent rank 2" in p.stderr
@@ -84,19 +55,19 @@ def test_a_host_without_the_file_gets_it_and_the_next_start_moves_nothing(tmp_pa
     for r in (1, 2):
         (entry,) = stagecache.read_index(tmp_path / f"cache{r}" / "weights")["files"].values()
         assert entry["model"] == ident and entry["source_fp"] == fp and _cached(tmp_path, r)[0].startswith(ident[:32])
-    again = _run(GEN + ["-m", str(model)], hosts)
+    again = run_on_hosts(GEN + ["-m", str(model)], hosts)
     assert again.returncode == 0 and again.stdout == reference
     assert "weights: sent" not in again.stderr and "identified" not in again.stderr  # the index knew the model
     # rank 0 with an empty index: the hosts may hold the model's files (by its fingerprint), so rank 0 hashes the
     # model before they look, and nothing travels
     hosts[0]["PIPEINFER_CACHE"] = str(tmp_path / "cache0b")
-    fresh0 = _run(GEN + ["-m", str(model)], hosts)
+    fresh0 = run_on_hosts(GEN + ["-m", str(model)], hosts)
     assert fresh0.returncode == 0 and fresh0.stdout == reference, fresh0.stderr[-3000:]
     assert "weights: sent" not in fresh0.stderr and "before the hosts looked in their caches" in fresh0.stderr
     # -q: nothing said of the transfer (fresh caches on rank 2); rank 2 takes its exact batch limit from what rank 0's
     # host saw it measure (its stage's kernel key), not from a probe
     hosts[2].update(PIPEINFER_CACHE=str(tmp_path / "cache2b"), PIPEINFER_STAGE_CACHE=str(tmp_path / "stages2b"))
-    quiet = _run(GEN + ["-q", "-m", str(model)], hosts)
+    quiet = run_on_hosts(GEN + ["-q", "-m", str(model)], hosts)
     assert quiet.returncode == 0 and quiet.stdout == reference and "weights:" not in quiet.stderr
     assert (tmp_path / "cache2b" / "weights" / _cached(tmp_path, 2)[0]).exists()
     (limit,) = [json.loads(p.read_text()) for p in (tmp_path / "stages2b").glob("*.exact.*.json")]
@@ -106,15 +77,15 @@ def test_a_host_without_the_file_gets_it_and_the_next_start_moves_nothing(tmp_pa
 def test_a_re_formed_pipeline_moves_only_the_layers_a_host_lacks(tmp_path, model, reference):
     import re
     from pipeinfer.core import stagecache
-    hosts = _hosts(tmp_path, 3)
-    p = _run(GEN + ["-m", str(model)], hosts)
+    hosts = host_envs(tmp_path, 3)
+    p = run_on_hosts(GEN + ["-m", str(model)], hosts)
     assert p.returncode == 0 and p.stdout == reference, p.stderr[-3000:]
     held = _cached(tmp_path, 1)
     # what the supervisor starts when host 2 is lost: the same hosts 0 and 1, one stage fewer; small chunks, so that
     # some travel whole, some in part and some not at all
     for h in hosts[:2]:
         h["PIPEINFER_WEIGHTS_CHUNK"] = "16384"
-    p = _run(GEN + ["-m", str(model)], hosts[:2])
+    p = run_on_hosts(GEN + ["-m", str(model)], hosts[:2])
     assert p.returncode == 0 and p.stdout == reference, p.stderr[-3000:]
     got = re.search(r"weights: sent rank 1 \(\S+\) .*?\(([\d,]+) bytes\) .*?; .*?\(([\d,]+) bytes\) of the file it "
                     r"already held", p.stderr)
@@ -137,30 +108,30 @@ def test_a_re_formed_pipeline_moves_only_the_layers_a_host_lacks(tmp_path, model
 
 
 def test_a_partial_cached_file_is_fetched_again(tmp_path, model, reference):
-    hosts = _hosts(tmp_path, 3)
-    assert _run(GEN + ["-m", str(model)], hosts).returncode == 0
+    hosts = host_envs(tmp_path, 3)
+    assert run_on_hosts(GEN + ["-m", str(model)], hosts).returncode == 0
     f = tmp_path / "cache1" / "weights" / _cached(tmp_path, 1)[0]
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # a copy cut short
-    p = _run(GEN + ["-m", str(model)], hosts)
+    p = run_on_hosts(GEN + ["-m", str(model)], hosts)
     assert p.returncode == 0 and p.stdout == reference, p.stderr[-3000:]
     assert "weights: sent rank 1" in p.stderr and "weights: sent rank 2" not in p.stderr
 
 
 def test_another_file_under_the_same_path_is_never_used(tmp_path, model, reference):
-    hosts = _hosts(tmp_path, 3)
+    hosts = host_envs(tmp_path, 3)
     theirs = tmp_path / "root1" / str(model).lstrip("/")
     theirs.parent.mkdir(parents=True)
     make_llama_gguf(theirs, n_layer=6, qtype="q8_0", seed=7)  # same name and shape, other weights
     assert theirs.read_bytes() != model.read_bytes()
-    p = _run(GEN + ["-m", str(model)], hosts)
+    p = run_on_hosts(GEN + ["-m", str(model)], hosts)
     assert p.returncode == 0 and p.stdout == reference, p.stderr[-3000:]
     assert "weights: sent rank 1" in p.stderr  # rank 0's bytes, not the host's own file
 
 
 def test_a_disk_too_small_is_one_line_and_every_rank_exits_non_zero(tmp_path, model):
-    hosts = _hosts(tmp_path, 3)
+    hosts = host_envs(tmp_path, 3)
     hosts[2]["PIPEINFER_WEIGHTS_FREE"] = "1000"
-    p = _run(GEN + ["-m", str(model)], hosts)
+    p = run_on_hosts(GEN + ["-m", str(model)], hosts)
     assert p.returncode != 0
     lines = [l for l in p.stderr.splitlines() if "error" in l]
     assert lines and "has no room" in lines[0] and "rank 2 needs" in lines[0] and "1.0 kB free" in lines[0], p.stderr
@@ -185,10 +156,10 @@ def open_files(pid: int) -> list[str]:
 
 
 def test_a_sender_killed_mid_transfer_ends_the_job_naming_it_and_leaves_nothing(tmp_path, model):
-    hosts = _hosts(tmp_path, 2)
+    hosts = host_envs(tmp_path, 2)
     tag = new_tag()
     env = tagged_env(tag, PIPEINFER_WEIGHTS_THROTTLE_S="0.2", PIPEINFER_WEIGHTS_CHUNK="16384")
-    proc = _run(GEN + ["-m", str(model)], hosts, env=env, wait=False)
+    proc = run_on_hosts(GEN + ["-m", str(model)], hosts, env=env, wait=False)
     try:
         def receiving():
             pids = rank_pids(tag)
@@ -209,10 +180,10 @@ def test_a_sender_killed_mid_transfer_ends_the_job_naming_it_and_leaves_nothing(
 
 
 def test_a_draft_rank_without_the_files_gets_the_draft_and_the_vocabulary(tmp_path, model, reference, models):
-    hosts = _hosts(tmp_path, 3)
+    hosts = host_envs(tmp_path, 3)
     hosts[1] = {"PIPEINFER_CACHE": str(tmp_path / "cache1")}  # the second stage's host has the model
     draft = models["draft90"]
-    p = _run(["generate", "-p", "hi", "-n", "8", "--mode", "pipeinfer", "-t", "1", "-m", str(model), "--draft",
+    p = run_on_hosts(["generate", "-p", "hi", "-n", "8", "--mode", "pipeinfer", "-t", "1", "-m", str(model), "--draft",
               str(draft), "--draft-at", "rank"], hosts)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "weights: sent rank 2" in p.stderr

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import tempfile
 import time
@@ -19,7 +18,7 @@ import click
 from ..wire.doctor import MEM_MARGIN, HostFacts, Need, facts, facts_of, links_main, probe_main, problems
 from ..wire.launcher import (Host, build_command, choose_launcher, group_hosts, host_settings, merged_slots,
                              mpi4py_library, parse_hostfile)
-from ..wire.slurm import Allocation, allocation, allocation_hosts, srun_command, srun_each_node
+from ..wire.slurm import Allocation, allocation, allocation_hosts, srun_command, srun_each_node, srun_path
 
 PROBE_TIMEOUT_S = 30.0
 SRUN_PROBE_TIMEOUT_S = 120.0   # one step over every node: Python and pipeinfer imported on each (from NFS, often)
@@ -117,19 +116,12 @@ def _mpiexec_job(library, mpi_args) -> JobCommand:
 
 
 def _srun_job(mpi: str, mpi_args) -> JobCommand:
-    srun = _srun()
+    srun = srun_path()
 
     def command(names: list[str], args: list[str], task_file: str) -> tuple[list[str], dict[str, str]]:
         return srun_command([Host(n) for n in names], len(names), mpi, args, task_file=task_file, srun=srun,
                             extra=list(mpi_args))
     return command
-
-
-def _srun() -> str:
-    srun = shutil.which("srun")
-    if srun is None:
-        raise RuntimeError(f"SLURM_JOB_ID={os.environ['SLURM_JOB_ID']} is set but srun is not on PATH")
-    return srun
 
 
 def _job(names: list[str], args: list[str], job: JobCommand, timeout: float) -> tuple[list[dict], str | None, float]:
@@ -172,7 +164,7 @@ def _probe_allocation(alloc: Allocation, args: list[str]) -> Probed:
     window)."""
     t0 = time.time()
     try:
-        p = subprocess.run(srun_each_node(alloc, args, srun=_srun()), capture_output=True, text=True,
+        p = subprocess.run(srun_each_node(alloc, args, srun=srun_path()), capture_output=True, text=True,
                            timeout=SRUN_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
         out, why = p.stdout, (_last_words(p) if p.returncode != 0 else None)
     except subprocess.TimeoutExpired as e:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import click
 from ..core.errors import UserError
 from ..wire.launcher import (HOW_TO_LOAD, MPI_KINDS, MPI_NAMES, Host, build_command, choose_launcher, hostfile_text,
                              job_plan, mpi4py_library, parse_hostfile, rank_hosts, signal_to_pass_on)
-from ..wire.slurm import TASK_FILE_ENV, allocation, allocation_hosts, srun_command
+from ..wire.slurm import TASK_FILE_ENV, allocation, allocation_hosts, srun_command, srun_path
 from .options import CheckedCommand
 
 
@@ -76,7 +75,7 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
         np_ = np_ or sum(h.slots for h in hosts)
         if slurm is not None:
             task_file = out_hostfile or _temporary("pipeinfer-tasks-")
-            cmd, env = srun_command(hosts, np_, mpi, pipeinfer_args, task_file=task_file, srun=_srun(),
+            cmd, env = srun_command(hosts, np_, mpi, pipeinfer_args, task_file=task_file, srun=srun_path(),
                                     extra=mpi_args, accepts=accepts)
             hostfile = env[TASK_FILE_ENV]
         else:
@@ -209,13 +208,6 @@ def _temporary(prefix: str) -> str:
     fd, path = tempfile.mkstemp(prefix=prefix, suffix=".txt")
     os.close(fd)
     return path
-
-
-def _srun() -> str:
-    srun = shutil.which("srun")
-    if srun is None:
-        raise RuntimeError(f"SLURM_JOB_ID={os.environ['SLURM_JOB_ID']} is set but srun is not on PATH")
-    return srun
 
 
 def _subcommand(pipeinfer_args) -> click.Command:

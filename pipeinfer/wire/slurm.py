@@ -15,6 +15,7 @@ one process; each rank says so in one line (launcher.world_size_mismatch), namin
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, replace
@@ -42,6 +43,14 @@ class Allocation:
 
 def in_allocation(environ: Mapping[str, str]) -> bool:
     return bool(environ.get("SLURM_JOB_ID"))
+
+
+def srun_path() -> str:
+    """srun, which a Slurm job (SLURM_JOB_ID) needs to start its steps; a one-line error where it is missing."""
+    srun = shutil.which("srun")
+    if srun is None:
+        raise RuntimeError(f"SLURM_JOB_ID={os.environ.get('SLURM_JOB_ID')} is set but srun is not on PATH")
+    return srun
 
 
 def hostnames(nodelist: str, scontrol: str = "scontrol") -> list[str]:
