@@ -124,23 +124,22 @@ def _srun_job(mpi: str, mpi_args) -> JobCommand:
     return command
 
 
-def _job(names: list[str], args: list[str], job: JobCommand, timeout: float) -> tuple[list[dict], str | None, float]:
-    """`pipeinfer ARGS` on one rank per host through the launcher: (its JSON lines, why it failed or None, seconds)."""
+def _job(names: list[str], args: list[str], job: JobCommand, timeout: float) -> tuple[list[dict], str | None]:
+    """`pipeinfer ARGS` on one rank per host through the launcher: (its JSON lines, why it failed or None)."""
     fd, hostfile = tempfile.mkstemp(prefix="pipeinfer-doctor-", suffix=".txt")
     os.close(fd)
     try:
         cmd, env = job(names, args, hostfile)
-        t0 = time.time()
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
                            env={**os.environ, **env})
     except subprocess.TimeoutExpired:
-        return [], f"no answer in {timeout:.0f} s (ssh, or a host is down)", 0.0
+        return [], f"no answer in {timeout:.0f} s (ssh, or a host is down)"
     finally:
         Path(hostfile).unlink(missing_ok=True)
     lines = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0:
-        return lines, _last_words(p) or f"the launcher exited with {p.returncode}", 0.0
-    return lines, None, time.time() - t0
+        return lines, _last_words(p) or f"the launcher exited with {p.returncode}"
+    return lines, None
 
 
 def _last_words(p: subprocess.CompletedProcess) -> str | None:
@@ -152,7 +151,7 @@ def _probe(name: str, args: list[str], job: JobCommand) -> tuple[HostFacts | Non
     """(the host's facts, None, this host's clock when the probe was sent and when it came back) or (None, why not,
     that window): the host's clock must read within the window (a loaded machine only widens it)."""
     t0 = time.time()
-    lines, why, _ = _job([name], args, job, PROBE_TIMEOUT_S)
+    lines, why = _job([name], args, job, PROBE_TIMEOUT_S)
     window = (t0, time.time())
     if why is None and not lines:
         why = "the probe printed nothing"
@@ -182,7 +181,7 @@ def _probe_allocation(alloc: Allocation, args: list[str]) -> Probed:
 
 
 def _links(names: list[str], job: JobCommand) -> tuple[list[dict], str | None]:
-    links, why, _ = _job(names, ["doctor", "--links"], job, LINKS_TIMEOUT_S)
+    links, why = _job(names, ["doctor", "--links"], job, LINKS_TIMEOUT_S)
     if why is None and len(links) != len(names) - 1:
         why = f"{len(links)} of {len(names) - 1} links measured"
     return links, why

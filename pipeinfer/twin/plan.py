@@ -42,7 +42,6 @@ from .sim import (
 
 PLAN_P_RECOVERY = (None, 0.1, 0.25, 0.5)   # None: auto (0.5 / (ranks - 1))
 PLAN_P_ACCEPT = (0.1, 0.3, 0.5, 0.7)
-GIB_ = float(1 << 30)
 REFERENCE_PROFILE = Path(__file__).with_name("reference_profile.json")  # plan --machines' default calibration
 TIE = 0.005          # a configuration tried later must be this much faster to win (the even split, then simpler ones)
 TREE_BRANCHES = 4                          # --max-branches plan tries beside the chain (1)
@@ -281,8 +280,7 @@ class Priced:
 
     def ram_line(self) -> str:
         """One line: each host's RAM need / has."""
-        has = lambda x: "?" if x is None else f"{x:g}"  # noqa: E731
-        return "RAM need/has (GiB): " + ", ".join(f"{f.machine.name} {f.ram_gib:.1f}/{has(f.machine.mem_gib)}"
+        return "RAM need/has (GiB): " + ", ".join(f"{f.machine.name} {f.ram_gib:.1f}/{_gib(f.machine.mem_gib)}"
                                                  for f in self.fits)
 
 
@@ -306,6 +304,11 @@ def describe(hostfile: str, target, prof: dict, *, n_ctx: int, latency_us: float
                      target, cal, n_ctx, draft_bytes)
 
 
+def _gib(described: float | None) -> str:
+    """A host's described GiB, or ? where its hostfile line does not say."""
+    return "?" if described is None else f"{described:g}"
+
+
 def fit_table(d: Described, priced: Priced | None = None) -> str:
     """A line per rank: host, threads, layers, its decode of one row (the host model's); a line per host: RAM
     and disk (of `priced`, a command's split; None: the described split)."""
@@ -319,9 +322,8 @@ def fit_table(d: Described, priced: Priced | None = None) -> str:
         lines.append(f"{r.rank:<5}{r.machine.name:<16}{r.threads:>8}  {what:<10}{ms:>10}")
     lines.append(f"{'host':<16}{'RAM need/has (GiB)':>22}{'disk need/has (GiB)':>22}")
     for f in fits:
-        has = lambda x: "?" if x is None else f"{x:g}"  # noqa: E731
-        lines.append(f"{f.machine.name:<16}{f'{f.ram_gib:.1f} / {has(f.machine.mem_gib)}':>22}"
-                     f"{f'{f.disk_gib:.1f} / {has(f.machine.disk_gib)}':>22}")
+        lines.append(f"{f.machine.name:<16}{f'{f.ram_gib:.1f} / {_gib(f.machine.mem_gib)}':>22}"
+                     f"{f'{f.disk_gib:.1f} / {_gib(f.machine.disk_gib)}':>22}")
     return "\n".join(lines)
 
 
@@ -453,15 +455,15 @@ def one_hosts(d: Described, *, agreement: float, exact_limit: int, n_prompt: int
     (speculative_tokens of them right), k up to the exact batch limit less the lead token; serving, a copy on each
     such host takes its share of `clients`: that many rows a decode (up to the limit), each request's prompt at
     the prompt rate."""
-    from ..core.cpus import share
+    from .machines import GIB
     t, cal = d.target, d.calibration
-    ram = (t.rank_ram_bytes(t.n_layer, True, True, d.n_ctx) + d.draft_bytes) / GIB_
+    ram = (t.rank_ram_bytes(t.n_layer, True, True, d.n_ctx) + d.draft_bytes) / GIB
     hosts = [m for m in dict.fromkeys(r.machine for r in d.ranks if not r.draft) if m.mem_gib is None or ram <= m.mem_gib]
     rows = max(1, min(-(-clients // max(1, len(hosts))), exact_limit))  # each copy's share of the clients
     active = t.active_stage_bytes(t.n_layer, True)
     out = []
     for m in hosts:
-        threads = m.threads or share(m.cores, 1, 0)
+        threads = m.threads or max(1, m.cores)  # one process: every core of the host
 
         def ms(rows: int) -> float:
             return cal.stage_ms(m, threads, active, rows, t.read_stage_bytes(t.n_layer, True, rows)) + \
