@@ -15,9 +15,10 @@ from pathlib import Path
 import click
 
 from ..core.errors import UserError
+from ..wire import container
 from ..wire.launcher import (HOW_TO_LOAD, MPI_KINDS, MPI_NAMES, Host, build_command, choose_launcher, hostfile_text,
                              job_plan, mpi4py_library, parse_hostfile, rank_hosts, signal_to_pass_on)
-from ..wire.slurm import TASK_FILE_ENV, allocation, allocation_hosts, srun_command, srun_path
+from ..wire.slurm import TASK_FILE_ENV, allocation, allocation_hosts, in_allocation, srun_command, srun_path
 from .options import CheckedCommand
 
 
@@ -37,9 +38,12 @@ from .options import CheckedCommand
 @click.option("--mpi-arg", "mpi_args", multiple=True, metavar="ARG",
               help="Extra option for mpiexec (srun in an allocation), repeatable (e.g. --mpi-arg=-iface "
                    "--mpi-arg=eth1).")
+@click.option("--image", default=None, metavar="IMAGE",
+              help="Run every host's ranks in a container of this pipeinfer image (podman, or docker with "
+                   "PIPEINFER_IMAGE_RUNTIME=docker; docs/containers.md).")
 @click.option("--dry-run", is_flag=True, help="Check and print the command and do not run it.")
 @click.argument("pipeinfer_args", nargs=-1, type=click.UNPROCESSED)
-def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run,
+def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, image, dry_run,
                pipeinfer_args):
     """Run `pipeinfer ARGS...` on every slot of HOSTFILE via mpiexec, or on a Slurm allocation's tasks via srun.
 
@@ -47,6 +51,9 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
     """
     command = _subcommand(pipeinfer_args)
     try:
+        image_env = _image_env(image, mpiexec is None and in_allocation(os.environ), pipeinfer_args) if image else {}
+        if image:
+            mpi_args = (*mpi_args, *container.launcher_args())
         slurm = allocation(os.environ) if mpiexec is None else None
         if slurm is None and hostfile_path is None:
             raise ValueError("--hostfile HOSTS is needed outside a Slurm allocation (SLURM_JOB_ID is not set)")
@@ -59,7 +66,7 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
                 Path(hostfile_path).write_text(hostfile_text(hosts))
             serve_args = ["--hostfile", hostfile_path] + (["--np", str(np_)] if np_ else []) + list(pipeinfer_args[1:])
             where = _check(command, serve_args, resolve=dry_run)
-            _launch_supervised_serve(mpi_args, dry_run, serve_args, where)
+            _launch_supervised_serve(mpi_args, dry_run, serve_args, where, image_env)
             if dry_run and where is not None:
                 by_name = {h.name: h for h in hosts}
                 _show_ranks(where.config, [by_name.get(n, Host(n)) for n in where.slots],
@@ -83,7 +90,8 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
             extra = ["--allow-run-as-root"] if mpi == "openmpi" and os.geteuid() == 0 else []
             extra += list(mpi_args)
             cmd, env = build_command(hosts, np_, mpi, pipeinfer_args, mpiexec=mpiexec, extra=extra,
-                                     hostfile=out_hostfile, accepts=accepts), {}
+                                     hostfile=out_hostfile, accepts=accepts,
+                                     environ={**os.environ, **image_env}), image_env
             hostfile = cmd[cmd.index("-f" if mpi == "mpich" else "--hostfile") + 1]
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -112,6 +120,20 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, dry_run
         if out_hostfile is None:
             Path(hostfile).unlink(missing_ok=True)
     sys.exit(rc if rc >= 0 else 128 - rc)
+
+
+def _image_env(image: str, in_slurm: bool, pipeinfer_args) -> dict[str, str]:
+    """The variables of a job whose ranks run in `image` (wire/container.py), for its launcher and a supervised
+    server: the image, and the folders of the paths among the job's arguments (each host's pipeinfer cache, with
+    the models fetched there, is the container's own)."""
+    if in_slurm:
+        raise ValueError("--image inside a Slurm allocation: run the image with srun through Apptainer "
+                         "(docs/containers.md, \"Slurm\")")
+    if mpi4py_library().kind != "mpich":
+        raise ValueError("--image runs MPICH's launcher (the image's MPI is the mpich wheel), but mpi4py loads "
+                         f"{mpi4py_library().name} here")
+    env = {container.IMAGE_ENV: image}
+    return {**env, **container.with_volumes(env, container.volumes_for(pipeinfer_args))}
 
 
 def _without_draft_host(name: str, hosts: list, accepts) -> list:
@@ -241,15 +263,18 @@ def _check(command: click.Command, args: list[str], *, resolve: bool):
         raise click.ClickException(f"{command.name}: {e}") from None
 
 
-def _launch_supervised_serve(mpi_args, dry_run: bool, serve_args: list[str], where=None) -> None:
+def _launch_supervised_serve(mpi_args, dry_run: bool, serve_args: list[str], where=None,
+                             image_env: dict[str, str] | None = None) -> None:
     """`launch --hostfile H -- serve ARGS` is the supervised server, `serve --hostfile H ARGS` (no mpiexec: it
     starts the pipeline's job itself and re-forms it when a host is lost); --mpi-arg options reach its
-    launcher through PIPEINFER_MPI_ARGS. A dry run also shows the server's first job (`where` it runs)."""
+    launcher through PIPEINFER_MPI_ARGS, and --image's variables (`image_env`) its jobs. A dry run also shows the
+    server's first job (`where` it runs)."""
     cmd = [sys.executable, "-m", "pipeinfer", "serve"] + serve_args
-    env = dict(os.environ)
+    more = dict(image_env or {})
     if mpi_args:
-        env["PIPEINFER_MPI_ARGS"] = shlex.join([*shlex.split(env.get("PIPEINFER_MPI_ARGS", "")), *mpi_args])
-    prefix = f"PIPEINFER_MPI_ARGS={shlex.quote(env['PIPEINFER_MPI_ARGS'])} " if mpi_args else ""
+        more["PIPEINFER_MPI_ARGS"] = shlex.join([*shlex.split(os.environ.get("PIPEINFER_MPI_ARGS", "")), *mpi_args])
+    env = {**os.environ, **more}
+    prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in more.items())
     click.echo(prefix + shlex.join(_keys_hidden(cmd)))
     if dry_run:
         if where is not None:

@@ -40,7 +40,11 @@ def launch_command(slots: list[str], pipeinfer_args: list[str], hostfile: str,
 def job_command(hosts: list[str], work_dir: str, environ) -> tuple[list[str], dict[str, str]]:
     """The launcher's command line of the pipeline's job, one rank per host of `hosts` (its hostfile written in
     work_dir), every rank attached through rank 0's socket there; the variables it needs besides `environ`."""
-    return launch_command(hosts, ["attach", rank0_socket(work_dir)], os.path.join(work_dir, "hosts.txt"), environ)
+    from ..wire.container import with_volumes
+    image = with_volumes(environ, [work_dir])  # rank 0 in the image reaches the socket there
+    cmd, more = launch_command(hosts, ["attach", rank0_socket(work_dir)], os.path.join(work_dir, "hosts.txt"),
+                               {**environ, **image})
+    return cmd, {**image, **more}
 
 
 def first_job_command(where: Placement, work_dir: str, environ) -> tuple[list[str], dict[str, str]]:

@@ -84,6 +84,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Collection, Iterable, Mapping, Sequence
 
+from . import container
+
 
 __all__ = [
     "Host", "parse_hostfile", "parse_hostfile_text", "detect_mpi", "mpi_from_version",
@@ -503,7 +505,7 @@ def build_command(
     pipeinfer_args: Sequence[str],
     *,
     mpiexec: str = "mpiexec",
-    python: str = sys.executable,
+    python: str | None = None,
     env_forward: Iterable[str] = DEFAULT_ENV_FORWARD,
     extra: Sequence[str] = (),
     hostfile: str | os.PathLike | None = None,
@@ -527,7 +529,9 @@ def build_command(
         fd, hostfile = tempfile.mkstemp(prefix="pipeinfer-hosts-", suffix=".txt")
         os.close(fd)
     hostfile = str(write_hostfile(hosts, mpi, hostfile))
-    names = _forwarded(env_forward, os.environ if environ is None else environ)
+    environ = os.environ if environ is None else environ
+    python = python or container.rank_python(environ)
+    names = container.env_forward(_forwarded(env_forward, environ), environ)
     if mpi == "mpich":
         cmd = [mpiexec, "-f", hostfile, "-n", str(np)]
         if names:
