@@ -609,3 +609,10 @@ def test_a_draft_host_leaves_the_stage_hosts_descriptions(tmp_path):
                                     "c # pipeinfer: role=draft mem=2 cores=2\n")
     ordered, _ = job_plan(parse_hostfile(str(tmp_path / "hosts")), 3, ["generate"])
     assert [(h.name, h.mem, h.cores) for h in rank_hosts(ordered, 3)] == [("a", 4, 8), ("b", 6, 4), ("c", 2, 2)]
+
+
+def test_the_launchers_environment_ends_in_a_variable_nobody_reads():
+    """Hydra 5.0.2 leaves the last variable of its environment out of -genvlist (tests/test_netns.py shows it on a
+    supervised job): whatever the order given, every variable before ENV_END, once, and ENV_END last."""
+    env = launch.launcher_env({launch.ENV_END: "x", "PIPEINFER_CONFIG": "{}", "PATH": "/b"})
+    assert list(env) == ["PIPEINFER_CONFIG", "PATH", launch.ENV_END] and env["PIPEINFER_CONFIG"] == "{}"

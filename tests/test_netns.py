@@ -10,8 +10,8 @@ import sys
 import pytest
 
 import faults as F
-from helpers import (JOBS, NETNS_MPI_ARGS, PROMPT, ROOT, Server, job_references, mpirun, netns_unavailable,
-                     stream_through_a_cut, universal_newlines, wait_until)
+from helpers import (JOBS, NETNS, NETNS_MPI_ARGS, PROMPT, PROMPT_TEXT, ROOT, Server, job_references, mpirun,
+                     netns_unavailable, stream_through_a_cut, universal_newlines, wait_until)
 
 pytestmark = pytest.mark.mpi
 
@@ -162,6 +162,31 @@ def test_supervised_generate_survives_a_cut_link(tmp_path):
     assert r["exit_code"] == 0 and not r["traceback"], r["stderr_tail"]
     F.check_resumed(case, r)
 
+
+def test_a_supervised_job_over_ssh_gets_its_configuration(models, tmp_path):
+    """A supervised `generate --hostfile` on h0 and h1 whose hosts start the proxies as ssh does, with the login's
+    variables and not the launcher's (NETNS_CLEAN_ENV): every rank receives the job's configuration through
+    MPI's launcher (Hydra 5.0.2 drops the last variable of its environment from -genvlist: launcher_env) and the
+    text is one process's."""
+    why = netns_unavailable()
+    if why:
+        pytest.skip(why)
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    up = subprocess.run(["bash", str(NETNS), "up", "2"], capture_output=True, text=True, env=env, timeout=120)
+    try:
+        assert up.returncode == 0, up.stderr[-2000:]
+        hosts = tmp_path / "hosts.txt"
+        hosts.write_text("h0\nh1\n")
+        args = ["generate", "-m", str(models["q8"]), "-p", PROMPT_TEXT, "--no-chat", "-n", "16", "--json"]
+        p = subprocess.run([sys.executable, "-m", "pipeinfer", *args, "--hostfile", str(hosts)], capture_output=True,
+                           text=True, timeout=300, env=dict(env, PIPEINFER_MPI_ARGS=NETNS_MPI_ARGS, NETNS_CLEAN_ENV="1"))
+        assert p.returncode == 0, p.stderr[-3000:]
+        alone = subprocess.run([sys.executable, "-m", "pipeinfer", *args, "--mode", "iterative"], capture_output=True,
+                               text=True, timeout=300)
+        assert json.loads(p.stdout)["tokens"] == json.loads(alone.stdout)["tokens"]
+    finally:
+        subprocess.run(["bash", str(NETNS), "down", "2"], capture_output=True, env=env, timeout=120)
+    _cleaned_up()
 
 
 def test_one_rank_per_host_takes_every_core_of_its_host(models, tmp_path):

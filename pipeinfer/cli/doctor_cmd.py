@@ -17,7 +17,7 @@ import click
 
 from ..wire.doctor import MEM_MARGIN, HostFacts, Need, facts, facts_of, links_main, probe_main, problems
 from ..wire.launcher import (Host, build_command, choose_launcher, group_hosts, host_settings, merged_slots,
-                             mpi4py_library, parse_hostfile)
+                             launcher_env, mpi4py_library, parse_hostfile)
 from ..wire.slurm import Allocation, allocation, allocation_hosts, srun_command, srun_each_node, srun_path
 
 PROBE_TIMEOUT_S = 30.0
@@ -131,7 +131,7 @@ def _job(names: list[str], args: list[str], job: JobCommand, timeout: float) -> 
     try:
         cmd, env = job(names, args, hostfile)
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                           env={**os.environ, **env})
+                           env=launcher_env({**os.environ, **env}))
     except subprocess.TimeoutExpired:
         return [], f"no answer in {timeout:.0f} s (ssh, or a host is down)"
     finally:

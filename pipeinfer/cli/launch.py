@@ -17,7 +17,8 @@ import click
 from ..core.errors import UserError
 from ..wire import container
 from ..wire.launcher import (HOW_TO_LOAD, MPI_KINDS, MPI_NAMES, Host, build_command, choose_launcher, hostfile_text,
-                             job_plan, mpi4py_library, parse_hostfile, rank_hosts, signal_to_pass_on)
+                             job_plan, launcher_env, mpi4py_library, parse_hostfile, rank_hosts,
+                             signal_to_pass_on)
 from ..wire.slurm import TASK_FILE_ENV, allocation, allocation_hosts, in_allocation, srun_command, srun_path
 from .options import CheckedCommand
 
@@ -330,7 +331,7 @@ def _run_forwarding_signals(cmd: list[str], mpi: str, env: dict) -> int:
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     old = {s: signal.signal(s, pass_on) for s in sigs}
     try:
-        started.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, env=env))
+        started.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, env=launcher_env(env)))
         if got:
             started[0].send_signal(signal_to_pass_on(mpi, got[0], first=True))
         return started[0].wait()

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from ..core.errors import UserError
+from ..wire.launcher import launcher_env
 from .failures import EndedJob, StartFailed, last_error
 
 START_TIMEOUT_S = 600.0                # the least a supervised job may take to start (--start-timeout: the limit)
@@ -45,7 +46,7 @@ class ChildJob:
         self.hosts, self.n_target, self.log_path = hosts, n_target, log_path
         self.start_timeout = start_timeout
         with open(log_path, "w") as job_log:
-            self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=job_log, env=env,
+            self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=job_log, env=launcher_env(env),
                                             stderr=subprocess.STDOUT, start_new_session=True)
 
     def await_rank0(self, listener: socket.socket) -> socket.socket:

@@ -547,6 +547,20 @@ def build_command(
     return cmd + list(extra) + [python, "-m", "mpi4py", "-m", "pipeinfer"] + args
 
 
+# MPICH 5.0.2's Hydra leaves the last variable of its own environment out of what -genvlist forwards (measured: the
+# same variable arrives when one more follows it). A supervised job's PIPEINFER_CONFIG is added last, and where a
+# host's proxy does not inherit the launcher's environment (ssh, a container) the ranks started without it.
+ENV_END = "PIPEINFER_ENV_END"
+
+
+def launcher_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` for the launcher's process, ending in ENV_END (a variable nobody reads): every variable before it
+    reaches the ranks."""
+    out = {k: v for k, v in env.items() if k != ENV_END}
+    out[ENV_END] = "1"
+    return out
+
+
 WORKDIR_ENV = "PIPEINFER_WORKDIR"  # the folder `launch` ran in, for the ranks of an MPICH job (build_command)
 
 
