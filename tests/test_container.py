@@ -163,21 +163,52 @@ def test_the_supervised_servers_jobs_run_in_the_image(models, tmp_path):
     assert f" {container.RANK_PYTHON} -m mpi4py -m pipeinfer attach " in job
 
 
-def test_image_refusals(models, tmp_path, monkeypatch):
-    """--image in a Slurm allocation, or with mpi4py on Open MPI: one line each, no traceback."""
+def test_image_refusal(models, tmp_path, monkeypatch):
+    """--image with mpi4py on Open MPI (the image's MPI is the mpich wheel): one line, no traceback."""
     hf = tmp_path / "hosts"
     hf.write_text("h0\n")
     args = ["launch", "--image", "img", "--hostfile", str(hf), "--dry-run", "--", "generate", "-m", str(models["q8"])]
-    monkeypatch.setenv("SLURM_JOB_ID", "7")
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
-    res = CliRunner().invoke(main, args)
-    assert res.exit_code != 0 and "Apptainer" in res.output and "Traceback" not in res.output
-    monkeypatch.delenv("SLURM_JOB_ID")
     monkeypatch.setenv("MPI4PY_MPIABI", "openmpi")
     from pipeinfer.wire import launcher
     if launcher.mpi4py_library().kind == "openmpi":
         res = CliRunner().invoke(main, args)
         assert res.exit_code != 0 and "MPICH" in res.output and "Traceback" not in res.output
+
+
+def test_a_slurm_task_runs_its_rank_in_the_image(tmp_path):
+    """A task of an srun step (bash, as srun starts it): the container with the PMI descriptor passed on by number
+    (--preserve-fds), the step's variables by name (this host's cache folders emptied), the node's own cache
+    ({host}: SLURMD_NODENAME), the volumes the node has, then the rank's command."""
+    models = tmp_path / "models"
+    models.mkdir()
+    environ = {container.IMAGE_ENV: "img:2", container.CACHE_ENV: str(tmp_path / "c-{host}"),
+               container.VOLUMES_ENV: f"{models}:{tmp_path / 'elsewhere'}"}
+    prefix = container.step_command(environ)
+    assert prefix[:2] == ["bash", "-c"] and prefix[-1] == container.RANK_PYTHON
+    bin_dir = _fake_runtime(tmp_path)
+    p = subprocess.run([*prefix, "-m", "mpi4py", "-m", "pipeinfer", "generate"], capture_output=True, text=True,
+                       timeout=30, env={"PATH": f"{bin_dir}:/usr/bin:/bin", "PMI_FD": "6", "SLURMD_NODENAME": "n7"})
+    assert p.returncode == 0, p.stderr
+    args = p.stdout.splitlines()
+    assert args[:12] == ["run", "--rm", "--init", "--network", "host", "--ipc", "host", "--uts", "host",
+                         "--preserve-fds", "4", "-e"]
+    passed = [args[i + 1] for i, a in enumerate(args) if a == "-e"]
+    assert passed[:3] == ["PMI_*", "SLURM_*", "PIPEINFER_*"] and "PIPEINFER_CACHE=" in passed
+    mounts = [args[i + 1] for i, a in enumerate(args) if a == "-v"]
+    assert mounts == [f"{tmp_path}/c-n7:{container.IMAGE_CACHE}", f"{models}:{models}"]
+    assert args[-7:] == ["img:2", container.RANK_PYTHON, "-m", "mpi4py", "-m", "pipeinfer", "generate"]
+
+
+def test_the_srun_step_of_a_job_in_the_image(tmp_path):
+    """srun_command under --image: the step's tasks run step_command, then `-m mpi4py -m pipeinfer ARGS`."""
+    from pipeinfer.wire.slurm import srun_command
+    environ = {container.IMAGE_ENV: "img"}
+    cmd, _ = srun_command([Host("n1"), Host("n2")], 2, "mpich", ["generate"], task_file=str(tmp_path / "t"),
+                          environ=environ)
+    prefix = container.step_command(environ)
+    at = cmd.index("bash")
+    assert cmd[at:at + len(prefix)] == prefix and cmd[at + len(prefix):] == ["-m", "mpi4py", "-m", "pipeinfer",
+                                                                              "generate"]
 
 
 def _variants_module():

@@ -10,57 +10,21 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import (JOBS, NETNS, PROMPT_TEXT, ROOT, Server, job_references, netns_unavailable, real_model,
-                     stream_through_a_cut, universal_newlines)
+from helpers import (JOBS, NETNS, PROMPT_TEXT, ROOT, Server, job_references, real_model, stream_through_a_cut,
+                     universal_newlines)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
-PY_BIN = os.path.dirname(sys.executable)
 MPI_TCP = ["--mpi-arg=-iface", "--mpi-arg=brpi", "--mpi-arg=-genv", "--mpi-arg=UCX_TLS", "--mpi-arg=tcp",
            "--mpi-arg=-genv", "--mpi-arg=FI_PROVIDER", "--mpi-arg=tcp"]
 LIB = "/opt/pipeinfer/lib/python3.11/site-packages/llama_cpp/lib"
-
-
-def _runtime_unavailable() -> str | None:
-    if not shutil.which("podman"):
-        return "podman is not installed (apt-get install podman runc debootstrap)"
-    if not shutil.which("debootstrap"):
-        return "debootstrap is not installed (apt-get install debootstrap)"
-    return netns_unavailable()
-
-
-@pytest.fixture(scope="module")
-def podman_env(tmp_path_factory) -> dict:
-    """This machine's podman settings: runc (crun refuses the hybrid cgroup mounts of some VMs) and default ulimits
-    no higher than this process may set (podman's default 1048576 open files fails where the hard limit is lower)."""
-    why = _runtime_unavailable()
-    if why:
-        pytest.skip(why)
-    conf = tmp_path_factory.mktemp("podman") / "containers.conf"
-    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    conf.write_text(f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc=32768:32768"]\n'
-                    f'[engine]\nruntime = "runc"\n')
-    return dict(os.environ, CONTAINERS_CONF=str(conf), PATH=PY_BIN + os.pathsep + os.environ["PATH"])
-
-
-@pytest.fixture(scope="module")
-def image(podman_env) -> str:
-    """The image, built (or brought up to date from podman's cached steps) by launch/image/build.sh."""
-    tag = "localhost/pipeinfer:test"
-    p = subprocess.run(["bash", str(ROOT / "launch" / "image" / "build.sh"), tag], capture_output=True, text=True,
-                       env=podman_env, timeout=3600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    print(p.stdout.splitlines()[-1])  # "[image] TAG built in N s (SIZE)"
-    return tag
 
 
 @pytest.fixture(scope="module")

@@ -106,6 +106,21 @@ def test_slurm_launch_in_an_allocation_runs_one_job(slurm, models):
         p.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_slurm_launch_runs_the_image(slurm, image, podman_env, models, tmp_path):
+    """`pipeinfer launch --image` inside `salloc -N 2`: each task of the srun step starts its rank in a container of
+    the image on its node (the PMI descriptor Slurm gave the task passed in); the text is the one process's."""
+    one = _run(PIPEINFER + _generate_args(models), slurm)
+    env = dict(slurm, CONTAINERS_CONF=podman_env["CONTAINERS_CONF"], PIPEINFER_IMAGE_CACHE=str(tmp_path / "{host}"))
+    p = _run(["salloc", "-N", "2", *PIPEINFER, "launch", "--image", image, "--", *_generate_args(models), "--json"],
+             env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["text"] == one.stdout[:-1] and len(out["ranges"]) == 2
+    assert " podman run --rm --init --network host " in p.stderr.splitlines()[0], p.stderr[:2000]
+    assert sorted(d.name for d in tmp_path.iterdir()) == ["h0", "h1"]  # each node's cache its own
+
+
 def test_slurm_ranks_take_the_cpus_slurm_gave_their_task(slurm, models):
     """No -t in an allocation: `-c 1` gives each task 1 CPU (SLURM_CPUS_PER_TASK), so each rank runs 1 thread; a rank
     alone on a whole node runs every core of it; whole nodes with a task per CPU (salloc's default) share each node's

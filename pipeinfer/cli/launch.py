@@ -19,7 +19,7 @@ from ..wire import container
 from ..wire.launcher import (HOW_TO_LOAD, MPI_KINDS, MPI_NAMES, Host, build_command, choose_launcher, hostfile_text,
                              job_plan, launcher_env, mpi4py_library, parse_hostfile, rank_hosts,
                              signal_to_pass_on)
-from ..wire.slurm import TASK_FILE_ENV, allocation, allocation_hosts, in_allocation, srun_command, srun_path
+from ..wire.slurm import TASK_FILE_ENV, allocation, allocation_hosts, srun_command, srun_path
 from .options import CheckedCommand
 
 
@@ -52,10 +52,10 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, image, 
     """
     command = _subcommand(pipeinfer_args)
     try:
-        image_env = _image_env(image, mpiexec is None and in_allocation(os.environ), pipeinfer_args) if image else {}
-        if image:
-            mpi_args = (*mpi_args, *container.launcher_args())
         slurm = allocation(os.environ) if mpiexec is None else None
+        image_env = _image_env(image, pipeinfer_args) if image else {}
+        if image and slurm is None:  # (in an allocation each task of the step starts its container: wire/slurm)
+            mpi_args = (*mpi_args, *container.launcher_args())
         if slurm is None and hostfile_path is None:
             raise ValueError("--hostfile HOSTS is needed outside a Slurm allocation (SLURM_JOB_ID is not set)")
         hosts = parse_hostfile(hostfile_path) if hostfile_path else []
@@ -84,7 +84,8 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, image, 
         if slurm is not None:
             task_file = out_hostfile or _temporary("pipeinfer-tasks-")
             cmd, env = srun_command(hosts, np_, mpi, pipeinfer_args, task_file=task_file, srun=srun_path(),
-                                    extra=mpi_args, accepts=accepts)
+                                    extra=mpi_args, accepts=accepts, environ={**os.environ, **image_env})
+            env = {**image_env, **env}
             hostfile = env[TASK_FILE_ENV]
         else:
             mpiexec = choose_launcher(library, mpiexec)
@@ -123,13 +124,10 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, image, 
     sys.exit(rc if rc >= 0 else 128 - rc)
 
 
-def _image_env(image: str, in_slurm: bool, pipeinfer_args) -> dict[str, str]:
+def _image_env(image: str, pipeinfer_args) -> dict[str, str]:
     """The variables of a job whose ranks run in `image` (wire/container.py), for its launcher and a supervised
     server: the image, and the folders of the paths among the job's arguments (each host's pipeinfer cache, with
     the models fetched there, is the container's own)."""
-    if in_slurm:
-        raise ValueError("--image inside a Slurm allocation: run the image with srun through Apptainer "
-                         "(docs/containers.md, \"Slurm\")")
     if mpi4py_library().kind != "mpich":
         raise ValueError("--image runs MPICH's launcher (the image's MPI is the mpich wheel), but mpi4py loads "
                          f"{mpi4py_library().name} here")

@@ -1,6 +1,7 @@
 """Ranks inside pipeinfer's image (launch/image): `pipeinfer launch --image IMAGE` starts each host's MPICH proxy, and
 the ranks it forks, in a container of IMAGE on that host (podman or docker; the host's network, IPC and host name,
-so MPI, shared memory and the messages' host names are the host's own).
+so MPI, shared memory and the messages' host names are the host's own). Inside a Slurm allocation each task of the
+job step (srun) starts its rank in a container instead (step_command).
 
 Hydra reaches a host through its ssh launcher; `pipeinfer-image-exec` (main below) stands in for ssh: it runs
 ssh (or $PIPEINFER_IMAGE_SSH) to the host with `podman run ... IMAGE hydra_pmi_proxy ...` as the command. The image's
@@ -142,6 +143,35 @@ def container_command(host: str, words: Sequence[str], environ: Mapping[str, str
     return (f"cache={cache_word}; mkdir -p \"$cache\" && set -- -v \"$cache:{IMAGE_CACHE}\" && "
             f"for v in {volumes}; do [ -e \"$v\" ] && set -- \"$@\" -v \"$v:$v\"; done; "
             f"exec {shlex.join(run)} \"$@\" {environ.get(OPTIONS_ENV, '')} {shlex.quote(image)} {' '.join(words)}")
+
+
+# what a task of a Slurm step passes into its container: the PMI connection's and the step's variables, and those
+# pipeinfer, MPI and llama.cpp read (podman and docker take a trailing * as every variable so named)
+STEP_ENV = ("PMI_*", "SLURM_*", "PIPEINFER_*", "MPIR_*", "FI_*", "UCX_*", "MPI4PY_*", "GGML_*", "LLAMA_*", "OMP_*")
+
+
+def step_command(environ: Mapping[str, str]) -> list[str]:
+    """What each task of a Slurm job step runs in place of the rank's Python: the image's Python in a container on
+    the task's node, with the step's variables (STEP_ENV; this host's cache folders left out), the node's cache and
+    the volumes the node has, and the task's PMI connection: Slurm's pmi2 plugin gives each task an open descriptor
+    (PMI_FD), which --preserve-fds passes on with its number."""
+    image = environ.get(IMAGE_ENV)
+    if not image:
+        raise ValueError(f"{IMAGE_ENV} is not set: which image to run")
+    cache = environ.get(CACHE_ENV, "")
+    cache_word = shlex.quote(cache) if cache else '"$HOME/.cache/pipeinfer"'
+    volumes = " ".join(shlex.quote(v) for v in environ.get(VOLUMES_ENV, "").split(":")
+                       if v and v != IMAGE_CACHE) or '""'
+    passed = " ".join(f"-e {shlex.quote(name)}" for name in STEP_ENV)
+    run = [environ.get(RUNTIME_ENV, "podman"), "run", "--rm", "--init", "--network", "host", "--ipc", "host",
+           "--uts", "host"]
+    script = (f'cache={cache_word}; cache=${{cache//"{{host}}"/$SLURMD_NODENAME}}; mkdir -p "$cache" && '
+              f'vols=(-v "$cache:{IMAGE_CACHE}"); '
+              f'for v in {volumes}; do [ -e "$v" ] && vols+=(-v "$v:$v"); done; fd=${{PMI_FD:-0}}; '
+              f'exec {shlex.join(run)} --preserve-fds $(( fd > 2 ? fd - 2 : 0 )) {passed} '
+              f'-e PIPEINFER_CACHE= -e PIPEINFER_STAGE_CACHE= "${{vols[@]}}" {environ.get(OPTIONS_ENV, "")} '
+              f'{shlex.quote(image)} "$@"')
+    return ["bash", "-c", script, "pipeinfer-step", RANK_PYTHON]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

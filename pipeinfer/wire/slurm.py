@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Collection, Mapping, Sequence
 
 from ..core.cpus import expand_tasks_per_node
+from .container import in_image, step_command
 from .launcher import Host, job_plan, rank_hosts
 
 SRUN_MPI = {"mpich": "pmi2", "openmpi": "pmix"}   # the srun --mpi plugin each MPI's library speaks
@@ -116,12 +117,19 @@ def srun_command(hosts: Sequence[Host], np: int, mpi: str, pipeinfer_args: Seque
            f"--nodes={len({h.name for h in order})}", "--kill-on-bad-exit=1", "--cpu-bind=none", "--overlap"]
     environ = os.environ if environ is None else environ
     env = {TASK_FILE_ENV: str(task_file), **{k: v for k, v in SRUN_ENV[mpi].items() if k not in environ}}
-    return cmd + list(extra) + [python, "-m", "mpi4py", "-m", "pipeinfer"] + args, env
+    return cmd + list(extra) + _rank_python(python, environ) + ["-m", "mpi4py", "-m", "pipeinfer"] + args, env
 
 
-def srun_probe(host: str, python: str = sys.executable, srun: str = "srun") -> list[str]:
+def _rank_python(python: str, environ: Mapping[str, str]) -> list[str]:
+    """What a task runs as the rank's Python: `python`, or the image's in a container (launch --image)."""
+    return step_command(environ) if in_image(environ) else [python]
+
+
+def srun_probe(host: str, python: str = sys.executable, srun: str = "srun",
+               environ: Mapping[str, str] | None = None) -> list[str]:
     """A one-task step on `host` that runs `pipeinfer --version` (no MPI): whether a lost node answers again."""
-    return [srun, "--mpi=none", f"--nodelist={host}", "--nodes=1", "--ntasks=1", "--overlap", python, "-m", "pipeinfer", "--version"]
+    return [srun, "--mpi=none", f"--nodelist={host}", "--nodes=1", "--ntasks=1", "--overlap",
+            *_rank_python(python, os.environ if environ is None else environ), "-m", "pipeinfer", "--version"]
 
 
 def srun_each_node(alloc: Allocation, pipeinfer_args: Sequence[str], python: str = sys.executable,
