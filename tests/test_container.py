@@ -97,8 +97,8 @@ def test_the_ssh_stand_in_runs_ssh_with_the_container(tmp_path):
     exe = Path(sys.executable).with_name(container.EXEC_NAME)
     p = subprocess.run([str(exe), "-x", "n1", "/v/bin/hydra_pmi_proxy", "--proxy-id", "0"], capture_output=True,
                        text=True, env=env, timeout=30)
-    assert p.returncode == 0 and p.stdout.startswith("SSH -x n1 cache="), p.stdout + p.stderr
-    assert p.stdout.rstrip().endswith("img hydra_pmi_proxy --proxy-id 0")
+    assert p.returncode == 0 and p.stdout.startswith("SSH -x n1 bash -c 'host=n1; "), p.stdout + p.stderr
+    assert p.stdout.rstrip().endswith("img hydra_pmi_proxy --proxy-id 0'")
     p = subprocess.run([str(exe), "-x"], capture_output=True, text=True, env=env, timeout=30)
     assert p.returncode != 0 and p.stderr.strip().count("\n") == 0 and "no host given" in p.stderr
 
@@ -118,6 +118,8 @@ def test_the_folders_a_job_needs(tmp_path, monkeypatch):
     assert container.volumes_for(args) == [f"{tmp_path}/m", f"{tmp_path}/out", f"{tmp_path}/work"]
     assert container.volumes_for([*args, str(tmp_path)]) == [str(tmp_path)]
     assert container.volumes_for(["-p", "hello", "-n", "3", "/"]) == []
+    (tmp_path / "work" / "pipeinfer").mkdir()  # a checkout's package folder is no path of --mode pipeinfer
+    assert container.volumes_for(["--mode", "pipeinfer"]) == []
 
 
 def test_a_job_in_the_image_runs_the_images_python(tmp_path):

@@ -4,7 +4,8 @@ so MPI, shared memory and the messages' host names are the host's own). Inside a
 job step (srun) starts its rank in a container instead (step_command).
 
 Hydra reaches a host through its ssh launcher; `pipeinfer-image-exec` (main below) stands in for ssh: it runs
-ssh (or $PIPEINFER_IMAGE_SSH) to the host with `podman run ... IMAGE hydra_pmi_proxy ...` as the command. The image's
+ssh (or $PIPEINFER_IMAGE_SSH) to the host with `bash -c '... podman run ... IMAGE hydra_pmi_proxy ...'` as the
+command (each host needs bash and podman, or docker). The image's
 MPICH is the pinned wheel, so the launcher here and every proxy are of one version. What a container sees of its
 host: the pipeinfer cache (models fetched there, stage files, received weights) at the image's cache folder, and
 each folder of $PIPEINFER_IMAGE_VOLUMES that the host has, at the same path (launch adds the folders of the paths
@@ -75,13 +76,13 @@ def launcher_args() -> list[str]:
 
 def volumes_for(args: Sequence[str], cwd: str | None = None) -> list[str]:
     """The folders the ranks need of this host, at the same path in the container: the folder of every existing path
-    among `args` (a word or the value of --opt=value; relative ones from cwd), each once, in order, none inside
-    another."""
+    among `args` (a word or the value of --opt=value; relative ones from cwd; a word without "/" only where it is a
+    file there, so that `--mode pipeinfer` in a checkout is no path), each once, in order, none inside another."""
     cwd = cwd or os.getcwd()
     out: list[str] = []
     for word in args:
         value = word.split("=", 1)[1] if word.startswith("--") and "=" in word else word
-        if not value or value.startswith("-") or ("/" not in value and not os.path.exists(os.path.join(cwd, value))):
+        if not value or value.startswith("-") or ("/" not in value and not os.path.isfile(os.path.join(cwd, value))):
             continue
         path = Path(cwd, value).resolve() if not os.path.isabs(value) else Path(value)
         folder = path if path.is_dir() else path.parent
@@ -124,54 +125,48 @@ def split_ssh_argv(argv: Sequence[str]) -> tuple[list[str], str, list[str]]:
     return opts, argv[i], list(argv[i + 1:])
 
 
-def container_command(host: str, words: Sequence[str], environ: Mapping[str, str]) -> str:
-    """The shell command that runs `words` (Hydra's proxy) in the image on `host`, as that host's shell reads it:
-    its cache and the volumes it has mounted, the host's network, IPC and name, PIPEINFER_HOST passed on. As ssh
-    does, the words are joined with spaces for the host's shell."""
+def _run_script(environ: Mapping[str, str], host: str, run_options: str, command: str) -> str:
+    """A bash script that runs `command` in the image on the host the shell word `host` names: the host's cache
+    (CACHE_ENV, {host} replaced) at the image's cache folder, each folder of VOLUMES_ENV that the host has at its own
+    path, the host's network, IPC and name, then `run_options` and OPTIONS_ENV."""
     image = environ.get(IMAGE_ENV)
     if not image:
         raise ValueError(f"{IMAGE_ENV} is not set: which image to run")
-    runtime = environ.get(RUNTIME_ENV, "podman")
-    cache = environ.get(CACHE_ENV, "").replace("{host}", host)
-    cache_word = shlex.quote(cache) if cache else '"$HOME/.cache/pipeinfer"'
-    # the image's own proxy, on its PATH (Hydra gives this host's path to it, in double quotes)
-    words = [PROXY if w.strip('"').endswith("/" + PROXY) else w for w in words]
+    cache = shlex.quote(environ[CACHE_ENV]) if environ.get(CACHE_ENV) else '"$HOME/.cache/pipeinfer"'
     volumes = " ".join(shlex.quote(v) for v in environ.get(VOLUMES_ENV, "").split(":")
                        if v and v != IMAGE_CACHE) or '""'  # (the image's cache folder is the host's cache already)
-    run = [runtime, "run", "--rm", "--init", "--network", "host", "--ipc", "host", "--uts", "host",
-           "-e", "PIPEINFER_HOST"]
-    return (f"cache={cache_word}; mkdir -p \"$cache\" && set -- -v \"$cache:{IMAGE_CACHE}\" && "
-            f"for v in {volumes}; do [ -e \"$v\" ] && set -- \"$@\" -v \"$v:$v\"; done; "
-            f"exec {shlex.join(run)} \"$@\" {environ.get(OPTIONS_ENV, '')} {shlex.quote(image)} {' '.join(words)}")
+    run = [environ.get(RUNTIME_ENV, "podman"), "run", "--rm", "--init", "--network", "host", "--ipc", "host",
+           "--uts", "host"]
+    return (f'host={host}; cache={cache}; cache=${{cache//"{{host}}"/$host}}; mkdir -p "$cache" && '
+            f'vols=(-v "$cache:{IMAGE_CACHE}"); for v in {volumes}; do [ -e "$v" ] && vols+=(-v "$v:$v"); done; '
+            f'exec {shlex.join(run)} {run_options} "${{vols[@]}}" {environ.get(OPTIONS_ENV, "")} '
+            f'{shlex.quote(image)} {command}')
+
+
+def container_command(host: str, words: Sequence[str], environ: Mapping[str, str]) -> str:
+    """The command line that runs `words` (Hydra's proxy) in the image on `host`, as ssh hands it to that host's
+    shell (the words joined with spaces), PIPEINFER_HOST passed on."""
+    # the image's own proxy, on its PATH (Hydra gives this host's path to it, in double quotes)
+    words = [PROXY if w.strip('"').endswith("/" + PROXY) else w for w in words]
+    return "bash -c " + shlex.quote(_run_script(environ, shlex.quote(host), "-e PIPEINFER_HOST", " ".join(words)))
 
 
 # what a task of a Slurm step passes into its container: the PMI connection's and the step's variables, and those
-# pipeinfer, MPI and llama.cpp read (podman and docker take a trailing * as every variable so named)
+# pipeinfer, MPI and llama.cpp read (podman and docker take a trailing * as every variable so named); this host's
+# cache folders are emptied
 STEP_ENV = ("PMI_*", "SLURM_*", "PIPEINFER_*", "MPIR_*", "FI_*", "UCX_*", "MPI4PY_*", "GGML_*", "LLAMA_*", "OMP_*")
 
 
 def step_command(environ: Mapping[str, str]) -> list[str]:
     """What each task of a Slurm job step runs in place of the rank's Python: the image's Python in a container on
-    the task's node, with the step's variables (STEP_ENV; this host's cache folders left out), the node's cache and
-    the volumes the node has, and the task's PMI connection: Slurm's pmi2 plugin gives each task an open descriptor
-    (PMI_FD), which --preserve-fds passes on with its number."""
-    image = environ.get(IMAGE_ENV)
-    if not image:
-        raise ValueError(f"{IMAGE_ENV} is not set: which image to run")
-    cache = environ.get(CACHE_ENV, "")
-    cache_word = shlex.quote(cache) if cache else '"$HOME/.cache/pipeinfer"'
-    volumes = " ".join(shlex.quote(v) for v in environ.get(VOLUMES_ENV, "").split(":")
-                       if v and v != IMAGE_CACHE) or '""'
+    the task's node, with the step's variables (STEP_ENV) and the task's PMI connection: Slurm's pmi2 plugin gives
+    each task an open descriptor (PMI_FD), which --preserve-fds passes on with its number."""
     passed = " ".join(f"-e {shlex.quote(name)}" for name in STEP_ENV)
-    run = [environ.get(RUNTIME_ENV, "podman"), "run", "--rm", "--init", "--network", "host", "--ipc", "host",
-           "--uts", "host"]
-    script = (f'cache={cache_word}; cache=${{cache//"{{host}}"/$SLURMD_NODENAME}}; mkdir -p "$cache" && '
-              f'vols=(-v "$cache:{IMAGE_CACHE}"); '
-              f'for v in {volumes}; do [ -e "$v" ] && vols+=(-v "$v:$v"); done; fd=${{PMI_FD:-0}}; '
-              f'exec {shlex.join(run)} --preserve-fds $(( fd > 2 ? fd - 2 : 0 )) {passed} '
-              f'-e PIPEINFER_CACHE= -e PIPEINFER_STAGE_CACHE= "${{vols[@]}}" {environ.get(OPTIONS_ENV, "")} '
-              f'{shlex.quote(image)} "$@"')
-    return ["bash", "-c", script, "pipeinfer-step", RANK_PYTHON]
+    options = f"--preserve-fds $(( fd > 2 ? fd - 2 : 0 )) {passed} -e PIPEINFER_CACHE= -e PIPEINFER_STAGE_CACHE="
+    # podman passes descriptors 3 .. 2+N: those below PMI_FD that the task lacks are opened on /dev/null
+    descriptors = 'fd=${PMI_FD:-0}; for ((f = 3; f < fd; f++)); do [ -e /proc/$$/fd/$f ] || eval "exec $f</dev/null"; done; '
+    return ["bash", "-c", descriptors + _run_script(environ, '"$SLURMD_NODENAME"', options, '"$@"'), "pipeinfer-step",
+            RANK_PYTHON]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
