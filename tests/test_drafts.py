@@ -27,7 +27,8 @@ def test_every_pairing_says_where_to_get_its_draft():
 
 def test_the_hint_for_the_real_qwen_and_an_unknown_file(tmp_path):
     assert draft_hint(real_model("qwen2.5-coder-1.5b")).startswith(
-        "--draft qwen2.5-0.5b-instruct-q8_0.gguf (Qwen2.5, Qwen2: Qwen2.5 0.5B Instruct, the same tokenizer")
+        "--draft qwen2.5-coder-0.5b (Qwen2.5, Qwen2: Qwen2.5-Coder 0.5B Instruct, the same tokenizer; from pipeinfer "
+        "models fetch qwen2.5-coder-0.5b")
     junk = tmp_path / "m.gguf"
     junk.write_bytes(b"x" * 100)
     assert draft_hint(junk).startswith("--draft SMALL.gguf")
@@ -42,7 +43,7 @@ def test_models_drafts_prints_the_table_and_a_targets_line():
 
 @pytest.mark.parametrize("size, draft", [("70b-q4_k_m", "Llama-3.2-1B-Instruct-Q4_K_M.gguf"),
                                          ("70b-q4_0", "gemma3-270m"),   # Llama 2's tokenizer: none of its family
-                                         ("32b-q4_k_m", "qwen2.5-0.5b-instruct-q8_0.gguf"),
+                                         ("32b-q4_k_m", "qwen2.5-coder-0.5b"),
                                          ("235b-a22b-q4_k_m", "Qwen3-0.6B-Q8_0.gguf")])
 def test_a_target_named_by_size_gets_the_draft_of_its_tokenizer(size, draft):
     from pipeinfer.cli.plan_cmd import _usual_draft

@@ -145,6 +145,22 @@ def test_gemma_draft_through_text_translation(qwen, gemma, code, reference):
     assert s["n_drafted"] > 0 and s["acceptance_rate"] > 0.3, s
 
 
+@pytest.mark.slow
+def test_the_coder_sibling_drafts_in_every_mode_on_two_and_three_ranks(qwen, code, reference):
+    """The registry's Qwen2.5-Coder-0.5B (the target's vocabulary: no translation) drafting for the real target:
+    speculative and PipeInfer on 2 and 3 ranks give llama-cpp-python's tokens, and it agrees with the target."""
+    sibling = real_model("qwen2.5-coder-0.5b")
+    code_prompt, _, _ = code
+    for n_ranks in (2, 3):
+        for mode in ("speculative", "pipeinfer"):
+            out = mpirun(n_ranks, {"model": qwen, "prompt": code_prompt, "n": 48, "n_ctx": 1024, "mode": mode,
+                                   "draft": sibling, "p_accept": 0.3}, timeout=900)
+            assert len(out["tokens"]) == 48, (n_ranks, mode)
+            assert_greedy_equal(out["tokens"], reference)
+            s = out["stats"]
+            assert s["n_draft_accepted"] > 0 and s["acceptance_rate"] > 0.5, (n_ranks, mode, s)
+
+
 @pytest.mark.skipif(not os.environ.get("PIPEINFER_SLOW"),
                     reason="about 8 minutes per prompt on 2 cores: set PIPEINFER_SLOW=1 to run")
 @pytest.mark.parametrize("name", ["code", "story", "encyclopedia"])
@@ -243,3 +259,4 @@ def test_the_real_models_are_known_by_their_bytes(qwen, gemma):
     """The registered head hashes are those of the real files (models.identify: the default drafter by content)."""
     from pipeinfer.engine.models import DEFAULT_DRAFT, DEFAULT_TARGET, identify
     assert (identify(qwen), identify(gemma)) == (DEFAULT_TARGET, DEFAULT_DRAFT)
+    assert identify(real_model("qwen2.5-coder-0.5b")) == "qwen2.5-coder-0.5b"

@@ -52,11 +52,16 @@ git ls-files -z pyproject.toml README.md pipeinfer prompts launch | xargs -0 cp 
 LLAMA=$(python3 -c 'import tomllib; print(next(d.split("==")[1] for d in tomllib.load(open("pyproject.toml", "rb"))
                     ["project"]["dependencies"] if d.startswith("llama-cpp-python==")))')
 
+old=$("$PODMAN" image inspect "$TAG" --format '{{.Id}}' 2>/dev/null || true)
 start=$(date +%s)
 "$PODMAN" build --network host "${volumes[@]}" "${pipenv[@]}" --build-arg BASE="$BASE" \
     --build-arg LLAMA_CPP_PYTHON="$LLAMA" -f launch/image/Containerfile -t "$TAG" "$context"
 echo "[image] $TAG built in $(( $(date +%s) - start )) s ($("$PODMAN" image inspect "$TAG" --format '{{.Size}}' \
     | awk '{printf "%.0f MB", $1 / 1e6}'))"
+# the image this tag named before, if the build replaced it (and no container uses it)
+if [[ -n $old && $old != $("$PODMAN" image inspect "$TAG" --format '{{.Id}}') ]]; then
+    "$PODMAN" rmi "$old" >/dev/null 2>&1 || true
+fi
 if [[ -n ${IMAGE_ARCHIVE:-} ]]; then
     rm -f "$IMAGE_ARCHIVE"
     "$PODMAN" save --format docker-archive -o "$IMAGE_ARCHIVE" "$TAG"

@@ -3,7 +3,8 @@
 
 A family with a small member of the same tokenizer drafts with it (the drafter runs on token ids, no translation);
 for the others any small model drafts through text (drafters/translating.py, `--draft-vocab translate`, which
-`auto` picks by itself), and the registry's Gemma 3 270M is the one a `pipeinfer models fetch` away.
+`auto` picks by itself), and the registry's Gemma 3 270M is the one a `pipeinfer models fetch` away. The registry
+also has the demo target's own sibling, Qwen2.5-Coder 0.5B (the same vocabulary).
 `pipeinfer models drafts [TARGET.gguf]` prints the table, or the line for one target; the one-line errors of a run
 that needs a draft and has none quote that line.
 """
@@ -28,8 +29,9 @@ PAIRINGS = (
             "Llama-3.2-1B-Instruct-Q4_K_M.gguf", "huggingface.co/bartowski/Llama-3.2-1B-Instruct-GGUF"),
     Pairing("Qwen3, Qwen3 MoE", frozenset({"qwen3", "qwen3moe"}), frozenset({"qwen2"}), "Qwen3 0.6B",
             "Qwen3-0.6B-Q8_0.gguf", "huggingface.co/Qwen/Qwen3-0.6B-GGUF"),
-    Pairing("Qwen2.5, Qwen2", frozenset({"qwen2", "qwen2moe"}), frozenset({"qwen2"}), "Qwen2.5 0.5B Instruct",
-            "qwen2.5-0.5b-instruct-q8_0.gguf", "huggingface.co/Qwen/Qwen2.5-0.5B-Instruct-GGUF"),
+    Pairing("Qwen2.5, Qwen2", frozenset({"qwen2", "qwen2moe"}), frozenset({"qwen2"}), "Qwen2.5-Coder 0.5B Instruct",
+            "qwen2.5-coder-0.5b",
+            "pipeinfer models fetch qwen2.5-coder-0.5b (a chat target: Qwen/Qwen2.5-0.5B-Instruct-GGUF)"),
     Pairing("Gemma 3", frozenset({"gemma3"}), frozenset(), "Gemma 3 270M", "gemma3-270m",
             "pipeinfer models fetch gemma3-270m"),
     Pairing("Gemma 2", frozenset({"gemma2"}), frozenset(), "Gemma 2 2B it", "gemma-2-2b-it-Q4_K_M.gguf",

