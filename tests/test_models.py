@@ -484,3 +484,12 @@ def test_identify_reads_only_the_head_and_the_size(tmp_path):
     small.write_bytes(b"GGUF")
     assert models.identify(small) is None
     assert all(spec.head_sha256 and len(spec.head_sha256) == 64 for spec in MODELS.values())
+
+def test_the_report_says_whether_the_draft_shares_the_targets_vocabulary(models):
+    """A draft model of the target's vocabulary drafts in its token ids; --draft-vocab translate (or another
+    vocabulary) through text: the report's drafter line says which."""
+    args = ["-m", str(models["q8"]), "-p", "hi", "--draft", str(models["draft90"])]
+    assert drafter_note(_pipeline_for(*args)).endswith(", the target's vocabulary")
+    assert drafter_note(_pipeline_for(*args, "--draft-vocab", "translate")).endswith(
+        ", another vocabulary: drafting through text")
+    assert drafter_note(_pipeline_for(*args[:4], "--drafter", "ngram")) == "drafter: ngram"

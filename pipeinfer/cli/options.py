@@ -245,11 +245,24 @@ def n_target_ranks(config: Config) -> int:
     return mpi_size() - (config.draft.at == "rank")
 
 
+def _vocabulary_said(config: Config) -> str:
+    """How a draft model drafts: in the target's token ids, or through text (another vocabulary); '' for the other
+    drafters and a file whose vocabulary cannot be read (the run says so itself)."""
+    if config.draft.drafter != "model" or not config.draft.model:
+        return ""
+    from ..drafters.factory import translates
+    try:
+        through_text = translates(config.model, config.draft.model, config.draft.vocab)
+    except (UserError, ValueError, OSError):
+        return ""
+    return ", another vocabulary: drafting through text" if through_text else ", the target's vocabulary"
+
+
 def drafter_note(config: Config) -> str:
     """Which drafter ran, for the statistics; where it was the n-gram fallback, how to give a better one."""
     if config.mode == "iterative":
         return "drafter: none (iterative)"
-    note = f"drafter: {draft_label(config)}"
+    note = f"drafter: {draft_label(config)}{_vocabulary_said(config)}"
     if config.draft.drafter == "ngram" and not config.draft.drafter_asked:
         from ..engine.drafts import draft_hint
         note += f" (for more accepted tokens with {Path(config.model).name}, give {draft_hint(config.model)})"

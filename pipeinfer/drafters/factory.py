@@ -6,6 +6,8 @@ drafters here, so the same draft model is never run one way by the one and anoth
 """
 from __future__ import annotations
 
+import functools
+
 from ..core.config import DraftOptions
 from ..core.errors import UserError
 from ..engine.kernels import draft_kernels
@@ -59,6 +61,7 @@ def _replay_reference(path: str | None) -> list[int]:
                         f"'pipeinfer generate --json' run ({e})") from None
 
 
+@functools.lru_cache(maxsize=8)  # (a run asks at start and again for its report; both vocabularies are read)
 def translates(target: str, draft: str, policy: str = "auto") -> bool:
     """Whether the draft drafts through text (translating.py) rather than in the target's token ids: always
     with `translate`; with `auto`, when check_vocab finds another vocabulary; `same` raises its UserError."""
