@@ -201,6 +201,19 @@ def test_a_slurm_task_runs_its_rank_in_the_image(tmp_path):
     assert args[-7:] == ["img:2", container.RANK_PYTHON, "-m", "mpi4py", "-m", "pipeinfer", "generate"]
 
 
+def test_docker_cannot_run_a_slurm_task(models, tmp_path, monkeypatch):
+    """Docker has no --preserve-fds for Slurm's PMI descriptor: launch --image in an allocation with
+    PIPEINFER_IMAGE_RUNTIME=docker is one line before anything starts."""
+    from pipeinfer.wire import slurm
+    monkeypatch.setattr(slurm, "hostnames", lambda nodelist: ["n1", "n2"])
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
+    monkeypatch.setenv(container.RUNTIME_ENV, "docker")
+    res = CliRunner().invoke(main, ["launch", "--image", "img", "--dry-run", "--", "generate", "-m", str(models["q8"])])
+    assert res.exit_code != 0 and "runs podman" in res.output and "Traceback" not in res.output, res.output
+    assert res.output.count("\n") == 1
+
+
 def test_the_srun_step_of_a_job_in_the_image(tmp_path):
     """srun_command under --image: the step's tasks run step_command, then `-m mpi4py -m pipeinfer ARGS`."""
     from pipeinfer.wire.slurm import srun_command

@@ -53,7 +53,7 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, image, 
     command = _subcommand(pipeinfer_args)
     try:
         slurm = allocation(os.environ) if mpiexec is None else None
-        image_env = _image_env(image, pipeinfer_args) if image else {}
+        image_env = _image_env(image, pipeinfer_args, in_slurm=slurm is not None) if image else {}
         if image and slurm is None:  # (in an allocation each task of the step starts its container: wire/slurm)
             mpi_args = (*mpi_args, *container.launcher_args())
         if slurm is None and hostfile_path is None:
@@ -124,7 +124,7 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, image, 
     sys.exit(rc if rc >= 0 else 128 - rc)
 
 
-def _image_env(image: str, pipeinfer_args) -> dict[str, str]:
+def _image_env(image: str, pipeinfer_args, in_slurm: bool) -> dict[str, str]:
     """The variables of a job whose ranks run in `image` (wire/container.py), for its launcher and a supervised
     server: the image, and the folders of the paths among the job's arguments (each host's pipeinfer cache, with
     the models fetched there, is the container's own)."""
@@ -132,6 +132,8 @@ def _image_env(image: str, pipeinfer_args) -> dict[str, str]:
         raise ValueError("--image runs MPICH's launcher (the image's MPI is the mpich wheel), but mpi4py loads "
                          f"{mpi4py_library().name} here")
     env = {container.IMAGE_ENV: image}
+    if in_slurm:  # each task starts its container: what it runs is checked now, not when the first job starts
+        container.step_command({**os.environ, **env})
     return {**env, **container.with_volumes(env, container.volumes_for(pipeinfer_args))}
 
 

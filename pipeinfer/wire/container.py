@@ -160,7 +160,11 @@ STEP_ENV = ("PMI_*", "SLURM_*", "PIPEINFER_*", "MPIR_*", "FI_*", "UCX_*", "MPI4P
 def step_command(environ: Mapping[str, str]) -> list[str]:
     """What each task of a Slurm job step runs in place of the rank's Python: the image's Python in a container on
     the task's node, with the step's variables (STEP_ENV) and the task's PMI connection: Slurm's pmi2 plugin gives
-    each task an open descriptor (PMI_FD), which --preserve-fds passes on with its number."""
+    each task an open descriptor (PMI_FD), which --preserve-fds passes on with its number (podman's option: Docker
+    has none, nor its variables by a trailing *)."""
+    if environ.get(RUNTIME_ENV, "podman") != "podman":
+        raise ValueError(f"--image in a Slurm allocation runs podman ({RUNTIME_ENV}={environ[RUNTIME_ENV]}: it cannot "
+                         "pass Slurm's PMI descriptor into the container); with Apptainer see docs/containers.md")
     passed = " ".join(f"-e {shlex.quote(name)}" for name in STEP_ENV)
     options = f"--preserve-fds $(( fd > 2 ? fd - 2 : 0 )) {passed} -e PIPEINFER_CACHE= -e PIPEINFER_STAGE_CACHE="
     # podman passes descriptors 3 .. 2+N: those below PMI_FD that the task lacks are opened on /dev/null
