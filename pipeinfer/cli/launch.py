@@ -53,7 +53,8 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, image, 
     command = _subcommand(pipeinfer_args)
     try:
         slurm = allocation(os.environ) if mpiexec is None else None
-        image_env = _image_env(image, pipeinfer_args, in_slurm=slurm is not None) if image else {}
+        library = mpi4py_library() if image else None  # (asked once: a subprocess that starts MPI)
+        image_env = _image_env(image, pipeinfer_args, library, in_slurm=slurm is not None) if image else {}
         if image and slurm is None:  # (in an allocation each task of the step starts its container: wire/slurm)
             mpi_args = (*mpi_args, *container.launcher_args())
         if slurm is None and hostfile_path is None:
@@ -73,7 +74,7 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, image, 
                 _show_ranks(where.config, [by_name.get(n, Host(n)) for n in where.slots],
                             by_name.get(where.draft.name) if where.draft else None)
             return None
-        library = mpi4py_library()
+        library = library or mpi4py_library()
         if mpi != "auto" and mpi != library.kind:
             raise RuntimeError(f"--mpi {mpi}, but mpi4py loads {library.name}: every rank would run as a separate "
                                f"one-process job (make mpi4py load {MPI_NAMES[mpi]}: {HOW_TO_LOAD[mpi]})")
@@ -124,13 +125,13 @@ def launch_cmd(hostfile_path, np_, mpi, mpiexec, out_hostfile, mpi_args, image, 
     sys.exit(rc if rc >= 0 else 128 - rc)
 
 
-def _image_env(image: str, pipeinfer_args, in_slurm: bool) -> dict[str, str]:
+def _image_env(image: str, pipeinfer_args, library, in_slurm: bool) -> dict[str, str]:
     """The variables of a job whose ranks run in `image` (wire/container.py), for its launcher and a supervised
     server: the image, and the folders of the paths among the job's arguments (each host's pipeinfer cache, with
-    the models fetched there, is the container's own)."""
-    if mpi4py_library().kind != "mpich":
+    the models fetched there, is the container's own). `library`: the MPI mpi4py loads here."""
+    if library.kind != "mpich":
         raise ValueError("--image runs MPICH's launcher (the image's MPI is the mpich wheel), but mpi4py loads "
-                         f"{mpi4py_library().name} here")
+                         f"{library.name} here")
     env = {container.IMAGE_ENV: image}
     if in_slurm:  # each task starts its container: what it runs is checked now, not when the first job starts
         container.step_command({**os.environ, **env})
