@@ -92,11 +92,16 @@ def volumes_for(args: Sequence[str], cwd: str | None = None) -> list[str]:
     return [f for f in out if not any(Path(f).is_relative_to(o) and f != o for o in out)]
 
 
+def _volumes(environ: Mapping[str, str]) -> list[str]:
+    """The host folders of VOLUMES_ENV."""
+    return [v for v in environ.get(VOLUMES_ENV, "").split(":") if v]
+
+
 def with_volumes(environ: Mapping[str, str], folders: Sequence[str]) -> dict[str, str]:
     """`environ`'s image variables with `folders` added to the volumes (nothing added outside the image)."""
     if not in_image(environ) or not folders:
         return {}
-    have = [v for v in environ.get(VOLUMES_ENV, "").split(":") if v]
+    have = _volumes(environ)
     return {VOLUMES_ENV: ":".join(have + [f for f in folders if f not in have])}
 
 
@@ -133,8 +138,8 @@ def _run_script(environ: Mapping[str, str], host: str, run_options: str, command
     if not image:
         raise ValueError(f"{IMAGE_ENV} is not set: which image to run")
     cache = shlex.quote(environ[CACHE_ENV]) if environ.get(CACHE_ENV) else '"$HOME/.cache/pipeinfer"'
-    volumes = " ".join(shlex.quote(v) for v in environ.get(VOLUMES_ENV, "").split(":")
-                       if v and v != IMAGE_CACHE) or '""'  # (the image's cache folder is the host's cache already)
+    volumes = " ".join(shlex.quote(v) for v in _volumes(environ)
+                       if v != IMAGE_CACHE) or '""'  # (the image's cache folder is the host's cache already)
     run = [environ.get(RUNTIME_ENV, "podman"), "run", "--rm", "--init", "--network", "host", "--ipc", "host",
            "--uts", "host"]
     return (f'host={host}; cache={cache}; cache=${{cache//"{{host}}"/$host}}; mkdir -p "$cache" && '

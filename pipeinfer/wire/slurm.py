@@ -125,11 +125,10 @@ def _rank_python(python: str, environ: Mapping[str, str]) -> list[str]:
     return step_command(environ) if in_image(environ) else [python]
 
 
-def srun_probe(host: str, python: str = sys.executable, srun: str = "srun",
-               environ: Mapping[str, str] | None = None) -> list[str]:
+def srun_probe(host: str, python: str = sys.executable, srun: str = "srun") -> list[str]:
     """A one-task step on `host` that runs `pipeinfer --version` (no MPI): whether a lost node answers again."""
     return [srun, "--mpi=none", f"--nodelist={host}", "--nodes=1", "--ntasks=1", "--overlap",
-            *_rank_python(python, os.environ if environ is None else environ), "-m", "pipeinfer", "--version"]
+            *_rank_python(python, os.environ), "-m", "pipeinfer", "--version"]
 
 
 def srun_each_node(alloc: Allocation, pipeinfer_args: Sequence[str], python: str = sys.executable,
