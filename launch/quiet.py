@@ -12,6 +12,7 @@ instead of waiting for them to finish.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -185,3 +186,14 @@ def timed(cmd: list[str]) -> list[str]:
 
 def elapsed(proc) -> float:
     return float(re.findall(r"ELAPSED ([\d.]+)", proc.stderr)[-1])
+
+
+def generation_row(proc, pct: float) -> dict:
+    """A timed() run of `pipeinfer generate --json` as a benchmark row: its wall time, its start-up to the first
+    token (the wall time less the generation's own), its tokens/s and text, and the CPU other work used meanwhile."""
+    wall = elapsed(proc)
+    out = json.loads(proc.stdout)
+    st = out["stats"]
+    gen_s = st["n_generated"] / st["gen_tokens_per_s"] if st["gen_tokens_per_s"] else 0.0
+    return {"wall_s": round(wall, 3), "startup_s": round(wall - gen_s, 3),
+            "tokens_per_s": round(st["gen_tokens_per_s"], 3), "text": out["text"], "foreign_cpu_pct": round(pct, 1)}

@@ -9,14 +9,13 @@ size, its archive (what `podman save` writes, and gzip -1 of it) and the seconds
 
 Needs root, podman and the image (launch/image/build.sh). 2 hosts, one rank of 1 thread each (ranks x threads = 2,
 this machine's cores); the default target with no draft (--mode iterative), the model on h0 only.
-start: the command's wall time to its first token (wall time - generation time); tokens/s: the generation's own.
+startup: the command's wall time to its first token (wall time - generation time); tokens/s: the generation's own.
 Prints the ratios image / venv.
 """
 from __future__ import annotations
 
 import argparse
 import gzip
-import json
 import os
 import resource
 import shutil
@@ -30,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
 import quiet  # noqa: E402
 from harness import CLUSTER, JOB_TAG, ROOT, new_tag, on_path, write_csv  # noqa: E402
-from quiet import elapsed, run_quietly, timed  # noqa: E402
+from quiet import generation_row, run_quietly, timed  # noqa: E402
 
 on_path()
 from pipeinfer import __version__  # noqa: E402
@@ -95,12 +94,7 @@ def job(install: str, image: str, model: str, disks: Path, args: list[str], env:
     proc, pct = run_quietly(timed(cmd), env=dict(env, **quiet.OWN_ENV))
     if proc.returncode:
         raise SystemExit(f"{install} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    wall = elapsed(proc)
-    out = json.loads(proc.stdout)
-    st = out["stats"]
-    gen_s = st["n_generated"] / st["gen_tokens_per_s"] if st["gen_tokens_per_s"] else 0.0
-    return {"install": install, "wall_s": round(wall, 3), "start_s": round(wall - gen_s, 3),
-            "tokens_per_s": round(st["gen_tokens_per_s"], 3), "text": out["text"], "foreign_cpu_pct": round(pct, 1)}
+    return {"install": install, **generation_row(proc, pct)}
 
 
 def main() -> None:
@@ -129,7 +123,7 @@ def main() -> None:
                 for start in ("first", "warm"):
                     row = {"round": r, "start": start,
                            **job(install, a.image, model, disks, args, env, first=start == "first")}
-                    print(f"round {r} {install:5s} {start:5s} start {row['start_s']:6.2f} s  "
+                    print(f"round {r} {install:5s} {start:5s} start {row['startup_s']:6.2f} s  "
                           f"{row['tokens_per_s']:6.2f} tokens/s  (foreign CPU {row['foreign_cpu_pct']}%)", flush=True)
                     rows.append(row)
     finally:
@@ -137,12 +131,13 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     texts = {row.pop("text") for row in rows}
     med = {(i, s): {k: statistics.median(row[k] for row in rows if (row["install"], row["start"]) == (i, s))
-                    for k in ("start_s", "tokens_per_s")} for i in ("venv", "image") for s in ("first", "warm")}
+                    for k in ("startup_s", "tokens_per_s")} for i in ("venv", "image") for s in ("first", "warm")}
     for row in rows:
         row.update(same_text=len(texts) == 1, **sizes)
     for s in ("first", "warm"):
         v, i = med[("venv", s)], med[("image", s)]
-        print(f"{s} start: image {i['start_s']:.2f} s / venv {v['start_s']:.2f} s = x{i['start_s'] / v['start_s']:.3f};"
+        print(f"{s} start: image {i['startup_s']:.2f} s / venv {v['startup_s']:.2f} s = "
+              f"x{i['startup_s'] / v['startup_s']:.3f};"
               f" tokens/s image {i['tokens_per_s']:.2f} / venv {v['tokens_per_s']:.2f} = "
               f"x{i['tokens_per_s'] / v['tokens_per_s']:.3f}")
     print(f"2 emulated hosts (1 Gbit/s), iterative, {a.n} tokens, medians of {a.rounds} rounds; same text: "

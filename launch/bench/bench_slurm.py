@@ -12,7 +12,6 @@ generation speed; same_text: the two launchers' texts are identical. Prints the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -24,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: the shared harness
 import quiet  # noqa: E402
 from harness import CLUSTER, JOB_TAG, MPIEXEC, ROOT, new_tag, on_path, write_csv  # noqa: E402
-from quiet import elapsed, run_quietly, timed  # noqa: E402
+from quiet import generation_row, run_quietly, timed  # noqa: E402
 
 on_path()
 from pipeinfer.wire.slurm import SRUN_ENV  # noqa: E402
@@ -59,17 +58,12 @@ def job(launcher: str, n_hosts: int, args: list[str], state: Path) -> dict:
                "-n", str(n_hosts), *generate]
     try:
         proc, pct = run_quietly(timed(cmd), env=env)
-        wall = elapsed(proc)
     finally:
         if hostfile:
             hostfile.unlink()
     if proc.returncode:
         raise SystemExit(f"{launcher} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    out = json.loads(proc.stdout)
-    st = out["stats"]
-    gen_s = st["n_generated"] / st["gen_tokens_per_s"] if st["gen_tokens_per_s"] else 0.0
-    return {"launcher": launcher, "wall_s": round(wall, 3), "startup_s": round(wall - gen_s, 3),
-            "tokens_per_s": round(st["gen_tokens_per_s"], 3), "text": out["text"], "foreign_cpu_pct": round(pct, 1)}
+    return {"launcher": launcher, **generation_row(proc, pct)}
 
 
 def main() -> None:
