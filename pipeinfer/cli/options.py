@@ -20,6 +20,7 @@ from ..core.config import (
     DRAFT_HEAD_AUTO,
     DRAFT_RIDES,
     MODES,
+    NGRAM_LEVEL,
     OPTION_FIELDS,
     PROMPT_CHUNK,
     Config,
@@ -117,8 +118,10 @@ PIPELINE_OPTIONS = [
     click.option("--cache-prompt", type=click.Choice(["on", "off"]), default="on", show_default=True,
                  help="keep each finished request's prompt on every stage and reuse its longest common prefix "
                       "(exact: the answer is the cold one's)"),
-    click.option("--draft", default=None, help="draft GGUF or registry name: a small model, of the target's tokenizer at best (another is translated "
-                      "through text); `pipeinfer models drafts TARGET` says which"),
+    click.option("--draft", multiple=True, help="draft GGUF or registry name: a small model, of the target's tokenizer at best (another is "
+                      "translated through text); `pipeinfer models drafts TARGET` says which. Repeated, drafts of drafts: "
+                      "--draft A --draft B, B drafts for A and A for the target (every level but the last of the "
+                      "target's vocabulary; the last may be ngram)"),
     click.option("--drafter", type=click.Choice(["model", "ngram", "replay"]), default=None,
                  help="[default: model if --draft (on the default target: gemma3-270m when installed) else ngram]; "
                       "replay is a benchmark instrument (docs/speculation.md)"),
@@ -205,6 +208,23 @@ def _known_draft(model: str) -> str | None:
     return installed(name) if name else None
 
 
+def _draft_levels(given, drafter: str | None) -> tuple[str | None, tuple[str, ...]]:
+    """--draft's values (one, several, or none; a bare string from an older caller) as (the draft file, the levels
+    below it): registry names resolved to files, `ngram` kept as the n-gram level. `--draft ngram` alone is the
+    n-gram drafter (no model)."""
+    from ..engine.models import resolve_model
+    values = (given,) if isinstance(given, str) else tuple(given or ())
+    levels = tuple(v if v == NGRAM_LEVEL else str(resolve_model(v)) for v in values)
+    if levels[:1] == (NGRAM_LEVEL,) and len(levels) > 1:
+        raise UserError("--draft ngram can only be the last level of a hierarchy: the levels above it verify its "
+                        "tokens with a model")
+    if levels == (NGRAM_LEVEL,):
+        if drafter not in (None, "ngram"):
+            raise UserError(f"--draft ngram is the n-gram drafter, not --drafter {drafter}")
+        return None, ()
+    return (levels[0] if levels else None), levels[1:]
+
+
 def config_from_options(kw: dict, *, sampling: SamplingParams | None = None) -> Config:
     """The run's configuration from click's keyword arguments: each option into its section's field by its name
     (core/config.OPTION_FIELDS, the one table of them), the sampling the command makes of its own options, registry
@@ -213,10 +233,14 @@ def config_from_options(kw: dict, *, sampling: SamplingParams | None = None) -> 
     from ..engine.models import DEFAULT_TARGET, resolve_model
     mode = kw["mode"]
     model = str(resolve_model(kw["model"] or DEFAULT_TARGET))
-    draft = str(resolve_model(kw["draft"])) if kw["draft"] else None
-    if draft is None and kw["drafter"] is None and mode != "iterative":
+    draft, below = _draft_levels(kw["draft"], kw["drafter"])
+    asked = kw["drafter"] or (NGRAM_LEVEL if kw["draft"] and draft is None else None)  # --draft ngram
+    if draft is None and asked is None and mode != "iterative":
         draft = _known_draft(model)  # the default demo: Qwen target, Gemma draft through text translation
-    drafter = kw["drafter"] or ("model" if draft else "ngram")
+    drafter = asked or ("model" if draft else "ngram")
+    if below and drafter != "model":
+        raise UserError(f"--draft given {len(below) + 1} times builds a hierarchy of draft models: --drafter "
+                        f"{drafter} drafts alone")
     draft_at = kw["draft_at"]
     if draft_at == "auto":  # beside the pipeline where a model drafts continuously (docs/speculation.md)
         beside = mode == "pipeinfer" and drafter in ("model", "replay")
@@ -233,9 +257,9 @@ def config_from_options(kw: dict, *, sampling: SamplingParams | None = None) -> 
         name for name in ctx.params
         if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT))
     options = {name: value for name, value in kw.items() if name in OPTION_FIELDS}
-    decided = {"draft": draft, "drafter": drafter, "draft_at": draft_at, "parallel": parallel,
+    decided = {"draft": draft, "draft_below": below, "drafter": drafter, "draft_at": draft_at, "parallel": parallel,
                "kernels": "fast" if kw["fast_kernels"] else kw["kernels"]}
-    first = Config(model, mode=mode, draft=DraftOptions(drafter_asked=kw["drafter"] is not None),
+    first = Config(model, mode=mode, draft=DraftOptions(drafter_asked=asked is not None),
                    serving=ServingOptions(sampling=sampling or SamplingParams()), set_by_user=set_by_user)
     return first.with_options(**{**options, **decided})
 

@@ -27,6 +27,7 @@ KERNELS = ("repack", "no-repack", "tiled", "fast")   # engine/kernels.py: what e
 DEFAULT_KERNELS = "repack"
 # --draft-head auto: the draft's output projection pruned to the most frequent 65,536 tokens (drafters/drafter.py)
 DRAFT_HEAD_AUTO = 65536
+NGRAM_LEVEL = "ngram"  # --draft ngram: the n-gram drafter (alone, or as a hierarchy's last level)
 DEFAULT_DRAFT_MAX = 4  # --draft-max when not given: at most this, within the exact batch limit (engine/kernels.py)
 PER_RANK_FIELDS = ("layer_split", "threads", "threads_batch")  # stage options "a,b,c": one value per target rank
 # prompt tokens per decode: the most rows llama.cpp's CPU flash attention takes one row at a time; from 64 rows on
@@ -55,6 +56,8 @@ class StageOptions:
 class DraftOptions:
     """Which drafter proposes tokens, and where it runs."""
     model: str | None = None                # the draft GGUF's path (None: no draft model)
+    below: tuple[str, ...] = ()             # drafts of drafts (drafters/stack.py): each level drafts for the one
+                                            # before it, model first; GGUF paths, the last may be NGRAM_LEVEL
     drafter: str = "ngram"                  # model | ngram | replay
     drafter_asked: bool = True              # False: chosen for the user (the statistics say how to give a better one)
     vocab: str = "auto"                     # auto | same | translate
@@ -64,6 +67,9 @@ class DraftOptions:
     replay_ref: str | None = None           # replay drafter: JSON of an earlier --json run
     replay_accuracy: float = 0.8            # replay drafter: probability each proposal is right
     replay_runner_up: float = 0.0           # replay drafter: probability a wrong proposal's runner-up is right
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "below", tuple(self.below))  # a list from JSON (Config.from_json)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +148,7 @@ OPTION_FIELDS: dict[str, OptionField] = {
     "cache_prompt": OptionField("stage", "cache_prompt", _on),
     "kernels": OptionField("stage", "kernels"),
     "draft": OptionField("draft", "model"),
+    "draft_below": OptionField("draft", "below", tuple),
     "drafter": OptionField("draft", "drafter"),
     "draft_vocab": OptionField("draft", "vocab"),
     "draft_at": OptionField("draft", "at"),
@@ -285,12 +292,15 @@ class Resolved:
 
 
 def draft_label(config: Config) -> str:
-    """The draft_model column: the drafter for the model-free ones, else the draft file's name."""
+    """The draft_model column: the drafter for the model-free ones, else the draft file's name (a hierarchy's: each
+    level's, from the one drafting for the target down, joined by '<')."""
     if config.mode == "iterative":
         return ""
     draft = config.draft
     label = {"ngram": "ngram", "replay": f"replay@{draft.replay_accuracy}"}.get(draft.drafter,
                                                                                Path(draft.model or "").name)
+    if draft.drafter == "model" and draft.below:  # drafts of drafts: each level, then the one drafting for it
+        label = "<".join([label, *(Path(level).name for level in draft.below)])
     return label if draft.at == "head" else f"{label} ({draft.at})"
 
 

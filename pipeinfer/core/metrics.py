@@ -32,6 +32,8 @@ class Stats:
     draft_at: str = "head"         # where the draft runs: head (in series) | thread | rank (draftahead.py)
     n_draft_stale: int = 0         # drafted beside the pipeline for a chain that no longer existed: dropped
     draft_link_bytes: list[int] = field(default_factory=list)  # --draft-at rank: [head -> draft, draft -> head]
+    draft_levels: list[dict] = field(default_factory=list)  # drafts of drafts, per level from the one drafting for
+                                   # the target down: {level, proposed, kept, calls, busy_s} (drafters/stack.py)
     accept_hist: dict[int, int] = field(default_factory=dict)  # tokens gained per verified run -> count
     draft_len_hist: dict[int, int] = field(default_factory=dict)  # draft tokens asked per micro-batch -> count
     n_kv0: int = 0                 # positions in canonical sequence 0 at the end
@@ -81,6 +83,16 @@ class Stats:
         n = sum(self.accept_hist.values())
         return sum(k * v for k, v in self.accept_hist.items()) / n if n else 0.0
 
+    def _levels_text(self) -> str:
+        """What each level of a hierarchy proposed and cost: the first level's tokens went to the target (accepted:
+        the line above), each level below's to the level above it."""
+        parts = []
+        for k, lv in enumerate(self.draft_levels):
+            kept = "" if k == 0 else f", {lv['kept']} kept ({lv['kept'] / lv['proposed'] * 100:.0f}%)" \
+                if lv["proposed"] else ", none kept"
+            parts.append(f"{lv['level']}: {lv['proposed']} proposed{kept}, {lv['busy_s']:.2f} s")
+        return "; ".join(parts)
+
     def _exact_text(self) -> str:
         if not self.exact_batch or None in self.exact_batch:
             return "none (not batch-invariant)"
@@ -119,6 +131,7 @@ class Stats:
             f"tokens per run    = {self.mean_accepted_per_run:.2f}",
             *([f"draft beside     = {self.draft_at}: {self.n_draft_stale} drafted tokens dropped (stale chain)"]
               if self.draft_at != "head" else []),
+            *([f"draft levels      = {self._levels_text()}"] if self.draft_levels else []),
             *([f"siblings          = {self.n_siblings} launched, {self.n_siblings_right} right"]
               if self.n_siblings else []),
             *(["micro-batch sizes = " + ", ".join(f"{k} drafts x {v}" for k, v in sorted(self.draft_len_hist.items()))]

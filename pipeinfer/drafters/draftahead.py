@@ -213,6 +213,7 @@ class DraftClient:
         self.remote = isinstance(end, MpiEnd)  # a network link (--draft-at rank), not a thread's queues
         self.exact_batch = None
         self.check: Callable[[], None] | None = None  # raises the drafter's error (thread placement)
+        self.levels: Callable[[], list] | None = None  # a hierarchy's counts per level (thread placement)
 
     @property
     def bytes_out(self) -> int:
@@ -351,6 +352,7 @@ class ThreadDrafter:
         self.service = DraftService(drafter_for, service_end, n_ctx, n_vocab)
         self.client = DraftClient(head_end, n_ctx, n_vocab, poll_s)
         self.client.check = self.check
+        self.client.levels = self.levels
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="pipeinfer-draft", daemon=True)
         self._thread.start()
@@ -361,6 +363,11 @@ class ThreadDrafter:
             self.service.serve()
         except BaseException as e:  # re-raised on the head's thread (check), which reports it
             self.error = e
+
+    def levels(self) -> list:
+        """A hierarchy's counts per level (stack.py; read from the head's thread while it may draft on), else []."""
+        levels = getattr(self.service.drafter, "levels", None)
+        return levels() if levels else []
 
     def check(self) -> None:
         if self.error is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from ..core.config import DraftOptions
+from ..core.config import NGRAM_LEVEL, DraftOptions
 from ..core.errors import UserError
 from ..engine.kernels import draft_kernels
 
@@ -19,16 +19,17 @@ def make_drafter(draft: DraftOptions, *, target: str, mode: str, n_ctx: int, ker
     Models are loaded once; a drafter that depends on the prompt (through text translation) is wrapped per prompt.
     What it shares with the run: the target's path (its vocabulary), the mode (for the error of a missing draft),
     the stages' context and kernels, the tree's branches, the sampling seed (replay's draws); n_vocab: the target's
-    vocabulary (replay's wrong proposals stay below it); the threads: where it runs."""
-    from .drafter import ModelDrafter, NgramDrafter, ReplayDrafter
+    vocabulary (replay's wrong proposals stay below it); the threads: where it runs. With draft.below, a hierarchy
+    (stack.py): draft.model drafts for the target, each level of draft.below for the one before it."""
+    from .drafter import ModelDrafter, ReplayDrafter
 
-    def model(branches: int) -> ModelDrafter:  # 1: chains only (a translating drafter's inner model, replay's burner)
-        return ModelDrafter(draft.model, n_ctx=n_ctx, max_branches=branches, n_threads=n_threads,
+    def model(branches: int, path: str | None = None) -> ModelDrafter:  # 1: chains only (a translating drafter's
+        # inner model, replay's burner, a level of a hierarchy)
+        return ModelDrafter(path or draft.model, n_ctx=n_ctx, max_branches=branches, n_threads=n_threads,
                             n_threads_batch=n_threads_batch, kernels=draft_kernels(kernels),
                             head_tokens=draft.head_tokens)
     if draft.drafter == "ngram":
-        ngram = NgramDrafter()
-        return lambda prompt, text, chat: ngram
+        return _bottom_level(NGRAM_LEVEL, target=target, vocab=draft.vocab, model=model, branches=1)
     if draft.drafter == "replay":
         replay = ReplayDrafter(_replay_reference(draft.replay_ref), draft.replay_accuracy, n_vocab, seed=seed,
                                burner=model(1) if draft.model else None)
@@ -38,14 +39,49 @@ def make_drafter(draft: DraftOptions, *, target: str, mode: str, n_ctx: int, ker
         raise UserError(f"unknown drafter {draft.drafter!r} (choose model, ngram or replay)")
     if not draft.model:
         raise UserError(f"mode {mode} needs --draft MODEL.gguf or --drafter ngram")
-    if translates(target, draft.model, draft.vocab):
+    levels = (draft.model, *draft.below)  # from the level that drafts for the target down
+    for path in levels[:-1]:
+        if path == NGRAM_LEVEL or translates(target, path, draft.vocab):
+            raise UserError(f"--draft {path}: a level with another level below it verifies that level's tokens, so it "
+                            f"needs the target's vocabulary (the n-gram drafter and a model of another vocabulary "
+                            f"can only be the last --draft)")
+    bottom = _bottom_level(levels[-1], target=target, vocab=draft.vocab, model=model,
+                           branches=max_branches if len(levels) == 1 else 1)
+    if len(levels) == 1:
+        return bottom
+    from .stack import StackedDrafter
+    uppers = [model(1, path) for path in levels[:-1]]
+    names = [level_name(path) for path in levels]
+
+    def stack(prompt, text, chat):
+        drafter = bottom(prompt, text, chat)
+        for k in range(len(uppers) - 1, -1, -1):
+            drafter = StackedDrafter(uppers[k], drafter, names[k:])
+        return drafter
+    return stack
+
+
+def level_name(path: str) -> str:
+    """A level's label in the statistics: the draft file's name, or ngram."""
+    from pathlib import Path
+    return NGRAM_LEVEL if path == NGRAM_LEVEL else Path(path).name
+
+
+def _bottom_level(path: str, *, target: str, vocab: str, model, branches: int):
+    """The drafter of the last (or only) level: the n-gram drafter, a model of the target's vocabulary, or one of
+    another vocabulary drafting through text (a drafter per prompt). As make_drafter: (prompt, text, chat) -> Drafter."""
+    from .drafter import NgramDrafter
+    if path == NGRAM_LEVEL:
+        ngram = NgramDrafter()
+        return lambda prompt, text, chat: ngram
+    if translates(target, path, vocab):
         from ..engine.tokenizer import Tokenizer
         from .translating import TranslatingDrafter
-        inner = model(1)
-        tok_tgt, tok_dft = Tokenizer(target), Tokenizer(draft.model)
+        inner = model(1, path)
+        tok_tgt, tok_dft = Tokenizer(target), Tokenizer(path)
         return lambda prompt, text, chat: TranslatingDrafter(inner, tok_tgt, tok_dft, n_prompt=len(prompt),
                                                              prompt_text=text or "", chat=chat)
-    same = model(max_branches)
+    same = model(branches, path)
     return lambda prompt, text, chat: same
 
 

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
-from ..core.config import Config, Resolved, ServingOptions, StageOptions
+from ..core.config import NGRAM_LEVEL, Config, Resolved, ServingOptions, StageOptions
 from ..core import cpus
 from ..core.errors import UserError
 from ..core.kvplan import PartitionPool, in_flight_limit, lane_count, lane_seq_max, plan_partitions
@@ -203,6 +203,9 @@ def _agree_model(config: Config, ranks: _Ranks):
         if config.draft.model and config.mode != "iterative":
             # a missing, foreign or truncated draft fails here, before any model loads
             draft_arch = read_info(config.draft.model).arch
+            for level in config.draft.below:  # drafts of drafts: every level's file, before any model loads
+                if level != NGRAM_LEVEL:
+                    read_info(level)
         try:
             check_recurrent_config(info.arch, config.mode, config.speculation.max_branches, draft_arch)
         except UserError as e:
@@ -228,8 +231,8 @@ def _rank0_files(config: Config, ranks: _Ranks) -> Config:
     if world.Get_size() == 1:
         return config
     draft = config.draft
-    model, *rank0_draft = world.bcast((config.model, draft.model, draft.drafter, draft.at), root=0)
-    draft = replace(draft, **dict(zip(("model", "drafter", "at"), rank0_draft)))
+    model, *rank0_draft = world.bcast((config.model, draft.model, draft.below, draft.drafter, draft.at), root=0)
+    draft = replace(draft, **dict(zip(("model", "below", "drafter", "at"), rank0_draft)))
     config = replace(config, model=model, draft=draft)
     if draft.at != "rank":
         return config
@@ -241,7 +244,9 @@ def _rank0_files(config: Config, ranks: _Ranks) -> Config:
         return str(got or weights.local_view(src))
     model = obtain(config.model, ("vocab",), STAGE_FORMAT, "vocabulary")
     if draft.model and config.mode != "iterative":
-        draft = replace(draft, model=obtain(draft.model, ("whole",), 0, "draft model"))
+        draft = replace(draft, model=obtain(draft.model, ("whole",), 0, "draft model"),
+                        below=tuple(level if level == NGRAM_LEVEL else obtain(level, ("whole",), 0, "draft model")
+                                    for level in draft.below))
     return replace(config, model=model, draft=draft) if ranks.is_draft else config
 
 
