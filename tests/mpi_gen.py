@@ -26,7 +26,8 @@ config = Config(
     stage=StageOptions(layer_split=cfg.get("split"), threads=cfg.get("threads", "1"), n_ctx=cfg.get("n_ctx", 1024),
                        n_batch=cfg.get("n_batch", 512), prompt_chunk=cfg.get("prompt_chunk", 63),
                        cache_prompt=cfg.get("cache_prompt", True), kernels=cfg.get("kernels", DEFAULT_KERNELS)),
-    draft=DraftOptions(model=cfg.get("draft"), drafter=cfg.get("drafter", "model"), at=cfg.get("draft_at", "head"),
+    draft=DraftOptions(model=cfg.get("draft"), below=tuple(cfg.get("draft_below", ())), drafter=cfg.get("drafter", "model"),
+                       at=cfg.get("draft_at", "head"),
                        vocab=cfg.get("draft_vocab", "auto"), replay_ref=cfg.get("replay_ref"),
                        replay_accuracy=cfg.get("replay_accuracy", 0.8)),
     speculation=SpeculationOptions(

@@ -161,6 +161,23 @@ def test_the_coder_sibling_drafts_in_every_mode_on_two_and_three_ranks(qwen, cod
             assert s["n_draft_accepted"] > 0 and s["acceptance_rate"] > 0.5, (n_ranks, mode, s)
 
 
+@pytest.mark.slow
+def test_three_levels_gemma_the_sibling_and_the_target(qwen, gemma, code, reference):
+    """Drafts of drafts on the real models: Gemma 3 270M (through text) drafts for Qwen2.5-Coder-0.5B, which drafts
+    for the 1.5B target. Speculative on 3 ranks and PipeInfer on 2 give llama-cpp-python's tokens; each level counted."""
+    sibling = real_model("qwen2.5-coder-0.5b")
+    code_prompt, text, chat = code
+    for n_ranks, mode, at in ((3, "speculative", "head"), (2, "pipeinfer", "thread")):
+        out = mpirun(n_ranks, {"model": qwen, "prompt": code_prompt, "n": 48, "n_ctx": 1024, "mode": mode,
+                               "draft": sibling, "draft_below": [gemma], "draft_at": at, "prompt_text": text,
+                               "chat": chat, "p_accept": 0.3}, timeout=900)
+        assert_greedy_equal(out["tokens"], reference)
+        levels = out["stats"]["draft_levels"]
+        assert [lv["level"] for lv in levels] == [Path(sibling).name, Path(gemma).name], levels
+        if at == "head":  # in series every level is asked; beside the pipeline 48 tokens may pass before it drafts
+            assert levels[0]["proposed"] > 0 and levels[1]["calls"] > 0, (mode, levels)
+
+
 @pytest.mark.skipif(not os.environ.get("PIPEINFER_SLOW"),
                     reason="about 8 minutes per prompt on 2 cores: set PIPEINFER_SLOW=1 to run")
 @pytest.mark.parametrize("name", ["code", "story", "encyclopedia"])
