@@ -171,3 +171,16 @@ def test_three_levels_are_exact(models, mode, n_ranks, draft_at):
     if draft_at == "head":  # beside the pipeline a draft may be late, and nothing launched; in series it is never
         assert s["n_spec_runs"] > 0 and s["n_draft_accepted"] > 0
         assert s["draft_levels"][0]["proposed"] > 0 and s["draft_levels"][1]["calls"] > 0
+
+
+def test_the_twin_prices_a_hierarchy_by_the_same_rule():
+    from pipeinfer.twin.levels import CPU_ROWS as CPU, FLAT_ROWS as FLAT, Level, price
+    eight, one = Level("8B", 400.0, 0.8), Level("1B", 70.0, 0.7)
+    assert price([eight]).ms_per_token == 400.0
+    cpu, flat = price([eight, one], CPU), price([eight, one], FLAT)
+    assert cpu.verify == (0,) and cpu.ms_per_token == 400.0          # on CPUs the 1B at 70% does not pay
+    assert flat.verify[0] > 0 and flat.ms_per_token < 400.0 * 0.7    # where a batch costs one row it does
+    agreeing = price([eight, Level("1B", 70.0, 0.95)], CPU)
+    assert agreeing.verify[0] > 0 and agreeing.ms_per_token < 400.0
+    three = price([eight, Level("1B", 70.0, 0.95), Level("ngram", 0.0, 0.3)], FLAT)
+    assert len(three.verify) == 2 and three.ms_per_token <= price([eight, Level("1B", 70.0, 0.95)], FLAT).ms_per_token

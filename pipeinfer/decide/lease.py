@@ -80,6 +80,5 @@ class DraftLease:
             if self.drafter.remote:
                 self.stats.draft_link_bytes = [now.bytes_out - self.lent_at.bytes_out,
                                                now.bytes_in - self.lent_at.bytes_in]
-        levels = getattr(self.drafter, "levels", None)  # drafts of drafts (stack.py): counted since its prefill
-        self.stats.draft_levels = [level.as_dict() for level in levels()] if levels else []
+        self.stats.draft_levels = [level.as_dict() for level in self.drafter.levels()]  # drafts of drafts (stack.py)
         return self.drafter

@@ -213,7 +213,7 @@ class DraftClient:
         self.remote = isinstance(end, MpiEnd)  # a network link (--draft-at rank), not a thread's queues
         self.exact_batch = None
         self.check: Callable[[], None] | None = None  # raises the drafter's error (thread placement)
-        self.levels: Callable[[], list] | None = None  # a hierarchy's counts per level (thread placement)
+        self.level_source: Callable[[], list] | None = None  # a hierarchy's counts per level (thread placement)
 
     @property
     def bytes_out(self) -> int:
@@ -265,6 +265,10 @@ class DraftClient:
             buf = self.end.recv(block=True)  # polite; a draft rank that died is named by liveness.py
             if Proposal.unpack(buf, self.n_ctx, self.n_vocab).epoch == CLOSED_EPOCH:
                 return
+
+    def levels(self) -> list:
+        """A hierarchy's counts per level, read from the drafter's thread; over a draft rank's link: not reported."""
+        return self.level_source() if self.level_source is not None else []
 
     # ---- reading
     def poll(self) -> int:
@@ -352,7 +356,7 @@ class ThreadDrafter:
         self.service = DraftService(drafter_for, service_end, n_ctx, n_vocab)
         self.client = DraftClient(head_end, n_ctx, n_vocab, poll_s)
         self.client.check = self.check
-        self.client.levels = self.levels
+        self.client.level_source = self.levels
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="pipeinfer-draft", daemon=True)
         self._thread.start()
@@ -366,8 +370,7 @@ class ThreadDrafter:
 
     def levels(self) -> list:
         """A hierarchy's counts per level (stack.py; read from the head's thread while it may draft on), else []."""
-        levels = getattr(self.service.drafter, "levels", None)
-        return levels() if levels else []
+        return self.service.drafter.levels() if self.service.drafter is not None else []
 
     def check(self) -> None:
         if self.error is not None:

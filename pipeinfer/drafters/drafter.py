@@ -7,6 +7,7 @@ n_max tokens in the tree. Branch 0 is the main chain; continuous speculation bui
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -57,6 +58,10 @@ class Drafter(Protocol):
         """A tree of proposals for positions len(context).., parents before children; [] if unconfident."""
         ...
 
+    def levels(self) -> list:
+        """A hierarchy's counts per level since its last prefill (stack.py); [] for a drafter of one level."""
+        ...
+
 
 class AheadDrafter(Drafter, Protocol):
     """A drafter beside the pipeline, drafting ahead on the chain the head steers it to."""
@@ -89,6 +94,11 @@ class InSeries:
 
     def close(self) -> None:
         """Free what it loaded (a draft model's context)."""
+
+    def levels(self) -> list:
+        """A hierarchy's counts per level (stack.LevelCounts, from the level drafting for the target down); [] for
+        a drafter of one level."""
+        return []
 
 
 def top_candidates(logits: np.ndarray, k: int = 8) -> tuple[np.ndarray, np.ndarray]:
@@ -237,7 +247,6 @@ class ModelDrafter(InSeries):
         """ms of one decode of 1..max_rows rows after seq 0's first n tokens (at least one): 1, 2, 4, .. rows timed
         once each, the sizes between interpolated; seq 0 is left with those n tokens. What a level above pays to
         verify a chain (stack.py)."""
-        import time
         self._truncate(n)
         token = self._kv[n - 1]
         sizes = sorted({*(1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows), max_rows})
@@ -248,208 +257,6 @@ class ModelDrafter(InSeries):
             timed.append((time.perf_counter() - t0) * 1e3)
             self.engine.apply_kv_ops(kv_ops(rm(0, n, -1)))
         return [float(v) for v in np.interp(np.arange(1, max_rows + 1), sizes, timed)]
-
-    def prefill(self, prompt: list[int]) -> None:
-        """Take in the prompt ahead of the first draft (the head calls it while the target's pipeline
-        works on the prompt, so a draft model's prompt processing is off the critical path)."""
-        ...
-
-    def draft(self, context: list[int], cut: Cutoffs) -> list[DraftNode]:
-        """A tree of proposals for positions len(context).., parents before children; [] if unconfident."""
-        ...
-
-
-class AheadDrafter(Drafter, Protocol):
-    """A drafter beside the pipeline, drafting ahead on the chain the head steers it to."""
-    n_stale: int                # its running counters: proposals dropped (their chain was gone), ...
-    n_calls: int                # ... drafter calls, ...
-    bytes_in: int               # ... and bytes received (bytes_out: sent)
-
-    @property
-    def bytes_out(self) -> int: ...
-
-    def steer(self, target: list[int], horizon: int, p_min: float, n_chunk: int) -> None:
-        """Draft on `target` up to `horizon`, n_chunk tokens per call, stopping below p_min."""
-        ...
-
-    def ready(self, context: list[int], p_accept: float, n_max: int) -> tuple[list[DraftNode], bool]:
-        """(chain, unconfident): what is drafted after `context` with confidence >= p_accept, at most n_max."""
-        ...
-
-    def wait(self, until) -> None:
-        """Sleep politely until a proposal arrives or until() holds."""
-        ...
-
-
-class InSeries:
-    """The attributes of a drafter that drafts only when asked, in rank 0's process (Drafter)."""
-    asynchronous = False
-    remote = False
-    exact_batch: int | None = None
-    ahead_chunk = 1             # tokens worth drafting per call when it drafts ahead (a translating drafter: more)
-
-    def close(self) -> None:
-        """Free what it loaded (a draft model's context)."""
-
-
-def top_candidates(logits: np.ndarray, k: int = 8) -> tuple[np.ndarray, np.ndarray]:
-    """The k most likely tokens, most likely first, and their probabilities: (i64[k], f64[k]).
-
-    argpartition and one exp pass, not a full softmax and sort: over a 262,144-token vocabulary (Gemma 3) that
-    costs more than the draft model's decode (docs/speculation.md, Draft head).
-    """
-    k = min(k, len(logits))
-    top = np.argpartition(-logits, k - 1)[:k]
-    top = top[np.argsort(-logits[top], kind="stable")]
-    m = float(logits[top[0]])
-    z = float(np.exp(logits - np.float32(m)).sum(dtype=np.float64))
-    return top, np.exp(logits[top].astype(np.float64) - m) / z
-
-
-def main_chain(tree: list[DraftNode]) -> list[int]:
-    """Indices of branch 0's nodes, in order of depth."""
-    return [i for i, n in enumerate(tree) if 0 in n.branches]
-
-
-class ModelDrafter(InSeries):
-    """A draft GGUF with the target's vocabulary, run whole in one process with its own KV sequences.
-
-    Draft sequence 0 holds the context the drafter last saw, then what it drafted after it; the logits
-    after each of its last KEEP_LOGITS positions are kept. A call whose context is a prefix of what seq 0
-    holds, or continues it, decodes only tokens seq 0 does not hold yet: continuing the previous
-    speculation costs no re-decode, and a chain re-drafted over tokens it already holds (the translating
-    drafter's healed token, a draft ahead re-rooted inside its own chain) costs nothing for those.
-    Sequences 1.. are tree branches, cleared after each call.
-    """
-
-    KEEP_LOGITS = 32   # logits rows kept (a Gemma 3 row is 262,144 floats = 1 MB)
-
-    def __init__(self, path, *, n_ctx: int, max_branches: int, n_threads: int, n_threads_batch: int,
-                 kernels: str = DEFAULT_KERNELS, head_tokens: int | None = None):
-        from ..engine.stage import (  # llama.cpp: imported where a model is loaded, not by the twin
-            StageEngine,
-            TokenEmbedder,
-        )
-        from ..engine.stagefile import ensure_pruned_head, read_info
-        n_vocab = read_info(path).n_vocab
-        # --draft-head: the output projection over the head_tokens most frequent tokens only (stagefile.py);
-        # the rest of the vocabulary gets logit -inf, so the draft never proposes it
-        self.keep: np.ndarray | None = None
-        self._embed = None
-        load = path
-        if head_tokens is not None and head_tokens < n_vocab:
-            load, self.keep = ensure_pruned_head(path, head_tokens)
-            self._embed = TokenEmbedder(path)
-        self.engine = StageEngine(load, n_ctx=n_ctx, n_batch=max(64, max_branches), n_seq_max=max(1, max_branches),
-                                  n_threads=n_threads, n_threads_batch=n_threads_batch,
-                                  embd_input=self.keep is not None, capture_hidden=False, kernels=kernels)
-        # reported with the statistics; the draft's numerics do not touch the output's exactness
-        self.exact_batch = None if kernels == "fast" else exact_batch_limit(self.engine, load, kernels, n_threads,
-                                                                              n_threads_batch)
-        self.n_vocab = n_vocab
-        self._kv: list[int] = []                  # tokens in draft seq 0
-        self._out: dict[int, np.ndarray] = {}     # n -> logits after self._kv[:n] (the last KEEP_LOGITS n)
-        self.n_decodes = 0
-        self.row_costs: list[float] | None = None  # ms of a decode of 1, 2, .. rows (row_ms), once a hierarchy asks
-
-    def close(self) -> None:
-        self.engine.close()
-
-    def _decode(self, batch: Batch) -> np.ndarray:
-        """f32[n_outputs, n_vocab] logits of a batch (a pruned head's logits scattered into the vocabulary)."""
-        if self.keep is None:
-            return self.engine.decode(batch)
-        part = self.engine.decode(batch, self._embed(batch.tokens))
-        logits = np.full((len(part), self.n_vocab), -np.inf, dtype=np.float32)
-        logits[:, self.keep] = part
-        return logits
-
-    def _truncate(self, n: int) -> None:
-        """Seq 0 keeps its first n tokens."""
-        if n < len(self._kv):
-            self.engine.apply_kv_ops(kv_ops(rm(0, n, -1)))
-            del self._kv[n:]
-            for k in [k for k in self._out if k > n]:
-                del self._out[k]
-
-    def _record(self, tokens: list[int], logits: np.ndarray) -> None:
-        """tokens were decoded at the end of seq 0; logits: f32[len(tokens) or 1, n_vocab], the last row
-        after the last token."""
-        self._kv += tokens
-        self._out[len(self._kv)] = logits[-1]
-        if len(self._out) > self.KEEP_LOGITS:
-            del self._out[min(self._out)]
-
-    def sync(self, context: list[int]) -> np.ndarray:
-        """Make draft seq 0 start with `context` and return the logits after its last token (what seq 0
-        holds beyond the context stays, for step() to reuse)."""
-        c = 0
-        for a, b in zip(self._kv, context):
-            if a != b:
-                break
-            c += 1
-        n = len(context)
-        if c == n and n in self._out:
-            return self._out[n]
-        c = min(c, n - 1)  # the last context token is re-decoded to get its logits
-        self._truncate(c)
-        # chunks at the positions the target's prompt chunks take (0, C, 2C, ...): a draft that is the target
-        # itself then holds the target's own bits and agrees with it at every near tie
-        size = min(self.engine.n_batch, PROMPT_CHUNK)
-        start = c
-        while start < n:
-            end = min(n, (start // size + 1) * size)
-            chunk = context[start:end]
-            self._record(chunk, self._decode(Batch.chain(chunk, start, last_only=True)))
-            self.n_decodes += 1
-            start = end
-        return self._out[n]
-
-    def step(self, n: int, token: int) -> np.ndarray:
-        """The logits after seq 0's first n tokens and `token` (decoded at position n unless seq 0 already
-        holds it there); afterwards seq 0 starts with those n + 1 tokens."""
-        if n < len(self._kv) and self._kv[n] == token and n + 1 in self._out:
-            return self._out[n + 1]
-        self._truncate(n)
-        self._record([token], self._decode(Batch.chain([token], n)))
-        self.n_decodes += 1
-        return self._out[n + 1]
-
-    def extend(self, n: int, tokens: list[int]) -> np.ndarray:
-        """f32[len(tokens), n_vocab]: row k the logits after seq 0's first n tokens and tokens[:k + 1], in one decode
-        of the tokens seq 0 does not hold yet (a level above verifying the chain a level below proposed: the
-        verification of drafts of drafts, stack.py); afterwards seq 0 starts with those n + len(tokens) tokens."""
-        if not tokens:
-            return np.empty((0, self.n_vocab), dtype=np.float32)
-        held = 0
-        while held < len(tokens) and n + held < len(self._kv) and self._kv[n + held] == tokens[held] \
-                and n + held + 1 in self._out:
-            held += 1
-        if held < len(tokens):
-            self._truncate(n + held)
-            rest = tokens[held:]
-            rows = self._decode(Batch.chain(rest, n + held))
-            self.n_decodes += 1
-            for k, t in enumerate(rest):
-                self._record([t], rows[k:k + 1])
-        return np.stack([self._out[n + k + 1] for k in range(len(tokens))])
-
-    def row_ms(self, n: int, max_rows: int) -> list[float]:
-        """ms of one decode of 1..max_rows rows after seq 0's first n tokens (at least one), each the faster of two
-        tries; seq 0 is left with those n tokens. What a level above pays to verify a chain (stack.py)."""
-        import time
-        self._truncate(n)
-        token = self._kv[n - 1]
-        costs = []
-        for rows in range(1, max_rows + 1):
-            best = float("inf")
-            for _ in range(2):
-                t0 = time.perf_counter()
-                self._decode(Batch.chain([token] * rows, n))
-                best = min(best, (time.perf_counter() - t0) * 1e3)
-                self.engine.apply_kv_ops(kv_ops(rm(0, n, -1)))
-            costs.append(best)
-        return costs
 
     def prefill(self, prompt: list[int]) -> None:
         self.sync(prompt)

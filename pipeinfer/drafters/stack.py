@@ -33,18 +33,27 @@ EXPLORE_FIRST, EXPLORE_MAX = 8, 256  # while verifying does not pay, the level b
                                      # after 8 cycles, then 16, 32, .. (a model below catches up on every token since)
 
 
-def verify_len(agreement: float, row_ms: list[float], cap: int) -> int:
+def verify_len(agreement: float, row_ms: list[float], cap: int, below_ms: float = 0.0) -> int:
     """How many of the level below's proposals to verify in the next decode, 0..cap: the L that gives the upper level
     the most tokens per ms. The decode holds the upper level's own last token and L proposals (row_ms[L]: the ms of
-    L + 1 rows) and gives 1 + a + a^2 + .. + a^L tokens in expectation (a proposal counts when every one before it
-    was right); L = 0 is the upper level alone, one token per row_ms[0]."""
+    L + 1 rows), the level below spends below_ms per proposal, and it gives 1 + a + a^2 + .. + a^L tokens in
+    expectation (a proposal counts when every one before it was right); L = 0 is the upper level alone, one token per
+    row_ms[0]."""
     best, best_rate = 0, 1.0 / row_ms[0] if row_ms and row_ms[0] > 0 else 0.0
     for n in range(1, min(cap, len(row_ms) - 1) + 1):
         gain = sum(agreement ** j for j in range(n + 1))
-        rate = gain / row_ms[n] if row_ms[n] > 0 else float("inf")
+        ms = row_ms[n] + n * below_ms
+        rate = gain / ms if ms > 0 else float("inf")
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = n, rate
     return best
+
+
+def level_ms_per_token(agreement: float, row_ms: list[float], cap: int, below_ms: float = 0.0) -> tuple[float, int]:
+    """(ms per token of the upper level drafted with the level below's help, the L verify_len chooses): what a level
+    costs the one above it, for the twin's hierarchies (twin/levels.py)."""
+    n = verify_len(agreement, row_ms, cap, below_ms)
+    return (row_ms[n] + n * below_ms) / sum(agreement ** j for j in range(n + 1)), n
 
 
 @dataclass
@@ -72,6 +81,8 @@ class StackedDrafter(InSeries):
         self.ahead_chunk = 1   # beside the pipeline: propose each token as soon as it is drafted
         if row_ms is not None:
             upper.row_costs = row_ms
+        self.below_s = 0.0     # the level below's drafting time ...
+        self.below_tokens = 0  # ... and the tokens it proposed (what a proposal costs: verify_len's below_ms)
         self.n_checked = 0     # proposals of the level below compared with the upper level's token ...
         self.n_agreed = 0      # ... and equal to it
         self._asked = 0
@@ -94,7 +105,7 @@ class StackedDrafter(InSeries):
             level.n_proposed = level.n_kept = level.n_calls = 0
             level.busy_s = 0.0
         self.upper.prefill(prompt)
-        if getattr(self.upper, "row_costs", None) is None:
+        if self.upper.row_costs is None:
             self.upper.row_costs = self.upper.row_ms(len(prompt), MAX_VERIFY + 1)
         self.lower.prefill(prompt)
 
@@ -110,7 +121,9 @@ class StackedDrafter(InSeries):
         logits = self.upper.sync(ctx)  # after ctx; None while ctx's last token is the upper's own, not decoded yet
         chain: list[DraftNode] = []
         while len(chain) < cut.n_max:
-            n_verify = verify_len(self.agreement(), self.upper.row_costs, min(MAX_VERIFY, cut.n_max - len(chain)))
+            below_ms = 1e3 * self.below_s / self.below_tokens if self.below_tokens else 0.0
+            n_verify = verify_len(self.agreement(), self.upper.row_costs, min(MAX_VERIFY, cut.n_max - len(chain)),
+                                  below_ms)
             self._asked += 1
             proposed: list[int] = []
             exploring = n_verify == 0 and self._asked >= self._explore_at
@@ -124,6 +137,8 @@ class StackedDrafter(InSeries):
                 below = self.lower.draft(ctx, Cutoffs(cut.p_accept, 1.0, max(1, n_verify), 1))
                 proposed = [below[i].token for i in main_chain(below)][:max(1, n_verify)]
                 t_below += time.perf_counter() - t1
+                self.below_s += time.perf_counter() - t1
+                self.below_tokens += max(1, len(proposed))
                 if self._below is not None:
                     self._below.n_calls += 1
                     self._below.n_proposed += len(proposed)
