@@ -221,3 +221,24 @@ def test_size_names_are_one_lookup():
     assert "Llama-3.2-1B" in named_draft_hint("llama-3.3-70b-q4_k_m") and named_draft_hint("x.gguf") is None
     r = CliRunner().invoke(cli, ["models", "drafts", "70b-q4_k_m"])
     assert r.exit_code == 0 and "Llama-3.2-1B" in r.output
+
+
+def test_plan_prices_each_depth_of_drafts_of_drafts(tmp_path):
+    """--draft A --draft B --draft ngram: a line per depth, and the command drafts at the chosen one. With CPU row
+    costs and levels agreeing 70% of the time the first level alone is the cheapest; at 99% a level below pays."""
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"\0" * 4_000_000)
+    b.write_bytes(b"\0" * 400_000)
+    r = _plan(tmp_path, FOUR, "--model-size", "70b-q4_k_m", "-n", "16", "--draft", str(a), "--draft", str(b),
+              "--draft", "ngram")
+    assert r.exit_code == 0, r.output
+    depths = [ln for ln in r.output.splitlines() if ln.startswith("drafts of drafts:")]
+    assert len(depths) == 3 and depths[0].endswith("(chosen)"), depths
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("pipeinfer launch --hostfile"))
+    assert f"--draft {a}" in line and str(b) not in line
+    r = _plan(tmp_path, FOUR, "--model-size", "70b-q4_k_m", "-n", "16", "--draft", str(a), "--draft", str(b),
+              "--level-agreement", "0.99")
+    depths = [ln for ln in r.output.splitlines() if ln.startswith("drafts of drafts:")]
+    assert r.exit_code == 0 and depths[1].endswith("(chosen)") and "verifying 7" in depths[1], r.output
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("pipeinfer launch --hostfile"))
+    assert f"--draft {a} --draft {b}" in line

@@ -157,7 +157,8 @@ N = 48
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("mode,n_ranks,draft_at", [("speculative", 2, "head"), ("pipeinfer", 2, "thread"),
-                                                   ("pipeinfer", 3, "head"), ("speculative", 3, "head")])
+                                                   ("pipeinfer", 3, "head"), ("speculative", 3, "head"),
+                                                   ("pipeinfer", 3, "rank")])
 def test_three_levels_are_exact(models, mode, n_ranks, draft_at):
     """draft90 drafting for the target, draft60 for draft90, the n-gram drafter for draft60: the target's tokens."""
     from synth import reference_greedy

@@ -64,8 +64,9 @@ PEER_TARGETS = ("ggml-rpc-server", "llama-completion", "llama-server")
 
 
 def llama_bin(targets: tuple[str, ...] = PEER_TARGETS) -> Path:
-    """The directory holding the llama.cpp programs `targets` (ggml-rpc-server, llama-completion, llama-server)
-    built from the installed llama-cpp-python's vendored llama.cpp (built once, cached by version)."""
+    """The directory holding the llama.cpp programs `targets` (ggml-rpc-server, llama-completion, llama-server, or an
+    example's: llama-speculative) built from the installed llama-cpp-python's vendored llama.cpp (built once, cached
+    by version)."""
     version = metadata.version("llama_cpp_python")
     home = Path(os.environ.get("PIPEINFER_CACHE", Path.home() / ".cache" / "pipeinfer")) / "peers"
     src = home / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
@@ -92,7 +93,8 @@ def llama_bin(targets: tuple[str, ...] = PEER_TARGETS) -> Path:
     flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     amx = [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"] if no_amx else []
     subprocess.run(["cmake", "-S", str(src), "-B", str(build), *gen, "-DCMAKE_BUILD_TYPE=Release",
-                    "-DGGML_RPC=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    "-DGGML_RPC=ON", "-DLLAMA_BUILD_TESTS=OFF",
+                    f"-DLLAMA_BUILD_EXAMPLES={'ON' if set(targets) - set(PEER_TARGETS) else 'OFF'}",
                     "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_APP=OFF",
                     *amx], check=True, capture_output=True)
     subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2),

@@ -9,6 +9,7 @@ and on, and the time to first token of turns 2+ (pipeinfer.twin does the work).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import time
 from dataclasses import dataclass
 
@@ -67,9 +68,12 @@ from ..twin.sim import simulate
               help="with --machines: the target GGUF (only its header is read) or a registry name")
 @click.option("--model-size", type=click.Choice(sorted(NAMED_TARGETS)), default=None,
               help="with --machines: a target named by size, when you do not have its file yet")
-@click.option("--draft", "draft_model", default=None,
+@click.option("--draft", "draft_models", multiple=True,
               help="with --machines: the draft GGUF, for its size [default: the size of the target's usual draft "
-                   "where --model-size names it, else the profiled draft's]")
+                   "where --model-size names it, else the profiled draft's]; repeated, drafts of drafts (`generate "
+                   "--draft A --draft B`): plan prices each depth and keeps the cheapest")
+@click.option("--level-agreement", default=0.7, show_default=True, type=click.FloatRange(0, 1),
+              help="with several --draft: how often each level agrees with the level above it (assumed)")
 @click.option("--latency-us", default=LAN_LATENCY_US, show_default=True, type=click.FloatRange(0),
               help="with --machines: one-way latency between two hosts")
 @click.option("--agreement", default=None, type=click.FloatRange(0, 1),
@@ -105,7 +109,7 @@ from ..twin.sim import simulate
               help="with --conversations: the context's cells [default: room for every slot's longest turn]; with "
                    f"--machines: the KV cache each host sizes for [default: {N_CTX}]")
 def plan_cmd(profile_paths: tuple[str, ...], machines: str | None, model: str | None, model_size: str | None,
-             draft_model: str | None, latency_us: float, agreement: float | None, propose: float, n_predict: int, runner_up: float,
+             draft_models: tuple[str, ...], level_agreement: float, latency_us: float, agreement: float | None, propose: float, n_predict: int, runner_up: float,
              draft_host: bool, hostfile: str, clients: int | None, parallel: int | None, n_prompt: int,
              conversations: int | None, turns: int, user_tokens: int, think_s: float, n_ctx: int | None) -> None:
     """Search the fastest configuration for a profiled cluster, or for hosts you describe (--machines), and print
@@ -124,7 +128,8 @@ def plan_cmd(profile_paths: tuple[str, ...], machines: str | None, model: str | 
     if clients is not None and conversations is not None:
         raise click.UsageError("--clients or --conversations, not both (each conversation is a client)")
     if machines is not None:
-        _plan_machines(prof, _Asked(machines, model, model_size, draft_model, latency_us, agreement, propose, n_predict,
+        _plan_machines(prof, _Asked(machines, model, model_size, draft_models[0] if draft_models else None,
+                                    draft_models[1:], level_agreement, latency_us, agreement, propose, n_predict,
                                     runner_up, hostfile, clients, parallel, n_prompt, n_ctx))
         return
     limit = int(prof.get("exact_batch", 3))
@@ -158,6 +163,8 @@ class _Asked:
     model: str | None
     model_size: str | None
     draft_model: str | None
+    draft_below: tuple[str, ...]     # drafts of drafts: the levels under draft_model
+    level_agreement: float
     latency_us: float
     agreement: float | None
     propose: float
@@ -213,6 +220,8 @@ def _plan_machines(prof: dict, a: _Asked) -> None:
     draft_rank = d.draft_rank
     draft_threads = draft_rank.threads if draft_rank else None
     dprof, limit = d.profile, int(d.profile.get("exact_batch", 3))
+    if a.draft_below:
+        draft_arg = _choose_depth(prof, a, dprof)
     confidence, parallel = _draft_and_parallel(dprof, a.agreement, a.parallel)
     agreement = _mean_agreement(confidence) if confidence else a.agreement_or_default
     if a.clients is not None:
@@ -258,6 +267,38 @@ def _plan_machines(prof: dict, a: _Asked) -> None:
     click.echo(launch_line(dprof, win, hostfile, target_path, draft_arg, d.n_ctx, draft_threads))
     click.echo(verdict(win.tokens_per_s, hosts))
     _show_one_hosts(hosts, target_path, draft_arg, d.n_ctx)
+
+
+def _choose_depth(prof: dict, a: _Asked, dprof: dict) -> str:
+    """plan --machines with several --draft: each depth of the hierarchy priced by the rule the real one follows
+    (twin/levels.py), a level's one-row decode the first draft's on its host scaled by file bytes (the n-gram
+    drafter: free); the cheapest depth (the shallower on a tie) becomes the described draft's cost. Returns the
+    --draft arguments of the chosen depth (`A --draft B`)."""
+    from ..core.config import NGRAM_LEVEL
+    from ..engine.models import resolve_model
+    from ..twin.levels import Level, price
+    names = (a.draft_model, *a.draft_below)
+    first_bytes = _target(prof, a)[2]
+    ms0 = float(dprof["draft"]["ms_per_token"])
+    levels = [Level(names[0], ms0, 1.0)]
+    for name in a.draft_below:
+        if name == NGRAM_LEVEL:
+            levels.append(Level(name, 0.0, a.level_agreement))
+            continue
+        try:
+            size = float(os.path.getsize(resolve_model(name)))
+        except (OSError, KeyError, ValueError) as e:
+            raise click.ClickException(f"--draft {name}: {e}") from None
+        levels.append(Level(name, ms0 * size / first_bytes, a.level_agreement))
+    priced = [price(levels[:depth]) for depth in range(1, len(levels) + 1)]
+    best = min(range(len(priced)), key=lambda k: (round(priced[k].ms_per_token, 6), k))
+    for k, p in enumerate(priced):
+        chain = " <- ".join(Path(n).name for n in names[:k + 1])
+        verify = f", verifying {'/'.join(map(str, p.verify))} of the level below at once" if p.verify else ""
+        click.echo(f"drafts of drafts: {chain}: {p.ms_per_token:.1f} ms a draft token{verify}"
+                   f"{'  (chosen)' if k == best else ''}")
+    dprof["draft"]["ms_per_token"] = priced[best].ms_per_token
+    return " --draft ".join(names[:best + 1])
 
 
 def _mean_agreement(confidence: list) -> float:

@@ -1,5 +1,5 @@
-"""Drafts of drafts (PipeSpec's hierarchy, seed 003): a draft model in the target's vocabulary whose own proposals
-come from a cheaper drafter below it, verified in one batch.
+"""Drafts of drafts (PipeSpec's hierarchy, McDanel et al. 2025): a draft model in the target's vocabulary whose own
+proposals come from a cheaper drafter below it, verified in one batch.
 
     target  <- verifies ->  level 1 (`upper`: a ModelDrafter of the target's vocabulary)
                             level 1 <- verifies ->  level 2 (`lower`: any drafter, itself a stack or not)
