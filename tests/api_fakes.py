@@ -207,6 +207,9 @@ class CountingScheduler:
             if req.should_stop() or made >= req.n_predict:
                 self.running.remove(entry)
                 st.n_generated, st.n_drafted, st.n_draft_accepted = made, 2 * made, made
+                st.draft_levels = [{"level": "a.gguf", "proposed": 2 * made, "kept": 0, "calls": made, "busy_s": 0.5},
+                                   {"level": "ngram", "proposed": made, "kept": made // 2, "calls": made,
+                                    "busy_s": 0.0}]
                 st.n_runs, st.n_spec_runs, st.n_cancelled = 1 + made, made, made // 4
                 req.on_done([ord("a") + k % 26 for k in range(made)], st)
                 continue

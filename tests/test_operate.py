@@ -72,6 +72,9 @@ def test_metrics_count_a_known_load():
     assert m[("pipeinfer:acceptance_ratio", frozenset())] == pytest.approx(0.5)  # Stats.acceptance_rate: 8 / 16
     assert m[("pipeinfer:cancelled_runs_total", frozenset())] == 20
     assert m[("pipeinfer:speculative_runs_total", frozenset())] == 80
+    assert m[("pipeinfer:draft_level_proposed_tokens_total", frozenset({("level", "ngram")}))] == 80
+    assert m[("pipeinfer:draft_level_kept_tokens_total", frozenset({("level", "ngram")}))] == 40
+    assert m[("pipeinfer:draft_level_busy_seconds_total", frozenset({("level", "a.gguf")}))] == pytest.approx(5.0)
     for h in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         assert m[(f"pipeinfer:{h}_count", frozenset())] == 10, h
     assert m[("pipeinfer:requests_generating", frozenset())] == 0

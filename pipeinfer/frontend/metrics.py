@@ -72,6 +72,14 @@ class ServerMetrics:
         self.cancelled_runs = Counter(P + "cancelled_runs", "Speculative runs the head cancelled", registry=r)
         self.acceptance = Gauge(P + "acceptance_ratio", "accepted_draft_tokens_total / draft_tokens_total",
                                 registry=r)
+        # drafts of drafts (drafters/stack.py), by level: the first level's tokens go to the target, a lower one's
+        # to the level above it (kept: those it agreed with)
+        self.level_proposed = Counter(P + "draft_level_proposed_tokens", "Tokens each level of a draft hierarchy "
+                                      "proposed to the level above it", ["level"], registry=r)
+        self.level_kept = Counter(P + "draft_level_kept_tokens", "Tokens of a lower level that the level above it "
+                                  "agreed with", ["level"], registry=r)
+        self.level_busy = Counter(P + "draft_level_busy_seconds", "Each level's own drafting time", ["level"],
+                                  registry=r)
         self._n_drafted = self._n_accepted = 0
         r.register(_Now(generator))
 
@@ -98,6 +106,10 @@ class ServerMetrics:
             self._n_drafted += stats.n_drafted
             self._n_accepted += stats.n_draft_accepted
             self.acceptance.set(self._n_accepted / self._n_drafted)
+        for level in stats.draft_levels:
+            self.level_proposed.labels(level["level"]).inc(level["proposed"])
+            self.level_kept.labels(level["level"]).inc(level["kept"])
+            self.level_busy.labels(level["level"]).inc(level["busy_s"])
         self.runs.inc(stats.n_runs)
         self.spec_runs.inc(stats.n_spec_runs)
         self.cancelled_runs.inc(stats.n_cancelled)
