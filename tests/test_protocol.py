@@ -18,7 +18,8 @@ def test_frozen_tags():
     assert {m.name: int(m) for m in Tag} == {"BEGIN": 1, "META": 2, "ACTIV": 3, "KV": 5, "CANCEL": 6,
                                              "SAMPLING": 7, "TOKENS": 8, "DRAFT_CTRL": 9,
                                              "PROPOSAL": 10, "RULES": 11,
-                                             "LOGPROBS": 12, "STAGE_STATS": 13}  # 4 (LOGITS, protocol 2) is retired
+                                             "LOGPROBS": 12, "STAGE_STATS": 13, "MTP": 14}  # 4 (LOGITS, protocol 2)
+                                                                                            # is retired
 
 
 def test_frozen_draft_layouts():
@@ -34,8 +35,9 @@ def test_frozen_kinds():
 
 
 def test_frozen_flags():
-    assert (int(Flag.NONE), int(Flag.SPECULATIVE), int(Flag.CANCELLED)) == (0, 1, 2)
-    assert {m.name: int(m) for m in Flag if m.value} == {"SPECULATIVE": 1, "CANCELLED": 2}
+    assert (int(Flag.NONE), int(Flag.SPECULATIVE), int(Flag.CANCELLED), int(Flag.MTP)) == (0, 1, 2, 4)
+    assert {m.name: int(m) for m in Flag if m.value} == {"SPECULATIVE": 1, "CANCELLED": 2, "MTP": 4}
+    assert protocol.MTP_LEN == 3
 
 
 def test_frozen_kv_ops():
@@ -43,7 +45,7 @@ def test_frozen_kv_ops():
 
 
 def test_frozen_header_layout():
-    assert protocol.PROTOCOL_VERSION == 8
+    assert protocol.PROTOCOL_VERSION == 9  # 9: the MTP tag and flag
     assert HEADER_LEN == 9 and NO_RUN == -1
     assert (protocol.H_KIND, protocol.H_RUN, protocol.H_N_TOKENS, protocol.H_N_META, protocol.H_FLAGS,
             protocol.H_PARENT, protocol.H_N_OUTPUTS, protocol.H_N_EMBD, protocol.H_N_RULES) == tuple(range(9))

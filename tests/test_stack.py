@@ -168,7 +168,8 @@ def test_three_levels_are_exact(models, mode, n_ranks, draft_at):
                            "draft_at": draft_at})
     assert out["tokens"] == ref
     s = out["stats"]
-    assert [lv["level"] for lv in s["draft_levels"]] == ["d90.gguf", "d60.gguf", "ngram"]
+    # over a draft rank's link the levels' counts are not reported (draftahead.DraftClient.levels)
+    assert [lv["level"] for lv in s["draft_levels"]] == ([] if draft_at == "rank" else ["d90.gguf", "d60.gguf", "ngram"])
     if draft_at == "head":  # beside the pipeline a draft may be late, and nothing launched; in series it is never
         assert s["n_spec_runs"] > 0 and s["n_draft_accepted"] > 0
         assert s["draft_levels"][0]["proposed"] > 0 and s["draft_levels"][1]["calls"] > 0

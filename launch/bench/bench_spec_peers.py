@@ -54,7 +54,8 @@ def llama_speculative(bins: Path, target: str, draft: str, prompt: str, n: int) 
 
 def llama_server_md(bins: Path, target: str, draft: str, prompt: str, n: int) -> dict:
     port = free_port()
-    cmd = [str(bins / "llama-server"), "-m", target, "-md", draft, "-t", "2", "-tb", "2", "-c", str(N_CTX),
+    cmd = [str(bins / "llama-server"), "-m", target, "-md", draft, "--spec-type", "draft-simple", "-t", "2", "-tb", "2",
+           "-c", str(N_CTX),
            "-fa", "on", "--port", str(port), "--host", "127.0.0.1", "-np", "1"]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

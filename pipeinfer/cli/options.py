@@ -122,9 +122,10 @@ PIPELINE_OPTIONS = [
                       "translated through text); `pipeinfer models drafts TARGET` says which. Repeated, drafts of drafts: "
                       "--draft A --draft B, B drafts for A and A for the target (every level but the last of the "
                       "target's vocabulary; the last may be ngram)"),
-    click.option("--drafter", type=click.Choice(["model", "ngram", "replay"]), default=None,
+    click.option("--drafter", type=click.Choice(["model", "ngram", "mtp", "replay"]), default=None,
                  help="[default: model if --draft (on the default target: gemma3-270m when installed) else ngram]; "
-                      "replay is a benchmark instrument (docs/speculation.md)"),
+                      "mtp: the target's own multi-token-prediction layers, run by the last stage; replay is a "
+                      "benchmark instrument (docs/speculation.md)"),
     click.option("--draft-vocab", type=click.Choice(["auto", "same", "translate"]), default="auto", show_default=True,
                  help="draft model vocabulary: same as the target (checked), or translate through text; auto picks"),
     click.option("--draft-at", type=click.Choice(["auto", "head", "thread", "rank"]), default="auto", show_default=True,
@@ -248,6 +249,14 @@ def config_from_options(kw: dict, *, sampling: SamplingParams | None = None) -> 
     parallel = kw.get("parallel", 1)
     if mode == "speculative" and parallel is None:
         parallel = 1
+    if drafter == "mtp" and mode != "iterative":
+        if draft or below:
+            raise UserError("--drafter mtp drafts with the target's own layers: drop --draft")
+        if draft_at != "head":
+            raise UserError(f"--drafter mtp runs on the last stage, its proposals come with the results: drop "
+                            f"--draft-at {draft_at}")
+        if parallel != 1:
+            raise UserError("--drafter mtp drafts for one generation at a time: give --parallel 1")
     if draft_at == "rank" and drafter == "ngram" and mode != "iterative":
         from ..engine.drafts import draft_hint
         raise UserError(f"--draft-at rank (or a hostfile's role=draft host): the draft rank has no draft model: give "

@@ -58,7 +58,7 @@ class DraftOptions:
     model: str | None = None                # the draft GGUF's path (None: no draft model)
     below: tuple[str, ...] = ()             # drafts of drafts (drafters/stack.py): each level drafts for the one
                                             # before it, model first; GGUF paths, the last may be NGRAM_LEVEL
-    drafter: str = "ngram"                  # model | ngram | replay
+    drafter: str = "ngram"                  # model | ngram | mtp (the target's own MTP head) | replay
     drafter_asked: bool = True              # False: chosen for the user (the statistics say how to give a better one)
     vocab: str = "auto"                     # auto | same | translate
     at: str = "head"                        # head (in series) | thread (beside, rank 0) | rank (its own, the last)
@@ -297,7 +297,7 @@ def draft_label(config: Config) -> str:
     if config.mode == "iterative":
         return ""
     draft = config.draft
-    label = {"ngram": "ngram", "replay": f"replay@{draft.replay_accuracy}"}.get(draft.drafter,
+    label = {"ngram": "ngram", "mtp": "mtp", "replay": f"replay@{draft.replay_accuracy}"}.get(draft.drafter,
                                                                                Path(draft.model or "").name)
     if draft.drafter == "model" and draft.below:  # drafts of drafts: each level, then the one drafting for it
         label = "<".join([label, *(Path(level).name for level in draft.below)])

@@ -8,6 +8,7 @@ the header announces, each on its kind's own tag (the paper's design):
                  (0 -> last): | RULES i32[n_rules] on TAG_RULES |  (a run's masks and biases, even when cancelled)
     RESULT  (last -> head):   | HEADER | TOKENS i32[n_outputs] on TAG_TOKENS |
                                        | LOGPROBS i32[n_outputs, n_embd] on TAG_LOGPROBS | (when n_embd > 0)
+                                       | MTP i32[3] on TAG_MTP | (flag MTP: the target's own MTP head's proposal)
     KV      (rank r -> r+1):  | HEADER | KV_OPS i32[n_ops, 5] on TAG_KV |
     SAMPLING(rank r -> r+1):  | HEADER | SAMPLING i64[n_tokens, 6] on TAG_SAMPLING |  (one row per group of rows)
     SHUTDOWN(rank r -> r+1):  | HEADER |
@@ -51,7 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 class ProtocolError(ValueError):
@@ -71,6 +72,7 @@ class Tag(enum.IntEnum):
     RULES = 11     # head -> last stage: RULES layout, i32[n_rules]
     LOGPROBS = 12  # RESULT: LOGPROBS layout, i32[n_outputs, n_embd]
     STAGE_STATS = 13  # stage -> head (on comm_cancel): StageReport, f64[STATS_LEN]
+    MTP = 14       # RESULT: MTP layout, i32[MTP_LEN]
 
 
 class Kind(enum.IntEnum):
@@ -85,6 +87,7 @@ class Flag(enum.IntFlag):
     NONE = 0
     SPECULATIVE = 1   # may be cancelled; a non-speculative run is never cut short
     CANCELLED = 2     # skipped or aborted upstream: no payload follows
+    MTP = 4           # RESULT: an MTP proposal follows the tokens (engine/mtp.py)
 
 
 class KvOp(enum.IntEnum):
@@ -125,7 +128,7 @@ class Header:
         if kind not in Kind._value2member_map_:
             raise ProtocolError(f"unknown transaction kind {kind}")
         flags = int(buf[H_FLAGS])
-        if flags & ~int(Flag.SPECULATIVE | Flag.CANCELLED):
+        if flags & ~int(Flag.SPECULATIVE | Flag.CANCELLED | Flag.MTP):
             raise ProtocolError(f"unknown flags {flags:#x}")
         return cls(Kind(kind), int(buf[H_RUN]), int(buf[H_N_TOKENS]), int(buf[H_N_META]), Flag(flags),
                    int(buf[H_PARENT]), int(buf[H_N_OUTPUTS]), int(buf[H_N_EMBD]), int(buf[H_N_RULES]))
@@ -200,7 +203,8 @@ def payload_shapes(hdr: Header) -> list[tuple[Tag, tuple[int, ...], type]]:
         return [(Tag.META, (hdr.n_meta,), np.int32), (Tag.ACTIV, (hdr.n_tokens, hdr.n_embd), np.float32)]
     if hdr.kind == Kind.RESULT:
         logprobs = [(Tag.LOGPROBS, (hdr.n_outputs, hdr.n_embd), np.int32)] if hdr.n_embd else []
-        return [(Tag.TOKENS, (hdr.n_outputs,), np.int32)] + logprobs
+        mtp = [(Tag.MTP, (MTP_LEN,), np.int32)] if hdr.flags & Flag.MTP else []
+        return [(Tag.TOKENS, (hdr.n_outputs,), np.int32)] + logprobs + mtp
     if hdr.kind == Kind.KV:
         return [(Tag.KV, (hdr.n_tokens, 5), np.int32)]
     return [(Tag.SAMPLING, (hdr.n_tokens, SAMPLING_LEN), np.int64)]
@@ -428,6 +432,25 @@ class RowRules:
                            np.isfinite(bias_value).all()):
             raise ProtocolError("RULES bias outside its run's rows, the vocabulary, or not finite")
         return cls(mask, bias_row, bias_token, bias_value)
+
+
+# MTP: i32[3] | position the proposal is for | its token | its probability in millionths |: the target's MTP head
+# after the run's last row and the target's token after that row (engine/mtp.py)
+MTP_LEN = 3
+
+
+def pack_mtp(pos: int, token: int, prob: float) -> np.ndarray:
+    return np.array([pos, token, round(prob * PPM)], dtype=np.int32)
+
+
+def unpack_mtp(buf: np.ndarray, n_vocab: int | None = None) -> tuple[int, int, float]:
+    """(position, token, probability) of an MTP payload; ProtocolError for anything out of range."""
+    if buf.shape != (MTP_LEN,):
+        raise ProtocolError(f"malformed MTP: shape {buf.shape}")
+    pos, token, ppm = (int(v) for v in buf)
+    if pos < 0 or token < 0 or (n_vocab is not None and token >= n_vocab) or not 0 <= ppm <= PPM:
+        raise ProtocolError(f"malformed MTP: position {pos}, token {token}, probability {ppm} ppm")
+    return pos, token, ppm / PPM
 
 
 # LOGPROBS: i32[n_outputs, 1 + 2k] per row | chosen token's logprob (f32 bits) | top k ids | their logprobs (f32 bits) |

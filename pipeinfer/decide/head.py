@@ -301,15 +301,13 @@ class Head:
         return self.seq0_end + sum(len(nodes) for nodes, _ in self.pending)
 
     def take_result(self, res: Result) -> Taken:
-        """One result of this generation's runs: verify and commit it, cancel what it made useless (then
-        after_result)."""
+        """One result of this generation's runs: verify and commit it, cancel what it made useless."""
         self._handle(res)
         emitted, self._emitted = self._emitted, []
         return Taken(self._decided(), emitted)
 
     def after_result(self, stop: bool = False) -> list[Action]:
-        """After a result: keep the next token covered, or, once done (or told to stop: a client left or a stop
-        string matched), cancel everything in flight."""
+        """After a result: keep the next token covered, or once done (or told to stop) cancel everything in flight."""
         if self.asynchronous and self.cfg.mode == "pipeinfer" and not self._quiet():
             self._steer_drafter()  # re-root it now, before this rank's next decode
         self.done = self.done or stop
@@ -384,6 +382,8 @@ class Head:
         fl = self.flights.pop(res.run_id)
         self.prompt_in_flight.discard(res.run_id)
         verdict, m_before = None, len(self.accepted)
+        if res.mtp is not None and self.lease is not None:  # the target's MTP head drafted after this run
+            self.lease.drafter.offer((fl.run.nodes[-1].token, int(res.tokens[-1])), *res.mtp)
         if not (fl.cancelled or res.cancelled):
             verdict = verify(fl.run, res.tokens, self.accepted)
             if fl.siblings:

@@ -20,6 +20,8 @@ class Result:
     cancelled: bool
     tokens: np.ndarray | None  # i32[n_outputs]: the target's token after each output row (verify.row_tokens)
     logprobs: tuple | None = None  # with top_logprobs k: (chosen f32[n], top ids i32[n, k], top f32[n, k])
+    mtp: tuple[int, int, float] | None = None  # the target's MTP head: (position, token, probability) after the
+                                               # run's last row and the target's token after it (engine/mtp.py)
 
 
 @runtime_checkable

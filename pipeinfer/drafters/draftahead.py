@@ -266,6 +266,9 @@ class DraftClient:
             if Proposal.unpack(buf, self.n_ctx, self.n_vocab).epoch == CLOSED_EPOCH:
                 return
 
+    def offer(self, tail: tuple[int, int], pos: int, token: int, prob: float) -> None:
+        """A proposal of the target's MTP head: a drafter beside the pipeline drafts its own."""
+
     def levels(self) -> list:
         """A hierarchy's counts per level, read from the drafter's thread; over a draft rank's link: not reported."""
         return self.level_source() if self.level_source is not None else []

@@ -62,6 +62,10 @@ class Drafter(Protocol):
         """A hierarchy's counts per level since its last prefill (stack.py); [] for a drafter of one level."""
         ...
 
+    def offer(self, tail: tuple[int, int], pos: int, token: int, prob: float) -> None:
+        """A proposal the target's own MTP head made with a result (mtpdraft.py); other drafters ignore it."""
+        ...
+
 
 class AheadDrafter(Drafter, Protocol):
     """A drafter beside the pipeline, drafting ahead on the chain the head steers it to."""
@@ -99,6 +103,9 @@ class InSeries:
         """A hierarchy's counts per level (stack.LevelCounts, from the level drafting for the target down); [] for
         a drafter of one level."""
         return []
+
+    def offer(self, tail: tuple[int, int], pos: int, token: int, prob: float) -> None:
+        """A proposal of the target's MTP head: only mtpdraft.MtpDrafter drafts with them."""
 
 
 def top_candidates(logits: np.ndarray, k: int = 8) -> tuple[np.ndarray, np.ndarray]:

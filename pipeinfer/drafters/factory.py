@@ -30,13 +30,17 @@ def make_drafter(draft: DraftOptions, *, target: str, mode: str, n_ctx: int, ker
                             head_tokens=draft.head_tokens)
     if draft.drafter == "ngram":
         return _bottom_level(NGRAM_LEVEL, target=target, vocab=draft.vocab, model=model, branches=1)
+    if draft.drafter == "mtp":  # the target's own MTP head, on the last stage: its proposals come with results
+        from .mtpdraft import MtpDrafter
+        mtp = MtpDrafter()
+        return lambda prompt, text, chat: mtp
     if draft.drafter == "replay":
         replay = ReplayDrafter(_replay_reference(draft.replay_ref), draft.replay_accuracy, n_vocab, seed=seed,
                                burner=model(1) if draft.model else None)
         replay.runner_up = draft.replay_runner_up
         return lambda prompt, text, chat: replay
     if draft.drafter != "model":
-        raise UserError(f"unknown drafter {draft.drafter!r} (choose model, ngram or replay)")
+        raise UserError(f"unknown drafter {draft.drafter!r} (choose model, ngram, mtp or replay)")
     if not draft.model:
         raise UserError(f"mode {mode} needs --draft MODEL.gguf or --drafter ngram")
     levels = (draft.model, *draft.below)  # from the level that drafts for the target down

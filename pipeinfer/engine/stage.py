@@ -24,6 +24,8 @@ from ..core.verify import row_tokens, run_logprobs
 from ..core.sampling import RunSampling
 from .kernels import DEFAULT_KERNELS, flash_attn_type, kv_cache_types, model_params
 
+MTP_STATE_NAME = b"result_norm"  # the graph node an MTP head takes as its state: the last layer after the final norm
+
 LLAMA_MAX_SEQ = 256  # llama.cpp's cap on n_seq_max
 
 
@@ -210,7 +212,7 @@ class StageEngine:
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int, n_batch: int, n_seq_max: int,
                  n_threads: int, n_threads_batch: int, embd_input: bool, capture_hidden: bool,
-                 kernels: str = DEFAULT_KERNELS):
+                 kernels: str = DEFAULT_KERNELS, capture_states: bool = False):
         global _GGML
         init_backend()
         if n_seq_max > LLAMA_MAX_SEQ:
@@ -229,6 +231,7 @@ class StageEngine:
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.kernels = kernels
+        self.n_threads = n_threads
         self.embd_input = embd_input
         self.capture_hidden = capture_hidden
         self.n_batch = n_batch
@@ -253,11 +256,13 @@ class StageEngine:
         arch = model_arch(self.model)
         cparams.type_k, cparams.type_v = kv_cache_types(kernels, one_type=one_cache_type(self.model, arch))
         self._captured: list[np.ndarray] = []
-        self._capture_name = f"l_out-{self.n_layer - 1}".encode() if capture_hidden else None
+        # a non-final stage captures its last layer's output; a final stage feeding the MTP head (mtp.py) the states
+        self._capture_name = (f"l_out-{self.n_layer - 1}".encode() if capture_hidden else
+                              MTP_STATE_NAME if capture_states else None)
         self._input_name = (SCALES_EVERY_INPUT.get(arch) or TOKEN_INPUT_ONLY.get(arch)) if embd_input else None
         self._token_carrier = embd_input and arch in TOKEN_INPUT_ONLY  # hidden states ride on token 0's rows
         self._input_rows = 0  # rows written into the input tensor by the last decode
-        if capture_hidden or self._input_name:
+        if self._capture_name or self._input_name:
             if _GGML is None:
                 _GGML = _ggml_base()
             self._cb_eval = llama_cpp.ggml_backend_sched_eval_callback(self._node_filter())
@@ -349,7 +354,7 @@ class StageEngine:
         """Hidden states f32[n, n_embd] (non-final stage) or logits f32[n_outputs, n_vocab] (final stage)."""
         self._decode(batch, embd)
         if self.capture_hidden:
-            return self._hidden(batch.n_tokens)
+            return self.captured(batch.n_tokens)
         return self._logits(batch.n_tokens).copy()
 
     def decode_tokens(self, batch: Batch, embd: np.ndarray | None, sampling: RunSampling,
@@ -364,7 +369,9 @@ class StageEngine:
         logprobs = run_logprobs(logits, tokens, sampling)
         return tokens, None if logprobs is None else pack_logprobs(*logprobs)
 
-    def _hidden(self, n: int) -> np.ndarray:
+    def captured(self, n: int) -> np.ndarray:
+        """The last decode's captured rows, f32[n, n_embd] in row order: a non-final stage's hidden states (every
+        row), or with capture_states a final stage's output rows after the final norm (the MTP head's states)."""
         hidden = np.concatenate(self._captured) if len(self._captured) > 1 else self._captured[0]
         if hidden.shape != (n, self.n_embd):
             raise RuntimeError(f"captured hidden states {hidden.shape}, expected {(n, self.n_embd)}")

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..core.protocol import (
     HEAD_KINDS,
+    MTP_LEN,
     NO_RUN,
     STATS_LEN,
     Batch,
@@ -36,6 +37,7 @@ from ..core.protocol import (
     check_tokens,
     pack_sampling,
     unpack_logprobs,
+    unpack_mtp,
 )
 from ..core.topology import Topology
 from ..core.sampling import RunSampling, SamplingParams, one_sampling
@@ -144,16 +146,19 @@ class Pipeline:
                 tokens = None if cancelled else self.tx.recv_array(self.last, Tag.TOKENS, (hdr.n_outputs,), np.int32)
                 if tokens is not None and self.limits is not None:
                     check_tokens(tokens, self.limits)
-                logprobs = None
+                logprobs = mtp = None
                 if not cancelled and hdr.n_embd:
                     logprobs = unpack_logprobs(self.tx.recv_array(self.last, Tag.LOGPROBS, (hdr.n_outputs, hdr.n_embd),
                                                                   np.int32))
+                if not cancelled and hdr.flags & Flag.MTP:
+                    mtp = unpack_mtp(self.tx.recv_array(self.last, Tag.MTP, (MTP_LEN,), np.int32),
+                                     self.limits.n_vocab if self.limits is not None else None)
             except ProtocolError as e:
                 from ..wire.transport import (
                     bad_message,  # mpi4py: not imported where the twin runs
                 )
                 raise bad_message(self.last, e) from None
-            res = Result(hdr.run_id, cancelled, tokens, logprobs)
+            res = Result(hdr.run_id, cancelled, tokens, logprobs, mtp)
         self.in_flight.popleft()
         if res.run_id != expected:
             raise RuntimeError(f"results out of order: expected run {expected}, got {res.run_id}")

@@ -210,6 +210,13 @@ def _agree_model(config: Config, ranks: _Ranks):
             check_recurrent_config(info.arch, config.mode, config.speculation.max_branches, draft_arch)
         except UserError as e:
             raise StageFileError(str(e)) from None  # every rank reports it (below)
+        if drafts_with_mtp(config):
+            from ..engine.mtp import mtp_refusal
+            why = mtp_refusal(config.model) or (None if ranks.comm.Get_size() > 1 else
+                                                "the MTP head runs on the last stage, beside the head's: give 2 or "
+                                                "more ranks")
+            if why:
+                raise StageFileError(f"--drafter mtp: {why}")
         return info
     if ranks.comm.Get_size() == 1:
         return read()
@@ -328,7 +335,8 @@ def _load_stage(config: Config, comm, plan: _LayerPlan, parallel: int) -> _Stage
     known = comm.bcast(exact_table() if rank == 0 and stage.kernels != "fast" else None, root=0)
     path = _stage_file(config, comm, my.start, my.end, topo.is_last) if size > 1 else None
     engine, exact, key = _load_engine(stage, topo, config.model if size == 1 else path, plan.threads[rank],
-                                      plan.threads_b[rank], n_batch, n_seq_max, known=known)
+                                      plan.threads_b[rank], n_batch, n_seq_max, known=known,
+                                      capture_states=topo.is_last and drafts_with_mtp(config))
     if engine.recurrent != has_recurrent_state(plan.info.arch):
         raise RuntimeError(f"internal: llama.cpp {'keeps' if engine.recurrent else 'keeps no'} recurrent states for "
                            f"{plan.info.arch}, core/recurrent.py's tables say otherwise")
@@ -351,16 +359,23 @@ def _load_stage(config: Config, comm, plan: _LayerPlan, parallel: int) -> _Stage
                   limits)
 
 
+def drafts_with_mtp(config: Config) -> bool:
+    """Whether the target's own MTP head drafts (--drafter mtp): the last stage then feeds it (engine/mtp.py)."""
+    return config.mode != "iterative" and config.draft.drafter == "mtp"
+
+
 def _load_engine(stage: StageOptions, topo: Topology, path: str, n_threads: int, n_threads_batch: int, n_batch: int,
-                 n_seq_max: int, known: dict | None = None):
+                 n_seq_max: int, known: dict | None = None, capture_states: bool = False):
     """This rank's StageEngine over `path` (on one rank, the model; on several, its stage file: _stage_file's), its
-    exact batch limit and the kernel key of that limit (kernels.py; None, None with --kernels fast)."""
+    exact batch limit and the kernel key of that limit (kernels.py; None, None with --kernels fast). capture_states:
+    the last stage keeps each output row's state for the MTP head."""
     from ..engine.kernels import exact_batch_limit, kernel_key
     from ..engine.stage import StageEngine  # imports llama_cpp: after the cheap checks
     embd_input = topo.n_ranks > 1
     engine = StageEngine(path, n_ctx=stage.n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
                          n_threads=n_threads, n_threads_batch=n_threads_batch,
-                         embd_input=embd_input, capture_hidden=not topo.is_last, kernels=stage.kernels)
+                         embd_input=embd_input, capture_hidden=not topo.is_last, kernels=stage.kernels,
+                         capture_states=capture_states)
     if stage.kernels == "fast":
         return engine, None, None
     exact = exact_batch_limit(engine, path, stage.kernels, n_threads, n_threads_batch, known)
@@ -387,11 +402,29 @@ def _resolve(config: Config, comm, engine, exact_per_rank: list[int | None], *, 
                     draft_max=draft_max, batch_rows=batch_rows, state_per_token=state_per_token, stage_ms=stage_ms)
 
 
+def _mtp_feeder(config: Config, stage: _Stage):
+    """The last stage's MTP head, on the MTP part of its host's copy of the target (engine/mtp.py)."""
+    from ..engine.mtp import MtpFeeder, MtpHead, ensure_mtp_file
+    from ..wire.hosts import host_name
+    from . import weights
+    mine = weights.local_view(config.model)
+    if not mine.is_file():
+        raise UserError(f"--drafter mtp: the MTP head runs on the last rank, whose host ({host_name()}) has no copy of "
+                        f"{config.model}: copy the model there")
+    return MtpFeeder(MtpHead(ensure_mtp_file(mine), n_ctx=config.stage.n_ctx, n_batch=stage.limits.n_batch,
+                             n_threads=stage.engine.n_threads))
+
+
 def _serve_stage(config: Config, ranks: _Ranks, stage: _Stage) -> None:
     """A stage rank: serve the pipeline until the head shuts it down, then report to rank 0 (HeadSession.close)."""
     from .worker import StageWorker
     comm, poll_s = ranks.comm, config.wire.poll_s
-    stats = StageWorker(stage.topo, stage.engine, stage.transport, stage.limits).serve()
+    mtp = _mtp_feeder(config, stage) if stage.topo.is_last and drafts_with_mtp(config) else None
+    try:
+        stats = StageWorker(stage.topo, stage.engine, stage.transport, stage.limits, mtp).serve()
+    finally:
+        if mtp is not None:
+            mtp.close()
     polite_barrier(comm, poll_s)
     comm.gather(vars(stats), root=0)
     polite_barrier(comm, poll_s)  # rank 0 has taken every report this stage sent (HeadSession.close)

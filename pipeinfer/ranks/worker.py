@@ -34,11 +34,13 @@ from ..core.protocol import (
     Tag,
     check_header,
     check_kv_ops,
+    pack_mtp,
     payload_shapes,
     unpack_sampling,
 )
 from ..core.topology import Topology
 from ..core.sampling import RunSampling, SamplingParams, group_rows, one_sampling
+from ..engine.mtp import MtpFeeder
 from ..engine.stage import DecodeAborted, StageEngine
 from ..wire.transport import Transport, bad_message
 
@@ -70,9 +72,11 @@ def _sampling_fits(sampling: RunSampling, lim, n_outputs: int) -> None:
 
 
 class StageWorker:
-    def __init__(self, topo: Topology, engine: StageEngine, transport: Transport, limits: Limits | None = None):
+    def __init__(self, topo: Topology, engine: StageEngine, transport: Transport, limits: Limits | None = None,
+                 mtp: MtpFeeder | None = None):
         self.topo = topo
         self.engine = engine
+        self.mtp = mtp                # the last stage's MTP head (--drafter mtp: engine/mtp.py), else None
         self.tx = transport
         self.limits = limits          # every header and payload is checked against these (protocol.py)
         self._last_run_in = NO_RUN    # run ids arrive in launch order
@@ -199,10 +203,20 @@ class StageWorker:
             tokens, logprobs = out
             hdr.kind, hdr.n_rules = Kind.RESULT, 0
             hdr.n_embd = 0 if logprobs is None else logprobs.shape[1]
-            self.tx.send(0, hdr, (Tag.TOKENS, tokens), *([] if logprobs is None else [(Tag.LOGPROBS, logprobs)]))
+            mtp = self._mtp_proposal(batch, tokens)
+            hdr.flags = hdr.flags | Flag.MTP if mtp is not None else hdr.flags & ~Flag.MTP
+            self.tx.send(0, hdr, (Tag.TOKENS, tokens), *([] if logprobs is None else [(Tag.LOGPROBS, logprobs)]),
+                         *([] if mtp is None else [(Tag.MTP, mtp)]))
         else:
             hdr.n_embd = out.shape[1]
             self.tx.send(self.topo.next_rank, hdr, (Tag.META, meta), (Tag.ACTIV, out))
+
+    def _mtp_proposal(self, batch: Batch, tokens: np.ndarray) -> np.ndarray | None:
+        """With the target's MTP head (--drafter mtp): its proposal after this run (the MTP payload), or None."""
+        if self.mtp is None:
+            return None
+        got = self.mtp.after_run(batch.tokens, batch.pos, batch.output, self.engine.captured(len(tokens)), tokens)
+        return None if got is None else pack_mtp(*got)
 
     def _run(self, hdr: Header, batch: Batch, activ: np.ndarray, rules: RowRules | None = None):
         """Decode one run: hidden states for the next stage, or on the last stage (tokens, logprobs): the token
