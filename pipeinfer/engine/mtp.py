@@ -29,9 +29,11 @@ import numpy as np
 from .stagefile import _copy_writer, _derived, _field, _write_tensors, source_reader
 
 MTP_FORMAT = 1
-# architectures whose graph in the vendored llama.cpp has an MTP decoder (src/models/*.cpp: DECODER_MTP), and that
-# pipeinfer splits into stages (stagefile.py)
-MTP_ARCHS = frozenset({"glm4moe", "deepseek2", "qwen3next", "qwen35", "qwen35moe", "bailingmoe2", "mimo2", "step35"})
+# architectures whose graph in the vendored llama.cpp has an MTP decoder (src/models/*.cpp: DECODER_MTP) fed the state
+# after the final norm (step35's takes it before the norm: left out); tested here on synthetic glm4moe, deepseek2,
+# qwen3next and qwen35moe models (tests/test_mtp.py)
+MTP_ARCHS = frozenset({"glm4moe", "glm-dsa", "glm5-next", "deepseek2", "deepseek32", "deepseek4", "qwen3next", "qwen35",
+                       "qwen35moe", "mimo2", "bailingmoe3", "cohere2moe", "hy_v3", "nemotron_h_moe"})
 LLAMA_CONTEXT_TYPE_MTP = 1
 
 

@@ -411,8 +411,11 @@ def _mtp_feeder(config: Config, stage: _Stage):
     if not mine.is_file():
         raise UserError(f"--drafter mtp: the MTP head runs on the last rank, whose host ({host_name()}) has no copy of "
                         f"{config.model}: copy the model there")
-    return MtpFeeder(MtpHead(ensure_mtp_file(mine), n_ctx=config.stage.n_ctx, n_batch=stage.limits.n_batch,
-                             n_threads=stage.engine.n_threads))
+    try:
+        return MtpFeeder(MtpHead(ensure_mtp_file(mine), n_ctx=config.stage.n_ctx, n_batch=stage.limits.n_batch,
+                                 n_threads=stage.engine.n_threads))
+    except RuntimeError as e:  # llama.cpp refused the MTP part: said in one line, the job ends on every rank
+        raise UserError(f"--drafter mtp on the last rank ({host_name()}): {e}") from None
 
 
 def _serve_stage(config: Config, ranks: _Ranks, stage: _Stage) -> None:
