@@ -24,6 +24,27 @@ def glm(tmp_path_factory, models):
     return {"mtp": str(make_arch_gguf(d / "glm4moe.gguf", "glm4moe", qtype="q8_0")), "plain": str(models["q8"])}
 
 
+def transparent_glm4moe(path):
+    """A synthetic glm4moe whose blocks add nothing to the residual stream (every attention and FFN output matrix
+    zero) and whose nextn block reads only the token's embedding (eh_proj = [I | 0]): the target's next token depends
+    only on the current one (the codebook's successor), and its MTP head, fed that next token, proposes the same
+    successor for the position after: an MTP head that always agrees (synth_arch.make_arch_gguf, so changed)."""
+    import synth_arch as sa
+    v, r = sa.VARIANTS["glm4moe"], np.random.default_rng(0)
+    tensors = {"token_embd.weight": r.standard_normal((sa.V, sa.E)), v.out_norm: np.ones(sa.E)}
+    for il in range(v.n_layer + v.n_nextn):
+        tensors |= {f"blk.{il}.{k}": a for k, a in v.layer(r, il, v.n_layer).items()}
+    for name in tensors:
+        if name.endswith(("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")):
+            tensors[name] = np.zeros_like(tensors[name])
+    tensors[f"blk.{v.n_layer}.nextn.eh_proj.weight"] = np.hstack([np.eye(sa.E), np.zeros((sa.E, sa.E))])
+    tensors["output.weight"] = np.zeros((sa.V, sa.E))
+    sa._write(path, v, tensors, "q8_0")
+    tensors["output.weight"] = sa._codebook(path, v.n_layer, tensors[v.out_norm], 0, 4.0)
+    sa._write(path, v, tensors, "q8_0")
+    return str(path)
+
+
 def test_the_payload_round_trips_and_refuses_what_is_out_of_range():
     assert unpack_mtp(pack_mtp(12, 7, 0.25), 512) == (12, 7, 0.25)
     for bad in (np.array([-1, 7, 5], np.int32), np.array([3, 512, 5], np.int32), np.array([3, 7, 2_000_000], np.int32),
@@ -108,3 +129,16 @@ def test_a_target_it_cannot_draft_for_is_refused_in_one_line_on_every_rank(glm, 
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("pipeinfer: error:")]
     assert p.returncode != 0 and errors and why in errors[0] and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.mpi
+def test_an_mtp_head_that_agrees_is_accepted(tmp_path):
+    """With an MTP head that always agrees (transparent_glm4moe), nearly every proposal is accepted and PipeInfer runs
+    about one speculative run per token, in every mode exactly the iterative tokens."""
+    model = transparent_glm4moe(tmp_path / "agree.gguf")
+    ref = mpirun(2, {"model": model, "prompt": P, "n": N, "mode": "iterative"})["tokens"]
+    for mode in ("speculative", "pipeinfer"):
+        out = mpirun(2, {"model": model, "prompt": P, "n": N, "mode": mode, "drafter": "mtp", "p_accept": 0.0})
+        s = out["stats"]
+        assert out["tokens"] == ref, mode
+        assert s["n_drafted"] >= N // 2 and s["n_draft_accepted"] >= 0.9 * s["n_drafted"], (mode, s)
