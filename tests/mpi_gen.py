@@ -27,7 +27,7 @@ config = Config(
                        n_batch=cfg.get("n_batch", 512), prompt_chunk=cfg.get("prompt_chunk", 63),
                        cache_prompt=cfg.get("cache_prompt", True), kernels=cfg.get("kernels", DEFAULT_KERNELS)),
     draft=DraftOptions(model=cfg.get("draft"), below=tuple(cfg.get("draft_below", ())), drafter=cfg.get("drafter", "model"),
-                       at=cfg.get("draft_at", "head"),
+                       at=cfg.get("draft_at", "head"), below_at=cfg.get("draft_below_at", "inline"),
                        vocab=cfg.get("draft_vocab", "auto"), replay_ref=cfg.get("replay_ref"),
                        replay_accuracy=cfg.get("replay_accuracy", 0.8)),
     speculation=SpeculationOptions(

@@ -6,7 +6,7 @@ import pytest
 from helpers import PROMPT, mpirun
 from pipeinfer.core.config import Config, DraftOptions, draft_label
 from pipeinfer.core.errors import UserError
-from pipeinfer.drafters.drafter import Cutoffs, DraftNode
+from pipeinfer.drafters.drafter import Cutoffs, DraftNode, InSeries
 from pipeinfer.drafters.stack import MAX_VERIFY, StackedDrafter, verify_len
 
 CPU_ROWS = [26.3, 55.8, 70.1, 79.4, 96.0, 113.1, 126.0, 139.2]   # Coder 0.5B, 1 thread, repacked (measured here)
@@ -79,7 +79,7 @@ class Chain:
         return chain
 
 
-class Proposer:
+class Proposer(InSeries):
     """A level below: proposes the upper's own next tokens, each wrong (shifted) with probability 1 - agreement."""
 
     ahead_chunk = 1
@@ -156,21 +156,23 @@ N = 48
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("mode,n_ranks,draft_at", [("speculative", 2, "head"), ("pipeinfer", 2, "thread"),
-                                                   ("pipeinfer", 3, "head"), ("speculative", 3, "head"),
-                                                   ("pipeinfer", 3, "rank")])
-def test_three_levels_are_exact(models, mode, n_ranks, draft_at):
-    """draft90 drafting for the target, draft60 for draft90, the n-gram drafter for draft60: the target's tokens."""
+@pytest.mark.parametrize("mode,n_ranks,draft_at,below_at", [
+    ("speculative", 2, "head", "inline"), ("pipeinfer", 2, "thread", "inline"), ("pipeinfer", 3, "head", "inline"),
+    ("speculative", 3, "head", "inline"), ("pipeinfer", 3, "rank", "inline"), ("pipeinfer", 2, "head", "thread"),
+    ("speculative", 2, "thread", "thread")])
+def test_three_levels_are_exact(models, mode, n_ranks, draft_at, below_at):
+    """draft90 drafting for the target, draft60 for draft90, the n-gram drafter for draft60: the target's tokens,
+    the levels in series or each below the first ahead in a thread of its own."""
     from synth import reference_greedy
     ref = reference_greedy(models["q8"], PROMPT, N)
     out = mpirun(n_ranks, {"model": str(models["q8"]), "prompt": PROMPT, "n": N, "mode": mode,
                            "draft": str(models["draft90"]), "draft_below": [str(models["draft60"]), "ngram"],
-                           "draft_at": draft_at})
+                           "draft_at": draft_at, "draft_below_at": below_at})
     assert out["tokens"] == ref
     s = out["stats"]
     # over a draft rank's link the levels' counts are not reported (draftahead.DraftClient.levels)
     assert [lv["level"] for lv in s["draft_levels"]] == ([] if draft_at == "rank" else ["d90.gguf", "d60.gguf", "ngram"])
-    if draft_at == "head":  # beside the pipeline a draft may be late, and nothing launched; in series it is never
+    if draft_at == "head" and below_at == "inline":  # beside: a draft may be late, nothing launched; in series: never
         assert s["n_spec_runs"] > 0 and s["n_draft_accepted"] > 0
         assert s["draft_levels"][0]["proposed"] > 0 and s["draft_levels"][1]["calls"] > 0
 

@@ -122,6 +122,9 @@ PIPELINE_OPTIONS = [
                       "translated through text); `pipeinfer models drafts TARGET` says which. Repeated, drafts of drafts: "
                       "--draft A --draft B, B drafts for A and A for the target (every level but the last of the "
                       "target's vocabulary; the last may be ngram)"),
+    click.option("--draft-below-at", type=click.Choice(["inline", "thread"]), default="inline", show_default=True,
+                 help="with --draft given more than once: the levels below the first draft in series inside the "
+                      "drafter (inline), or each ahead in a thread of its own (thread)"),
     click.option("--drafter", type=click.Choice(["model", "ngram", "mtp", "replay"]), default=None,
                  help="[default: model if --draft (on the default target: gemma3-270m when installed) else ngram]; "
                       "mtp: the target's own multi-token-prediction layers, run by the last stage; replay is a "

@@ -58,6 +58,7 @@ class DraftOptions:
     model: str | None = None                # the draft GGUF's path (None: no draft model)
     below: tuple[str, ...] = ()             # drafts of drafts (drafters/stack.py): each level drafts for the one
                                             # before it, model first; GGUF paths, the last may be NGRAM_LEVEL
+    below_at: str = "inline"                # the levels below the first: inline (in series) | thread (each ahead)
     drafter: str = "ngram"                  # model | ngram | mtp (the target's own MTP head) | replay
     drafter_asked: bool = True              # False: chosen for the user (the statistics say how to give a better one)
     vocab: str = "auto"                     # auto | same | translate
@@ -149,6 +150,7 @@ OPTION_FIELDS: dict[str, OptionField] = {
     "kernels": OptionField("stage", "kernels"),
     "draft": OptionField("draft", "model"),
     "draft_below": OptionField("draft", "below", tuple),
+    "draft_below_at": OptionField("draft", "below_at"),
     "drafter": OptionField("draft", "drafter"),
     "draft_vocab": OptionField("draft", "vocab"),
     "draft_at": OptionField("draft", "at"),

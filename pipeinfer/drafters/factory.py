@@ -57,12 +57,25 @@ def make_drafter(draft: DraftOptions, *, target: str, mode: str, n_ctx: int, ker
     uppers = [model(1, path) for path in levels[:-1]]
     names = [level_name(path) for path in levels]
 
-    def stack(prompt, text, chat):
-        drafter = bottom(prompt, text, chat)
-        for k in range(len(uppers) - 1, -1, -1):
-            drafter = StackedDrafter(uppers[k], drafter, names[k:])
-        return drafter
-    return stack
+    def level_for(k: int):
+        """Level k's (prompt, text, chat) -> Drafter: a stack over the levels below it, the last level as it is;
+        with --draft-below-at thread a level below the first drafts ahead in a thread of its own."""
+        if k == len(levels) - 1:
+            made = bottom
+        else:
+            lower_for = level_for(k + 1)
+            made = lambda prompt, text, chat: StackedDrafter(uppers[k], lower_for(prompt, text, chat),  # noqa: E731
+                                                             names[k:])
+        if k == 0 or draft.below_at != "thread":
+            return made
+        from .draftahead import ThreadDrafter
+        beside = ThreadDrafter(made, n_ctx, n_vocab)
+
+        def client(prompt, text, chat):
+            beside.client.begin(prompt, text or "", chat)
+            return beside.client
+        return client
+    return level_for(0)
 
 
 def level_name(path: str) -> str:

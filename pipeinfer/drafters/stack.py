@@ -17,8 +17,10 @@ a decode costs about its rows in single decodes, only a level below that nearly 
 and otherwise level 1 drafts alone, asking the level below one token now and then to keep its agreement measured
 (docs/speculation.md, Drafts of drafts).
 
-The levels run in series inside the drafter; the drafter as a whole runs where --draft-at puts it (in series on
-the head, in a thread beside the pipeline, or on a rank of its own), asynchronous with the target's stages.
+The drafter as a whole runs where --draft-at puts it (in series on the head, in a thread beside the pipeline, or on a
+rank of its own), asynchronous with the target's stages. Inside it the levels run in series, or with
+--draft-below-at thread each level below the first drafts ahead in a thread of its own (draftahead.ThreadDrafter,
+steered to the level above's context) and the level above takes what it has ready, never waiting.
 """
 from __future__ import annotations
 
@@ -89,12 +91,12 @@ class StackedDrafter(InSeries):
         self._explore_gap = EXPLORE_FIRST  # cycles until the level below is next asked while verifying does not pay
         self._explore_at = EXPLORE_FIRST
         self._own = LevelCounts(names[0])
-        self._below = LevelCounts(names[1]) if not isinstance(lower, StackedDrafter) else None
+        self._below = LevelCounts(names[1])  # the level below as this one saw it (what it proposed, what was kept)
 
     def levels(self) -> list[LevelCounts]:
-        """Each level's counts, upper first (the bottom level's: what it proposed to the level above)."""
-        below = self.lower.levels() if isinstance(self.lower, StackedDrafter) else [self._below]
-        return [self._own, *below]
+        """Each level's counts, upper first: this level's, the level below's as this one saw it, then the deeper
+        levels' as the level below reports them."""
+        return [self._own, self._below, *self.lower.levels()[1:]]
 
     def agreement(self) -> float:
         """The level below's running agreement with this level, with the prior."""
@@ -132,16 +134,20 @@ class StackedDrafter(InSeries):
                 self._explore_at = self._asked + self._explore_gap
             elif n_verify > 0:
                 self._explore_gap = EXPLORE_FIRST
-            if n_verify > 0 or exploring:
+            if self.lower.asynchronous:  # drafting ahead in a thread of its own: take what it has ready, never wait
+                self.lower.steer(ctx, len(ctx) + MAX_VERIFY, cut.p_accept, 1)
+                proposed = [n.token for n in self.lower.ready(ctx, cut.p_accept, max(1, n_verify))[0]]
+                self._below.n_calls += 1
+                self._below.n_proposed += len(proposed)
+            elif n_verify > 0 or exploring:
                 t1 = time.perf_counter()
                 below = self.lower.draft(ctx, Cutoffs(cut.p_accept, 1.0, max(1, n_verify), 1))
                 proposed = [below[i].token for i in main_chain(below)][:max(1, n_verify)]
                 t_below += time.perf_counter() - t1
                 self.below_s += time.perf_counter() - t1
                 self.below_tokens += max(1, len(proposed))
-                if self._below is not None:
-                    self._below.n_calls += 1
-                    self._below.n_proposed += len(proposed)
+                self._below.n_calls += 1
+                self._below.n_proposed += len(proposed)
             # one decode: the upper's own last token (where it is not decoded yet) and the proposals verified
             undecoded = [ctx[-1]] if logits is None else []
             rows = self.upper.extend(len(ctx) - len(undecoded), undecoded + proposed[:n_verify])
@@ -166,12 +172,10 @@ class StackedDrafter(InSeries):
                     k += k < len(proposed) and proposed[k] == token
                     logits = None
                     break
-            if self._below is not None:
-                self._below.n_kept += k
+            self._below.n_kept += k
             if logits is not None and len(chain) < cut.n_max:
                 break  # below the cutoff: the upper level is unsure here
         self._own.busy_s += time.perf_counter() - t0 - t_below
         self._own.n_proposed += len(chain)
-        if self._below is not None:
-            self._below.busy_s += t_below
+        self._below.busy_s += t_below
         return chain
