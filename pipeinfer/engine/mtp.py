@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .stagefile import _copy_writer, _derived, _field, _write_tensors, source_reader
+from .stagefile import model_part_path, read_info, write_model_part
 
 MTP_FORMAT = 1
 # architectures whose graph in the vendored llama.cpp has an MTP decoder (src/models/*.cpp: DECODER_MTP) fed the state
@@ -59,19 +59,11 @@ def ensure_mtp_file(src: str | os.PathLike) -> Path:
     """The MTP part of src as a file of its own (see the module docstring), written on first use beside the stage
     files."""
     from ..core.files import write_atomically
-    out = _derived(src, "mtp", "gguf", MTP_FORMAT)
+    out = model_part_path(src, "mtp", MTP_FORMAT)
     if not out.exists():
-        write_atomically(out, lambda tmp: _write_mtp_file(src, tmp))
+        parts = ("token_embd.", "output_norm.", "output.", f"blk.{read_info(src).n_layer}.")  # n_layer: the trunk's
+        write_atomically(out, lambda tmp: write_model_part(src, tmp, lambda name: name.startswith(parts)))
     return out
-
-
-def _write_mtp_file(src, dst) -> None:
-    reader = source_reader(src)
-    arch = _field(reader, "general.architecture")
-    n_layer = int(_field(reader, f"{arch}.block_count")) - int(_field(reader, f"{arch}.nextn_predict_layers") or 0)
-    keep = ("token_embd.", "output_norm.", "output.", f"blk.{n_layer}.")
-    tensors = [(t.name, t.data, t.tensor_type) for t in reader.tensors if t.name.startswith(keep)]
-    _write_tensors(_copy_writer(reader, dst), tensors)
 
 
 class MtpHead:

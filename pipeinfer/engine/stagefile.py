@@ -474,6 +474,19 @@ def ensure_stage_file(src: str | os.PathLike, start: int, end: int, with_vocab: 
     return out
 
 
+def model_part_path(src: str | os.PathLike, label: str, *key: object) -> Path:
+    """Where a file derived from src (beside its stage files) is kept: NAME.LABEL.HASH.gguf."""
+    return _derived(src, label, "gguf", *key)
+
+
+def write_model_part(src, dst, keep: Callable[[str], bool]) -> None:
+    """A GGUF with every key-value of src and the tensors whose names keep() takes, as they are (the MTP part of a
+    model: engine/mtp.py)."""
+    reader = source_reader(src)
+    _write_tensors(_copy_writer(reader, dst), [(t.name, t.data, t.tensor_type) for t in reader.tensors
+                                               if keep(t.name)])
+
+
 def write_stage_file(src, dst, start: int, end: int, with_vocab: bool) -> None:
     """Layers [start, end) of the decoding trunk (multi-token-prediction blocks after it are never in a stage)."""
     writer, tensors, _ = _stage_writer(src, dst, start, end, with_vocab)
