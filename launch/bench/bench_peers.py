@@ -113,8 +113,9 @@ def chat_prompt(model: str) -> str:
         tok.close()
 
 
-def llama_cmd(bins: Path, model: str, prompt: str, n: int, rpc: str | None) -> list[str]:
-    cmd = [str(bins / "llama-completion"), "-m", model, "-p", prompt, "-n", str(n), "-t", "1", "-tb", "1",
+def llama_cmd(bins: Path, model: str, prompt: str, n: int, rpc: str | None, threads: int = 1) -> list[str]:
+    cmd = [str(bins / "llama-completion"), "-m", model, "-p", prompt, "-n", str(n), "-t", str(threads),
+           "-tb", str(threads),
            "-c", str(N_CTX), "-b", "512", "-fa", "on", "--temp", "0", "--ignore-eos", "-no-cnv",
            "--no-display-prompt", "--seed", "0"]
     return cmd + (["--rpc", rpc, "-ngl", str(ngl_same_split(model))] if rpc else [])

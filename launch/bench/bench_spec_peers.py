@@ -111,7 +111,7 @@ def main() -> None:
     prompt = chat_prompt(target)
     runs = {
         "llama-one": lambda: dict(zip(("tokens_per_s", "text"), llama_result(run_quietly(
-            [*llama_cmd(bins, target, prompt, args.n, None), "-t", "2", "-tb", "2"])[0]))),
+            llama_cmd(bins, target, prompt, args.n, None, threads=2))[0]))),
         "llama-speculative": lambda: llama_speculative(bins, target, draft, prompt, args.n),
         "llama-server -md": lambda: llama_server_md(bins, target, draft, prompt, args.n),
         "pipeinfer iterative": lambda: pipeinfer_run(["--mode", "iterative"], args.n),

@@ -212,13 +212,12 @@ def _known_draft(model: str) -> str | None:
     return installed(name) if name else None
 
 
-def _draft_levels(given, drafter: str | None) -> tuple[str | None, tuple[str, ...]]:
-    """--draft's values (one, several, or none; a bare string from an older caller) as (the draft file, the levels
-    below it): registry names resolved to files, `ngram` kept as the n-gram level. `--draft ngram` alone is the
-    n-gram drafter (no model)."""
+def _draft_levels(given: tuple[str, ...], drafter: str | None) -> tuple[str | None, tuple[str, ...]]:
+    """--draft's values (click's tuple: one, several, or none) as (the draft file, the levels below it): registry
+    names resolved to files, `ngram` kept as the n-gram level. `--draft ngram` alone is the n-gram drafter (no
+    model)."""
     from ..engine.models import resolve_model
-    values = (given,) if isinstance(given, str) else tuple(given or ())
-    levels = tuple(v if v == NGRAM_LEVEL else str(resolve_model(v)) for v in values)
+    levels = tuple(v if v == NGRAM_LEVEL else str(resolve_model(v)) for v in given)
     if levels[:1] == (NGRAM_LEVEL,) and len(levels) > 1:
         raise UserError("--draft ngram can only be the last level of a hierarchy: the levels above it verify its "
                         "tokens with a model")

@@ -221,7 +221,7 @@ def _plan_machines(prof: dict, a: _Asked) -> None:
     draft_threads = draft_rank.threads if draft_rank else None
     dprof, limit = d.profile, int(d.profile.get("exact_batch", 3))
     if a.draft_below:
-        draft_arg = _choose_depth(prof, a, dprof)
+        draft_arg = _choose_depth(a, dprof, d.draft_bytes)
     confidence, parallel = _draft_and_parallel(dprof, a.agreement, a.parallel)
     agreement = _mean_agreement(confidence) if confidence else a.agreement_or_default
     if a.clients is not None:
@@ -269,16 +269,16 @@ def _plan_machines(prof: dict, a: _Asked) -> None:
     _show_one_hosts(hosts, target_path, draft_arg, d.n_ctx)
 
 
-def _choose_depth(prof: dict, a: _Asked, dprof: dict) -> str:
+def _choose_depth(a: _Asked, dprof: dict, first_bytes: float) -> str:
     """plan --machines with several --draft: each depth of the hierarchy priced by the rule the real one follows
     (twin/levels.py), a level's one-row decode the first draft's on its host scaled by file bytes (the n-gram
-    drafter: free); the cheapest depth (the shallower on a tie) becomes the described draft's cost. Returns the
-    --draft arguments of the chosen depth (`A --draft B`)."""
+    drafter: free; first_bytes: the first draft's file, as the hosts were described with it); the cheapest depth (the
+    shallower on a tie) becomes the described draft's cost. Returns the --draft arguments of the chosen depth
+    (`A --draft B`)."""
     from ..core.config import NGRAM_LEVEL
     from ..engine.models import resolve_model
     from ..twin.levels import Level, price
     names = (a.draft_model, *a.draft_below)
-    first_bytes = _target(prof, a)[2]
     ms0 = float(dprof["draft"]["ms_per_token"])
     levels = [Level(names[0], ms0, 1.0)]
     for name in a.draft_below:

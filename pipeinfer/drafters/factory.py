@@ -7,6 +7,7 @@ drafters here, so the same draft model is never run one way by the one and anoth
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 from ..core.config import NGRAM_LEVEL, DraftOptions
 from ..core.errors import UserError
@@ -55,7 +56,7 @@ def make_drafter(draft: DraftOptions, *, target: str, mode: str, n_ctx: int, ker
         return bottom
     from .stack import StackedDrafter
     uppers = [model(1, path) for path in levels[:-1]]
-    names = [level_name(path) for path in levels]
+    names = [Path(path).name for path in levels]  # the statistics' labels (ngram is its own name)
 
     def level_for(k: int):
         """Level k's (prompt, text, chat) -> Drafter: a stack over the levels below it, the last level as it is;
@@ -76,12 +77,6 @@ def make_drafter(draft: DraftOptions, *, target: str, mode: str, n_ctx: int, ker
             return beside.client
         return client
     return level_for(0)
-
-
-def level_name(path: str) -> str:
-    """A level's label in the statistics: the draft file's name, or ngram."""
-    from pathlib import Path
-    return NGRAM_LEVEL if path == NGRAM_LEVEL else Path(path).name
 
 
 def _bottom_level(path: str, *, target: str, vocab: str, model, branches: int):

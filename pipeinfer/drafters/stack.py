@@ -74,15 +74,13 @@ class LevelCounts:
 
 class StackedDrafter(InSeries):
     """`upper` drafts for the target; `lower` drafts for `upper` (see the module docstring). `names`: the levels'
-    labels from upper down, for the statistics. `row_ms`: upper's decode costs of 1..MAX_VERIFY + 1 rows (None:
-    measured at the first prefill, then kept on `upper`, which every generation's stack shares)."""
+    labels from upper down, for the statistics. Upper's decode costs of 1..MAX_VERIFY + 1 rows are measured at the
+    first prefill and kept on `upper` (ModelDrafter.row_costs), which every generation's stack shares. Beside the
+    pipeline it proposes each token as soon as it is drafted (InSeries.ahead_chunk)."""
 
-    def __init__(self, upper: ModelDrafter, lower: Drafter, names: list[str], row_ms: list[float] | None = None):
+    def __init__(self, upper: ModelDrafter, lower: Drafter, names: list[str]):
         self.upper, self.lower = upper, lower
         self.exact_batch = upper.exact_batch
-        self.ahead_chunk = 1   # beside the pipeline: propose each token as soon as it is drafted
-        if row_ms is not None:
-            upper.row_costs = row_ms
         self.below_s = 0.0     # the level below's drafting time ...
         self.below_tokens = 0  # ... and the tokens it proposed (what a proposal costs: verify_len's below_ms)
         self.n_checked = 0     # proposals of the level below compared with the upper level's token ...
@@ -143,8 +141,9 @@ class StackedDrafter(InSeries):
                 t1 = time.perf_counter()
                 below = self.lower.draft(ctx, Cutoffs(cut.p_accept, 1.0, max(1, n_verify), 1))
                 proposed = [below[i].token for i in main_chain(below)][:max(1, n_verify)]
-                t_below += time.perf_counter() - t1
-                self.below_s += time.perf_counter() - t1
+                dt = time.perf_counter() - t1
+                t_below += dt
+                self.below_s += dt
                 self.below_tokens += max(1, len(proposed))
                 self._below.n_calls += 1
                 self._below.n_proposed += len(proposed)

@@ -204,7 +204,8 @@ class StageWorker:
             hdr.kind, hdr.n_rules = Kind.RESULT, 0
             hdr.n_embd = 0 if logprobs is None else logprobs.shape[1]
             mtp = self._mtp_proposal(batch, tokens)
-            hdr.flags = hdr.flags | Flag.MTP if mtp is not None else hdr.flags & ~Flag.MTP
+            if mtp is not None:
+                hdr.flags |= Flag.MTP
             self.tx.send(0, hdr, (Tag.TOKENS, tokens), *([] if logprobs is None else [(Tag.LOGPROBS, logprobs)]),
                          *([] if mtp is None else [(Tag.MTP, mtp)]))
         else:
