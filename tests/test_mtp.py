@@ -142,3 +142,18 @@ def test_an_mtp_head_that_agrees_is_accepted(tmp_path):
         s = out["stats"]
         assert out["tokens"] == ref, mode
         assert s["n_drafted"] >= N // 2 and s["n_draft_accepted"] >= 0.9 * s["n_drafted"], (mode, s)
+
+
+def test_the_last_stage_keeps_only_recent_states():
+    """The states kept stay within KEEP_STATES positions of the run being fed, however long the generation."""
+    from pipeinfer.engine.mtp import KEEP_STATES, MtpFeeder
+
+    class Head:
+        n_embd = 4
+
+        def propose(self, tokens, pos, states):
+            return 1, 0.5
+    feeder = MtpFeeder(Head())
+    for p in range(3 * KEEP_STATES):
+        feeder.after_run(np.array([5]), np.array([p]), np.array([1]), np.ones((1, 4), np.float32), np.array([6]))
+    assert len(feeder.states) <= KEEP_STATES + 1 and min(feeder.states) >= 3 * KEEP_STATES - 1 - KEEP_STATES

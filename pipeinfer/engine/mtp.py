@@ -141,13 +141,17 @@ class MtpHead:
         llama_cpp.llama_model_free(self.model)
 
 
+KEEP_STATES = 256  # positions behind the newest whose states the last stage keeps (a run starts at most a few
+                  # positions behind it; all of them would be n_ctx x n_embd floats: 84 MB for GLM-4.5 at 4096 cells)
+
+
 class MtpFeeder:
     """The last stage's side: the target's states by position (output rows only) and the MTP head fed run by run.
     One generation's sequence at a time (a run's rows are a chain of consecutive positions)."""
 
     def __init__(self, head: MtpHead):
         self.head = head
-        self.states: dict[int, np.ndarray] = {}   # position -> the target's state after it (result_norm row)
+        self.states: dict[int, np.ndarray] = {}   # position -> the target's state after it (the newest KEEP_STATES)
         self.zero = np.zeros(head.n_embd, np.float32)
 
     def after_run(self, tokens: np.ndarray, pos: np.ndarray, output: np.ndarray, hidden: np.ndarray,
@@ -160,7 +164,7 @@ class MtpFeeder:
         if n == 0 or not output[-1] or not np.array_equal(pos, np.arange(pos[0], pos[0] + n)):
             return None
         p0 = int(pos[0])
-        for p in [p for p in self.states if p >= p0]:
+        for p in [p for p in self.states if p >= p0 or p < p0 - KEEP_STATES]:
             del self.states[p]
         for row, state in zip(np.flatnonzero(output), hidden):
             self.states[int(pos[row])] = state
