@@ -18,7 +18,8 @@ def test_frozen_tags():
     assert {m.name: int(m) for m in Tag} == {"BEGIN": 1, "META": 2, "ACTIV": 3, "KV": 5, "CANCEL": 6,
                                              "SAMPLING": 7, "TOKENS": 8, "DRAFT_CTRL": 9,
                                              "PROPOSAL": 10, "RULES": 11,
-                                             "LOGPROBS": 12, "STAGE_STATS": 13, "MTP": 14}  # 4 (LOGITS, protocol 2)
+                                             "LOGPROBS": 12, "STAGE_STATS": 13, "MTP": 14,
+                                             "SLICE_LOGITS": 15}  # 4 (LOGITS, protocol 2)
                                                                                             # is retired
 
 
@@ -31,7 +32,8 @@ def test_frozen_draft_layouts():
 
 
 def test_frozen_kinds():
-    assert {m.name: int(m) for m in Kind} == {"DECODE": 1, "RESULT": 2, "KV": 3, "SHUTDOWN": 4, "SAMPLING": 5}
+    assert {m.name: int(m) for m in Kind} == {"DECODE": 1, "RESULT": 2, "KV": 3, "SHUTDOWN": 4, "SAMPLING": 5,
+                                               "CLEAR": 6}
 
 
 def test_frozen_flags():
@@ -45,7 +47,7 @@ def test_frozen_kv_ops():
 
 
 def test_frozen_header_layout():
-    assert protocol.PROTOCOL_VERSION == 9  # 9: the MTP tag and flag
+    assert protocol.PROTOCOL_VERSION == 10  # 10: a tensor group's LOGITS and CLEAR
     assert HEADER_LEN == 9 and NO_RUN == -1
     assert (protocol.H_KIND, protocol.H_RUN, protocol.H_N_TOKENS, protocol.H_N_META, protocol.H_FLAGS,
             protocol.H_PARENT, protocol.H_N_OUTPUTS, protocol.H_N_EMBD, protocol.H_N_RULES) == tuple(range(9))
@@ -112,7 +114,7 @@ def test_header_defaults():
     assert h.pack().tolist() == [4, -1, 0, 0, 0, -1, 0, 0, 0]
 
 
-@pytest.mark.parametrize("kind", [0, 6, -1, 99])
+@pytest.mark.parametrize("kind", [0, 7, -1, 99])
 def test_header_unknown_kind(kind):
     buf = Header(Kind.KV).pack()
     buf[protocol.H_KIND] = kind

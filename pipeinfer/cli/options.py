@@ -104,6 +104,13 @@ PIPELINE_OPTIONS = [
                  help="layers per rank: balanced (equal time per stage, by the weights a token reads in each layer and "
                       "in the output projection), even (equal layer counts), auto (balanced at each rank's measured "
                       "speed), or fractions, rank 0 first, e.g. 0.2,0.4,0.4 [default: balanced]"),
+    click.option("--tensor-parallel", "-tp", default=1, show_default=True, type=click.IntRange(1),
+                 help="every pipeline stage a tensor group of N consecutive ranks that split each of its layers (attention "
+                      "heads, feed-forward columns, the output's vocabulary) and add their partial sums twice a layer: "
+                      "one stream runs faster on more machines, over links fast enough for 2 exchanges a layer"),
+    click.option("--groups", default=None,
+                 help="each stage's tensor group size, in rank order, e.g. 2,2 (two stages of 2 ranks) or 2,1,1 "
+                      "[default: --tensor-parallel's]"),
     click.option("-t", "--threads", default=None,
                  help="threads per rank for single-token decodes: one value or a,b,c [default: the physical cores "
                       "each rank may run on, shared with the ranks of its host; SLURM_CPUS_PER_TASK in a Slurm job]"),

@@ -50,6 +50,8 @@ class StageOptions:
     prompt_chunk: int = PROMPT_CHUNK        # prompt tokens per decode (at most n_batch), at positions 0, C, 2C, ...
     cache_prompt: bool = True               # keep finished prompts on every stage for later requests (prefixcache.py)
     kernels: str = DEFAULT_KERNELS          # engine/kernels.py: repack | no-repack | tiled | fast
+    tensor_parallel: int = 1                # every stage a tensor group of this many ranks (engine/slices.py)
+    groups: str | None = None               # each stage's group size in rank order, "2,1,1" (core/topology.group_sizes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +143,8 @@ class OptionField(NamedTuple):
 # make serving.sampling whole (cli/main.py)
 OPTION_FIELDS: dict[str, OptionField] = {
     "layer_split": OptionField("stage", "layer_split"),
+    "tensor_parallel": OptionField("stage", "tensor_parallel"),
+    "groups": OptionField("stage", "groups"),
     "threads": OptionField("stage", "threads"),
     "threads_batch": OptionField("stage", "threads_batch"),
     "ctx_size": OptionField("stage", "n_ctx"),
@@ -217,6 +221,12 @@ class Config:
             raise UserError(f"--prompt-chunk {stage.prompt_chunk}: at least 1 token")
         if draft.drafter == "replay" and not draft.replay_ref:
             raise UserError("--drafter replay needs --replay-ref FILE.json (from an earlier --json run)")
+        if stage.tensor_parallel < 1:
+            raise UserError(f"--tensor-parallel {stage.tensor_parallel}: at least 1 rank per group")
+        if stage.groups and stage.tensor_parallel > 1:
+            raise UserError("give --groups or --tensor-parallel, not both")
+        if (stage.groups or stage.tensor_parallel > 1) and draft.drafter == "mtp" and self.mode != "iterative":
+            raise UserError("--drafter mtp does not run on a tensor group's last stage yet: use --draft or pipeline stages")
 
     def with_options(self, **options) -> Config:
         """This configuration with command-line options set as click gives them, by click's names

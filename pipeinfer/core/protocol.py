@@ -37,6 +37,14 @@ A request's constraint and biases (core/decoding.py) reach the last stage as a r
 allowed tokens per output row (n_vocab / 8 bytes: 18,992 for Qwen2.5) and sparse (row, token, bias) entries; the
 log-probabilities asked for come back as the chosen token's and the top k per row, not as the rows' logits.
 
+Inside a stage run by a tensor group (ranks/group.py), the leader mirrors each of its engine's operations to the
+group's other members on the group's own communicator, in order, before it runs it:
+
+    DECODE  (leader -> member):  | HEADER | META on TAG_META | ACTIV f32[n_tokens, n_embd] on TAG_ACTIV |
+    KV, CLEAR, SHUTDOWN (leader -> member): | HEADER | (KV: KV_OPS on TAG_KV) |
+    SLICE_LOGITS (member -> leader, the last stage's group): f32[n_outputs, the member's vocabulary rows] on TAG_SLICE_LOGITS
+The partial sums inside a decode are an all-gather of the group (engine/group_sums.py), no tag.
+
 The draft beside the pipeline (draftahead.py) talks to the head on a communicator of its own, one
 message per operation, each one i32 array (so a thread drafter uses the same packing):
 
@@ -52,7 +60,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 class ProtocolError(ValueError):
@@ -73,6 +81,7 @@ class Tag(enum.IntEnum):
     LOGPROBS = 12  # RESULT: LOGPROBS layout, i32[n_outputs, n_embd]
     STAGE_STATS = 13  # stage -> head (on comm_cancel): StageReport, f64[STATS_LEN]
     MTP = 14       # RESULT: MTP layout, i32[MTP_LEN]
+    SLICE_LOGITS = 15  # group member -> its leader (on the group's comm): f32[n_outputs, its vocabulary rows]
 
 
 class Kind(enum.IntEnum):
@@ -81,6 +90,7 @@ class Kind(enum.IntEnum):
     KV = 3
     SHUTDOWN = 4
     SAMPLING = 5
+    CLEAR = 6      # group leader -> its members: forget every KV cell (StageEngine.clear_kv)
 
 
 class Flag(enum.IntFlag):

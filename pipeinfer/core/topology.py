@@ -214,3 +214,46 @@ class Topology:
     @property
     def my_range(self) -> LayerRange:
         return self.ranges[self.rank]
+
+
+def group_sizes(groups: str | None, tensor_parallel: int, n_ranks: int) -> list[int]:
+    """Each pipeline stage's tensor group size, in rank order, over n_ranks target ranks: --groups '2,1,1' as given
+    (they must add up to n_ranks), --tensor-parallel N as stages of N ranks each (N must divide n_ranks), neither
+    as one rank per stage. A group's ranks are consecutive; its first is the stage's leader (engine/slices.py)."""
+    if groups:
+        try:
+            sizes = [int(x) for x in str(groups).replace("/", ",").split(",") if x.strip()]
+        except ValueError:
+            raise SplitError(f"--groups must be comma-separated group sizes, got {groups!r}") from None
+        if not sizes or any(s < 1 for s in sizes):
+            raise SplitError(f"--groups sizes must be positive, got {groups!r}")
+        if sum(sizes) != n_ranks:
+            raise SplitError(f"--groups {groups} adds up to {sum(sizes)} ranks but {n_ranks} target ranks started")
+        return sizes
+    if n_ranks % tensor_parallel:
+        raise SplitError(f"--tensor-parallel {tensor_parallel} does not divide the {n_ranks} target ranks into groups")
+    return [tensor_parallel] * (n_ranks // tensor_parallel)
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Which target ranks form each stage's tensor group (world ranks, the draft rank left out)."""
+    sizes: tuple[int, ...]
+
+    @property
+    def leaders(self) -> list[int]:
+        return [sum(self.sizes[:s]) for s in range(len(self.sizes))]
+
+    def stage_of(self, rank: int) -> int:
+        return max(s for s, first in enumerate(self.leaders) if first <= rank)
+
+    def members(self, stage: int) -> list[int]:
+        first = self.leaders[stage]
+        return list(range(first, first + self.sizes[stage]))
+
+    @property
+    def any(self) -> bool:
+        return any(s > 1 for s in self.sizes)
+
+    def describe(self) -> str:
+        return " | ".join("{" + ",".join(map(str, self.members(s))) + "}" for s in range(len(self.sizes)))

@@ -22,6 +22,7 @@ import numpy as np
 from ..core.protocol import Batch, KvOp, RowRules, pack_logprobs
 from ..core.verify import row_tokens, run_logprobs
 from ..core.sampling import RunSampling
+from .group_sums import PartialSums
 from .kernels import DEFAULT_KERNELS, flash_attn_type, kv_cache_types, model_params
 
 MTP_STATE_NAME = b"result_norm"  # the graph node an MTP head takes as its state: the last layer after the final norm
@@ -207,12 +208,20 @@ def init_backend() -> None:
             _BACKEND_READY = True
 
 
+def draw_tokens(logits: np.ndarray, batch: Batch, sampling: RunSampling, rules: RowRules | None):
+    """(the token after each output row i32[n_outputs], the LOGPROBS payload or None) of a final stage's logits
+    f32[n_outputs, n_vocab] (StageEngine.decode_tokens)."""
+    tokens = row_tokens(logits, batch.output_pos, sampling, rules)
+    logprobs = run_logprobs(logits, tokens, sampling)
+    return tokens, None if logprobs is None else pack_logprobs(*logprobs)
+
+
 class StageEngine:
     """Owns llama.cpp state for layers of one stage. `embd_input`: feed hidden states instead of tokens."""
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int, n_batch: int, n_seq_max: int,
                  n_threads: int, n_threads_batch: int, embd_input: bool, capture_hidden: bool,
-                 kernels: str = DEFAULT_KERNELS, capture_states: bool = False):
+                 kernels: str = DEFAULT_KERNELS, capture_states: bool = False, sums: PartialSums | None = None):
         global _GGML
         init_backend()
         if n_seq_max > LLAMA_MAX_SEQ:
@@ -262,7 +271,8 @@ class StageEngine:
         self._input_name = (SCALES_EVERY_INPUT.get(arch) or TOKEN_INPUT_ONLY.get(arch)) if embd_input else None
         self._token_carrier = embd_input and arch in TOKEN_INPUT_ONLY  # hidden states ride on token 0's rows
         self._input_rows = 0  # rows written into the input tensor by the last decode
-        if self._capture_name or self._input_name:
+        self.sums = sums  # a tensor group member's partial sums, added to the others' mid-graph (group_sums.py)
+        if self._capture_name or self._input_name or sums:
             if _GGML is None:
                 _GGML = _ggml_base()
             self._cb_eval = llama_cpp.ggml_backend_sched_eval_callback(self._node_filter())
@@ -308,7 +318,8 @@ class StageEngine:
         0.47 us a node, this takes 0.16). The capture then costs a half-Qwen2.5-1.5B decode 0.26 ms instead of
         0.39 (launch/bench/bench_overhead.py)."""
         keys = [name_key(n) for n in (self._capture_name, self._input_name) if n]
-        (key_a, mask_a), (key_b, mask_b) = (keys + [(-1, 0)])[:2]  # (-1, 0): no second hooked name
+        (key_a, mask_a), (key_b, mask_b) = (keys + [(-1, 0), (-1, 0)])[:2]  # (-1, 0): no such hooked name
+        more = [name_key(n) for n in self.sums.PREFIXES] if self.sums else []  # a group member's partial sums
         read_u64, name_address, on_tensor = ctypes.c_uint64.from_address, _GGML.name_address, self._on_tensor
         name_offset: list[int] = []  # where ggml_tensor.name lies in the struct, learned from the first node
 
@@ -317,6 +328,8 @@ class StageEngine:
                 name_offset.append(name_address(tensor) - tensor)
             prefix = read_u64(tensor + name_offset[0]).value
             if prefix & mask_a != key_a and prefix & mask_b != key_b:
+                if more and any(prefix & mask == key for key, mask in more):
+                    return self.sums.on_node(tensor, ask, _GGML)
                 return not ask  # ask: not needed; a node it did not ask for: go on
             return on_tensor(tensor, ask, user_data)
         return on_node
@@ -364,10 +377,7 @@ class StageEngine:
         copied only to apply rules); when a group asks top_logprobs, the LOGPROBS payload i32[n_outputs, 1 + 2k]
         beside them, k the widest asked (verify.run_logprobs; else None)."""
         self._decode(batch, embd)
-        logits = self._logits(batch.n_tokens)
-        tokens = row_tokens(logits, batch.output_pos, sampling, rules)
-        logprobs = run_logprobs(logits, tokens, sampling)
-        return tokens, None if logprobs is None else pack_logprobs(*logprobs)
+        return draw_tokens(self._logits(batch.n_tokens), batch, sampling, rules)
 
     def captured(self, n: int) -> np.ndarray:
         """The last decode's captured rows, f32[n, n_embd] in row order: a non-final stage's hidden states (every

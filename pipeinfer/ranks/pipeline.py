@@ -87,7 +87,8 @@ class Pipeline:
         self.n_tokens += batch.n_tokens
         if not self.distributed:
             t0 = time.perf_counter()
-            tokens, logprobs = self.engine.decode_tokens(batch, None, self.sampling, rules)
+            embd = self.embedder(batch.tokens) if self.embedder is not None else None  # a tensor group's input
+            tokens, logprobs = self.engine.decode_tokens(batch, embd, self.sampling, rules)
             self.t_busy_s += time.perf_counter() - t0
             self._local.append(Result(run_id, False, tokens, None if logprobs is None else unpack_logprobs(logprobs)))
         else:

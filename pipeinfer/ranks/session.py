@@ -161,8 +161,8 @@ class HeadSession:
         self.pipe.drain_reports({s["rank"]: s["n_reports"] for s in stage_stats}, poll_s)
         polite_barrier(self.comm, poll_s)
         rss = self.comm.gather(peak_rss_mb(), root=0)
+        self.engine.close()  # a tensor group's leader: its members stop
         if self.live is not None:
             self.live.close()
         self.tok.close()
-        self.engine.close()
         return [vars(head_stage)] + stage_stats, rss

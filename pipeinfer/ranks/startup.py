@@ -21,7 +21,9 @@ from ..core.kvplan import PartitionPool, in_flight_limit, lane_count, lane_seq_m
 from ..core.protocol import PROTOCOL_VERSION, Limits, kv_ops, rm
 from ..core.recurrent import check_recurrent_config, has_recurrent_state, layer_kinds, seqs_per_run, stage_ok
 from ..core.topology import (
+    Groups,
     LayerRange,
+    group_sizes,
     Topology,
     parse_per_rank_ints,
     plan_layers,
@@ -40,6 +42,7 @@ from ..engine.stagefile import (
     vocab_bound,
 )
 from ..wire.transport import polite_barrier
+from .group import lead_group, serve_group_member
 from .handshake import build_id
 from ..decide.genconfig import GenConfig, auto_p_recovery, gen_config
 from .draft_rank import draft_thread_count, drafter_of, serve_draft_rank
@@ -85,7 +88,12 @@ def open_session(config: Config, comm=None) -> HeadSession | None:
         serve_draft_rank(config, ranks.draft_comm, ranks.cores)
         ranks.live.close()
         return None
-    inputs = _head_inputs_soon(config.model, ranks.comm.Get_size() > 1) if ranks.comm.Get_rank() == 0 else None
+    if ranks.comm is None:  # a tensor group's member: its leader tells it what to load, then it mirrors the leader
+        serve_group_member(config, ranks.group, ranks.cores)
+        ranks.live.close()
+        return None
+    several = ranks.comm.Get_size() > 1 or ranks.groups is not None  # the head embeds tokens for the first stage
+    inputs = _head_inputs_soon(config.model, several) if ranks.comm.Get_rank() == 0 else None
     info = _agree_model(config, ranks)          # one target file on every stage
     if has_recurrent_state(info.arch) and config.stage.cache_prompt:  # no prompt cache for recurrent states
         if "cache_prompt" in config.set_by_user and ranks.comm.Get_rank() == 0:
@@ -93,7 +101,7 @@ def open_session(config: Config, comm=None) -> HeadSession | None:
                 f"a cached prompt, not at every prefix a later prompt shares (core/recurrent.py)")
         config = config.with_options(cache_prompt="off")
     plan = _split_layers(config, ranks, info)   # threads and layers per rank
-    stage = _load_stage(config, ranks.comm, plan, resolved_parallel(config, len(plan.ranges)))
+    stage = _load_stage(config, ranks.comm, plan, resolved_parallel(config, len(plan.ranges)), ranks.group)
     if ranks.comm.Get_rank() != 0:
         _serve_stage(config, ranks, stage)
         return None
@@ -110,6 +118,8 @@ class _Ranks:
     draft_comm: MPI.Comm | None = None  # --draft-at rank: a duplicate of the world, the head's link to the draft rank
     live: Liveness | None = None  # several ranks
     is_draft: bool = False        # this rank is the draft rank
+    groups: Groups | None = None  # --tensor-parallel / --groups: which target ranks form each stage's group
+    group: MPI.Comm | None = None  # this rank's tensor group (its stage's ranks, the leader first), in a group
 
 
 @dataclass
@@ -152,14 +162,32 @@ def _join(config: Config, comm) -> _Ranks:
         _agree(world, live, build_id(), "runs another build")
     cores = _host_threads(world)
     if config.draft.at != "rank":
-        return _Ranks(world, world, cores, live=live)
+        return _with_groups(config, _Ranks(world, world, cores, live=live))
     # the world's last rank drafts; the others are the target's stages
     if world.Get_size() < 2:
         raise UserError("--draft-at rank needs a rank of its own for the draft: start one more rank than the "
                         "target's stages (mpiexec -n N+1)")
     is_draft = world.Get_rank() == world.Get_size() - 1
     stages = world.Split(1 if is_draft else 0, world.Get_rank())
-    return _Ranks(world, stages, cores, draft_comm=world.Dup(), live=live, is_draft=is_draft)
+    ranks = _Ranks(world, stages, cores, draft_comm=world.Dup(), live=live, is_draft=is_draft)
+    return ranks if is_draft else _with_groups(config, ranks)
+
+
+def _with_groups(config: Config, ranks: _Ranks) -> _Ranks:
+    """With tensor groups, `comm` becomes the stages' leaders (None on a member) and `group` this rank's group
+    (collective over the target's ranks)."""
+    stage = config.stage
+    if not stage.groups and stage.tensor_parallel == 1:
+        return ranks
+    try:
+        groups = Groups(tuple(group_sizes(stage.groups, stage.tensor_parallel, ranks.comm.Get_size())))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    rank = ranks.comm.Get_rank()
+    group = ranks.comm.Split(groups.stage_of(rank), rank)
+    leader = rank in groups.leaders
+    leaders = ranks.comm.Split(0 if leader else 1, rank)
+    return replace(ranks, comm=leaders if leader else None, groups=groups, group=group)
 
 
 def _host_threads(world) -> int:
@@ -314,9 +342,10 @@ def _split_layers(config: Config, ranks: _Ranks, info) -> _LayerPlan:
     return _LayerPlan(info, threads, threads_b, ranges, probe_ms)
 
 
-def _load_stage(config: Config, comm, plan: _LayerPlan, parallel: int) -> _Stage:
+def _load_stage(config: Config, comm, plan: _LayerPlan, parallel: int, group=None) -> _Stage:
     """This rank's stage engine, what start-up resolves on every stage (Resolved, and the head's GenConfig made of
-    it), the links between them. parallel: generations at once, resolved (resolved_parallel)."""
+    it), the links between them. parallel: generations at once, resolved (resolved_parallel). group: the stage's
+    tensor group, this rank its leader (ranks/group.py), or None."""
     rank, size = comm.Get_rank(), comm.Get_size()
     topo = Topology(rank, size, tuple(plan.ranges))
     stage, spec, poll_s = config.stage, config.speculation, config.wire.poll_s
@@ -333,10 +362,14 @@ def _load_stage(config: Config, comm, plan: _LayerPlan, parallel: int) -> _Stage
     my = topo.my_range
     # rank 0's host's table of kernel keys: a stage like one measured before takes its exact batch limit (kernels.py)
     known = comm.bcast(exact_table() if rank == 0 and stage.kernels != "fast" else None, root=0)
-    path = _stage_file(config, comm, my.start, my.end, topo.is_last) if size > 1 else None
-    engine, exact, key = _load_engine(stage, topo, config.model if size == 1 else path, plan.threads[rank],
-                                      plan.threads_b[rank], n_batch, n_seq_max, known=known,
-                                      capture_states=topo.is_last and drafts_with_mtp(config))
+    if group is not None:
+        engine = lead_group(config, group, topo, plan.threads[rank], plan.threads_b[rank], n_batch, n_seq_max)
+        exact, key = _exact(stage, engine, engine.path, plan.threads[rank], plan.threads_b[rank], known)
+    else:
+        path = _stage_file(config, comm, my.start, my.end, topo.is_last) if size > 1 else None
+        engine, exact, key = _load_engine(stage, topo, config.model if size == 1 else path, plan.threads[rank],
+                                          plan.threads_b[rank], n_batch, n_seq_max, known=known,
+                                          capture_states=topo.is_last and drafts_with_mtp(config))
     if engine.recurrent != has_recurrent_state(plan.info.arch):
         raise RuntimeError(f"internal: llama.cpp {'keeps' if engine.recurrent else 'keeps no'} recurrent states for "
                            f"{plan.info.arch}, core/recurrent.py's tables say otherwise")
@@ -369,18 +402,22 @@ def _load_engine(stage: StageOptions, topo: Topology, path: str, n_threads: int,
     """This rank's StageEngine over `path` (on one rank, the model; on several, its stage file: _stage_file's), its
     exact batch limit and the kernel key of that limit (kernels.py; None, None with --kernels fast). capture_states:
     the last stage keeps each output row's state for the MTP head."""
-    from ..engine.kernels import exact_batch_limit, kernel_key
     from ..engine.stage import StageEngine  # imports llama_cpp: after the cheap checks
     embd_input = topo.n_ranks > 1
     engine = StageEngine(path, n_ctx=stage.n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
                          n_threads=n_threads, n_threads_batch=n_threads_batch,
                          embd_input=embd_input, capture_hidden=not topo.is_last, kernels=stage.kernels,
                          capture_states=capture_states)
+    return (engine, *_exact(stage, engine, path, n_threads, n_threads_batch, known))
+
+
+def _exact(stage: StageOptions, engine, path: str, n_threads: int, n_threads_batch: int, known: dict | None):
+    """(the engine's exact batch limit, the kernel key of that limit) (kernels.py; None, None with --kernels fast)."""
+    from ..engine.kernels import exact_batch_limit, kernel_key
     if stage.kernels == "fast":
-        return engine, None, None
+        return None, None
     exact = exact_batch_limit(engine, path, stage.kernels, n_threads, n_threads_batch, known)
-    return engine, exact, kernel_key(path, stage.kernels, n_threads, n_threads_batch, engine.embd_input,
-                                     engine.capture_hidden)
+    return exact, kernel_key(path, stage.kernels, n_threads, n_threads_batch, engine.embd_input, engine.capture_hidden)
 
 
 def _resolve(config: Config, comm, engine, exact_per_rank: list[int | None], *, parallel: int, n_batch: int,
@@ -432,8 +469,8 @@ def _serve_stage(config: Config, ranks: _Ranks, stage: _Stage) -> None:
     comm.gather(vars(stats), root=0)
     polite_barrier(comm, poll_s)  # rank 0 has taken every report this stage sent (HeadSession.close)
     comm.gather(peak_rss_mb(), root=0)
+    stage.engine.close()  # a group's leader: its members stop
     ranks.live.close()
-    stage.engine.close()
 
 
 def _head_inputs_soon(model: str, several: bool):

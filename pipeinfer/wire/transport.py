@@ -101,6 +101,10 @@ class Transport:
         for tag, arr in payloads:
             self._isend(self.pipe, arr, dest, tag)
 
+    def send_payload(self, dest: int, tag: Tag, arr: np.ndarray) -> None:
+        """One payload without a header (its size known to the receiver: a tensor group's SLICE_LOGITS)."""
+        self._isend(self.pipe, arr, dest, tag)
+
     def send_cancel(self, dest: int, run_ids: list[int]) -> None:
         self._isend(self.cancel_comm, np.asarray(run_ids, dtype=np.int32), dest, Tag.CANCEL)
 
