@@ -156,10 +156,11 @@ class RankNeed:
     start: int
     end: int
     threads: int | None
-    weights: float    # bytes of its stage's weights
+    weights: float    # bytes of its stage's weights (a tensor group's member: its share)
     cache: float      # its context: KV cache (and a hybrid's states)
     draft: float      # the draft's file, on the rank that runs it
     runtime: float
+    group: str = ""   # a tensor group's member: "slice k of G"
 
     @property
     def total(self) -> float:
@@ -173,30 +174,35 @@ def rank_needs(config, stages: list[Host], draft_host: Host | None) -> list[Rank
     (twin/machines.Target.rank_ram_bytes, as `plan` prices it; the draft's file beside rank 0, or on the draft host's
     rank, last)."""
     from ..core.cpus import share
-    from ..core.topology import parse_per_rank_ints, plan_layers
+    from ..core.topology import Groups, group_sizes, parse_per_rank_ints, plan_layers, stage_speeds
     from ..engine.ggufheader import model_size
     from ..engine.stagefile import layer_costs, range_check, read_info
     from ..twin.machines import GIB, RUNTIME_GIB, context_seqs, target_from_gguf
     info, target = read_info(config.model), target_from_gguf(config.model)
-    n = len(stages)
+    groups = Groups(tuple(group_sizes(config.stage.groups, config.stage.tensor_parallel, len(stages))))
+    n = len(groups.sizes)  # pipeline stages: a tensor group is one
     layer_cost, tail = layer_costs(config.model)
     split = config.stage.layer_split
     check = range_check(config.model) if n > 1 else None  # the architecture's rules on where a stage may start
     ranges = plan_layers(None if split is None or split.strip() == "auto" else split, info.n_layer, n, layer_cost, tail,
+                         speeds=stage_speeds(None, groups),
                          allowed=(lambda a, b: check.refusal(a, b) is None) if check else None)
     index = [sum(h.name == s.name for s in stages[:i]) for i, h in enumerate(stages)]
     default = [share(h.cores, sum(s.name == h.name for s in stages), k) if h.cores else 0
                for h, k in zip(stages, index)]
-    threads = parse_per_rank_ints(config.stage.threads, n, "--threads", default=default)
+    threads = parse_per_rank_ints(config.stage.threads, len(stages), "--threads", default=default)  # each rank's
     draft = float(model_size(config.draft.model)) if config.mode != "iterative" and config.draft.model else 0.0
     beside_head = draft_host is None or config.draft.at != "rank"
     n_seq, n_ctx = context_seqs(target, n), config.stage.n_ctx
     needs = []
-    for i, (h, rr) in enumerate(zip(stages, ranges)):
+    for r, h in enumerate(stages):
+        i = groups.stage_of(r)
+        rr, g, k = ranges[i], groups.sizes[i], r - groups.leaders[i]
         first, last = i == 0, i == n - 1
-        cache = rr.n_layers * target.cache_bytes_per_layer(n_ctx, n_seq)
-        needs.append(RankNeed(h, rr.start, rr.end, threads[i] or None, target.stage_bytes(rr.n_layers, first, last),
-                              cache, draft if first and beside_head else 0.0, RUNTIME_GIB * GIB))
+        cache = rr.n_layers * target.cache_bytes_per_layer(n_ctx, n_seq) / g  # a member's cache: its KV heads
+        needs.append(RankNeed(h, rr.start, rr.end, threads[r] or None, target.stage_bytes(rr.n_layers, first, last) / g,
+                              cache, draft if r == 0 and beside_head else 0.0, RUNTIME_GIB * GIB,
+                              f"slice {k + 1} of {g}" if g > 1 else ""))
     if draft_host is not None and not beside_head:
         threads_d = config.draft.threads or (draft_host.threads or draft_host.cores)
         needs.append(RankNeed(draft_host, 0, 0, threads_d, 0.0, 0.0, draft, RUNTIME_GIB * GIB))
@@ -212,7 +218,8 @@ def _show_ranks(config, stages: list[Host], draft_host: Host | None) -> None:
     except (ValueError, OSError) as e:
         raise click.ClickException(f"launch --dry-run: {e}") from None
     for r, need in enumerate(needs):
-        what = "the draft" if need.end == 0 else f"layers {need.start}-{need.end}"
+        what = "the draft" if need.end == 0 else f"layers {need.start}-{need.end}" + (
+            f" ({need.group} of a tensor group)" if need.group else "")
         threads = ("default threads" if need.threads is None
                    else f"{need.threads} thread{'s' * (need.threads != 1)}")
         click.echo(f"# rank {r} {need.host.name}: {what}, {threads}, {need.total / GIB:.1f} GiB of RAM (weights "

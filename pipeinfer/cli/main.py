@@ -20,6 +20,7 @@ from ..core.errors import UserError
 from ..core.files import prompt_path, read_prompt_file
 from ..core.results import results_row, write_row
 from ..core.sampling import SamplingParams
+from ..core.topology import group_sizes
 from ..decide.batching import default_parallel_text
 from .guard import StopSignals, die, mpi_rank, mpi_size, run_guarded
 from ..wire.launcher import enter_workdir
@@ -290,12 +291,16 @@ def _report_failures(args: GenerateArgs, prompt: Prompt, head: HeadOutput) -> No
 def _print_report(config: Config, res) -> None:
     """The statistics on stderr after the text: mode, cutoffs, the layers of each rank, then Stats.report."""
     threads = res.threads or [None] * len(res.ranges)
-    ranges = ", ".join(f"rank {i}: layers {r}" + (f" on {t} thread{'s' * (t != 1)}" if t else "")
-                       for i, (r, t) in enumerate(zip(res.ranges, threads)))
+    stage = config.stage
+    groups = group_sizes(stage.groups, stage.tensor_parallel, len(res.ranges) * stage.tensor_parallel) \
+        if stage.groups or stage.tensor_parallel > 1 else [1] * len(res.ranges)
+    ranges = ", ".join((f"stage {i} (a tensor group of {g} ranks)" if g > 1 else f"rank {i}") + f": layers {r}" +
+                       (f" on {t} thread{'s' * (t != 1)}" if t else "")
+                       for i, (r, t, g) in enumerate(zip(res.ranges, threads, groups)))
     p_accept = config.speculation.p_accept
     cutoff = {"iterative": "", "speculative": f", cutoff -pa {p_accept:g}"}.get(
         config.mode, f", cutoff -pa {p_accept:g} -pr {res.p_recovery:g}")
-    print(f"\n[pipeinfer] mode {config.mode}{cutoff}, {len(res.ranges)} rank(s): {ranges}", file=sys.stderr)
+    print(f"\n[pipeinfer] mode {config.mode}{cutoff}, {sum(groups)} rank(s): {ranges}", file=sys.stderr)
     print(f"[pipeinfer] {drafter_note(config)}", file=sys.stderr)
     print(res.stats.report(), file=sys.stderr)
 

@@ -235,6 +235,14 @@ def group_sizes(groups: str | None, tensor_parallel: int, n_ranks: int) -> list[
     return [tensor_parallel] * (n_ranks // tensor_parallel)
 
 
+def stage_speeds(speeds: list[float] | None, groups: Groups | None) -> list[float] | None:
+    """Each stage's speed for the balanced split: its leader's (measured, else 1) times its tensor group's size (a
+    group of G divides each layer's work G ways)."""
+    if groups is None or not groups.any:
+        return speeds
+    return [(speeds[s] if speeds else 1.0) * g for s, g in enumerate(groups.sizes)]
+
+
 @dataclass(frozen=True)
 class Groups:
     """Which target ranks form each stage's tensor group (world ranks, the draft rank left out)."""

@@ -23,11 +23,12 @@ from ..core.recurrent import check_recurrent_config, has_recurrent_state, layer_
 from ..core.topology import (
     Groups,
     LayerRange,
-    group_sizes,
     Topology,
+    group_sizes,
     parse_per_rank_ints,
     plan_layers,
     split_from_speeds,
+    stage_speeds,
 )
 from ..engine.kernels import DEFAULT_DRAFT_MAX, exact_table, record_exact, resolve_draft_max
 from ..wire.launcher import mpi_library, world_size_mismatch
@@ -42,7 +43,7 @@ from ..engine.stagefile import (
     vocab_bound,
 )
 from ..wire.transport import polite_barrier
-from .group import lead_group, serve_group_member
+from .group import lead_group, leader_values, serve_group_member
 from .handshake import build_id
 from ..decide.genconfig import GenConfig, auto_p_recovery, gen_config
 from .draft_rank import draft_thread_count, drafter_of, serve_draft_rank
@@ -89,7 +90,7 @@ def open_session(config: Config, comm=None) -> HeadSession | None:
         ranks.live.close()
         return None
     if ranks.comm is None:  # a tensor group's member: its leader tells it what to load, then it mirrors the leader
-        serve_group_member(config, ranks.group, ranks.cores)
+        serve_group_member(config, ranks.group, ranks.cores, ranks.target_rank, sum(ranks.groups.sizes))
         ranks.live.close()
         return None
     several = ranks.comm.Get_size() > 1 or ranks.groups is not None  # the head embeds tokens for the first stage
@@ -120,6 +121,7 @@ class _Ranks:
     is_draft: bool = False        # this rank is the draft rank
     groups: Groups | None = None  # --tensor-parallel / --groups: which target ranks form each stage's group
     group: MPI.Comm | None = None  # this rank's tensor group (its stage's ranks, the leader first), in a group
+    target_rank: int = 0          # this rank among the target's ranks (the draft rank left out)
 
 
 @dataclass
@@ -187,7 +189,7 @@ def _with_groups(config: Config, ranks: _Ranks) -> _Ranks:
     group = ranks.comm.Split(groups.stage_of(rank), rank)
     leader = rank in groups.leaders
     leaders = ranks.comm.Split(0 if leader else 1, rank)
-    return replace(ranks, comm=leaders if leader else None, groups=groups, group=group)
+    return replace(ranks, comm=leaders if leader else None, groups=groups, group=group, target_rank=rank)
 
 
 def _host_threads(world) -> int:
@@ -314,8 +316,12 @@ def _split_layers(config: Config, ranks: _Ranks, info) -> _LayerPlan:
     try:
         check_splittable(info, size)
         cores = comm.allgather(ranks.cores)
-        threads = parse_per_rank_ints(stage.threads, size, "--threads", default=cores)
-        threads_b = parse_per_rank_ints(stage.threads_batch, size, "--threads-batch", default=threads[rank])
+        if ranks.groups is None:
+            threads = parse_per_rank_ints(stage.threads, size, "--threads", default=cores)
+            threads_b = parse_per_rank_ints(stage.threads_batch, size, "--threads-batch", default=threads[rank])
+        else:  # one value per target rank, members too: the leaders' are the stages'
+            threads = leader_values(stage.threads, ranks.groups, cores)
+            threads_b = [b or t for b, t in zip(leader_values(stage.threads_batch, ranks.groups, None), threads)]
         probe_ms = None
         if stage.layer_split is not None and stage.layer_split.strip() == "auto" and size > 1:
             kinds = None  # a hybrid's probe holds a layer of each kind, as every stage must (core/recurrent.py)
@@ -328,7 +334,7 @@ def _split_layers(config: Config, ranks: _Ranks, info) -> _LayerPlan:
         # the balanced split keeps to them, a split that breaks one ends the job here, on every rank, in one line
         check = comm.bcast(range_check(config.model) if rank == 0 and size > 1 else None, root=0)
         ranges = plan_layers(stage.layer_split, info.n_layer, size, layer_cost, tail_cost,
-                             speeds=split_from_speeds(probe_ms) if probe_ms else None,
+                             speeds=stage_speeds(split_from_speeds(probe_ms) if probe_ms else None, ranks.groups),
                              allowed=(lambda a, b: check.refusal(a, b) is None) if check else None)
         refused = next(filter(None, (check.refusal(r.start, r.end) for r in ranges)), None) if check else None
         if refused:

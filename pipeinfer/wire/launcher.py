@@ -115,6 +115,7 @@ class Host:
     weight: float | None = None
     mem: float | None = None  # GiB this host can give pipeinfer (the supervisor's check before a re-form)
     role: str = "stage"  # stage | draft
+    group: str | None = None  # consecutive ranks whose hosts name one group form a stage's tensor group (--groups)
     # a machine described for `pipeinfer plan` (twin/machines.py); launch and the supervisor ignore these
     cores: int | None = None      # physical cores
     mem_bw: float | None = None   # memory bandwidth, GB/s
@@ -155,13 +156,15 @@ def _parse_settings(text: str, where: str) -> dict:
             if not w > 0 or w == float("inf"):
                 raise ValueError(f"{where}: {key} must be a positive finite number, got {value}")
             settings[key] = w
+        elif key == "group":
+            settings[key] = value
         elif key == "role":
             if value not in ROLES:
                 raise ValueError(f"{where}: unknown role {value!r} (known: {', '.join(ROLES)})")
             settings[key] = value
         else:
             raise ValueError(f"{where}: unknown pipeinfer setting {key!r} "
-                             "(known: threads, threads_batch, weight, mem, role, cores, mem_bw, disk, link, speed)")
+                             "(known: threads, threads_batch, weight, mem, role, group, cores, mem_bw, disk, link, speed)")
     return settings
 
 
@@ -215,7 +218,7 @@ def hostfile_text(hosts: Sequence[Host]) -> str:
     def line(h: Host) -> str:
         settings = [f"{k}={_fmt_weight(v) if isinstance(v, float) else v}"
                     for k, v in (("threads", h.threads), ("threads_batch", h.threads_batch), ("weight", h.weight),
-                                 ("mem", h.mem), ("role", None if h.role == "stage" else h.role))
+                                 ("mem", h.mem), ("role", None if h.role == "stage" else h.role), ("group", h.group))
                     + tuple((k, getattr(h, k)) for k in DESCRIBE_KEYS) if v is not None]
         return f"{h.name}:{h.slots}" + (" # pipeinfer: " + " ".join(settings) if settings else "") + "\n"
     return "".join(line(h) for h in hosts)
@@ -391,7 +394,8 @@ def rank_hosts(hosts: Sequence[Host], np: int) -> list[Host]:
 
 # the options a hostfile's settings may give (command-line names, as core/config.OPTION_FIELDS and set_by_user name
 # them); an option the user set wins over them
-HOST_SET_OPTIONS = ("threads", "threads_batch", "layer_split", "draft_at", "draft_threads")
+HOST_SET_OPTIONS = ("threads", "threads_batch", "layer_split", "draft_at", "draft_threads", "groups",
+                    "tensor_parallel")
 _SHORT = {"threads": "-t", "threads_batch": "-tb"}  # their short spellings (cli/options.py)
 
 
@@ -432,11 +436,27 @@ def host_settings(hosts: Sequence[Host], np: int, given: Collection[str] = ()) -
         if missing:
             raise ValueError(f"threads_batch= (or threads=) missing on {', '.join(missing)}")
         out["threads_batch"] = ",".join(str(v) for v in tb)
+    sizes = group_runs(per_rank)
+    if any(s > 1 for s in sizes) and not {"groups", "tensor_parallel"} & set(given):
+        out["groups"] = ",".join(map(str, sizes))
     if any(h.weight is not None for h in per_rank) and "layer_split" not in given:
-        ws = [1.0 if h.weight is None else h.weight for h in per_rank]
+        leaders = [per_rank[sum(sizes[:k])] for k in range(len(sizes))]  # a group's stage: its first host's weight
+        ws = [1.0 if h.weight is None else h.weight for h in leaders]
         total = sum(ws)
         out["layer_split"] = ",".join(_fmt_weight(w / total) for w in ws)
     return out
+
+
+def group_runs(per_rank: Sequence[Host]) -> list[int]:
+    """Each stage's tensor group size, in rank order: consecutive ranks whose hosts carry one group= name form a group
+    (a rank without one is a stage of its own)."""
+    sizes: list[int] = []
+    for i, h in enumerate(per_rank):
+        if i and h.group is not None and h.group == per_rank[i - 1].group:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return sizes
 
 
 def option_args(settings: Mapping[str, object]) -> list[str]:

@@ -1,0 +1,211 @@
+"""Tensor groups (engine/slices.py, engine/group_sums.py, ranks/group.py): how layers are cut, that the slices' partial
+sums add up to the whole model, and under mpiexec, groups as pipeline stages in every mode."""
+import threading
+
+import numpy as np
+import pytest
+
+from helpers import PROMPT, mpirun
+from synth import reference_greedy, reference_run
+from synth_arch import make_arch_gguf
+from pipeinfer.core.topology import Groups, SplitError, group_sizes
+from pipeinfer.engine import slices
+from pipeinfer.engine.group_sums import add_in_order
+from pipeinfer.engine.slices import Slice, SliceError, column_slices, cut, head_slices, neox_to_adjacent
+
+FAMILIES = ["llama", "llama-moe", "qwen2"]  # dense, MoE (Mixtral-style), biased QKV with NeoX RoPE
+
+
+@pytest.fixture(scope="module")
+def arch_model(tmp_path_factory):
+    d, made = tmp_path_factory.mktemp("groups"), {}
+
+    def get(name, qtype="f32"):
+        if (name, qtype) not in made:
+            made[name, qtype] = make_arch_gguf(d / f"{name}-{qtype}.gguf", name, qtype=qtype)
+        return made[name, qtype]
+    return get
+
+
+# ------------------------------------------------------------------ how a layer is cut
+def test_cut_follows_the_shares_and_covers_every_unit():
+    assert cut(10, (1, 1)) == [(0, 5), (5, 10)]
+    assert cut(35, (1, 1)) == [(0, 18), (18, 35)]  # Qwen2.5-1.5B's ffn_down: 35 blocks of 256
+    assert cut(12, (3, 1)) == [(0, 9), (9, 12)]
+    assert cut(4, (100, 1, 1)) == [(0, 2), (2, 3), (3, 4)]  # at least one unit each
+    with pytest.raises(SliceError):
+        cut(2, (1, 1, 1))
+
+
+def test_heads_go_by_kv_groups_and_are_shared_past_the_kv_heads():
+    # Qwen2.5-1.5B: 12 query heads over 2 KV heads
+    assert head_slices(12, 2, (1, 1)) == [slices.Heads(0, 6, 0, 1), slices.Heads(6, 12, 1, 2)]
+    # a group of 4 holds each KV head twice and splits its 6 query heads 3 and 3
+    assert [(h.q0, h.q1, h.kv0) for h in head_slices(12, 2, (1,) * 4)] == [(0, 3, 0), (3, 6, 0), (6, 9, 1), (9, 12, 1)]
+    with pytest.raises(SliceError, match="group of 3"):
+        head_slices(12, 2, (1, 1, 1))
+
+
+def test_columns_are_cut_on_block_boundaries():
+    assert column_slices(8960, 256, (1, 1)) == [(0, 4608), (4608, 8960)]
+    with pytest.raises(SliceError, match="whole blocks"):
+        column_slices(100, 32, (1, 1))
+
+
+def _rope(x, pos, pairs, base=10000.0):
+    """Rotate x (one head, d values) at position pos, pair i = (pairs[i][0], pairs[i][1]) at frequency i."""
+    d, y = len(x), x.copy()
+    for i, (a, b) in enumerate(pairs):
+        t = pos * base ** (-2 * i / d)
+        y[a], y[b] = x[a] * np.cos(t) - x[b] * np.sin(t), x[a] * np.sin(t) + x[b] * np.cos(t)
+    return y
+
+
+def test_reordered_rows_turn_neox_pairs_into_adjacent_pairs():
+    d = 8
+    r = np.random.default_rng(0)
+    q, k = r.standard_normal(d), r.standard_normal(d)
+    neox = [(i, i + d // 2) for i in range(d // 2)]
+    adjacent = [(2 * i, 2 * i + 1) for i in range(d // 2)]
+    order = neox_to_adjacent(d)
+    assert order.tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    for pos in (0, 3, 17):
+        assert np.allclose(_rope(q, pos, neox)[order], _rope(q[order], pos, adjacent))
+        assert np.isclose(_rope(q, pos, neox) @ _rope(k, pos + 2, neox),
+                          _rope(q[order], pos, adjacent) @ _rope(k[order], pos + 2, adjacent))
+    assert not np.allclose(_rope(q, 3, neox), _rope(q, 3, adjacent))  # without the reorder: another rotation
+
+
+def test_partial_sums_add_in_member_order():
+    parts = np.array([[1e8, 1.0], [-1e8, 1.0], [1.0, 1.0]], dtype=np.float32)
+    assert add_in_order(parts).tolist() == [1.0, 3.0]  # ((p0 + p1) + p2): not p0 + (p1 + p2), which loses the 1
+
+
+def test_group_sizes_and_leaders():
+    assert group_sizes(None, 2, 4) == [2, 2]
+    assert group_sizes("2,1,1", 1, 4) == [2, 1, 1]
+    assert group_sizes(None, 1, 3) == [1, 1, 1]
+    g = Groups((2, 1, 1))
+    assert g.leaders == [0, 2, 3] and g.members(0) == [0, 1] and g.stage_of(1) == 0 and g.stage_of(3) == 2
+    assert g.describe() == "{0,1} | {2} | {3}"
+    for text, tp, n, why in [("2,2", 1, 3, "adds up to 4"), (None, 3, 4, "does not divide"), ("2,x", 1, 3, "sizes")]:
+        with pytest.raises(SplitError, match=why):
+            group_sizes(text, tp, n)
+
+
+def test_a_recurrent_family_is_refused_in_one_line(arch_model, tmp_path):
+    for name in ("qwen3next", "lfm2"):
+        with pytest.raises(SliceError) as e:
+            slices.write_slice_file(arch_model(name), tmp_path / "s.gguf", 0, 6, True, Slice(0, (1, 1)))
+        assert "\n" not in str(e.value) and "state" in str(e.value), e.value
+
+
+# ------------------------------------------------------------------ the slices add up to the whole model
+def _group_logits(paths: list, embd: np.ndarray, n_threads: int = 1) -> np.ndarray:
+    """Every slice decoded in a thread of its own (llama_decode lets go of the GIL), their partial sums added through a
+    barrier as MPI's all-gather would; the whole vocabulary's logits (the slices' rows side by side)."""
+    from pipeinfer.core.protocol import Batch
+    from pipeinfer.engine.group_sums import PartialSums
+    from pipeinfer.engine.stage import StageEngine
+    g = len(paths)
+    board, done = [None] * g, threading.Barrier(g)
+
+    def exchange_for(i):
+        def exchange(mine):
+            board[i] = mine.copy()
+            done.wait()
+            every = np.stack(board)
+            done.wait()
+            return every
+        return exchange
+    engines = [StageEngine(p, n_ctx=64, n_batch=16, n_seq_max=2, n_threads=n_threads, n_threads_batch=n_threads,
+                           embd_input=True, capture_hidden=False, sums=PartialSums(exchange_for(i)))
+               for i, p in enumerate(paths)]
+    out = [None] * g
+    batch = Batch.chain(np.arange(len(embd), dtype=np.int32), 0)
+
+    def run(i):
+        engines[i].sums.begin()
+        out[i] = engines[i].decode(batch, embd)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(g)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for e in engines:
+        e.close()
+    return np.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("shares", [(1.0, 1.0), (3.0, 1.0)])
+def test_slices_add_up_to_the_whole_model(arch_model, tmp_path, name, shares):
+    from pipeinfer.engine.stage import StageEngine, TokenEmbedder
+    from pipeinfer.core.protocol import Batch
+    src = arch_model(name)
+    tokens = np.array(PROMPT, dtype=np.int32)
+    embd = TokenEmbedder(src)(tokens)
+    with StageEngine(src, n_ctx=64, n_batch=16, n_seq_max=2, n_threads=1, n_threads_batch=1, embd_input=True,
+                     capture_hidden=False) as whole:
+        want = whole.decode(Batch.chain(tokens, 0), embd)
+    paths = [slices.ensure_slice_file(src, 0, 6, True, Slice(i, shares)) for i in range(len(shares))]
+    got = _group_logits(paths, embd)
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max(), np.abs(got - want).max()
+    assert (got.argmax(1) == want.argmax(1)).all()
+
+
+def test_without_the_row_reorder_a_qwen2_slice_is_another_model(arch_model, tmp_path, monkeypatch):
+    """The reorder is what keeps qwen2's rotations through llama's graph: left out, the logits move."""
+    from pipeinfer.engine.stage import TokenEmbedder
+    src = arch_model("qwen2")
+    embd = TokenEmbedder(src)(np.array(PROMPT, dtype=np.int32))
+    right = _group_logits([slices.ensure_slice_file(src, 0, 6, True, Slice(0, (1.0,)))], embd)
+    monkeypatch.setattr(slices, "NEOX_ROPE", frozenset())
+    slices.write_slice_file(src, tmp_path / "plain.gguf", 0, 6, True, Slice(0, (1.0,)))
+    wrong = _group_logits([tmp_path / "plain.gguf"], embd)
+    assert np.abs(right - wrong).max() > 1e-3
+
+
+def test_a_slice_holds_its_share_of_each_layer(arch_model):
+    from pipeinfer.engine.ggufheader import read_header
+    src = arch_model("qwen2")
+    whole = read_header(src).tensors
+    parts = [read_header(slices.ensure_slice_file(src, 2, 5, False, Slice(i, (1, 1)))) for i in range(2)]
+    for p in parts:
+        assert p.fields["general.architecture"] == "llama"
+        assert p.fields["llama.block_count"] == 3 and p.fields["llama.attention.head_count"] == 2
+        assert p.fields["llama.attention.head_count_kv"] == 1 and p.fields["llama.feed_forward_length"] == 64
+    for suffix in ("attn_q.weight", "attn_k.bias", "ffn_up.weight", "ffn_down.weight", "attn_output.weight"):
+        shapes = [p.tensors[f"blk.0.{suffix}"].shape for p in parts]
+        full = whole[f"blk.2.{suffix}"].shape
+        axis = 0 if suffix.startswith(("ffn_down", "attn_output")) else len(full) - 1
+        assert sum(s[axis] for s in shapes) == full[axis], (suffix, shapes, full)
+
+
+# ------------------------------------------------------------------ groups as pipeline stages, under mpiexec
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", FAMILIES)
+def test_two_groups_of_two_are_exact_in_every_mode(arch_model, name):
+    """4 ranks: two stages, each a group of 2, of the q8_0 model (q8_0 blocks of 32 values: whole heads, whole blocks of
+    the feed-forward and of each expert). Iterative equals one process (clear margins); speculative and PipeInfer,
+    drafted by the f32 copy, equal the group's iterative token for token, every cache left holding the answer."""
+    src, draft = arch_model(name, "q8_0"), arch_model(name)
+    base = {"model": str(src), "prompt": PROMPT, "n": 40, "groups": "2,2"}
+    it = mpirun(4, base, timeout=300)
+    assert it["tokens"] == reference_greedy(src, PROMPT, 40)
+    assert len(it["stats"]["stage_stats"]) == 2  # the pipeline sees two stages: the groups' leaders
+    for mode in ("speculative", "pipeinfer"):
+        out = mpirun(4, base | {"mode": mode, "draft": str(draft)}, timeout=300)
+        assert out["tokens"] == it["tokens"], mode
+        s = out["stats"]
+        assert s["n_spec_runs"] > 0
+        assert all(st["kv"] == [[0, 0, s["n_kv0"] - 1]] for st in s["stage_stats"]), s["stage_stats"]
+
+
+@pytest.mark.mpi
+def test_one_group_of_two_is_one_stage_on_two_ranks(arch_model):
+    src = arch_model("qwen2")
+    out = mpirun(2, {"model": str(src), "prompt": PROMPT, "n": 24, "tp": 2})
+    assert out["tokens"] == reference_greedy(src, PROMPT, 24)
+    assert out["ranges"] == [[0, 6]]
