@@ -93,6 +93,22 @@ def test_group_sizes_and_leaders():
             group_sizes(text, tp, n)
 
 
+def test_a_re_formed_job_keeps_each_groups_members_left():
+    from pipeinfer.core.config import Config, StageOptions
+    tp = Config(model="m.gguf", stage=StageOptions(tensor_parallel=2))
+    assert tp.for_places([0, 1, 2, 3], 4).stage.groups == "2,2"
+    assert tp.for_places([0, 2, 3], 4).stage.groups == "1,2"  # rank 1 lost: its group's leader goes on alone
+    assert Config(model="m.gguf", stage=StageOptions(groups="2,1,1")).for_places([0, 1, 3], 4).stage.groups == "2,1"
+
+
+def test_hostfile_groups_become_the_groups_option():
+    from pipeinfer.wire.launcher import host_settings, parse_hostfile_text
+    hosts = parse_hostfile_text("a # pipeinfer: group=x\nb # pipeinfer: group=x\nc\nd # pipeinfer: group=x\n")
+    assert host_settings(hosts, 4)["groups"] == "2,1,1"  # one name on hosts apart: groups apart
+    assert "groups" not in host_settings(hosts, 4, given={"tensor_parallel"})
+    assert "groups" not in host_settings(parse_hostfile_text("a\nb\n"), 2)
+
+
 def test_a_recurrent_family_is_refused_in_one_line(arch_model, tmp_path):
     for name in ("qwen3next", "lfm2"):
         with pytest.raises(SliceError) as e:

@@ -249,8 +249,14 @@ class Config:
         def keep(value: str | None) -> str | None:
             parts = value.split(",") if value else []
             return ",".join(parts[p] for p in places) if len(parts) == n_first > 1 else value
-        return replace(self, stage=replace(self.stage, **{name: keep(getattr(self.stage, name))
-                                                          for name in PER_RANK_FIELDS}))
+        stage = replace(self.stage, **{name: keep(getattr(self.stage, name)) for name in PER_RANK_FIELDS})
+        if stage.groups or stage.tensor_parallel > 1:  # a group keeps the members left (a smaller group, re-sliced)
+            from .topology import Groups, group_sizes
+            groups = Groups(tuple(group_sizes(stage.groups, stage.tensor_parallel, n_first)))
+            left = [groups.stage_of(p) for p in places]
+            sizes = [sum(1 for s in left if s == k) for k in dict.fromkeys(left)]
+            stage = replace(stage, groups=",".join(map(str, sizes)), tensor_parallel=1)
+        return replace(self, stage=stage)
 
     def to_json(self) -> str:
         """{"model", "mode", "set_by_user": [click's names], "stage": {...}, "draft": {...}, "speculation": {...},
