@@ -81,6 +81,25 @@ def test_partial_sums_add_in_member_order():
     assert add_in_order(parts).tolist() == [1.0, 3.0]  # ((p0 + p1) + p2): not p0 + (p1 + p2), which loses the 1
 
 
+def test_the_best_of_each_slice_is_the_arg_max_of_the_whole_row():
+    from pipeinfer.core.verify import pick_best, row_best
+    r = np.random.default_rng(0)
+    logits = r.standard_normal((6, 20)).astype(np.float32)
+    logits[1, [3, 15]] = 9.0  # a tie across slices: the first wins, as np.argmax
+    logits[2, [12, 13]] = 9.0  # inside one slice
+    cuts = [(0, 7), (7, 14), (14, 20)]
+    bests = [row_best(logits[:, a:b]) for a, b in cuts]
+    assert pick_best(bests, [a for a, _ in cuts]).tolist() == np.argmax(logits, axis=1).tolist()
+
+
+def test_only_greedy_rows_without_rules_or_logprobs_take_the_best_only():
+    from pipeinfer.core.sampling import SamplingParams, one_sampling
+    from pipeinfer.core.verify import greedy_only
+    assert greedy_only(one_sampling(SamplingParams()), None, 3)
+    assert not greedy_only(one_sampling(SamplingParams(0.7, 0, 1.0, 1)), None, 3)
+    assert not greedy_only(one_sampling(SamplingParams()), object(), 3)
+
+
 def test_group_sizes_and_leaders():
     assert group_sizes(None, 2, 4) == [2, 2]
     assert group_sizes("2,1,1", 1, 4) == [2, 1, 1]
@@ -225,3 +244,15 @@ def test_one_group_of_two_is_one_stage_on_two_ranks(arch_model):
     out = mpirun(2, {"model": str(src), "prompt": PROMPT, "n": 24, "tp": 2})
     assert out["tokens"] == reference_greedy(src, PROMPT, 24)
     assert out["ranges"] == [[0, 6]]
+
+
+@pytest.mark.mpi
+def test_a_sampled_group_gathers_the_whole_vocabulary(arch_model):
+    """At temperature 0.8 (and with log-probabilities asked) the last group's leader gathers every member's logits:
+    PipeInfer draws what iterative draws, and the log-probabilities are the whole vocabulary's."""
+    src, draft = arch_model("llama", "q8_0"), arch_model("llama")
+    base = {"model": str(src), "prompt": PROMPT, "n": 24, "tp": 2, "temp": 0.8, "seed": 3, "logprobs": 2}
+    it = mpirun(2, base)
+    pi = mpirun(2, base | {"mode": "pipeinfer", "draft": str(draft)})
+    assert pi["tokens"] == it["tokens"] and len(it["logprobs"]) == 24
+    assert np.allclose(pi["logprobs"], it["logprobs"]) and all(lp <= 0 for lp in it["logprobs"])

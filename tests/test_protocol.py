@@ -38,7 +38,7 @@ def test_frozen_kinds():
 
 def test_frozen_flags():
     assert (int(Flag.NONE), int(Flag.SPECULATIVE), int(Flag.CANCELLED), int(Flag.MTP)) == (0, 1, 2, 4)
-    assert {m.name: int(m) for m in Flag if m.value} == {"SPECULATIVE": 1, "CANCELLED": 2, "MTP": 4}
+    assert {m.name: int(m) for m in Flag if m.value} == {"SPECULATIVE": 1, "CANCELLED": 2, "MTP": 4, "ARGMAX": 8}
     assert protocol.MTP_LEN == 3
 
 

@@ -42,7 +42,9 @@ group's other members on the group's own communicator, in order, before it runs 
 
     DECODE  (leader -> member):  | HEADER | META on TAG_META | ACTIV f32[n_tokens, n_embd] on TAG_ACTIV |
     KV, CLEAR, SHUTDOWN (leader -> member): | HEADER | (KV: KV_OPS on TAG_KV) |
-    SLICE_LOGITS (member -> leader, the last stage's group): f32[n_outputs, the member's vocabulary rows] on TAG_SLICE_LOGITS
+    SLICE_LOGITS (member -> leader, the last stage's group): f32[n_outputs, the member's vocabulary rows] on TAG_SLICE_LOGITS,
+        or with flag ARGMAX (every row greedy, no rules, no log-probabilities asked) f32[n_outputs, 2]: each row's
+        largest logit and its index in the member's rows (tokens below 2^24 are exact in f32)
 The partial sums inside a decode are an all-gather of the group (engine/group_sums.py), no tag.
 
 The draft beside the pipeline (draftahead.py) talks to the head on a communicator of its own, one
@@ -98,6 +100,7 @@ class Flag(enum.IntFlag):
     SPECULATIVE = 1   # may be cancelled; a non-speculative run is never cut short
     CANCELLED = 2     # skipped or aborted upstream: no payload follows
     MTP = 4           # RESULT: an MTP proposal follows the tokens (engine/mtp.py)
+    ARGMAX = 8        # a tensor group's DECODE: members send each output row's largest logit and where, not the row
 
 
 class KvOp(enum.IntEnum):
@@ -138,7 +141,7 @@ class Header:
         if kind not in Kind._value2member_map_:
             raise ProtocolError(f"unknown transaction kind {kind}")
         flags = int(buf[H_FLAGS])
-        if flags & ~int(Flag.SPECULATIVE | Flag.CANCELLED | Flag.MTP):
+        if flags & ~int(Flag.SPECULATIVE | Flag.CANCELLED | Flag.MTP | Flag.ARGMAX):
             raise ProtocolError(f"unknown flags {flags:#x}")
         return cls(Kind(kind), int(buf[H_RUN]), int(buf[H_N_TOKENS]), int(buf[H_N_META]), Flag(flags),
                    int(buf[H_PARENT]), int(buf[H_N_OUTPUTS]), int(buf[H_N_EMBD]), int(buf[H_N_RULES]))

@@ -223,3 +223,27 @@ def verify(run: TreeRun, targets: np.ndarray, accepted: list[int]) -> Verdict:
         if n.pos < len(accepted) and consistent(run, i, accepted) and (deepest < 0 or n.pos > run.nodes[deepest].pos):
             deepest = i
     return Verdict(new, n_draft, deepest, rows)
+
+
+def greedy_only(sampling: RunSampling, rules, n_rows: int) -> bool:
+    """Whether every row's token is its logits' arg-max and nothing else of the logits is asked: no rules, every
+    group at temperature 0, no log-probabilities (a tensor group's last stage then gathers each member's best only)."""
+    return (rules is None and widest_logprobs(sampling) is None
+            and all(d.params.temp <= 0 for d, _ in group_rows(sampling, n_rows)))
+
+
+def row_best(logits: np.ndarray) -> np.ndarray:
+    """f32[n_rows, 2]: each row's largest logit and its index (the first, as np.argmax), the index as f32."""
+    idx = np.argmax(logits, axis=1)
+    return np.stack([logits[np.arange(len(logits)), idx], idx.astype(np.float32)], axis=1)
+
+
+def pick_best(bests: list[np.ndarray], offsets: list[int]) -> np.ndarray:
+    """i32[n_rows]: the arg-max over every slice of the vocabulary, from each slice's row_best (slices in vocabulary
+    order, slice k starting at token offsets[k]): the largest logit, the first slice's among equals, which is
+    np.argmax over the whole row."""
+    values = np.stack([b[:, 0] for b in bests])                                    # [slices, rows]
+    where = np.argmax(values, axis=0)                                              # first slice holding the max
+    rows = np.arange(values.shape[1])
+    index = np.stack([b[:, 1] for b in bests])[where, rows].astype(np.int64)
+    return (index + np.asarray(offsets, dtype=np.int64)[where]).astype(np.int32)

@@ -24,6 +24,7 @@ from ..core.config import Config
 from ..core.errors import UserError
 from ..core.protocol import Batch, Flag, Header, Kind, Tag, payload_shapes
 from ..core.topology import Groups, Topology, parse_per_rank_ints
+from ..core.verify import greedy_only, pick_best, row_best
 from ..engine.group_sums import PartialSums
 from ..engine.slices import Slice, SliceError, ensure_slice_file, vocab_slices
 from ..wire.transport import Transport, polite_barrier
@@ -108,12 +109,20 @@ class GroupEngine:
         return self._gather(out) if self.plan.is_last else out
 
     def decode_tokens(self, batch: Batch, embd, sampling, rules=None):
+        """As StageEngine.decode_tokens. When every row is greedy and nothing else of the logits is asked, each member
+        sends each row's best logit and where (verify.row_best: 8 bytes a row, not 4 x its vocabulary rows)."""
         from ..engine.stage import draw_tokens
-        return draw_tokens(self.decode(batch, embd), batch, sampling, rules)
+        if not greedy_only(sampling, rules, batch.n_outputs):
+            return draw_tokens(self.decode(batch, embd), batch, sampling, rules)
+        self._send_decode(batch, embd, Flag.ARGMAX)
+        self.engine.sums.begin()
+        bests = [row_best(self.engine.decode(batch, embd))]
+        bests += [self.tx.recv_array(m, Tag.SLICE_LOGITS, (batch.n_outputs, 2), np.float32) for m in self.members]
+        return pick_best(bests, [a for a, _ in self.plan.vocab_rows]), None
 
-    def _send_decode(self, batch: Batch, embd: np.ndarray) -> None:
+    def _send_decode(self, batch: Batch, embd: np.ndarray, flags: Flag = Flag.NONE) -> None:
         meta = batch.pack_meta()
-        flags = Flag.SPECULATIVE if self._wish is not None else Flag.NONE
+        flags |= Flag.SPECULATIVE if self._wish is not None else Flag.NONE
         hdr = Header(Kind.DECODE, n_tokens=batch.n_tokens, n_meta=len(meta), flags=flags,
                      n_outputs=batch.n_outputs, n_embd=embd.shape[1])
         self._send(hdr, (Tag.META, meta), (Tag.ACTIV, np.ascontiguousarray(embd, dtype=np.float32)))
@@ -189,7 +198,7 @@ def serve_member(engine: StageEngine, tx, plan: GroupPlan, my_index: int) -> Mem
                 stats.t_busy_s += time.perf_counter() - t0
             stats.n_decoded += 1
             if plan.is_last:
-                tx.send_payload(0, Tag.SLICE_LOGITS, out)
+                tx.send_payload(0, Tag.SLICE_LOGITS, row_best(out) if hdr.flags & Flag.ARGMAX else out)
         else:
             raise RuntimeError(f"group member {my_index}: unexpected {hdr.kind.name} from its leader")
     tx.flush()
