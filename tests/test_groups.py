@@ -256,3 +256,13 @@ def test_a_sampled_group_gathers_the_whole_vocabulary(arch_model):
     pi = mpirun(2, base | {"mode": "pipeinfer", "draft": str(draft)})
     assert pi["tokens"] == it["tokens"] and len(it["logprobs"]) == 24
     assert np.allclose(pi["logprobs"], it["logprobs"]) and all(lp <= 0 for lp in it["logprobs"])
+
+
+@pytest.mark.mpi
+def test_a_group_beside_a_draft_rank(arch_model):
+    """3 ranks: a group of 2 and the draft's own rank (--draft-at rank, the world's last): PipeInfer exact."""
+    src, draft = arch_model("qwen2", "q8_0"), arch_model("qwen2")
+    out = mpirun(3, {"model": str(src), "prompt": PROMPT, "n": 32, "tp": 2, "mode": "pipeinfer", "draft": str(draft),
+                     "draft_at": "rank"})
+    assert out["tokens"] == reference_greedy(src, PROMPT, 32)
+    assert out["ranges"] == [[0, 6]] and out["stats"]["n_spec_runs"] > 0

@@ -71,6 +71,22 @@ def test_exact_on_open_mpi(models, n_ranks, mode, kind):
             assert st["kv"] == [[0, 0, s["n_kv0"] - 1]], st
 
 
+def test_tensor_groups_on_open_mpi(models):
+    """Two stages, each a tensor group of 2 (4 ranks): PipeInfer gives the group's iterative tokens, which are one
+    process's (clear margins); the groups' exchanges are Open MPI's all-gathers."""
+    outs = []
+    for mode in ("iterative", "pipeinfer"):
+        cfg = {"model": str(models["q8"]), "prompt": PROMPT, "n": N, "mode": mode, "groups": "2,2",
+               "draft": str(models["draft60"])}
+        p = subprocess.run(mpi_run("openmpi", 4) + [sys.executable, "-m", "mpi4py", str(ROOT / "tests" / "mpi_gen.py"),
+                                                    json.dumps(cfg)],
+                           capture_output=True, text=True, timeout=300, env=ompi_env())
+        assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+        outs.append(json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):]))
+    assert outs[0]["tokens"] == outs[1]["tokens"] == reference_greedy(models["q8"], PROMPT, N)
+    assert len(outs[1]["ranges"]) == 2 and outs[1]["stats"]["n_spec_runs"] > 0
+
+
 def test_launch_from_a_hostfile_runs_on_open_mpi_and_matches_one_process(models, mpirun, tmp_path):
     # one host on two lines: Open MPI refuses that as it is; the launcher merges them
     (tmp_path / "hosts").write_text("localhost # pipeinfer: threads=1\nlocalhost slots=2 # pipeinfer: threads=1\n")
