@@ -137,24 +137,35 @@ def test_every_printed_command_passes_the_dry_run_with_plans_ranges_and_memory(t
         one = re.sub(r"slots=\d+", "", lines[alone.group(1)]) + "\n" if alone else None  # one process
         dry = _dry_run(tmp_path, command, one or hosts)
         assert dry.exit_code == 0, (command, dry.output)
-        ranks = re.findall(r"# rank \d+ (\S+): layers (\d+)-(\d+), (\d+) threads", dry.output)
+        ranks = re.findall(r"# rank \d+ (\S+): layers (\d+)-(\d+)(?: \(slice \d+ of \d+ of a tensor group\))?, "
+                           r"(\d+) threads", dry.output)
         assert ranks, dry.output
-        if "--layer-split" in command:
+        if "--layer-split" in command:  # one count a stage: a tensor group's ranks share theirs
             counts = [int(c) for c in command.split("--layer-split ")[1].split()[0].split(",")]
-            assert [int(b) - int(a) for _, a, b, _t in ranks] == counts
+            stages = [(a, b) for k, (_, a, b, _t) in enumerate(ranks) if k == 0 or ranks[k - 1][1:3] != (a, b)]
+            assert [int(b) - int(a) for a, b in stages] == counts
         threads = command.split(" -t ")[1].split()[0].split(",")
         assert [t for *_, t in ranks] == (threads if len(threads) > 1 else threads * len(ranks))
         if alone:
             assert ranks[0][1:3] == ("0", "80")
-    # the recommended command (the last launch line) and plan's table agree on layers and RAM host by host
-    if "command's hosts:" in r.output:
-        recommended = [c for c in commands if c.startswith("pipeinfer launch")][-1]
+    # the recommended command (the last launch line before the groups') and plan's table agree on layers and RAM
+    # host by host; the groups' command and their table on RAM
+    pipeline_part, _, groups_part = r.output.partition("tensor-parallel groups")
+    if "command's hosts:" in pipeline_part:
+        recommended = [c for c in _commands(pipeline_part) if c.startswith("pipeinfer launch")][-1]
         dry = _dry_run(tmp_path, recommended, hosts)
         got_ram = {m.group(1): float(m.group(2)) for m in re.finditer(r"# host (\S+): ([\d.]+) GiB", dry.output)}
         got_layers = {m.group(1): f"{m.group(2)}-{m.group(3)}"
                       for m in re.finditer(r"# rank \d+ (\S+): layers (\d+)-(\d+)", dry.output)}
-        assert got_ram == pytest.approx(_plan_ram(r.output), abs=0.051)
-        assert got_layers == _plan_layers(r.output)
+        assert got_ram == pytest.approx(_plan_ram(pipeline_part), abs=0.051)
+        assert got_layers == _plan_layers(pipeline_part)
+    with_groups = [c for c in _commands(groups_part) if c.startswith("pipeinfer launch")]
+    if with_groups:
+        dry = _dry_run(tmp_path, with_groups[-1], hosts)
+        got_ram = {m.group(1): float(m.group(2)) for m in re.finditer(r"# host (\S+): ([\d.]+) GiB", dry.output)}
+        ram_line = next(ln for ln in groups_part.splitlines() if "RAM need/has" in ln)
+        planned = {m.group(1): float(m.group(2)) for m in re.finditer(r"(\S+) ([\d.]+)/", ram_line.split(":", 1)[1])}
+        assert got_ram == pytest.approx(planned, abs=0.051), (with_groups[-1], dry.output, ram_line)
 
 
 def test_the_dry_run_refuses_a_rank_that_does_not_fit(tmp_path, models):

@@ -199,8 +199,11 @@ def rank_needs(config, stages: list[Host], draft_host: Host | None) -> list[Rank
         i = groups.stage_of(r)
         rr, g, k = ranges[i], groups.sizes[i], r - groups.leaders[i]
         first, last = i == 0, i == n - 1
-        cache = rr.n_layers * target.cache_bytes_per_layer(n_ctx, n_seq) / g  # a member's cache: its KV heads
-        needs.append(RankNeed(h, rr.start, rr.end, threads[r] or None, target.stage_bytes(rr.n_layers, first, last) / g,
+        members = [threads[m] for m in groups.members(i)]
+        share = threads[r] / sum(members) if all(members) else 1 / g  # a member's slice follows its threads
+        cache = rr.n_layers * target.cache_bytes_per_layer(n_ctx, n_seq) * share  # a member's cache: its KV heads
+        weights = target.stage_bytes(rr.n_layers, False, last) * share + (target.embd_bytes if r == 0 else 0.0)
+        needs.append(RankNeed(h, rr.start, rr.end, threads[r] or None, weights,
                               cache, draft if r == 0 and beside_head else 0.0, RUNTIME_GIB * GIB,
                               f"slice {k + 1} of {g}" if g > 1 else ""))
     if draft_host is not None and not beside_head:

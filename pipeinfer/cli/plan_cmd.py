@@ -4,7 +4,9 @@ and prints the `pipeinfer launch` line beside the predicted tokens/s of iterativ
 each command's split asks of the hosts, and one host alone (and copies of it) beside the pipeline; with --clients N,
 the throughput and latency of a server under N closed-loop clients instead, for three schedules, with -c sized for
 the load; with --conversations N, N multi-turn chats (--turns, --user-tokens, --think-s) with the prompt cache off
-and on, and the time to first token of turns 2+ (pipeinfer.twin does the work).
+and on, and the time to first token of turns 2+; with --machines, the stage hosts as tensor-parallel groups too (one
+group of all, and mixes of groups and single ranks, pipelined), and their command where they win (pipeinfer.twin does
+the work).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from ..twin.machines import (
 from ..twin.plan import (
     CTX_ROUND,
     REFERENCE_PROFILE,
+    TIE,
     Shape,
     build_cluster,
     chat_load,
@@ -243,6 +246,9 @@ def _plan_machines(prof: dict, a: _Asked) -> None:
         if len(hosts) > 1:
             click.echo(f"  (the {copies} copies: one `pipeinfer serve` per host behind a load balancer, each with "
                        f"about {-(-a.clients // copies)} of the clients)")
+        if len(dprof["ranks"]) > 1:
+            _serve_groups(d, a, _Shown(hostfile, target_path, draft_arg, draft_threads), rec.result.tokens_per_s,
+                          confidence)
         return
     hosts = one_hosts(d, agreement=agreement, exact_limit=limit)
     if len(dprof["ranks"]) == 1:
@@ -267,6 +273,149 @@ def _plan_machines(prof: dict, a: _Asked) -> None:
     click.echo(launch_line(dprof, win, hostfile, target_path, draft_arg, d.n_ctx, draft_threads))
     click.echo(verdict(win.tokens_per_s, hosts))
     _show_one_hosts(hosts, target_path, draft_arg, d.n_ctx)
+    _plan_groups(d, a, _Shown(hostfile, target_path, draft_arg, draft_threads), win.tokens_per_s, hosts,
+                 agreement, confidence, limit)
+
+
+@dataclass(frozen=True)
+class _Shown:
+    """What the printed commands of plan --machines name."""
+    hostfile: str
+    model: str
+    draft: str | None
+    draft_threads: int | None
+
+
+def _groups_header(d, what: str) -> None:
+    from ..twin.groups import F32_BYTES, group_of
+    stages = [r for r in d.ranks if not r.draft]
+    link = group_of([(r.machine, r.threads) for r in stages], d.latency_us).link
+    row_kb = (d.target.n_embd * F32_BYTES + 4) / 1e3
+    click.echo(f"tensor-parallel groups{what} (a stage's layers split over its group's hosts, which exchange "
+               f"{row_kb:.1f} kB of partial sums a row twice a layer; links of {link.latency_s * 1e6:g} us and "
+               f"{link.bandwidth_Bps * 8 / 1e6:g} Mbit/s):")
+
+
+def _layout_label(lay) -> str:
+    if lay.one_group:
+        return f"one group of {lay.sizes[0]}"
+    return f"{len(lay.sizes)} stages ({','.join(map(str, lay.counts))} layers)"
+
+
+def _cost_line(lay) -> str:
+    """Each stage's one-row decode by part (groups.GroupCost)."""
+    parts = [f"{'+'.join(m.machine.name for m in g.members)}: compute {c.compute_ms:.1f} + exchanges "
+             f"{c.exchange_ms:.1f} + input {c.input_ms:.2f} + logits {c.gather_ms:.2f} = {c.total_ms:.1f} ms"
+             for g, c in zip(lay.groups, lay.costs)]
+    return "one row: " + "; ".join(parts)
+
+
+def _plan_groups(d, a: _Asked, shown: _Shown, pipeline_tps: float, hosts: list, agreement: float,
+                 confidence: list | None, limit: int) -> None:
+    """plan --machines, one stream: the stage ranks as tensor-parallel groups (one group of all, and mixes of groups
+    and single ranks, pipelined), each layout's modes priced (twin.plan.group_search), the fastest's command, and
+    which design wins."""
+    from ..twin.groups import layouts
+    from ..twin.plan import group_launch_line, group_layout, group_search
+    sizes_tried = layouts(sum(1 for r in d.ranks if not r.draft))
+    if not sizes_tried:
+        return
+    t0 = time.perf_counter()
+    results = []
+    _groups_header(d, "")
+    for sizes in sizes_tried:
+        lay = group_layout(d, sizes)
+        if lay.problems:
+            click.echo(f"  {lay.option:<22} does not fit: {'; '.join(lay.problems)}")
+            continue
+        try:
+            res = group_search(d, lay, agreement=agreement, n_predict=a.n_predict, exact_limit=limit,
+                               confidence=confidence, propose=a.propose, runner_up=a.runner_up)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        results.append(res)
+        speeds = []
+        for mode in MODES:
+            c = res.best.get(mode)
+            speeds.append(f"{mode} {1e3 / c.tokens_per_s:6.1f} ms ({c.tokens_per_s:5.2f} tokens/s)" if c else
+                          f"{mode} = speculative (one stage)")
+        click.echo(f"  {lay.option:<22} {_layout_label(lay):<26} " + "   ".join(speeds))
+    if not results:
+        return
+    best = max(results, key=lambda r: r.win.tokens_per_s)
+    win, lay = best.win, best.layout
+    alone = max((h.best[1] for h in hosts), default=0.0)
+    other = max(pipeline_tps, alone)
+    click.echo(f"fastest with groups: {lay.option}, {win.mode}: {win.tokens_per_s:.2f} tokens/s "
+               f"({1e3 / win.tokens_per_s:.1f} ms per token), {win.tokens_per_s / pipeline_tps:.2f}x the fastest "
+               f"pipeline ({pipeline_tps:.2f} tokens/s) ({time.perf_counter() - t0:.1f} s of simulation)")
+    click.echo(f"  {_cost_line(lay)}")
+    if win.tokens_per_s <= other * (1 + TIE):
+        click.echo(f"verdict with groups: no layout of groups beats the best without them ({other:.2f} tokens/s; "
+                   f"the fastest layout {win.tokens_per_s / other:.2f}x)")
+        return
+    click.echo(f"verdict with groups: {lay.option} ({_layout_label(lay)}, {win.mode}) is "
+               f"{win.tokens_per_s / other:.2f}x the best without groups ({other:.2f} tokens/s)")
+    click.echo("the groups' ranks:")
+    click.echo(_group_table(lay))
+    # the pipeline's command stays the one at a line's start, as a host alone's is indented
+    line = group_launch_line(lay, win, shown.hostfile, shown.model, shown.draft, d.n_ctx, shown.draft_threads)
+    click.echo(f"  with groups: {line}")
+
+
+def _group_table(lay) -> str:
+    """A line per rank of a layout: host, threads, its stage's layers, its share of them; then the RAM line."""
+    lines = [f"{'rank':<5}{'host':<16}{'threads':>8}  {'layers':<12}{'share':>6}"]
+    rank, start = 0, 0
+    for i, (g, n) in enumerate(zip(lay.groups, lay.counts)):
+        last = i == len(lay.groups) - 1
+        for m in g.members:
+            what = f"{start}-{start + n}" + (" +out" if last else "")
+            lines.append(f"{rank:<5}{m.machine.name:<16}{m.threads:>8}  {what:<12}{m.share:>6.2f}")
+            rank += 1
+        start += n
+    return "\n".join(lines + [f"  {lay.ram_line()}"])
+
+
+def _serve_groups(d, a: _Asked, shown: _Shown, pipeline_tps: float, confidence: list | None) -> None:
+    """plan --machines --clients: every stage a group of G ranks (G dividing the stage ranks; one group of all
+    included) under the same load, a group a faster stage (twin.plan.group_serving), and the fastest's command."""
+    from ..twin.groups import layouts
+    from ..twin.plan import group_layout, group_serve_line, group_serving
+    sizes_tried = [s for s in layouts(sum(1 for r in d.ranks if not r.draft)) if len(set(s)) == 1]
+    if not sizes_tried:
+        return
+    _groups_header(d, f" under {a.clients} clients")
+    best = None
+    for sizes in sizes_tried:
+        lay = group_layout(d, sizes)
+        if lay.problems:
+            click.echo(f"  {lay.option:<22} does not fit: {'; '.join(lay.problems)}")
+            continue
+        got = group_serving(d, lay, n_clients=a.clients, n_predict=a.n_predict, n_prompt=a.n_prompt,
+                            agreement=a.agreement_or_default, propose=a.propose, confidence=confidence)
+        if isinstance(got, float):
+            tps, rec = got, None
+            how = f"one process, {max(1, min(a.clients, d.calibration.exact_batch))} rows a decode"
+        else:
+            tps, rec = got.result.tokens_per_s, got
+            how = (f"--parallel {rec.parallel} {rec.label}, latency p50 {rec.result.p50_latency_s:.2f} s, "
+                   f"p95 {rec.result.p95_latency_s:.2f} s")
+        click.echo(f"  {lay.option:<22} {_layout_label(lay):<26} {tps:8.2f} tokens/s ({how})")
+        if best is None or tps > best[0] * (1 + TIE):
+            best = (tps, lay, rec)
+    if best is None:
+        return
+    tps, lay, rec = best
+    click.echo(f"fastest with groups: {lay.option}, {tps:.2f} tokens/s under {a.clients} clients, "
+               f"{tps / pipeline_tps:.2f}x the pipeline's recommended schedule ({pipeline_tps:.2f} tokens/s)")
+    if tps <= pipeline_tps * (1 + TIE):
+        click.echo("verdict with groups: no layout of groups serves this load faster than the pipeline")
+        return
+    click.echo(f"verdict with groups: {lay.option} serves {tps / pipeline_tps:.2f}x the pipeline")
+    parallel = None if rec is not None else parallel_within(d.n_ctx, a.n_prompt, a.n_predict, 1)
+    line = group_serve_line(lay, shown.hostfile, shown.model, shown.draft, d.n_ctx, rec, shown.draft_threads)
+    click.echo(f"  with groups: {line}" + (f" --parallel {parallel}" if parallel else ""))
 
 
 def _choose_depth(a: _Asked, dprof: dict, first_bytes: float) -> str:

@@ -562,7 +562,9 @@ def first_start_s(ranks: list[RankPlan], target: Target, draft_bytes: float = 0.
     return total
 
 
-def _link(a: Machine, b: Machine, latency_us: float) -> dict:
+def link_between(a: Machine, b: Machine, latency_us: float) -> dict:
+    """The link between two described hosts, as a profile records it: one-way latency (s) and bits/s (the slower
+    host's link=; ranks of one host talk through shared memory, SAME_HOST)."""
     if a.name == b.name:
         return {"latency_s": SAME_HOST[0], "bandwidth_bps": SAME_HOST[1] * 8}
     return {"latency_s": latency_us * 1e-6, "bandwidth_bps": min(a.link_mbit, b.link_mbit) * 1e6}
@@ -600,7 +602,7 @@ def described_profile(machines: list[Machine], target: Target, cal: Calibration,
     links = []
     for i, r in enumerate(stages):
         nxt = stages[(i + 1) % len(stages)]
-        links.append({"from": r.rank, "to": nxt.rank, **_link(r.machine, nxt.machine, latency_us)})
+        links.append({"from": r.rank, "to": nxt.rank, **link_between(r.machine, nxt.machine, latency_us)})
     drafter = next((r for r in ranks if r.draft), r0)
     draft = dict(prof.get("draft") or {})
     draft.pop("translating", None)

@@ -6,7 +6,9 @@ plan:     searches layer split, draft placement, micro-batch cap and -pr on a pr
           for the fastest simulated configuration, and prints the `pipeinfer launch` line that runs it
           beside the predicted tokens/s of iterative, speculative and pipeinfer; with --clients, a server
           under that load instead (serve_load: throughput and latency of three schedules); with
-          --conversations, multi-turn chat with the prompt cache off and on (chat_load).
+          --conversations, multi-turn chat with the prompt cache off and on (chat_load). On described hosts, the
+          stage ranks as tensor-parallel groups too (group_layout, group_search: a pipeline of groups in the twin,
+          one group by one process's arithmetic; groups.py prices a group stage).
 prompt_speedup: uncached prompt tokens/s of S stages against one process holding the whole model.
 """
 from __future__ import annotations
@@ -237,6 +239,7 @@ class Described:
     calibration: object  # machines.Calibration
     n_ctx: int
     draft_bytes: float = 0.0
+    latency_us: float = 100.0   # one-way latency between two hosts (machines.LAN_LATENCY_US unless described)
 
     def split_ok(self, fractions: list[float]) -> bool:
         """Whether another split of the stage ranks fits each one's RAM (plan's search tries such splits)."""
@@ -301,7 +304,7 @@ def describe(hostfile: str, target, prof: dict, *, n_ctx: int, latency_us: float
     dprof, ranks = described_profile(machines, target, cal, prof, n_ctx=n_ctx, latency_us=latency_us,
                                      draft_bytes=draft_bytes)
     return Described(dprof, ranks, fit(ranks, target, n_ctx, draft_bytes), first_start_s(ranks, target, draft_bytes),
-                     target, cal, n_ctx, draft_bytes)
+                     target, cal, n_ctx, draft_bytes, latency_us)
 
 
 def _gib(described: float | None) -> str:
@@ -466,14 +469,25 @@ def one_hosts(d: Described, *, agreement: float, exact_limit: int, n_prompt: int
         threads = m.threads or max(1, m.cores)  # one process: every core of the host
 
         def ms(rows: int) -> float:
-            return cal.stage_ms(m, threads, active, rows, t.read_stage_bytes(t.n_layer, True, rows)) + \
-                cal.head_overhead_ms
-        draft_ms = cal.draft_ms(m, threads, d.draft_bytes)
-        spec = max((speculative_tokens(agreement, k) * 1e3 / (k * draft_ms + ms(k + 1)), k)
-                   for k in range(1, max(1, exact_limit - 1) + 1))
-        per_request_ms = n_prompt * ms(64) / 64 + n_predict * ms(rows) / rows  # of the host's time
-        out.append(OneHost(m.name, threads, ram, 1e3 / ms(1), spec[0], spec[1], n_predict * 1e3 / per_request_ms))
+            return cal.stage_ms(m, threads, active, rows, t.read_stage_bytes(t.n_layer, True, rows))
+        speeds = one_process(ms, cal.draft_ms(m, threads, d.draft_bytes), cal.head_overhead_ms, agreement=agreement,
+                             exact_limit=exact_limit, n_prompt=n_prompt, n_predict=n_predict, rows=rows)
+        out.append(OneHost(m.name, threads, ram, *speeds))
     return out
+
+
+def one_process(ms, draft_ms: float, overhead_ms: float, *, agreement: float, exact_limit: int, n_prompt: int,
+                n_predict: int, rows: int) -> tuple[float, float, int, float]:
+    """A model run by one process (one host alone, or one tensor-parallel group: its leader's loop), from `ms(rows)`,
+    a decode of that many rows (ms), the draft's ms per token beside it and the loop's overhead per decode:
+    (tokens/s alone, tokens/s with synchronous speculation of k draft tokens a round, that k (up to the exact batch
+    limit less the lead token), tokens/s serving requests of n_prompt + n_predict tokens `rows` at a time)."""
+    def step(r: int) -> float:
+        return ms(r) + overhead_ms
+    spec = max((speculative_tokens(agreement, k) * 1e3 / (k * draft_ms + step(k + 1)), k)
+               for k in range(1, max(1, exact_limit - 1) + 1))
+    per_request_ms = n_prompt * step(64) / 64 + n_predict * step(rows) / rows  # of the process's time
+    return 1e3 / step(1), spec[0], spec[1], n_predict * 1e3 / per_request_ms
 
 
 def one_host_line(h: OneHost, model: str, draft: str | None, n_ctx: int, serve_parallel: int | None = None) -> str:
@@ -573,3 +587,257 @@ def prompt_speedup(prof: dict, n_stages: int, n_prompt: int = 2000, shape: Shape
     staged = build_cluster(prof, replace(shape, hosts=n_stages, fractions=None))
     one = build_cluster(prof, replace(shape, hosts=1, fractions=None))
     return prompt_speed(one, staged, n_prompt, chunk)
+
+
+# ==================================================================== tensor-parallel groups (groups.py prices them)
+@dataclass
+class GroupLayout:
+    """The described stage ranks as stages of tensor-parallel groups (`sizes`, in rank order): each stage's group,
+    its layers, its one-row cost by part, and the profile the twin runs (None for one group: one stage, no pipeline)."""
+    sizes: tuple[int, ...]
+    groups: list            # groups.Group per stage
+    counts: list[int]       # layers per stage
+    costs: list             # groups.GroupCost per stage, one row
+    profile: dict | None
+    ram: list               # (machines.Machine, GiB needed) per host
+    problems: list[str]
+    wire: object = None     # groups.Wire: how the members talk (None: groups.PIPEINFER)
+
+    @property
+    def option(self) -> str:
+        from .groups import layout_option
+        return layout_option(list(self.sizes))
+
+    @property
+    def one_group(self) -> bool:
+        return len(self.sizes) == 1
+
+    def ram_line(self) -> str:
+        return "RAM need/has (GiB): " + ", ".join(f"{m.name} {need:.1f}/{_gib(m.mem_gib)}" for m, need in self.ram)
+
+
+def _stage_groups(d: Described, sizes: tuple[int, ...]) -> list:
+    """The groups of the described stage ranks, consecutive in rank order (shares by the members' threads)."""
+    from .groups import group_of
+    stages = [r for r in d.ranks if not r.draft]
+    out, i = [], 0
+    for g in sizes:
+        out.append(group_of([(r.machine, r.threads) for r in stages[i:i + g]], d.latency_us))
+        i += g
+    return out
+
+
+def _group_capacity(d: Described, group, first: bool, last: bool, n_seq: int) -> int:
+    """Layers a group can hold: each member its share of every layer (weights and KV cache) within its share of its
+    host's RAM (no limit where RAM is not described); the leader of the first stage the token embeddings."""
+    from .machines import GIB, RUNTIME_GIB
+    t = d.target
+    sharing: dict[str, int] = {}
+    for r in d.ranks:
+        if not r.draft:
+            sharing[r.machine.name] = sharing.get(r.machine.name, 0) + 1
+    cap = t.n_layer
+    for k, m in enumerate(group.members):
+        if m.machine.mem_gib is None:
+            continue
+        room = (m.machine.mem_gib * GIB / sharing.get(m.machine.name, 1) - RUNTIME_GIB * GIB
+                - (t.embd_bytes if first and k == 0 else 0.0) - (m.share * t.out_bytes if last else 0.0))
+        per_layer = m.share * (t.layer_bytes + t.cache_bytes_per_layer(d.n_ctx, n_seq))
+        cap = min(cap, max(0, int(room // per_layer)))
+    return cap
+
+
+def _group_split(d: Described, groups: list, wire) -> list[int]:
+    """Layers per group stage: the least time per token of the slowest stage (groups.group_stage_ms, one row), each
+    within its members' RAM; binary search on that time, as machines.split_layers does for plain stages."""
+    from .groups import group_stage_ms
+    from .machines import context_seqs
+    t, cal, n = d.target, d.calibration, len(groups)
+    n_seq = context_seqs(t, n)
+    caps = [_group_capacity(d, g, i == 0, i == n - 1, n_seq) for i, g in enumerate(groups)]
+    if sum(caps) < t.n_layer:
+        return caps
+
+    def ms(i: int, layers: int) -> float:
+        return group_stage_ms(groups[i], t, cal, layers, i == n - 1, wire=wire)
+
+    def layers_within(t_ms: float) -> list[int]:
+        out = []
+        for i in range(n):
+            lo, hi = 0, caps[i]          # the most layers whose stage takes at most t_ms (cost grows with layers)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if ms(i, mid) <= t_ms else (lo, mid - 1)
+            out.append(lo)
+        return out
+
+    lo, hi = 0.0, max(ms(i, t.n_layer) for i in range(n))
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(layers_within(mid)) < t.n_layer else (lo, mid)
+    counts = layers_within(hi)
+    extra = sum(counts) - t.n_layer
+    for i in sorted(range(n), key=lambda i: -counts[i]):
+        take = min(extra, counts[i] - 1)
+        counts[i] -= take
+        extra -= take
+    return counts
+
+
+def _group_ram(d: Described, groups: list, counts: list[int], with_draft: bool = True) -> tuple[list, list[str]]:
+    """RAM each host needs for a layout (a member: its share of its stage's weights and KV cache, the first leader
+    the embeddings, the draft beside the first leader or on its role=draft host, RUNTIME_GIB a rank), and the lines
+    of what does not fit."""
+    from .machines import GIB, RUNTIME_GIB, context_seqs
+    t = d.target
+    n_seq = context_seqs(t, len(groups))
+    need: dict[str, list] = {}
+    for i, (g, n) in enumerate(zip(groups, counts)):
+        first, last = i == 0, i == len(groups) - 1
+        for k, m in enumerate(g.members):
+            layers = n * (t.layer_bytes + t.cache_bytes_per_layer(d.n_ctx, n_seq)) + (t.out_bytes if last else 0.0)
+            b = (m.share * layers + (t.embd_bytes if first and k == 0 else 0.0) + RUNTIME_GIB * GIB
+                 + (d.draft_bytes if with_draft and first and k == 0 and d.draft_rank is None else 0.0))
+            need.setdefault(m.machine.name, [m.machine, 0.0])[1] += b / GIB
+    dr = d.draft_rank
+    if dr is not None and with_draft:
+        need.setdefault(dr.machine.name, [dr.machine, 0.0])[1] += (d.draft_bytes + RUNTIME_GIB * GIB) / GIB
+    ram = [(m, gib) for m, gib in need.values()]
+    problems = [f"{m.name}: needs {gib:.1f} GiB of RAM, has {m.mem_gib:g}" for m, gib in ram
+                if m.mem_gib is not None and gib > m.mem_gib]
+    if sum(counts) < t.n_layer:
+        problems.append(f"the hosts' RAM holds {sum(counts)} of the {t.n_layer} layers of {t.name}")
+    return ram, problems
+
+
+def group_layout(d: Described, sizes: tuple[int, ...], wire=None) -> GroupLayout:
+    """The described cluster as stages of groups of `sizes` ranks, their members talking as `wire` (groups.Wire;
+    None: pipeinfer's engine): split, costs, RAM, and (2 or more stages) the profile of that pipeline, each stage's
+    record its group's costs (groups.py) and its links the leaders'."""
+    from .groups import PIPEINFER, group_stage_cost
+    from .machines import link_between
+    wire = wire or PIPEINFER
+    groups = _stage_groups(d, sizes)
+    counts = _group_split(d, groups, wire)
+    t, cal = d.target, d.calibration
+    n = len(groups)
+    costs = [group_stage_cost(g, t, cal, c, i == n - 1, wire=wire) for i, (g, c) in enumerate(zip(groups, counts))]
+    ram, problems = _group_ram(d, groups, counts)
+    prof = None
+    if n >= 2 and not problems:
+        b = len(cal.batch_ratio)
+        records, start = [], 0
+        for i, (g, c) in enumerate(zip(groups, counts)):
+            last = i == n - 1
+            ms = [group_stage_cost(g, t, cal, c, last, rows, wire).total_ms for rows in range(1, b + 1)]
+            prompt = group_stage_cost(g, t, cal, c, last, 64, wire).total_ms / 64
+            lead = g.leader.machine
+            records.append({"rank": i, "host": lead.name, "machine": lead.name, "cores": lead.cores,
+                            "threads": g.leader.threads, "layers": [start, start + c], "last": last,
+                            "ms_by_batch": ms, "prompt_ms_per_token": prompt,
+                            "group": [m.machine.name for m in g.members]})
+            start += c
+        links = [{"from": i, "to": (i + 1) % n, **link_between(groups[i].leader.machine,
+                                                                groups[(i + 1) % n].leader.machine, d.latency_us)}
+                 for i in range(n)]
+        prof = {**d.profile, "ranks": records, "links": links}
+    return GroupLayout(tuple(sizes), groups, counts, costs, prof, ram, problems, wire)
+
+
+@dataclass
+class GroupResult:
+    """The fastest configuration of each mode on one layout: a Candidate per mode (the twin's search over a pipeline
+    of groups; one group: synchronous speculation on its leader, one_process, whose pipeinfer is its speculative:
+    one stage has nothing to overlap)."""
+    layout: GroupLayout
+    best: dict              # mode -> Candidate
+
+    @property
+    def win(self) -> Candidate:
+        return max(self.best.values(), key=lambda c: c.tokens_per_s)
+
+
+def group_search(d: Described, layout: GroupLayout, *, agreement: float, n_predict: int, exact_limit: int,
+                 confidence: list | None, propose: float = 1.0, runner_up: float = 0.0) -> GroupResult:
+    """Each mode's fastest configuration on a layout: 2 or more stages run in the twin (search, on the layout's own
+    split: its stages priced as groups), one group by one_process's arithmetic on the group's cost."""
+    from .groups import group_stage_ms
+    if layout.profile is not None:
+        places = ("own",) if d.draft_rank else ("head",)
+        best = search(layout.profile, agreement=agreement, n_predict=n_predict, exact_limit=exact_limit,
+                      draft_own_host=d.draft_rank is not None, base=GenConfig(stop_at_eos=False), propose=propose,
+                      confidence=confidence, runner_up=runner_up, places=places, split_ok=lambda fr: False)
+        return GroupResult(layout, best)
+    g, t, cal = layout.groups[0], d.target, d.calibration
+    lead = d.draft_rank or g.leader
+    draft_ms = cal.draft_ms(lead.machine, lead.threads, d.draft_bytes)
+    tps, spec, k, _ = one_process(lambda r: group_stage_ms(g, t, cal, t.n_layer, True, r, layout.wire), draft_ms,
+                                  cal.head_overhead_ms, agreement=agreement, exact_limit=exact_limit, n_prompt=64,
+                                  n_predict=n_predict, rows=1)
+    place = "own" if d.draft_rank else "head"
+    best = {"iterative": Candidate("iterative", None, "head", None, 0.5, 0.0, tokens_per_s=tps),
+            "speculative": Candidate("speculative", None, place, k, 0.0, 0.0, tokens_per_s=spec)}
+    return GroupResult(layout, best)
+
+
+def group_serving(d: Described, layout: GroupLayout, *, n_clients: int, n_predict: int, n_prompt: int,
+                  agreement: float, propose: float = 1.0, confidence: list | None = None) -> LoadRow | float:
+    """A layout under n_clients closed-loop clients: 2 or more stages, the default schedule's best (recommend_serving,
+    a LoadRow); one group, one process serving min(clients, exact limit) rows at a time (tokens/s, one_process)."""
+    from .groups import group_stage_ms
+    if layout.profile is not None:
+        return recommend_serving(layout.profile, n_clients=n_clients, n_predict=n_predict, n_prompt=n_prompt,
+                                 agreement=agreement, propose=propose, confidence=confidence,
+                                 draft_on="own" if d.draft_rank else "head", n_ctx=d.n_ctx)
+    g, t, cal = layout.groups[0], d.target, d.calibration
+    rows = max(1, min(n_clients, d.calibration.exact_batch))
+    return one_process(lambda r: group_stage_ms(g, t, cal, t.n_layer, True, r, layout.wire), 0.0, cal.head_overhead_ms,
+                       agreement=agreement, exact_limit=cal.exact_batch, n_prompt=n_prompt, n_predict=n_predict,
+                       rows=rows)[3]
+
+
+def group_launch_line(layout: GroupLayout, cand: Candidate, hostfile: str, model: str | None, draft: str | None,
+                      n_ctx: int | None, draft_threads: int | None = None) -> str:
+    """The command that runs a layout as the twin priced it: the groups (--tensor-parallel G or --groups A,B,...),
+    the stages' layers (--layer-split, one count a stage), every rank's threads, and the mode's settings."""
+    parts = [f"pipeinfer launch --hostfile {hostfile} -- generate --mode {cand.mode}"]
+    if model:
+        parts.append(f"-m {model}")
+    if draft and cand.mode != "iterative":
+        parts.append(f"--draft {draft}")
+    parts.append(layout.option)
+    if len(layout.counts) > 1:
+        parts.append(split_option(layout.counts))
+    parts.append(threads_option([m.threads for g in layout.groups for m in g.members]))
+    if n_ctx:
+        parts.append(f"-c {n_ctx}")
+    if cand.mode != "iterative":
+        parts.append(f"--draft-max {cand.draft_max}")
+        if layout.profile is not None:
+            parts.append(f"-pa {cand.p_accept:g}")
+        if cand.mode == "pipeinfer":
+            parts.append(f"-pr {'auto' if cand.p_recovery is None else f'{cand.p_recovery:g}'}")
+            if cand.branches > 1:
+                parts.append(f"--max-branches {cand.branches}")
+        parts.append("--draft-at rank" if cand.draft_on == "own" else "--draft-at head")
+        if cand.draft_on == "own" and draft_threads:
+            parts.append(f"--draft-threads {draft_threads}")
+    return " ".join(parts)
+
+
+def group_serve_line(layout: GroupLayout, hostfile: str, model: str | None, draft: str | None, n_ctx: int,
+                     rec: LoadRow | None, draft_threads: int | None = None) -> str:
+    """The serve command of a layout under --clients (rec: the twin's recommended schedule; None for one group,
+    which serves --parallel as one process does)."""
+    parts = [f"pipeinfer launch --hostfile {hostfile} -- serve"]
+    parts += [f"-m {model}"] if model else []
+    parts += [f"--draft {draft}"] if draft else []
+    parts.append(layout.option)
+    if len(layout.counts) > 1:
+        parts.append(split_option(layout.counts))
+    parts.append(threads_option([m.threads for g in layout.groups for m in g.members]))
+    parts += [f"--draft-threads {draft_threads}"] if draft_threads else []
+    parts.append(f"-c {n_ctx}")
+    if rec is not None:
+        parts += [f"--parallel {rec.parallel}", rec.label]
+    return " ".join(parts)
