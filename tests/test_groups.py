@@ -266,3 +266,17 @@ def test_a_group_beside_a_draft_rank(arch_model):
                      "draft_at": "rank"})
     assert out["tokens"] == reference_greedy(src, PROMPT, 32)
     assert out["ranges"] == [[0, 6]] and out["stats"]["n_spec_runs"] > 0
+
+
+@pytest.mark.mpi
+def test_pipeinfer_on_one_stage_runs_as_iterative_without_a_draft(arch_model):
+    """One stage (here one group) returns each run's tokens as it launches it: one stream has no run in flight to
+    speculate beside, so PipeInfer runs as iterative and loads no draft (it measured 0.75-0.91x iterative drafting
+    in a thread beside the group, with no speculative run ever launched); speculative mode still verifies drafts."""
+    src, draft = arch_model("llama", "q8_0"), arch_model("llama")
+    base = {"model": str(src), "prompt": PROMPT, "n": 24, "tp": 2, "draft": str(draft)}
+    pi = mpirun(2, base | {"mode": "pipeinfer", "draft_at": "thread"})
+    assert pi["tokens"] == reference_greedy(src, PROMPT, 24)
+    assert pi["stats"]["n_draft_calls"] == 0 and pi["stats"]["n_spec_runs"] == 0
+    spec = mpirun(2, base | {"mode": "speculative"})
+    assert spec["tokens"] == pi["tokens"] and spec["stats"]["n_spec_runs"] > 0

@@ -2,7 +2,7 @@
 # Re-take every number docs/benchmarks.md quotes, in one sitting, on one machine, from one commit.
 #
 #     bash launch/bench/bench_headline.sh [STEP...]   # steps: profile peers repeat serve lost weights lost-weights cache
-#                                               #        twin failures
+#                                               #        twin groups failures
 #
 # Each step waits for a quiet machine (launch/quiet.py) and writes its files into results/. results/sitting.txt
 # gets the machine and, for each step, the commit it ran at, its command and its wall time (a run of all steps
@@ -21,7 +21,7 @@ if [[ $# -eq 0 || ! -f $OUT ]]; then
         echo "llama-cpp-python: $(python -c 'import llama_cpp; print(llama_cpp.__version__)')"
     } > "$OUT"
 fi
-STEPS=${*:-profile peers repeat serve lost weights lost-weights cache twin failures}
+STEPS=${*:-profile peers repeat serve lost weights lost-weights cache twin groups failures}
 COMMIT=$(git rev-parse --short HEAD)
 
 quiet() { python -c "import sys; sys.path.insert(0, 'launch'); import quiet; quiet.wait_quiet()"; }
@@ -52,6 +52,12 @@ for s in $STEPS; do
                  --max-tokens 32 ;;
     twin)    step twin python launch/twin/twin_scaling.py --profile results/twin_profile_2ranks.json
              step trees python launch/twin/twin_trees.py --profile results/twin_profile_2ranks.json ;;
+    groups)  step groups python launch/bench/bench_groups.py -n 128 --prompts code,story --repeats 3 --links local,1gbit
+             step group-agreement python launch/bench/group_agreement.py -n 512
+             step group-serving python launch/bench/bench_serving.py --clients 8,16 --rounds 2 \
+                 --systems llama-server,llama-rpc,pipeinfer,group,group-tiled --system 'group=pipeinfer --tensor-parallel 2' \
+                 --system 'group-tiled=pipeinfer-tiled --tensor-parallel 2' --out results/bench_serving_groups
+             step twin-groups python launch/twin/twin_groups.py ;;
     failures) step failures python launch/bench/failures.py --mpi mpich openmpi ;;
     *) echo "bench_headline: unknown step $s" >&2; exit 2 ;;
     esac

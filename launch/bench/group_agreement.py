@@ -9,7 +9,8 @@ its logits are not one process's bits. For each named prompt this takes one proc
 on the default Qwen2.5-Coder-1.5B), then decodes prompt + answer teacher-forced, in chunks of 32 rows, once on one
 process and once on a group of --group ranks (under mpiexec, each member its slice); at every answer position it
 compares the two rows: whether their top-1 tokens agree, and the largest |logit difference|. Prints and writes one
-row per prompt.
+row per prompt. `--against threads` compares one process on 1 thread with one process on 2 threads instead (no
+group): how far a change of thread count alone moves the same rows, for scale.
 """
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ def logits_of(engine, embedder, tokens: list[int]) -> np.ndarray:
     return np.concatenate(out)
 
 
-def worker(answers: Path, group_size: int) -> None:
-    """Under mpiexec -n group_size: rank 0 decodes one process's rows alone, then every rank its slice."""
+def worker(answers: Path, group_size: int, against: str = "group") -> None:
+    """Under mpiexec -n group_size: rank 0 decodes one process's rows alone, then every rank its slice (against
+    "threads": rank 0 alone, then on 2 threads)."""
     from mpi4py import MPI
 
     from pipeinfer.engine.group_sums import PartialSums
@@ -64,9 +66,16 @@ def worker(answers: Path, group_size: int) -> None:
     polite_barrier(comm)
     path = ensure_slice_file(model, 0, 28, True, Slice(rank, (1.0,) * group_size))
     rows = []
-    with StageEngine(path, **params, sums=PartialSums(exchange_over(comm))) as engine:
+    if against == "threads":
+        engine = StageEngine(model, **(params | dict(n_threads=2, n_threads_batch=2)))
+    else:
+        engine = StageEngine(path, **params, sums=PartialSums(exchange_over(comm)))
+    with engine:
         for name, r in runs.items():
-            parts = _group_logits(engine, embedder, r["prompt"] + r["answer"], comm)
+            if against == "threads":
+                parts = logits_of(engine, embedder, r["prompt"] + r["answer"])
+            else:
+                parts = _group_logits(engine, embedder, r["prompt"] + r["answer"], comm)
             if rank == 0:
                 n_p, n_a = len(r["prompt"]), len(r["answer"])
                 a, b = whole[name][n_p - 1:n_p + n_a - 1], parts[n_p - 1:n_p + n_a - 1]  # rows that predict the answer
@@ -100,10 +109,13 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=512)
     ap.add_argument("--group", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "results" / "group_agreement.csv"))
+    ap.add_argument("--against", choices=["group", "threads"], default="group")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(Path(args.worker), args.group)
+        return worker(Path(args.worker), args.group, args.against)
+    if args.against == "threads":
+        args.group = 1
     runs = {}
     for name in args.prompts.split(","):
         p = subprocess.run([sys.executable, "-m", "pipeinfer", "generate", "--prompt-name", name, "-n", str(args.n),
@@ -115,7 +127,8 @@ def main() -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(runs, f)
     p = subprocess.run([MPIEXEC, "-n", str(args.group), sys.executable, str(Path(__file__).resolve()),
-                        "--worker", f.name, "--group", str(args.group)], capture_output=True, text=True, cwd=ROOT)
+                        "--worker", f.name, "--group", str(args.group), "--against", args.against],
+                       capture_output=True, text=True, cwd=ROOT)
     Path(f.name).unlink()
     line = next((x for x in p.stdout.splitlines() if x.startswith("ROWS ")), None)
     if p.returncode != 0 or line is None:
@@ -125,7 +138,8 @@ def main() -> None:
         print(f"{r['prompt']:<13} {r['positions']} positions: top-1 agreement {r['top1_agreement']:.4f}, "
               f"largest |logit difference| {r['max_abs_logit_diff']:.3f}")
     write_csv(args.out, rows, list(rows[0]))
-    print(f"wrote {args.out} (a group of {args.group} against one process, teacher-forced, chunks of {CHUNK})")
+    what = "2 threads" if args.against == "threads" else f"a group of {args.group}"
+    print(f"wrote {args.out} ({what} against one process on 1 thread, teacher-forced, chunks of {CHUNK})")
 
 
 if __name__ == "__main__":

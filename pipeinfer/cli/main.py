@@ -301,7 +301,8 @@ def _print_report(config: Config, res) -> None:
     cutoff = {"iterative": "", "speculative": f", cutoff -pa {p_accept:g}"}.get(
         config.mode, f", cutoff -pa {p_accept:g} -pr {res.p_recovery:g}")
     print(f"\n[pipeinfer] mode {config.mode}{cutoff}, {sum(groups)} rank(s): {ranges}", file=sys.stderr)
-    print(f"[pipeinfer] {drafter_note(config)}", file=sys.stderr)
+    one_stage = config.mode == "pipeinfer" and len(res.ranges) == 1 and config.draft.at != "rank"  # ran as iterative
+    print(f"[pipeinfer] {'drafter: none (one pipeline stage)' if one_stage else drafter_note(config)}", file=sys.stderr)
     print(res.stats.report(), file=sys.stderr)
 
 
