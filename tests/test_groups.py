@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from helpers import PROMPT, mpirun
-from synth import reference_greedy, reference_run
+from synth import reference_greedy
 from synth_arch import make_arch_gguf
 from pipeinfer.core.topology import Groups, SplitError, group_sizes
 from pipeinfer.engine import slices

@@ -198,7 +198,7 @@ def rank_needs(config, stages: list[Host], draft_host: Host | None) -> list[Rank
     for r, h in enumerate(stages):
         i = groups.stage_of(r)
         rr, g, k = ranges[i], groups.sizes[i], r - groups.leaders[i]
-        first, last = i == 0, i == n - 1
+        last = i == n - 1
         members = [threads[m] for m in groups.members(i)]
         share = threads[r] / sum(members) if all(members) else 1 / g  # a member's slice follows its threads
         cache = rr.n_layers * target.cache_bytes_per_layer(n_ctx, n_seq) * share  # a member's cache: its KV heads

@@ -214,17 +214,23 @@ def launch_line(prof: dict, cand: Candidate, hostfile: str = "hosts.txt", model:
     parts.append(threads_option([r["threads"] for r in prof["ranks"]]))
     if n_ctx:
         parts.append(f"-c {n_ctx}")
-    if cand.mode != "iterative":
-        parts += [f"--draft-max {cand.draft_max}", f"-pa {cand.p_accept:g}"]
-        if cand.mode == "pipeinfer":
-            parts.append(f"-pr {'auto' if cand.p_recovery is None else f'{cand.p_recovery:g}'}")
-            if cand.branches > 1:
-                parts.append(f"--max-branches {cand.branches}")
-        # the twin's placements: in series on the head, or a host of its own (a hostfile line with role=draft)
-        parts.append("--draft-at rank" if cand.draft_on == "own" else "--draft-at head")
-        if cand.draft_on == "own" and draft_threads:
-            parts.append(f"--draft-threads {draft_threads}")
-    return " ".join(parts)
+    return " ".join(parts + _speculation_options(cand, draft_threads))
+
+
+def _speculation_options(cand, draft_threads: int | None, p_accept: bool = True) -> list[str]:
+    """A candidate's speculation options (none for iterative): draft size, cutoffs, branches, where the draft runs (the
+    twin's placements: in series on the head, or a host of its own, a hostfile line with role=draft)."""
+    if cand.mode == "iterative":
+        return []
+    parts = [f"--draft-max {cand.draft_max}"] + ([f"-pa {cand.p_accept:g}"] if p_accept else [])
+    if cand.mode == "pipeinfer":
+        parts.append(f"-pr {'auto' if cand.p_recovery is None else f'{cand.p_recovery:g}'}")
+        if cand.branches > 1:
+            parts.append(f"--max-branches {cand.branches}")
+    parts.append("--draft-at rank" if cand.draft_on == "own" else "--draft-at head")
+    if cand.draft_on == "own" and draft_threads:
+        parts.append(f"--draft-threads {draft_threads}")
+    return parts
 
 
 # ==================================================================== plan --machines: hosts you describe
@@ -811,18 +817,7 @@ def group_launch_line(layout: GroupLayout, cand: Candidate, hostfile: str, model
     parts.append(threads_option([m.threads for g in layout.groups for m in g.members]))
     if n_ctx:
         parts.append(f"-c {n_ctx}")
-    if cand.mode != "iterative":
-        parts.append(f"--draft-max {cand.draft_max}")
-        if layout.profile is not None:
-            parts.append(f"-pa {cand.p_accept:g}")
-        if cand.mode == "pipeinfer":
-            parts.append(f"-pr {'auto' if cand.p_recovery is None else f'{cand.p_recovery:g}'}")
-            if cand.branches > 1:
-                parts.append(f"--max-branches {cand.branches}")
-        parts.append("--draft-at rank" if cand.draft_on == "own" else "--draft-at head")
-        if cand.draft_on == "own" and draft_threads:
-            parts.append(f"--draft-threads {draft_threads}")
-    return " ".join(parts)
+    return " ".join(parts + _speculation_options(cand, draft_threads, p_accept=layout.profile is not None))
 
 
 def group_serve_line(layout: GroupLayout, hostfile: str, model: str | None, draft: str | None, n_ctx: int,
