@@ -55,8 +55,8 @@ for s in $STEPS; do
     groups)  step groups python launch/bench/bench_groups.py -n 128 --prompts code,story --repeats 3 --links local,1gbit
              step group-agreement python launch/bench/group_agreement.py -n 512
              step group-serving python launch/bench/bench_serving.py --clients 8,16 --rounds 2 \
-                 --systems llama-server,llama-rpc,pipeinfer,group,group-tiled --system 'group=pipeinfer --tensor-parallel 2' \
-                 --system 'group-tiled=pipeinfer-tiled --tensor-parallel 2' --out results/bench_serving_groups
+                 --systems llama-server,llama-rpc,pipeinfer,group --system 'group=pipeinfer --tensor-parallel 2' \
+                 --out results/bench_serving_groups
              step twin-groups python launch/twin/twin_groups.py ;;
     failures) step failures python launch/bench/failures.py --mpi mpich openmpi ;;
     *) echo "bench_headline: unknown step $s" >&2; exit 2 ;;

@@ -70,12 +70,13 @@ PIPEINFER_ARGS = {"pipeinfer": [], "pipeinfer-unbatched": ["--batch-rows", "1", 
 
 
 def numerics(args: list[str]) -> tuple[str, str] | None:
-    """The numerics a pipeinfer system's answers have: its kernels and prompt chunk (a prompt's cells depend on
-    both); None where they are not exact (--kernels fast)."""
+    """The numerics a pipeinfer system's answers have: its kernels, prompt chunk (a prompt's cells depend on both) and
+    tensor groups (a group adds its partial sums in another order); None where they are not exact (--kernels fast)."""
     def last(flag: str, default: str) -> str:
         return next((args[i + 1] for i in range(len(args) - 2, -1, -1) if args[i] == flag), default)
     kernels = last("--kernels", "repack")
-    return None if kernels == "fast" else (kernels, last("--prompt-chunk", "63"))
+    groups = last("--groups", last("--tensor-parallel", last("-tp", "1")))
+    return None if kernels == "fast" else (kernels, last("--prompt-chunk", "63"), groups)
 
 
 # exact systems of the same numerics: each request's answer is one text under every system of a group and every load

@@ -288,6 +288,18 @@ def _report_failures(args: GenerateArgs, prompt: Prompt, head: HeadOutput) -> No
     set_row_provider(lambda: (args.results, row_so_far()) if args.results else None)
 
 
+def _where(config: Config, n_stages: int) -> str:
+    """Where a served pipeline runs, for the banner: its ranks, tensor groups, and one stage's PipeInfer as iterative
+    (ranks/startup._head_mode)."""
+    stage = config.stage
+    sizes = group_sizes(stage.groups, stage.tensor_parallel, n_stages * stage.tensor_parallel) \
+        if stage.groups or stage.tensor_parallel > 1 else [1] * n_stages
+    text = f"{sum(sizes)} rank(s)" + (f", stages of tensor groups of {','.join(map(str, sizes))}" if max(sizes) > 1 else "")
+    if n_stages == 1 and config.mode == "pipeinfer" and config.draft.at != "rank":
+        text += "; one stage: runs as iterative"
+    return text
+
+
 def _print_report(config: Config, res) -> None:
     """The statistics on stderr after the text: mode, cutoffs, the layers of each rank, then Stats.report."""
     threads = res.threads or [None] * len(res.ranges)
@@ -397,7 +409,7 @@ def _serve(kw: dict) -> None:
     generator = Generator(session, args.max_queue, on_done=on_done)
     generator.start()
     try:
-        _serve_http(args, generator, session.tok, f"{len(session.ranges)} rank(s)", stop)
+        _serve_http(args, generator, session.tok, _where(args.config, len(session.ranges)), stop)
     finally:
         print("[pipeinfer] stopping: finishing the request in progress, then shutting the pipeline down",
               file=sys.stderr, flush=True)
