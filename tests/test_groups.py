@@ -224,15 +224,16 @@ def test_a_slice_holds_its_share_of_each_layer(arch_model):
 def test_two_groups_of_two_are_exact_in_every_mode(arch_model, name):
     """4 ranks: two stages, each a group of 2, of the q8_0 model (q8_0 blocks of 32 values: whole heads, whole blocks of
     the feed-forward and of each expert). Iterative equals one process (clear margins); speculative and PipeInfer,
-    drafted by the f32 copy, equal the group's iterative token for token, every cache left holding the answer."""
+    drafted by the f32 copy (PipeInfer also with token trees), equal the group's iterative token for token, every
+    cache left holding the answer."""
     src, draft = arch_model(name, "q8_0"), arch_model(name)
     base = {"model": str(src), "prompt": PROMPT, "n": 40, "groups": "2,2"}
     it = mpirun(4, base, timeout=300)
     assert it["tokens"] == reference_greedy(src, PROMPT, 40)
     assert len(it["stats"]["stage_stats"]) == 2  # the pipeline sees two stages: the groups' leaders
-    for mode in ("speculative", "pipeinfer"):
-        out = mpirun(4, base | {"mode": mode, "draft": str(draft)}, timeout=300)
-        assert out["tokens"] == it["tokens"], mode
+    for mode, more in (("speculative", {}), ("pipeinfer", {}), ("pipeinfer", {"max_branches": 2})):  # trees last
+        out = mpirun(4, base | {"mode": mode, "draft": str(draft)} | more, timeout=300)
+        assert out["tokens"] == it["tokens"], (mode, more)
         s = out["stats"]
         assert s["n_spec_runs"] > 0
         assert all(st["kv"] == [[0, 0, s["n_kv0"] - 1]] for st in s["stage_stats"]), s["stage_stats"]
