@@ -14,11 +14,12 @@ Quantized data is cut as it is, never re-quantized: rows (a matrix's output dime
 type's block boundaries (Q4_K and Q6_K: 256 values). A rank's share follows its speed (unequal slices are fine).
 
 llama.cpp's qwen2 loader sizes attn_q and attn_output at {n_embd, n_embd} whatever the head count
-(src/models/qwen2.cpp:38-39), so a qwen2 slice is written as a llama file: the same graph but for two things.
-Llama takes biases on q, k, v as optional tensors sized by the file's heads, and rotates adjacent pairs
-(LLAMA_ROPE_TYPE_NORM) where qwen2 rotates (i, i + d/2) (NEOX) with the same frequency for pair i; so the rows of
-attn_q and attn_k (and their biases) are reordered within each head, [0, d/2, 1, d/2 + 1, ...]: the same rotations,
-and q.k sums the same products in another order.
+(src/models/qwen2.cpp:38-39), so a qwen2 slice is written as a seed_oss file: llama.cpp's seed_oss graph is qwen2's
+operation for operation (RMS norms, q/k/v with optional biases, NeoX RoPE, the SiLU feed-forward; models/seed-oss.cpp),
+its loader sizes q by the file's heads x key_length, and it names the feed-forward's input norm
+post_attention_norm where qwen2 names it ffn_norm. (Written as llama, whose RoPE pairs are adjacent, the q/k rows
+would have to be reordered within each head, which changes the order q.k adds its products: one process against such
+a file agreed on 98.2% of the story prompt's 512 teacher-forced tokens.)
 """
 from __future__ import annotations
 
@@ -35,9 +36,19 @@ from .stagefile import StageFileError, _add_dummy_vocab, _derived, _field, _stag
 
 SLICE_FORMAT = 1  # bump when a slice file's layout changes: invalidates the cache
 
-# Architectures a group slices, and what each is written as (see the module docstring for qwen2 -> llama)
-WRITTEN_AS = {"llama": "llama", "qwen2": "llama"}
-NEOX_ROPE = frozenset({"qwen2"})  # rotates (i, i + d/2): rows reordered to llama's adjacent pairs
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a family's slice file is written as: an architecture whose loader sizes attention by the file's heads,
+    whose graph is the family's, and the tensors it names otherwise (source suffix -> written suffix)."""
+    arch: str
+    renames: tuple[tuple[str, str], ...] = ()
+
+
+# Architectures a group slices, and what each is written as (see the module docstring for qwen2 -> seed_oss)
+WRITTEN_AS = {"llama": Written("llama"),
+              "qwen2": Written("seed_oss", renames=(("ffn_norm.weight", "post_attention_norm.weight"),))}
 
 # Why the families a group cannot slice are refused (the rest: not yet described to the slicer)
 NOT_SLICED = {
@@ -124,12 +135,6 @@ def column_slices(n_cols: int, block: int, shares: tuple[float, ...]) -> list[tu
     return [(a * block, b * block) for a, b in cut(n_cols // block, shares)]
 
 
-def neox_to_adjacent(head_dim: int) -> np.ndarray:
-    """Row order within a head that turns NEOX pairs (i, i + d/2) into adjacent pairs (2i, 2i + 1)."""
-    half = head_dim // 2
-    return np.stack([np.arange(half), np.arange(half) + half], axis=1).ravel()
-
-
 # ---------------------------------------------------------------- files
 def slice_path(src: str | os.PathLike, start: int, end: int, with_vocab: bool, part: Slice) -> Path:
     label = f"L{start}-{end}{'' if with_vocab else '.novocab'}.tp{part.index}of{part.size}"
@@ -209,7 +214,7 @@ def write_slice_file(src, dst, start: int, end: int, with_vocab: bool, part: Sli
     arch = _field(reader, "general.architecture")
     check_sliceable(arch)
     shape = _shape(reader, arch)
-    written = WRITTEN_AS[arch]
+    written, renames = WRITTEN_AS[arch].arch, dict(WRITTEN_AS[arch].renames)
     heads = head_slices(shape.n_head, shape.n_head_kv, part.shares)[part.index]
     n_all = int(_field(reader, f"{arch}.block_count"))
     hd = shape.head_dim
@@ -246,11 +251,7 @@ def write_slice_file(src, dst, start: int, end: int, with_vocab: bool, part: Sli
     n_rows = v1 - v0 if with_vocab else 4
     _add_dummy_vocab(writer, gguf, n_rows)
 
-    order = np.concatenate([h * hd + (neox_to_adjacent(hd) if arch in NEOX_ROPE else np.arange(hd))
-                            for h in range(heads.q0, heads.q1)])
-    kv_order = np.concatenate([h * hd + (neox_to_adjacent(hd) if arch in NEOX_ROPE else np.arange(hd))
-                               for h in range(heads.kv0, heads.kv1)])
-    kv_rows = np.arange(heads.kv0 * hd, heads.kv1 * hd)
+    q_rows, kv_rows = np.arange(heads.q0 * hd, heads.q1 * hd), np.arange(heads.kv0 * hd, heads.kv1 * hd)
     out = []
     for t in reader.tensors:
         name = t.name
@@ -259,9 +260,9 @@ def write_slice_file(src, dst, start: int, end: int, with_vocab: bool, part: Sli
             if not start <= il < end:
                 continue
             rest = name.split(".", 2)[2]
-            data = _sliced(t, rest, order, kv_order, kv_rows, (heads.q0 * hd, heads.q1 * hd), (ff0, ff1), part.index)
+            data = _sliced(t, rest, q_rows, kv_rows, (heads.q0 * hd, heads.q1 * hd), (ff0, ff1), part.index)
             if data is not None:
-                out.append((f"blk.{il - start}.{rest}", data, t.tensor_type))
+                out.append((f"blk.{il - start}.{renames.get(rest, rest)}", data, t.tensor_type))
         elif name in ("token_embd.weight", "output.weight"):
             if with_vocab:
                 out.append((name, np.ascontiguousarray(t.data[v0:v1]), t.tensor_type))
@@ -275,15 +276,13 @@ def write_slice_file(src, dst, start: int, end: int, with_vocab: bool, part: Sli
     _write_tensors(writer, out)
 
 
-def _sliced(t, rest: str, q_rows, k_rows, v_rows, q_cols: tuple[int, int], ff: tuple[int, int], index: int):
+def _sliced(t, rest: str, q_rows, kv_rows, q_cols: tuple[int, int], ff: tuple[int, int], index: int):
     """A layer tensor's slice (None: not in this member's file)."""
     kind, _, what = rest.rpartition(".")
     if kind == "attn_q":
         return np.ascontiguousarray(t.data[q_rows])
-    if kind == "attn_k":
-        return np.ascontiguousarray(t.data[k_rows])
-    if kind == "attn_v":
-        return np.ascontiguousarray(t.data[v_rows])
+    if kind in ("attn_k", "attn_v"):
+        return np.ascontiguousarray(t.data[kv_rows])
     if kind == "attn_output":
         return _cols(t, *q_cols) if what == "weight" else (t.data if index == 0 else None)
     if kind in ("ffn_gate", "ffn_up", "ffn_gate_exps", "ffn_up_exps"):
