@@ -34,7 +34,7 @@ from ..core.files import write_atomically
 from .stagefile import StageFileError, _add_dummy_vocab, _derived, _field, _stage_metadata, _write_tensors, \
     _writer_for, source_reader
 
-SLICE_FORMAT = 1  # bump when a slice file's layout changes: invalidates the cache
+SLICE_FORMAT = 2  # bump when a slice file's layout changes: invalidates the cache
 
 
 
