@@ -295,7 +295,7 @@ def _where(config: Config, n_stages: int) -> str:
     sizes = group_sizes(stage.groups, stage.tensor_parallel, n_stages * stage.tensor_parallel) \
         if stage.groups or stage.tensor_parallel > 1 else [1] * n_stages
     text = f"{sum(sizes)} rank(s)" + (f", stages of tensor groups of {','.join(map(str, sizes))}" if max(sizes) > 1 else "")
-    if n_stages == 1 and config.mode == "pipeinfer" and config.draft.at != "rank":
+    if n_stages == 1 and config.mode == "pipeinfer" and config.draft.at == "thread":
         text += "; one stage: runs as iterative"
     return text
 
@@ -313,7 +313,7 @@ def _print_report(config: Config, res) -> None:
     cutoff = {"iterative": "", "speculative": f", cutoff -pa {p_accept:g}"}.get(
         config.mode, f", cutoff -pa {p_accept:g} -pr {res.p_recovery:g}")
     print(f"\n[pipeinfer] mode {config.mode}{cutoff}, {sum(groups)} rank(s): {ranges}", file=sys.stderr)
-    one_stage = config.mode == "pipeinfer" and len(res.ranges) == 1 and config.draft.at != "rank"  # ran as iterative
+    one_stage = config.mode == "pipeinfer" and len(res.ranges) == 1 and config.draft.at == "thread"  # as iterative
     print(f"[pipeinfer] {'drafter: none (one pipeline stage)' if one_stage else drafter_note(config)}", file=sys.stderr)
     print(res.stats.report(), file=sys.stderr)
 

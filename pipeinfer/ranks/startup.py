@@ -404,9 +404,9 @@ def _head_mode(cfg: GenConfig, n_stages: int, draft_at: str) -> GenConfig:
     One stage (one rank, or one tensor group) returns each run's tokens as it launches it, so a draft on the stage's
     host never has a run in flight to speculate beside and only takes the stage's cores: measured on one group of 2,
     one stream at 0.75-0.91x iterative with no speculative run launched, 8 users at 10.2 tokens/s against iterative's
-    24.1. It then runs as iterative, without loading a draft (said on rank 0). A draft on a rank of its own keeps
-    PipeInfer: its proposals are ready at launch."""
-    if cfg.mode != "pipeinfer" or n_stages > 1 or draft_at == "rank":
+    24.1. With the draft in a thread it then runs as iterative, without loading a draft (said on rank 0). A draft in
+    series on the head, or on a rank of its own, has its proposals ready at launch: PipeInfer is kept."""
+    if cfg.mode != "pipeinfer" or n_stages > 1 or draft_at != "thread":
         return cfg
     log("[pipeinfer] one pipeline stage: PipeInfer has no stage to keep busy beside a run, so it runs as iterative "
         "(no draft loaded); --mode speculative verifies drafts on one stage")
