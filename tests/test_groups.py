@@ -7,24 +7,12 @@ import pytest
 
 from helpers import PROMPT, mpirun
 from synth import reference_greedy
-from synth_arch import make_arch_gguf
 from pipeinfer.core.topology import Groups, SplitError, group_sizes
 from pipeinfer.engine import slices
 from pipeinfer.engine.group_sums import add_in_order
 from pipeinfer.engine.slices import Slice, SliceError, column_slices, cut, head_slices
 
 FAMILIES = ["llama", "llama-moe", "qwen2"]  # dense, MoE (Mixtral-style), biased QKV with NeoX RoPE (as seed_oss)
-
-
-@pytest.fixture(scope="module")
-def arch_model(tmp_path_factory):
-    d, made = tmp_path_factory.mktemp("groups"), {}
-
-    def get(name, qtype="f32"):
-        if (name, qtype) not in made:
-            made[name, qtype] = make_arch_gguf(d / f"{name}-{qtype}.gguf", name, qtype=qtype)
-        return made[name, qtype]
-    return get
 
 
 # ------------------------------------------------------------------ how a layer is cut
@@ -77,6 +65,9 @@ def test_only_greedy_rows_without_rules_or_logprobs_take_the_best_only():
 
 
 def test_group_sizes_and_leaders():
+    from pipeinfer.core.topology import stage_group_sizes
+    assert stage_group_sizes("2,2", 1, 2) == [2, 2]  # the report's and the banner's: 2 stages of 2 ranks, 4 in all
+    assert stage_group_sizes(None, 2, 1) == [2] and stage_group_sizes(None, 1, 3) == [1, 1, 1]
     assert group_sizes(None, 2, 4) == [2, 2]
     assert group_sizes("2,1,1", 1, 4) == [2, 1, 1]
     assert group_sizes(None, 1, 3) == [1, 1, 1]

@@ -20,7 +20,8 @@ from ..core.errors import UserError
 from ..core.files import prompt_path, read_prompt_file
 from ..core.results import results_row, write_row
 from ..core.sampling import SamplingParams
-from ..core.topology import group_sizes
+from ..core.topology import stage_group_sizes
+from ..decide.genconfig import runs_as_iterative
 from ..decide.batching import default_parallel_text
 from .guard import StopSignals, die, mpi_rank, mpi_size, run_guarded
 from ..wire.launcher import enter_workdir
@@ -291,11 +292,9 @@ def _report_failures(args: GenerateArgs, prompt: Prompt, head: HeadOutput) -> No
 def _where(config: Config, n_stages: int) -> str:
     """Where a served pipeline runs, for the banner: its ranks, tensor groups, and one stage's PipeInfer as iterative
     (ranks/startup._head_mode)."""
-    stage = config.stage
-    sizes = group_sizes(stage.groups, stage.tensor_parallel, n_stages * stage.tensor_parallel) \
-        if stage.groups or stage.tensor_parallel > 1 else [1] * n_stages
+    sizes = stage_group_sizes(config.stage.groups, config.stage.tensor_parallel, n_stages)
     text = f"{sum(sizes)} rank(s)" + (f", stages of tensor groups of {','.join(map(str, sizes))}" if max(sizes) > 1 else "")
-    if n_stages == 1 and config.mode == "pipeinfer" and config.draft.at == "thread":
+    if runs_as_iterative(config.mode, n_stages, config.draft.at):
         text += "; one stage: runs as iterative"
     return text
 
@@ -303,9 +302,7 @@ def _where(config: Config, n_stages: int) -> str:
 def _print_report(config: Config, res) -> None:
     """The statistics on stderr after the text: mode, cutoffs, the layers of each rank, then Stats.report."""
     threads = res.threads or [None] * len(res.ranges)
-    stage = config.stage
-    groups = group_sizes(stage.groups, stage.tensor_parallel, len(res.ranges) * stage.tensor_parallel) \
-        if stage.groups or stage.tensor_parallel > 1 else [1] * len(res.ranges)
+    groups = stage_group_sizes(config.stage.groups, config.stage.tensor_parallel, len(res.ranges))
     ranges = ", ".join((f"stage {i} (a tensor group of {g} ranks)" if g > 1 else f"rank {i}") + f": layers {r}" +
                        (f" on {t} thread{'s' * (t != 1)}" if t else "")
                        for i, (r, t, g) in enumerate(zip(res.ranges, threads, groups)))
@@ -313,7 +310,7 @@ def _print_report(config: Config, res) -> None:
     cutoff = {"iterative": "", "speculative": f", cutoff -pa {p_accept:g}"}.get(
         config.mode, f", cutoff -pa {p_accept:g} -pr {res.p_recovery:g}")
     print(f"\n[pipeinfer] mode {config.mode}{cutoff}, {sum(groups)} rank(s): {ranges}", file=sys.stderr)
-    one_stage = config.mode == "pipeinfer" and len(res.ranges) == 1 and config.draft.at == "thread"  # as iterative
+    one_stage = runs_as_iterative(config.mode, len(res.ranges), config.draft.at)
     print(f"[pipeinfer] {'drafter: none (one pipeline stage)' if one_stage else drafter_note(config)}", file=sys.stderr)
     print(res.stats.report(), file=sys.stderr)
 

@@ -235,6 +235,14 @@ def group_sizes(groups: str | None, tensor_parallel: int, n_ranks: int) -> list[
     return [tensor_parallel] * (n_ranks // tensor_parallel)
 
 
+def stage_group_sizes(groups: str | None, tensor_parallel: int, n_stages: int) -> list[int]:
+    """Each of a run's n_stages pipeline stages' tensor group size, from the options that made it (group_sizes's
+    --groups or --tensor-parallel; neither: one rank each)."""
+    if groups:
+        return group_sizes(groups, 1, sum(int(x) for x in str(groups).replace("/", ",").split(",") if x.strip()))
+    return [tensor_parallel] * n_stages
+
+
 def stage_speeds(speeds: list[float] | None, groups: Groups | None) -> list[float] | None:
     """Each stage's speed for the balanced split: its leader's (measured, else 1) times its tensor group's size (a
     group of G divides each layer's work G ways)."""

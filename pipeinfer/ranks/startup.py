@@ -45,7 +45,7 @@ from ..engine.stagefile import (
 from ..wire.transport import polite_barrier
 from .group import lead_group, leader_values, serve_group_member
 from .handshake import build_id
-from ..decide.genconfig import GenConfig, auto_p_recovery, gen_config
+from ..decide.genconfig import GenConfig, auto_p_recovery, gen_config, runs_as_iterative
 from .draft_rank import draft_thread_count, drafter_of, serve_draft_rank
 from ..decide.batching import cost_sizes, default_parallel
 from .session import HeadSession, RunResult, peak_rss_mb
@@ -400,13 +400,9 @@ def _load_stage(config: Config, comm, plan: _LayerPlan, parallel: int, group=Non
 
 
 def _head_mode(cfg: GenConfig, n_stages: int, draft_at: str) -> GenConfig:
-    """The head's mode: PipeInfer keeps a pipeline's later stages busy with speculative runs while a run is in flight.
-    One stage (one rank, or one tensor group) returns each run's tokens as it launches it, so a draft on the stage's
-    host never has a run in flight to speculate beside and only takes the stage's cores: measured on one group of 2,
-    one stream at 0.75-0.91x iterative with no speculative run launched, 8 users at 10.2 tokens/s against iterative's
-    24.1. With the draft in a thread it then runs as iterative, without loading a draft (said on rank 0). A draft in
-    series on the head, or on a rank of its own, has its proposals ready at launch: PipeInfer is kept."""
-    if cfg.mode != "pipeinfer" or n_stages > 1 or draft_at != "thread":
+    """The head's GenConfig: --mode pipeinfer as iterative where genconfig.runs_as_iterative says (said on rank 0),
+    without loading a draft."""
+    if not runs_as_iterative(cfg.mode, n_stages, draft_at):
         return cfg
     log("[pipeinfer] one pipeline stage: PipeInfer has no stage to keep busy beside a run, so it runs as iterative "
         "(no draft loaded); --mode speculative verifies drafts on one stage")
