@@ -14,7 +14,6 @@ another member will never reach.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -103,9 +102,7 @@ class GroupEngine:
             self.tx.send(m, hdr, *payloads)
 
     def decode(self, batch: Batch, embd: np.ndarray | None = None) -> np.ndarray:
-        self._send_decode(batch, embd)
-        self.engine.sums.begin()
-        out = self.engine.decode(batch, embd)
+        out = self._decode(batch, embd, Flag.NONE)
         return self._gather(out) if self.plan.is_last else out
 
     def decode_tokens(self, batch: Batch, embd, sampling, rules=None):
@@ -114,18 +111,19 @@ class GroupEngine:
         from ..engine.stage import draw_tokens
         if not greedy_only(sampling, rules, batch.n_outputs):
             return draw_tokens(self.decode(batch, embd), batch, sampling, rules)
-        self._send_decode(batch, embd, Flag.ARGMAX)
-        self.engine.sums.begin()
-        bests = [row_best(self.engine.decode(batch, embd))]
+        bests = [row_best(self._decode(batch, embd, Flag.ARGMAX))]
         bests += [self.tx.recv_array(m, Tag.SLICE_LOGITS, (batch.n_outputs, 2), np.float32) for m in self.members]
         return pick_best(bests, [a for a, _ in self.plan.vocab_rows]), None
 
-    def _send_decode(self, batch: Batch, embd: np.ndarray, flags: Flag = Flag.NONE) -> None:
+    def _decode(self, batch: Batch, embd: np.ndarray, flags: Flag) -> np.ndarray:
+        """The decode sent to every member (flags: what they send back), then run on the leader's slice."""
         meta = batch.pack_meta()
         flags |= Flag.SPECULATIVE if self._wish is not None else Flag.NONE
         hdr = Header(Kind.DECODE, n_tokens=batch.n_tokens, n_meta=len(meta), flags=flags,
                      n_outputs=batch.n_outputs, n_embd=embd.shape[1])
         self._send(hdr, (Tag.META, meta), (Tag.ACTIV, np.ascontiguousarray(embd, dtype=np.float32)))
+        self.engine.sums.begin()
+        return self.engine.decode(batch, embd)
 
     def _gather(self, mine: np.ndarray) -> np.ndarray:
         """The whole vocabulary's logits f32[n_outputs, n_vocab]: the leader's rows, then each member's."""
@@ -160,18 +158,9 @@ class GroupEngine:
         self.engine.close()
 
 
-@dataclass
-class MemberStats:
-    n_decoded: int = 0
-    n_aborted: int = 0
-    n_kv_txns: int = 0
-    t_busy_s: float = 0.0
-
-
-def serve_member(engine: StageEngine, tx, plan: GroupPlan, my_index: int) -> MemberStats:
+def serve_member(engine: StageEngine, tx, plan: GroupPlan, my_index: int) -> None:
     """A member that is not the leader: mirror the leader's operations on this member's slice until SHUTDOWN."""
     from ..engine.stage import DecodeAborted
-    stats = MemberStats()
     sums = engine.sums
     while True:
         hdr = tx.wait_header(0)
@@ -181,28 +170,21 @@ def serve_member(engine: StageEngine, tx, plan: GroupPlan, my_index: int) -> Mem
             engine.clear_kv()
         elif hdr.kind == Kind.KV:
             engine.apply_kv_ops(tx.recv_array(0, Tag.KV, (hdr.n_tokens, 5), np.int32))
-            stats.n_kv_txns += 1
         elif hdr.kind == Kind.DECODE:
             (_, meta_shape, _), (_, activ_shape, _) = payload_shapes(hdr)
             batch = Batch.unpack_meta(tx.recv_array(0, Tag.META, meta_shape, np.int32))
             activ = tx.recv_array(0, Tag.ACTIV, activ_shape, np.float32)
             engine.should_abort = (lambda: sums.aborting) if hdr.flags & Flag.SPECULATIVE else None
-            t0 = time.perf_counter()
             sums.begin()
             try:
                 out = engine.decode(batch, activ)
-            except DecodeAborted:
-                stats.n_aborted += 1
+            except DecodeAborted:  # every member stopped at the same node (module docstring): nothing to send
                 continue
-            finally:
-                stats.t_busy_s += time.perf_counter() - t0
-            stats.n_decoded += 1
             if plan.is_last:
                 tx.send_payload(0, Tag.SLICE_LOGITS, row_best(out) if hdr.flags & Flag.ARGMAX else out)
         else:
             raise RuntimeError(f"group member {my_index}: unexpected {hdr.kind.name} from its leader")
     tx.flush()
-    return stats
 
 
 def leader_values(text: str | None, groups: Groups, default: list[int] | None) -> list[int | None]:
