@@ -80,3 +80,16 @@ def image(podman_env) -> str:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     print(p.stdout.splitlines()[-1])  # "[image] TAG built in N s (SIZE)"
     return tag
+
+
+@pytest.fixture(scope="module")
+def arch_model(tmp_path_factory):
+    """synth_arch.make_arch_gguf's model of a variant by name ("f32" or "q8_0"), written once per test module."""
+    from synth_arch import make_arch_gguf
+    d, made = tmp_path_factory.mktemp("arch"), {}
+
+    def get(name, qtype="f32"):
+        if (name, qtype) not in made:
+            made[name, qtype] = make_arch_gguf(d / f"{name}-{qtype}.gguf", name, qtype=qtype)
+        return made[name, qtype]
+    return get

@@ -38,17 +38,6 @@ def _cuts(name, n_stages):
 N_STEPS = 12
 
 
-@pytest.fixture(scope="module")
-def arch_model(tmp_path_factory):
-    d, made = tmp_path_factory.mktemp("arch"), {}
-
-    def get(name, qtype="f32"):
-        if (name, qtype) not in made:
-            made[name, qtype] = make_arch_gguf(d / f"{name}-{qtype}.gguf", name, qtype=qtype)
-        return made[name, qtype]
-    return get
-
-
 def test_the_table_and_the_synthetic_models_cover_each_other():
     """SPLITTABLE is what the matrix below verifies: no architecture admitted without a model, none tested but
     left out."""
