@@ -253,3 +253,20 @@ def test_pipeinfer_on_one_stage_runs_as_iterative_without_a_draft(arch_model):
     assert pi["stats"]["n_draft_calls"] == 0 and pi["stats"]["n_spec_runs"] == 0
     spec = mpirun(2, base | {"mode": "speculative"})
     assert spec["tokens"] == pi["tokens"] and spec["stats"]["n_spec_runs"] > 0
+
+
+def test_a_split_gguf_is_sliced_as_its_whole(arch_model, tmp_path):
+    """Models past 50 GB ship as split GGUFs (llama.cpp's gguf-split): each member's slice of the set is the slice
+    of the same model in one file, logits bit for bit."""
+    from gguf_split import ToolUnavailable, split_gguf
+    from pipeinfer.engine.stage import TokenEmbedder
+    src = arch_model("qwen2", "q8_0")
+    try:
+        parts = split_gguf(src, tmp_path / "parts" / "q", max_tensors=20)
+    except ToolUnavailable as e:
+        pytest.skip(str(e))
+    assert len(parts) > 1
+    embd = TokenEmbedder(src)(np.array(PROMPT, dtype=np.int32))
+    whole = _group_logits([slices.ensure_slice_file(src, 0, 6, True, Slice(i, (1, 1))) for i in range(2)], embd)
+    split = _group_logits([slices.ensure_slice_file(parts[0], 0, 6, True, Slice(i, (1, 1))) for i in range(2)], embd)
+    assert np.array_equal(whole, split)
